@@ -1,0 +1,55 @@
+"""Protocol constants of RQP (spec section 4) and the project's documented defaults."""
+
+from __future__ import annotations
+
+import enum
+
+# Message codes: the first octet of every frame.
+MESSAGE = 1
+DELIVERED_YES = 2
+DELIVERED_ERROR = 3
+QUEUE_ASK = 4
+QUEUE_YES = 5
+QUEUE_NO = 6
+
+# Message types and the error limit.
+SURE_MSG = 0
+UNSURE_MSG = 1
+ERROR_LIMIT = 3
+
+
+class MessageCode(enum.IntEnum):
+    """The six frame kinds of spec section 4, by their ``message_code``."""
+
+    MESSAGE = MESSAGE
+    DELIVERED_YES = DELIVERED_YES
+    DELIVERED_ERROR = DELIVERED_ERROR
+    QUEUE_ASK = QUEUE_ASK
+    QUEUE_YES = QUEUE_YES
+    QUEUE_NO = QUEUE_NO
+
+
+class MessageType(enum.IntEnum):
+    SURE = SURE_MSG
+    UNSURE = UNSURE_MSG
+
+
+UINT64_MAX = (1 << 64) - 1
+KEY_T_MAX = (1 << 32) - 1  # spec 5.5: a key_t travels in the low 32 bits of the uint64
+IPC_PRIVATE = 0
+
+# Decision (spec 5.4): the documented hard cap. The kernel's msgmax is an int, so no System V
+# message can be longer than 2**31 - 1 bytes; a MESSAGE claiming more is not a real message and
+# the connection that carries it is closed at once.
+HARD_MESSAGE_CAP = (1 << 31) - 1
+
+# Defaults, documented in the README (Configuration).
+DEFAULT_PORT = 7460
+DEFAULT_TRANSMISSION_QUEUE = 0x52510000  # "RQ" 0000
+DEFAULT_DEAD_LETTER_QUEUE = 0x5251DEAD  # "RQ" DEAD
+DEAD_LETTER_QUEUE_NAME = "DEAD.LETTER.Q"
+TRANSMISSION_QUEUE_NAME = "RQP.XMIT.Q"
+
+# System V message type (mtype) used for every message the project puts on any queue:
+# destination queues, the transmission queue and DEAD.LETTER.Q.
+DEFAULT_MTYPE = 1

@@ -1,0 +1,125 @@
+"""One event class per RQP frame: frozen, keyword-only dataclasses that validate themselves.
+
+Events are what the protocol core works with; :mod:`rqp.frames` turns them into bytes and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .constants import MESSAGE, DELIVERED_YES, DELIVERED_ERROR, QUEUE_ASK, QUEUE_YES, QUEUE_NO
+from .constants import SURE_MSG, UNSURE_MSG, UINT64_MAX
+from .errors import LocalProtocolError
+
+__all__ = [
+    "Event", "Message", "DeliveredYes", "DeliveredError", "QueueAsk", "QueueYes", "QueueNo",
+    "OversizedMessage", "ANSWERS", "REQUESTS",
+]
+
+
+def _check_uint(name: str, value: object, bits: int) -> None:
+    if type(value) is not int or not 0 <= value < (1 << bits):  # bool is not a valid field value
+        raise LocalProtocolError(f"{name} must be an integer in 0..{(1 << bits) - 1}, got {value!r}")
+
+
+def _check_type(value: object) -> None:
+    if value not in (SURE_MSG, UNSURE_MSG) or type(value) is bool:
+        raise LocalProtocolError(
+            f"message_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event:
+    """Base class of every frame event. ``code`` is the frame's ``message_code``."""
+
+    code = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Reply(Event):
+    data: int = 0
+
+    def __post_init__(self) -> None:
+        _check_uint("data", self.data, 8)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Message(Event):
+    """A ``MESSAGE`` frame: one application message for the queue ``queue_key``."""
+
+    code = MESSAGE
+    message_type: int
+    key: int
+    queue_key: int
+    message: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_type(self.message_type)
+        _check_uint("key", self.key, 64)
+        _check_uint("queue_key", self.queue_key, 64)
+        if not isinstance(self.message, (bytes, bytearray, memoryview)):
+            raise LocalProtocolError(f"message must be bytes, got {type(self.message).__name__}")
+
+    @property
+    def message_length(self) -> int:
+        return len(self.message)
+
+    def __repr__(self) -> str:  # keep payloads out of logs
+        return (f"Message(message_type={self.message_type}, key={self.key:#018x}, "
+                f"queue_key={self.queue_key:#x}, message_length={len(self.message)})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OversizedMessage(Event):
+    """A ``MESSAGE`` whose claimed length is over the decoder's maximum.
+
+    Not a frame of its own: the decoder reports the header and discards the body as it streams
+    past (spec 5.4), so the receiving agent can dead-letter the header and answer
+    ``DELIVERED_ERROR``. It counts as one received ``MESSAGE`` for the order of answers.
+    """
+
+    code = MESSAGE
+    message_type: int
+    key: int
+    queue_key: int
+    message_length: int
+    limit: int
+
+    def __post_init__(self) -> None:
+        _check_uint("message_length", self.message_length, 64)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeliveredYes(_Reply):
+    code = DELIVERED_YES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeliveredError(_Reply):
+    code = DELIVERED_ERROR
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueAsk(Event):
+    code = QUEUE_ASK
+    queue_key: int
+    data: int = 0
+
+    def __post_init__(self) -> None:
+        _check_uint("queue_key", self.queue_key, 64)
+        _check_uint("data", self.data, 8)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueYes(_Reply):
+    code = QUEUE_YES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueNo(_Reply):
+    code = QUEUE_NO
+
+
+#: Frames a receiving MCA accepts, and frames a sending MCA accepts.
+REQUESTS = frozenset({MESSAGE, QUEUE_ASK})
+ANSWERS = frozenset({DELIVERED_YES, DELIVERED_ERROR, QUEUE_YES, QUEUE_NO})
