@@ -1,0 +1,634 @@
+"""Local System V message queues, through ``sysv_ipc`` (the I/O adapter of the project).
+
+Every ``sysv_ipc`` exception is mapped to an :mod:`rqp.errors` class whose message names the
+queue key in hex (``queue 0x52510001``). Facts this module relies on (found by experiment with
+sysv_ipc 1.2.0 on Linux):
+
+* ``sysv_ipc.MessageQueue(key, flags, mode, max_message_size)`` calls ``msgget(key, flags |
+  mode)`` even when it only opens an existing queue, and the kernel then checks ``mode`` as the
+  *requested* access (``ipcperms``). Its default ``mode=0o600`` therefore asks for read AND
+  write: a process that may only write (queue mode 0o622 for "other") cannot even open the
+  queue that way. :meth:`LocalQueue.open` passes ``mode=0`` (no access requested at open time;
+  each send/receive/IPC_STAT is checked by the kernel when it happens).
+* ``max_message_size`` is only the receive buffer (library default 2048). We always pass the
+  kernel's ``msgmax``; ``send`` of more than ``max_message_size`` raises ``ValueError`` in the
+  library, a receive of a longer message fails with ``E2BIG`` and leaves it on the queue.
+* A message larger than the queue's ``msg_qbytes`` (``max_size``) is not refused by the kernel:
+  a blocking ``msgsnd`` waits forever and a non-blocking one says "full". :meth:`LocalQueue.put`
+  therefore checks ``max_size`` first (when IPC_STAT is allowed).
+* After the queue is removed, ``send`` on the old object fails with ``OSError(EINVAL)`` (the id
+  is gone), ``receive``/IPC_STAT/remove raise ``ExistentialError``, and a blocked
+  send/receive wakes up with ``ExistentialError`` (EIDRM). All become :class:`QueueNotFound`.
+* A signal interrupts a blocking send/receive with a plain ``sysv_ipc.Error("Signaled while
+  waiting")`` (EINTR). Python runs the signal handler right after; if the handler raises, that
+  exception propagates, otherwise the call is retried (PEP 475 behaviour). A handler that must
+  stop a blocked :meth:`LocalQueue.get` should raise, or the caller should use ``timeout``.
+* ``sysv_ipc`` releases the GIL while blocked, so other threads keep running.
+* Keys above 0x7fffffff are accepted (cast to the signed ``key_t``); ``.key`` reads back
+  negative, so :attr:`LocalQueue.key` is normalised to 0..2**32-1.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+import sysv_ipc
+
+from rqp.constants import DEFAULT_MTYPE, IPC_PRIVATE, KEY_T_MAX
+from rqp.errors import (
+    MessageTooBig,
+    QueueError,
+    QueueFull,
+    QueueNotFound,
+    QueuePermissionDenied,
+)
+from rqp.records import TRANSMISSION_HEADER_SIZE
+
+__all__ = [
+    "Access",
+    "AccessStatus",
+    "InvalidQueueKey",
+    "IpcLimits",
+    "LocalQueue",
+    "QueueEmpty",
+    "QueueStat",
+    "check_key",
+    "format_key",
+    "kernel_limits",
+    "max_payload",
+    "may_write",
+    "mode_permits",
+    "write_access",
+]
+
+_PROC = "/proc/sys/kernel"
+_POLL_FIRST = 0.001  # first wait of a timed get/put, seconds
+_POLL_CAP = 0.050  # the wait doubles up to this cap
+_CAP_IPC_OWNER = 15  # linux/capability.h
+_S_IWUSR = 0o200
+_WRITE = 0o2  # the "w" bit of one rwx triplet
+
+T = TypeVar("T")
+
+
+class Interrupted(QueueError):
+    """A blocking :meth:`LocalQueue.get` was interrupted by a signal and its ``stop()`` said so.
+
+    A thread blocked in ``msgrcv`` is woken by ``signal.pthread_kill`` (with a handler that does
+    not raise); no message is taken when that happens.
+    """
+
+
+class QueueEmpty(QueueError):
+    """No message (of the requested type) arrived before the deadline / without blocking."""
+
+
+class InvalidQueueKey(QueueError, ValueError):
+    """The key cannot name a System V queue: 0 (IPC_PRIVATE) or outside 1..2**32-1."""
+
+
+# --------------------------------------------------------------------------------------------
+# Keys and limits
+# --------------------------------------------------------------------------------------------
+
+
+def format_key(key: int) -> str:
+    """``0x52510001``: 8 hex digits (more for a key that does not fit a key_t)."""
+    if key < 0:  # a signed key_t as sysv_ipc reports it
+        key &= KEY_T_MAX
+    return f"0x{key:08x}"
+
+
+def check_key(key: int) -> int:
+    """Return ``key`` if it can name a queue, else raise :class:`InvalidQueueKey`."""
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise InvalidQueueKey(f"queue key must be an int, got {key!r}")
+    if key == IPC_PRIVATE:
+        raise InvalidQueueKey("queue key 0 is IPC_PRIVATE, which names no queue", queue_key=key)
+    if not 0 < key <= KEY_T_MAX:
+        raise InvalidQueueKey(
+            f"queue key {format_key(key) if key >= 0 else key} is outside 1..0x{KEY_T_MAX:08x}",
+            queue_key=key,
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class IpcLimits:
+    """The System V message limits of this IPC namespace."""
+
+    msgmax: int  # largest message, bytes
+    msgmnb: int  # default msg_qbytes of a new queue, bytes
+    msgmni: int  # most queues
+
+
+def _read_proc_int(name: str) -> int:
+    with open(os.path.join(_PROC, name), "rb") as f:
+        return int(f.read().split()[0])
+
+
+def kernel_limits() -> IpcLimits:
+    """Read ``msgmax``, ``msgmnb``, ``msgmni`` from /proc/sys/kernel (fresh on every call)."""
+    return IpcLimits(_read_proc_int("msgmax"), _read_proc_int("msgmnb"), _read_proc_int("msgmni"))
+
+
+def max_payload(limits: IpcLimits | None = None) -> int:
+    """The largest application payload that fits one transmission record."""
+    limits = limits or kernel_limits()
+    return limits.msgmax - TRANSMISSION_HEADER_SIZE
+
+
+def _too_big(size: int, limit: int, what: str, key: int) -> MessageTooBig:
+    if what == "msgmax":
+        hint = f"raise it with `sysctl -w kernel.msgmax={size}` (and kernel.msgmnb)"
+        where = "the kernel's msgmax"
+    else:
+        hint = "raise the queue's msg_qbytes (IPC_SET, up to kernel.msgmnb unless privileged)"
+        where = "the queue's max_size (msg_qbytes)"
+    return MessageTooBig(
+        f"queue {format_key(key)}: message of {size} bytes is larger than {where} of "
+        f"{limit} bytes; {hint}",
+        size=size,
+        limit=limit,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def _is_eintr(exc: BaseException) -> bool:
+    # sysv_ipc reports EINTR as a plain sysv_ipc.Error (no errno attribute).
+    return type(exc) is sysv_ipc.Error and "signal" in str(exc).lower()
+
+
+def _map_error(exc: BaseException, key: int, doing: str) -> QueueError:
+    """A sysv_ipc / OS error as an rqp.errors exception naming the queue."""
+    name = f"queue {format_key(key)}"
+    if isinstance(exc, sysv_ipc.ExistentialError):
+        return QueueNotFound(f"{name} does not exist (or was removed) while {doing}", queue_key=key)
+    if isinstance(exc, sysv_ipc.PermissionsError):
+        return QueuePermissionDenied(
+            f"{name}: permission denied while {doing} (euid {os.geteuid()}, egid {os.getegid()})",
+            queue_key=key,
+        )
+    if isinstance(exc, OSError) and exc.errno == errno.EIDRM:
+        return QueueNotFound(f"{name} was removed while {doing}", queue_key=key)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return QueueError(
+            f"{name}: system limit reached while {doing} (kernel.msgmni queues or msgmnb)",
+            queue_key=key,
+        )
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return QueueError(
+            f"{name}: errno {exc.errno} ({os.strerror(exc.errno)}) while {doing}", queue_key=key
+        )
+    return QueueError(f"{name}: {exc} while {doing}", queue_key=key)
+
+
+# --------------------------------------------------------------------------------------------
+# LocalQueue
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueStat:
+    """What IPC_STAT says about a queue (needs read permission)."""
+
+    uid: int
+    gid: int
+    cuid: int
+    cgid: int
+    mode: int  # the 9 permission bits
+    current_messages: int
+    max_size: int  # msg_qbytes
+
+
+def _stat(mq: sysv_ipc.MessageQueue) -> QueueStat:
+    return QueueStat(
+        uid=mq.uid,
+        gid=mq.gid,
+        cuid=mq.cuid,
+        cgid=mq.cgid,
+        mode=mq.mode & 0o777,
+        current_messages=mq.current_messages,
+        max_size=mq.max_size,
+    )
+
+
+def _backoff_waits(timeout: float) -> Iterator[float]:
+    """Waits of a timed poll: 1 ms doubling to 50 ms, never past the deadline; ends there."""
+    deadline = time.monotonic() + timeout
+    wait = _POLL_FIRST
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        yield min(wait, left)
+        wait = min(wait * 2, _POLL_CAP)
+
+
+class LocalQueue:
+    """One System V message queue of this host.
+
+    Get one with :meth:`open` (must exist) or :meth:`create` (open or create). The object keeps
+    the queue's id: if the queue is removed and created again under the same key, the old
+    object raises :class:`QueueNotFound` and must be opened again.
+
+    Timeouts: ``sysv_ipc`` cannot put a deadline on a blocking ``msgsnd``/``msgrcv`` (and a
+    blocked call can only be woken by a signal, which a library must not send itself), so
+    ``put``/``get`` with a ``timeout`` poll with non-blocking calls, waiting 1 ms, 2 ms, 4 ms...
+    capped at 50 ms between tries. A message therefore waits at most ~50 ms longer than with a
+    blocking call. ``timeout=None`` with ``block=True`` is a true blocking call (no polling).
+    """
+
+    __slots__ = ("_mq", "_key", "_msgmax")
+
+    def __init__(self, mq: sysv_ipc.MessageQueue, key: int, msgmax: int):
+        self._mq = mq
+        self._key = key
+        self._msgmax = msgmax
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, key: int) -> "LocalQueue":
+        """Open an existing queue; :class:`QueueNotFound` if there is none with that key."""
+        key = check_key(key)
+        msgmax = kernel_limits().msgmax
+        try:
+            mq = sysv_ipc.MessageQueue(key, 0, mode=0, max_message_size=msgmax)
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, key, "opening it") from None
+        return cls(mq, key, msgmax)
+
+    @classmethod
+    def create(cls, key: int, mode: int = 0o660) -> "LocalQueue":
+        """Open the queue, creating it with ``mode`` if it does not exist (existing mode kept)."""
+        key = check_key(key)
+        msgmax = kernel_limits().msgmax
+        for _ in range(10):
+            try:
+                mq = sysv_ipc.MessageQueue(
+                    key, sysv_ipc.IPC_CREX, mode=mode, max_message_size=msgmax
+                )
+                return cls(mq, key, msgmax)
+            except sysv_ipc.ExistentialError:
+                pass  # it exists: open it without asking for any access
+            except (sysv_ipc.Error, OSError) as exc:
+                raise _map_error(exc, key, "creating it") from None
+            try:
+                return cls.open(key)
+            except QueueNotFound:
+                continue  # removed between the two calls: try again
+        raise QueueError(f"queue {format_key(key)} keeps appearing and vanishing", queue_key=key)
+
+    @staticmethod
+    def exists(key: int) -> bool:
+        """Whether a queue with this key exists (whatever its permissions)."""
+        key = check_key(key)
+        try:
+            sysv_ipc.MessageQueue(key, 0, mode=0)
+        except sysv_ipc.ExistentialError:
+            return False
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, key, "looking it up") from None
+        return True
+
+    # -- attributes ----------------------------------------------------------------------
+
+    @property
+    def key(self) -> int:
+        return self._key
+
+    @property
+    def id(self) -> int:
+        return self._mq.id
+
+    @property
+    def msgmax(self) -> int:
+        """The kernel's msgmax when the queue was opened (re-read when a message exceeds it)."""
+        return self._msgmax
+
+    def __repr__(self) -> str:
+        return f"<LocalQueue {format_key(self._key)} id={self._mq.id}>"
+
+    def _call(self, doing: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, self._key, doing) from None
+
+    def stat(self) -> QueueStat:
+        """IPC_STAT: owner, mode, depth, max_size. Needs read permission on the queue."""
+        return self._call("reading its status", lambda: _stat(self._mq))
+
+    @property
+    def depth(self) -> int:
+        """Number of messages on the queue (IPC_STAT: needs read permission)."""
+        return self._call("reading its depth", lambda: self._mq.current_messages)
+
+    def remove(self) -> None:
+        """IPC_RMID. Blocked readers and writers wake up with :class:`QueueNotFound`."""
+        self._call("removing it", self._mq.remove)
+
+    def _reopen(self, msgmax: int) -> None:
+        """Re-open by key with a new receive buffer size, only if it is still the same queue."""
+        mq = self._call(
+            "re-opening it",
+            lambda: sysv_ipc.MessageQueue(self._key, 0, mode=0, max_message_size=msgmax),
+        )
+        if mq.id != self._mq.id:
+            raise QueueNotFound(
+                f"queue {format_key(self._key)} was removed and created again", queue_key=self._key
+            )
+        self._mq, self._msgmax = mq, msgmax
+
+    # -- put -----------------------------------------------------------------------------
+
+    def _check_size(self, size: int) -> None:
+        if size > self._msgmax:
+            msgmax = kernel_limits().msgmax  # it may have been raised since we opened
+            if size > msgmax:
+                raise _too_big(size, msgmax, "msgmax", self._key)
+            self._reopen(msgmax)
+        try:
+            max_size = self._mq.max_size
+        except sysv_ipc.PermissionsError:
+            return  # write-only access: IPC_STAT refused, the kernel will judge
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, self._key, "checking its size limit") from None
+        if size > max_size:
+            raise _too_big(size, max_size, "max_size", self._key)
+
+    def put(self, data: bytes, *, mtype: int = DEFAULT_MTYPE, block: bool = True,
+            timeout: float | None = None) -> None:
+        """Put one message.
+
+        ``block=False``: :class:`QueueFull` at once if there is no room. ``block=True`` with a
+        ``timeout``: :class:`QueueFull` if still no room after ``timeout`` seconds (polling,
+        see the class doc). Raises :class:`MessageTooBig` (before trying) if ``data`` is larger
+        than msgmax or the queue's max_size, :class:`QueueNotFound` if the queue was removed,
+        :class:`QueuePermissionDenied` without write permission.
+        """
+        data = bytes(data)
+        if mtype < 1:
+            raise ValueError(f"mtype must be >= 1, got {mtype}")
+        self._check_size(len(data))
+        if block and timeout is None:
+            self._retry_eintr("putting a message", lambda: self._send(data, mtype, True))
+            return
+        if self._send(data, mtype, False):
+            return
+        if block:
+            for wait in _backoff_waits(timeout):
+                time.sleep(wait)
+                if self._send(data, mtype, False):
+                    return
+            raise QueueFull(
+                f"queue {format_key(self._key)} still full after {timeout:g} s", queue_key=self._key
+            )
+        raise QueueFull(f"queue {format_key(self._key)} is full", queue_key=self._key)
+
+    def _send(self, data: bytes, mtype: int, block: bool) -> bool:
+        """One msgsnd. False if non-blocking and full."""
+        try:
+            self._mq.send(data, block=block, type=mtype)
+            return True
+        except sysv_ipc.BusyError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise self._diagnose_einval(len(data)) from None
+            raise _map_error(exc, self._key, "putting a message") from None
+        except ValueError:  # the library's own max_message_size check
+            raise _too_big(len(data), self._msgmax, "msgmax", self._key) from None
+        except sysv_ipc.Error as exc:
+            if _is_eintr(exc):
+                raise
+            raise _map_error(exc, self._key, "putting a message") from None
+
+    def _diagnose_einval(self, size: int) -> QueueError | MessageTooBig:
+        """msgsnd said EINVAL: the queue id is gone, or msgmax was lowered meanwhile."""
+        try:
+            self._mq.current_messages
+        except sysv_ipc.ExistentialError:
+            return QueueNotFound(
+                f"queue {format_key(self._key)} was removed while putting a message",
+                queue_key=self._key,
+            )
+        except (sysv_ipc.Error, OSError):
+            pass
+        msgmax = kernel_limits().msgmax
+        if size > msgmax:
+            return _too_big(size, msgmax, "msgmax", self._key)
+        return QueueError(
+            f"queue {format_key(self._key)}: errno {errno.EINVAL} ({os.strerror(errno.EINVAL)}) "
+            f"while putting a message of {size} bytes",
+            queue_key=self._key,
+        )
+
+    def _retry_eintr(self, doing: str, fn: Callable[[], T],
+                     stop: Callable[[], bool] | None = None) -> T:
+        while True:
+            try:
+                return fn()
+            except sysv_ipc.Error as exc:
+                # Any raising signal handler has already run here and propagated.
+                if not _is_eintr(exc):
+                    raise _map_error(exc, self._key, doing) from None
+                if stop is not None and stop():
+                    raise Interrupted(f"queue {format_key(self._key)}: {doing} interrupted",
+                                      queue_key=self._key) from None
+
+    # -- get -----------------------------------------------------------------------------
+
+    def get(self, *, block: bool = True, timeout: float | None = None, mtype: int = 0,
+            stop: Callable[[], bool] | None = None) -> bytes:
+        """Take one message and return its bytes.
+
+        ``mtype`` is msgrcv's ``msgtyp``: 0 = the first message of any type, > 0 = the first
+        of that type, < 0 = the first of the lowest type <= -mtype. ``block=False``:
+        :class:`QueueEmpty` at once if there is none; with a ``timeout``: :class:`QueueEmpty`
+        after that many seconds (polling, see the class doc); ``block=True`` and no timeout:
+        wait as long as it takes.
+        """
+        if block and timeout is None:
+            return self._retry_eintr("getting a message", lambda: self._receive(mtype, True), stop)
+        data = self._receive(mtype, False)
+        if data is not None:
+            return data
+        if block:
+            for wait in _backoff_waits(timeout):
+                time.sleep(wait)
+                data = self._receive(mtype, False)
+                if data is not None:
+                    return data
+            raise QueueEmpty(
+                f"queue {format_key(self._key)}: no message after {timeout:g} s",
+                queue_key=self._key,
+            )
+        raise QueueEmpty(f"queue {format_key(self._key)} is empty", queue_key=self._key)
+
+    def _receive(self, mtype: int, block: bool) -> bytes | None:
+        """One msgrcv. None if non-blocking and there is no message."""
+        for _ in range(2):
+            try:
+                return self._mq.receive(block=block, type=mtype)[0]
+            except sysv_ipc.BusyError:
+                return None
+            except OSError as exc:
+                if exc.errno != errno.E2BIG:
+                    raise _map_error(exc, self._key, "getting a message") from None
+                # A message longer than our buffer: msgmax was raised after we opened.
+                msgmax = kernel_limits().msgmax
+                if msgmax <= self._msgmax:
+                    raise MessageTooBig(
+                        f"queue {format_key(self._key)}: a message is longer than the "
+                        f"{self._msgmax}-byte receive buffer (msgmax)",
+                        size=self._msgmax + 1, limit=self._msgmax,
+                    ) from None
+                self._reopen(msgmax)
+            except sysv_ipc.Error as exc:
+                if _is_eintr(exc):
+                    raise
+                raise _map_error(exc, self._key, "getting a message") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------
+# Write permission
+# --------------------------------------------------------------------------------------------
+
+
+class AccessStatus(enum.Enum):
+    EXISTS_WRITABLE = "exists and is writable"
+    NOT_FOUND = "does not exist"
+    NO_PERMISSION = "exists but is not writable"
+
+
+@dataclass(frozen=True)
+class Access:
+    """The answer of :func:`write_access`: a status and the reason for it."""
+
+    status: AccessStatus
+    reason: str
+
+    @property
+    def writable(self) -> bool:
+        return self.status is AccessStatus.EXISTS_WRITABLE
+
+    def __bool__(self) -> bool:
+        return self.writable
+
+
+def mode_permits(stat: QueueStat, *, euid: int, egid: int, groups: tuple[int, ...] | list[int],
+                 want: int = _WRITE) -> tuple[bool, str]:
+    """The kernel's ``ipcperms`` rule, without the capability override.
+
+    Owner bits if ``euid`` is the queue's uid or cuid, else group bits if ``egid`` or a
+    supplementary group is its gid or cgid, else the "other" bits. ``want`` is an rwx triplet
+    (2 = write). Returns (permitted, which bits were used and why).
+    """
+    if euid in (stat.uid, stat.cuid):
+        bits, cls = (stat.mode >> 6) & 7, f"owner bits (euid {euid} owns it)"
+    elif egid in (stat.gid, stat.cgid) or any(g in (stat.gid, stat.cgid) for g in groups):
+        bits, cls = (stat.mode >> 3) & 7, f"group bits (group {stat.gid}/{stat.cgid})"
+    else:
+        bits, cls = stat.mode & 7, "other bits"
+    ok = (want & ~bits & 7) == 0
+    return ok, f"mode {stat.mode:03o}, {cls}: {'permits' if ok else 'denies'} writing"
+
+
+def _has_cap_ipc_owner() -> bool:
+    """Whether this process has CAP_IPC_OWNER (root normally does)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_OWNER & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def write_access(key: int, *, euid: int | None = None, egid: int | None = None,
+                 groups: list[int] | tuple[int, ...] | None = None) -> Access:
+    """May a process put messages on the queue ``key``?
+
+    With no identity given, the answer is for this process and comes from the kernel itself:
+    ``msgget(key, S_IWUSR)`` (``sysv_ipc.MessageQueue(key, 0, mode=0o200)``) succeeds exactly
+    when the kernel's ``ipcperms`` grants write access: the owner/group/other rule, plus
+    CAP_IPC_OWNER and any LSM. This also works when IPC_STAT is refused (a write-only queue,
+    e.g. mode 0o622 for "other"). When IPC_STAT is allowed, the mode rule
+    (:func:`mode_permits`) supplies the reason string.
+
+    With ``euid``/``egid``/``groups`` given (missing ones default to this process's), the
+    answer is computed from IPC_STAT with :func:`mode_permits`; euid 0 is treated as
+    privileged (CAP_IPC_OWNER). If IPC_STAT is refused to this process the answer is
+    NO_PERMISSION, since the permissions cannot be read.
+    """
+    key = check_key(key)
+    name = f"queue {format_key(key)}"
+    for_self = euid is None and egid is None and groups is None
+    try:
+        mq = sysv_ipc.MessageQueue(key, 0, mode=0)
+    except sysv_ipc.ExistentialError:
+        return Access(AccessStatus.NOT_FOUND, f"{name} does not exist")
+    except (sysv_ipc.Error, OSError) as exc:
+        raise _map_error(exc, key, "looking it up") from None
+    euid = os.geteuid() if euid is None else euid
+    egid = os.getegid() if egid is None else egid
+    groups = tuple(os.getgroups() if groups is None else groups)
+    try:
+        st = _stat(mq)
+    except sysv_ipc.ExistentialError:
+        return Access(AccessStatus.NOT_FOUND, f"{name} was removed")
+    except sysv_ipc.PermissionsError:
+        st = None
+    if not for_self:
+        if euid == 0:
+            return Access(AccessStatus.EXISTS_WRITABLE, f"{name}: euid 0 (CAP_IPC_OWNER)")
+        if st is None:
+            return Access(
+                AccessStatus.NO_PERMISSION,
+                f"{name}: its permissions cannot be read (IPC_STAT refused to euid "
+                f"{os.geteuid()}), so write access for euid {euid} cannot be confirmed",
+            )
+        ok, why = mode_permits(st, euid=euid, egid=egid, groups=groups)
+        status = AccessStatus.EXISTS_WRITABLE if ok else AccessStatus.NO_PERMISSION
+        return Access(status, f"{name}: uid {st.uid} gid {st.gid}, {why} for euid {euid}")
+    # This process: ask the kernel.
+    try:
+        sysv_ipc.MessageQueue(key, 0, mode=_S_IWUSR)
+        granted = True
+    except sysv_ipc.PermissionsError:
+        granted = False
+    except sysv_ipc.ExistentialError:
+        return Access(AccessStatus.NOT_FOUND, f"{name} was removed")
+    except (sysv_ipc.Error, OSError) as exc:
+        raise _map_error(exc, key, "checking write access") from None
+    if st is None:
+        why = (f"{name}: IPC_STAT refused (no read permission); msgget(key, 0200) "
+               f"{'granted' if granted else 'refused'} write access to euid {euid}")
+    elif granted and _has_cap_ipc_owner():
+        why = f"{name}: CAP_IPC_OWNER (euid {euid})"
+    else:
+        ok, rule = mode_permits(st, euid=euid, egid=egid, groups=groups)
+        why = f"{name}: uid {st.uid} gid {st.gid}, {rule} for euid {euid}"
+        if ok and not granted:
+            why += ", but the kernel refused it (security module?)"
+    status = AccessStatus.EXISTS_WRITABLE if granted else AccessStatus.NO_PERMISSION
+    return Access(status, why)
+
+
+def may_write(key: int, *, euid: int | None = None, egid: int | None = None,
+              groups: list[int] | tuple[int, ...] | None = None) -> bool:
+    """True if the queue exists and the identity (default: this process) may write to it."""
+    return write_access(key, euid=euid, egid=egid, groups=groups).writable

@@ -1,0 +1,618 @@
+"""The two records RQP keeps on local System V queues, declared with ``construct``.
+
+Every integer is an unsigned big-endian number. Records are packed: there is no padding and no
+alignment anywhere, so a C program must read and write them field by field (or with a
+``__attribute__((packed))`` struct and ``htobe16/32/64`` / ``be16/32/64toh``). Every record is
+exactly one System V message: the ``mtext`` of the message is the record, nothing more.
+
+Transmission record
+===================
+
+What ``sendMessage`` puts on the transmission queue (``RQP.XMIT.Q``), always with
+``mtype = constants.DEFAULT_MTYPE`` (1). A sending agent takes it off and sends it.
+
+======  ====  ===============  ==============================================================
+offset  size  field            meaning
+======  ====  ===============  ==============================================================
+0       4     magic            the bytes ``"RQPX"`` (0x52 0x51 0x50 0x58)
+4       1     version          1
+5       1     message_type     0 = SURE_MSG, 1 = UNSURE_MSG. The parser accepts any byte: the
+                               agent validates it so that a bad value is dead-lettered with
+                               ``BAD_MESSAGE_TYPE`` instead of being unreadable.
+6       2     flags            bit 0 = SYNC (the producer waits for a journal
+                               acknowledgement; reserved for later). Other bits are 0.
+8       8     queue_key        destination queue key: the ``key_t`` in the low 32 bits;
+                               0 (``IPC_PRIVATE``) means "none".
+16      4     producer_pid     pid of the producing process (0 if unknown)
+20      8     sequence         per-producer sequence number (0 if unused)
+28      8     enqueued_ns      unix time in nanoseconds when the record was made
+36      n     payload          the application's message: every remaining byte of the
+                               System V message (n = message length - 36, may be 0)
+======  ====  ===============  ==============================================================
+
+The header is :data:`TRANSMISSION_HEADER_SIZE` (36) bytes, so the largest application payload
+is ``msgmax - 36`` bytes (:func:`rqp.queues.max_payload`).
+
+Dead-letter record
+==================
+
+What an agent puts on ``DEAD.LETTER.Q`` (also with ``mtype = 1``) when it cannot deliver a
+message; IBM MQ's MQDLH is the model. The first 47 bytes are fixed, then come five
+length-prefixed UTF-8 strings (the length counts bytes, there is no terminating NUL) and the
+length-prefixed payload. The record ends exactly at the end of the payload.
+
+======  ====  =================  ============================================================
+offset  size  field              meaning
+======  ====  =================  ============================================================
+0       4     magic              the bytes ``"RQDL"`` (0x52 0x51 0x44 0x4C)
+4       1     version            1
+5       2     reason             :class:`ReasonCode` (readers must accept unknown numbers)
+7       1     message_type       0 = SURE, 1 = UNSURE, 255 = unknown
+8       2     flags              bit 0 = TRUNCATED: the payload was cut to fit ``msgmax``; the
+                                 full payload is in the file ``spill_path`` (if not empty).
+                                 bit 1 = HEADER_ONLY: the payload was never read (e.g. an
+                                 oversized message skipped on the wire). Other bits are 0.
+10      1     agent              :class:`AgentKind` that dead-lettered it (1 API, 2 SENDER,
+                                 3 RECEIVER, 4 TOOL)
+11      8     queue_key          the original queue key exactly as received (may be > 2**32-1)
+19      8     message_key        RQP unique message key (0 if none yet)
+27      8     timestamp_ns       unix time in nanoseconds when it was dead-lettered
+35      4     attempts           delivery attempts made
+39      8     original_length    length in bytes of the original payload
+47      1     H                  length of host
+48      H     host               host name where it was dead-lettered
+A=48+H  1     S                  length of source_host
+A+1     S     source_host        host the message came from ('' if local)
+B=A+1+S 1     D                  length of destination_host
+B+1     D     destination_host   host it was going to ('' if unknown)
+C=B+1+D 2     T                  length of detail
+C+2     T     detail             human-readable detail, e.g. "errno 13: Permission denied"
+E=C+2+T 2     P                  length of spill_path
+E+2     P     spill_path         file holding the full payload when TRUNCATED, else empty
+F=E+2+P 4     N                  payload_length
+F+4     N     payload            the (possibly truncated) payload; F+4+N = message length
+======  ====  =================  ============================================================
+
+The strings are UTF-8 without a terminating NUL; their lengths count bytes. With all strings
+empty and no payload a dead-letter record is :data:`DEAD_LETTER_MIN_SIZE` (58) bytes. Strings
+longer than their length field allows are cut at a UTF-8 character boundary when the record is
+made. A record must fit in one System V message (``msgmax``): :func:`fit_dead_letter` cuts the
+payload (flag TRUNCATED) and can spill the whole payload to a file first.
+
+Decoding untrusted bytes (``from_bytes``) always uses the plain construct parser and raises
+:class:`rqp.errors.RecordError` for anything malformed; the compiled structs (``*_COMPILED``)
+are used only for building, where the input is our own validated dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+import construct
+from construct import (
+    Bytes,
+    Const,
+    GreedyBytes,
+    Int8ub,
+    Int16ub,
+    Int32ub,
+    Int64ub,
+    PascalString,
+    Rebuild,
+    Struct,
+    Terminated,
+    len_,
+    this,
+)
+
+from rqp.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
+from rqp.errors import MessageTooBig, RecordError
+
+__all__ = [
+    "AgentKind",
+    "DEAD_LETTER_FIXED",
+    "DEAD_LETTER_FIXED_SIZE",
+    "DEAD_LETTER_MAGIC",
+    "DEAD_LETTER_MIN_SIZE",
+    "DEAD_LETTER_RECORD",
+    "DEAD_LETTER_RECORD_COMPILED",
+    "DEAD_LETTER_VERSION",
+    "DeadLetterFlags",
+    "DeadLetterRecord",
+    "ReasonCode",
+    "TRANSMISSION_HEADER",
+    "TRANSMISSION_HEADER_SIZE",
+    "TRANSMISSION_MAGIC",
+    "TRANSMISSION_RECORD",
+    "TRANSMISSION_RECORD_COMPILED",
+    "TRANSMISSION_VERSION",
+    "TransmissionFlags",
+    "TransmissionRecord",
+    "UNKNOWN_MESSAGE_TYPE",
+    "describe",
+    "fit_dead_letter",
+]
+
+TRANSMISSION_MAGIC = b"RQPX"
+TRANSMISSION_VERSION = 1
+DEAD_LETTER_MAGIC = b"RQDL"
+DEAD_LETTER_VERSION = 1
+
+#: ``message_type`` of a dead-letter record whose message type is not known.
+UNKNOWN_MESSAGE_TYPE = 255
+
+_UINT8_MAX = (1 << 8) - 1
+_UINT16_MAX = (1 << 16) - 1
+_UINT32_MAX = (1 << 32) - 1
+
+# --------------------------------------------------------------------------------------------
+# Declarations
+# --------------------------------------------------------------------------------------------
+
+#: The fixed 36-byte header of a transmission record.
+TRANSMISSION_HEADER = Struct(
+    "magic" / Const(TRANSMISSION_MAGIC),
+    "version" / Const(TRANSMISSION_VERSION, Int8ub),
+    "message_type" / Int8ub,
+    "flags" / Int16ub,
+    "queue_key" / Int64ub,
+    "producer_pid" / Int32ub,
+    "sequence" / Int64ub,
+    "enqueued_ns" / Int64ub,
+)
+
+TRANSMISSION_HEADER_SIZE: int = TRANSMISSION_HEADER.sizeof()
+
+#: A whole transmission record: the header, then the payload up to the end of the message.
+TRANSMISSION_RECORD = Struct(
+    *TRANSMISSION_HEADER.subcons,
+    "payload" / GreedyBytes,
+)
+
+#: The fixed part of a dead-letter record, up to ``original_length`` (47 bytes).
+DEAD_LETTER_FIXED = Struct(
+    "magic" / Const(DEAD_LETTER_MAGIC),
+    "version" / Const(DEAD_LETTER_VERSION, Int8ub),
+    "reason" / Int16ub,
+    "message_type" / Int8ub,
+    "flags" / Int16ub,
+    "agent" / Int8ub,
+    "queue_key" / Int64ub,
+    "message_key" / Int64ub,
+    "timestamp_ns" / Int64ub,
+    "attempts" / Int32ub,
+    "original_length" / Int64ub,
+)
+
+DEAD_LETTER_FIXED_SIZE: int = DEAD_LETTER_FIXED.sizeof()
+
+#: A whole dead-letter record. The record must end exactly where the payload ends.
+DEAD_LETTER_RECORD = Struct(
+    *DEAD_LETTER_FIXED.subcons,
+    "host" / PascalString(Int8ub, "utf8"),
+    "source_host" / PascalString(Int8ub, "utf8"),
+    "destination_host" / PascalString(Int8ub, "utf8"),
+    "detail" / PascalString(Int16ub, "utf8"),
+    "spill_path" / PascalString(Int16ub, "utf8"),
+    "payload_length" / Rebuild(Int32ub, len_(this.payload)),
+    "payload" / Bytes(this.payload_length),
+    Terminated,
+)
+
+#: Size of the prefixes that follow the fixed part: 3 x uint8, 2 x uint16, 1 x uint32.
+_DEAD_LETTER_PREFIXES = (
+    Int8ub.sizeof() * 3 + Int16ub.sizeof() * 2 + Int32ub.sizeof()
+)
+DEAD_LETTER_MIN_SIZE: int = DEAD_LETTER_FIXED_SIZE + _DEAD_LETTER_PREFIXES
+
+# Compiled structs: for BUILDING only. Compiled parsers are not safe on untrusted bytes (a
+# short read returns short data instead of failing), so from_bytes uses the plain structs.
+TRANSMISSION_RECORD_COMPILED = TRANSMISSION_RECORD.compile()
+DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
+
+
+# --------------------------------------------------------------------------------------------
+# Enumerations
+# --------------------------------------------------------------------------------------------
+
+_REASON_DESCRIPTIONS: dict[int, str] = {}
+
+
+class ReasonCode(enum.IntEnum):
+    """Why a message was dead-lettered (the ``reason`` field of a dead-letter record)."""
+
+    # Raised on the sending side (API or sending agent), 1..19.
+    NO_QUEUE_KEY = 1
+    BAD_MESSAGE_TYPE = 2
+    MALFORMED_RECORD = 3
+    NO_ROUTE = 4
+    RETRY_BUDGET_EXHAUSTED = 5
+    NOT_CONFIRMED = 6
+    # Raised by the receiving agent, 20..
+    UNKNOWN_QUEUE = 20
+    NOT_AUTHORIZED = 21
+    QUEUE_FULL = 22
+    MESSAGE_TOO_BIG = 23
+    INVALID_QUEUE_KEY = 24
+    QUEUE_NOT_OFFERED = 25
+    PUT_FAILED = 26
+
+    @property
+    def description(self) -> str:
+        """One line saying what the reason means."""
+        return _REASON_DESCRIPTIONS[self.value]
+
+
+_REASON_DESCRIPTIONS.update(
+    {
+        ReasonCode.NO_QUEUE_KEY: "the transmission record has no queue key (0 = IPC_PRIVATE)",
+        ReasonCode.BAD_MESSAGE_TYPE: "the message type is neither SURE_MSG (0) nor UNSURE_MSG (1)",
+        ReasonCode.MALFORMED_RECORD: (
+            "the transmission record is unreadable (bad magic or version, or truncated)"
+        ),
+        ReasonCode.NO_ROUTE: "no host in .rqprc offers the queue (UNSURE message)",
+        ReasonCode.RETRY_BUDGET_EXHAUSTED: "the SURE message's retry budget ran out",
+        ReasonCode.NOT_CONFIRMED: (
+            "reserved: the UNSURE message was not confirmed (recorded only if configured)"
+        ),
+        ReasonCode.UNKNOWN_QUEUE: "the receiving host has no queue with that key",
+        ReasonCode.NOT_AUTHORIZED: "the receiving agent has no write permission on the queue",
+        ReasonCode.QUEUE_FULL: "the destination queue was still full after bounded retry",
+        ReasonCode.MESSAGE_TOO_BIG: (
+            "the message is over the receiver's max_message_size or the queue's limit"
+        ),
+        ReasonCode.INVALID_QUEUE_KEY: "the queue key is above 2**32-1 or is 0 (IPC_PRIVATE)",
+        ReasonCode.QUEUE_NOT_OFFERED: "the receiver's configuration does not offer that queue",
+        ReasonCode.PUT_FAILED: "putting to the queue failed for another reason (see detail)",
+    }
+)
+
+
+def describe(code: int) -> str:
+    """Describe a reason code; unknown numbers (from a newer writer) are described too."""
+    try:
+        return ReasonCode(code).description
+    except ValueError:
+        return f"unknown reason {int(code)}"
+
+
+class AgentKind(enum.IntEnum):
+    """Who made a dead-letter record (the ``agent`` field)."""
+
+    API = 1
+    SENDER = 2
+    RECEIVER = 3
+    TOOL = 4
+
+
+class TransmissionFlags(enum.IntFlag):
+    """Bits of a transmission record's ``flags``."""
+
+    SYNC = 1 << 0
+
+
+class DeadLetterFlags(enum.IntFlag):
+    """Bits of a dead-letter record's ``flags``."""
+
+    TRUNCATED = 1 << 0
+    HEADER_ONLY = 1 << 1
+
+
+def _known(enum_cls: type[enum.IntEnum], value: int) -> int:
+    """``enum_cls(value)`` if the number is known, else the plain int."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        return int(value)
+
+
+def _check_uint(name: str, value: int, maximum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer in 0..{maximum}, got {value!r}")
+
+
+def _cut_utf8(text: str, limit: int) -> str:
+    """``text`` cut so that its UTF-8 encoding is at most ``limit`` bytes, at a character boundary.
+
+    Characters that cannot be encoded (lone surrogates) become ``?``.
+    """
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return raw.decode("utf-8")
+    # A prefix of valid UTF-8 can only end in one incomplete character; "ignore" drops it.
+    return raw[:limit].decode("utf-8", "ignore")
+
+
+def _decode_error(kind: str, magic: bytes, version: int, header_size: int, data: bytes,
+                  exc: Exception) -> RecordError:
+    """Turn a parse failure into a RecordError that says what is wrong with ``data``."""
+    found = bytes(data[: len(magic)])
+    if found != magic[: len(found)]:
+        return RecordError(f"not a {kind}: bad magic {found!r}, expected {magic!r}")
+    if len(data) > len(magic) and data[len(magic)] != version:
+        return RecordError(
+            f"unsupported {kind} version {data[len(magic)]} (this program reads version {version})"
+        )
+    if len(data) < header_size:
+        return RecordError(
+            f"truncated {kind}: {len(data)} bytes, shorter than its {header_size}-byte header"
+        )
+    if isinstance(exc, construct.TerminatedError):
+        return RecordError(f"{kind} of {len(data)} bytes has trailing bytes after the payload")
+    if isinstance(exc, (UnicodeDecodeError, construct.StringError)):
+        return RecordError(f"{kind} has a string field that is not valid UTF-8: {exc}")
+    field_path = (getattr(exc, "path", None) or "").replace("(parsing)", "").strip(" ->")
+    return RecordError(
+        f"truncated {kind}: {len(data)} bytes, but field {field_path or '?'!r} "
+        f"needs more bytes than remain"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Transmission record
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransmissionRecord:
+    """One application message waiting on the transmission queue.
+
+    ``message_type`` is kept as read (any byte): :meth:`is_valid_type` tells the agent whether
+    it must dead-letter it with ``BAD_MESSAGE_TYPE``.
+    """
+
+    message_type: int
+    queue_key: int
+    payload: bytes
+    flags: int = 0
+    producer_pid: int = 0
+    sequence: int = 0
+    enqueued_ns: int = 0
+
+    def __post_init__(self) -> None:
+        _check_uint("message_type", self.message_type, _UINT8_MAX)
+        _check_uint("flags", self.flags, _UINT16_MAX)
+        _check_uint("queue_key", self.queue_key, UINT64_MAX)
+        _check_uint("producer_pid", self.producer_pid, _UINT32_MAX)
+        _check_uint("sequence", self.sequence, UINT64_MAX)
+        _check_uint("enqueued_ns", self.enqueued_ns, UINT64_MAX)
+        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
+        if not isinstance(self.payload, bytes):
+            object.__setattr__(self, "payload", bytes(self.payload))
+
+    @property
+    def sync(self) -> bool:
+        return bool(self.flags & TransmissionFlags.SYNC)
+
+    def is_valid_type(self) -> bool:
+        return self.message_type in (SURE_MSG, UNSURE_MSG)
+
+    def _fields(self) -> dict:
+        return {
+            "message_type": self.message_type,
+            "flags": self.flags,
+            "queue_key": self.queue_key,
+            "producer_pid": self.producer_pid,
+            "sequence": self.sequence,
+            "enqueued_ns": self.enqueued_ns,
+            "payload": self.payload,
+        }
+
+    def to_bytes(self) -> bytes:
+        """The record as the bytes of one System V message (compiled builder)."""
+        return TRANSMISSION_RECORD_COMPILED.build(self._fields())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "TransmissionRecord":
+        """Decode one System V message; :class:`RecordError` says what is wrong if it can't."""
+        data = bytes(data)
+        try:
+            c = TRANSMISSION_RECORD.parse(data)
+        except (construct.ConstructError, UnicodeDecodeError) as exc:
+            raise _decode_error(
+                "transmission record", TRANSMISSION_MAGIC, TRANSMISSION_VERSION,
+                TRANSMISSION_HEADER_SIZE, data, exc,
+            ) from None
+        return cls(
+            message_type=_known(MessageType, c.message_type),
+            queue_key=c.queue_key,
+            payload=c.payload,
+            flags=c.flags,
+            producer_pid=c.producer_pid,
+            sequence=c.sequence,
+            enqueued_ns=c.enqueued_ns,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Dead-letter record
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetterRecord:
+    """A message that could not be delivered, as kept on ``DEAD.LETTER.Q``.
+
+    Defaults: ``timestamp_ns`` = now, ``host`` = this host's name, ``original_length`` =
+    ``len(payload)``. Strings too long for their length field are cut at a UTF-8 character
+    boundary here, so ``from_bytes(r.to_bytes()) == r`` always holds.
+    """
+
+    reason: ReasonCode | int
+    message_type: int = UNKNOWN_MESSAGE_TYPE
+    flags: int = 0
+    agent: AgentKind | int = AgentKind.TOOL
+    queue_key: int = 0
+    message_key: int = 0
+    timestamp_ns: int | None = None
+    attempts: int = 0
+    original_length: int | None = None
+    host: str | None = None
+    source_host: str = ""
+    destination_host: str = ""
+    detail: str = ""
+    spill_path: str = ""
+    payload: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        setf = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
+        if not isinstance(self.payload, bytes):
+            setf("payload", bytes(self.payload))
+        if self.timestamp_ns is None:
+            setf("timestamp_ns", time.time_ns())
+        if self.original_length is None:
+            setf("original_length", len(self.payload))
+        if self.host is None:
+            setf("host", socket.gethostname())
+        _check_uint("reason", self.reason, _UINT16_MAX)
+        _check_uint("message_type", self.message_type, _UINT8_MAX)
+        _check_uint("flags", self.flags, _UINT16_MAX)
+        _check_uint("agent", self.agent, _UINT8_MAX)
+        _check_uint("queue_key", self.queue_key, UINT64_MAX)
+        _check_uint("message_key", self.message_key, UINT64_MAX)
+        _check_uint("timestamp_ns", self.timestamp_ns, UINT64_MAX)
+        _check_uint("attempts", self.attempts, _UINT32_MAX)
+        _check_uint("original_length", self.original_length, UINT64_MAX)
+        _check_uint("payload length", len(self.payload), _UINT32_MAX)
+        setf("reason", _known(ReasonCode, self.reason))
+        setf("agent", _known(AgentKind, self.agent))
+        for name, limit in _STRING_LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+            setf(name, _cut_utf8(value, limit))
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.flags & DeadLetterFlags.TRUNCATED)
+
+    @property
+    def header_only(self) -> bool:
+        return bool(self.flags & DeadLetterFlags.HEADER_ONLY)
+
+    @property
+    def description(self) -> str:
+        return describe(self.reason)
+
+    @classmethod
+    def from_transmission(cls, record: TransmissionRecord, *, reason: int, agent: int,
+                          **fields) -> "DeadLetterRecord":
+        """The dead-letter record of a transmission record (type, key and payload copied)."""
+        mtype = record.message_type if record.is_valid_type() else UNKNOWN_MESSAGE_TYPE
+        if not record.is_valid_type() and "detail" not in fields:
+            fields["detail"] = f"message type {record.message_type}"
+        return cls(reason=reason, agent=agent, message_type=mtype, queue_key=record.queue_key,
+                   payload=record.payload, **fields)
+
+    def _fields(self) -> dict:
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
+
+    def to_bytes(self) -> bytes:
+        """The record as the bytes of one System V message (compiled builder)."""
+        return DEAD_LETTER_RECORD_COMPILED.build(self._fields())
+
+    def encoded_size(self) -> int:
+        """``len(self.to_bytes())`` without building it."""
+        return (
+            DEAD_LETTER_MIN_SIZE
+            + sum(len(getattr(self, name).encode("utf-8")) for name in _STRING_LIMITS)
+            + len(self.payload)
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "DeadLetterRecord":
+        """Decode one System V message; :class:`RecordError` says what is wrong if it can't."""
+        data = bytes(data)
+        try:
+            c = DEAD_LETTER_RECORD.parse(data)
+        except (construct.ConstructError, UnicodeDecodeError) as exc:
+            raise _decode_error(
+                "dead-letter record", DEAD_LETTER_MAGIC, DEAD_LETTER_VERSION,
+                DEAD_LETTER_MIN_SIZE, data, exc,
+            ) from None
+        return cls(**{name: c[name] for name in _FIELD_NAMES})
+
+
+_STRING_LIMITS = {
+    "host": _UINT8_MAX,
+    "source_host": _UINT8_MAX,
+    "destination_host": _UINT8_MAX,
+    "detail": _UINT16_MAX,
+    "spill_path": _UINT16_MAX,
+}
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeadLetterRecord))
+
+
+def fit_dead_letter(record: DeadLetterRecord, limit: int,
+                    spill_dir: str | os.PathLike | None = None) -> DeadLetterRecord:
+    """Make ``record`` fit in ``limit`` bytes (one System V message: pass the kernel's msgmax).
+
+    If it already fits it is returned unchanged. Otherwise the payload is cut so that the
+    encoded record is exactly ``limit`` bytes and TRUNCATED is set; ``original_length`` keeps
+    the full length. With ``spill_dir``, the FULL payload is first written to
+    ``spill_dir/dl-{timestamp_ns}-{message_key:016x}-{random hex}.payload`` atomically (a temp
+    file in the same directory, fsynced, renamed into place, directory fsynced) and the path is
+    recorded in ``spill_path``. A record that already has a ``spill_path`` is not spilled again.
+
+    Raises :class:`MessageTooBig` if even the record without payload is bigger than ``limit``
+    (nothing is written then), and ``OSError`` if the spill file cannot be written.
+    """
+    size = record.encoded_size()
+    if size <= limit:
+        return record
+    spill_path = record.spill_path
+    if spill_dir is not None and not spill_path:
+        name = f"dl-{record.timestamp_ns}-{record.message_key:016x}-{secrets.token_hex(8)}.payload"
+        spill_path = os.path.join(os.path.abspath(os.fspath(spill_dir)), name)
+    header_size = dataclasses.replace(record, payload=b"", spill_path=spill_path).encoded_size()
+    if header_size > limit:
+        raise MessageTooBig(
+            f"dead-letter record header is {header_size} bytes, over the limit of {limit} "
+            f"bytes even without payload (shorten detail or host names)",
+            size=header_size, limit=limit,
+        )
+    if spill_path != record.spill_path:
+        _write_atomically(spill_path, record.payload)
+    return dataclasses.replace(
+        record,
+        payload=record.payload[: limit - header_size],
+        flags=record.flags | DeadLetterFlags.TRUNCATED,
+        original_length=max(record.original_length, len(record.payload)),
+        spill_path=spill_path,
+    )
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that no reader ever sees a partial file."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,430 @@
+"""rqp.queues against real kernel System V queues (each one removed at teardown)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import sysv_ipc
+
+from rqp.constants import DEFAULT_MTYPE, KEY_T_MAX
+from rqp.errors import (
+    MessageTooBig,
+    QueueError,
+    QueueFull,
+    QueueNotFound,
+    QueuePermissionDenied,
+)
+from rqp.queues import (
+    AccessStatus,
+    InvalidQueueKey,
+    LocalQueue,
+    QueueEmpty,
+    QueueStat,
+    check_key,
+    format_key,
+    kernel_limits,
+    max_payload,
+    may_write,
+    mode_permits,
+    write_access,
+)
+from rqp.records import (
+    TRANSMISSION_HEADER_SIZE,
+    DeadLetterRecord,
+    ReasonCode,
+    TransmissionRecord,
+    fit_dead_letter,
+)
+
+NOBODY = 65534
+
+
+def _proc(name):
+    with open(f"/proc/sys/kernel/{name}") as f:
+        return int(f.read())
+
+
+# --------------------------------------------------------------------------------------------
+# Keys and limits
+# --------------------------------------------------------------------------------------------
+
+
+def test_format_key():
+    assert format_key(0x52510001) == "0x52510001"
+    assert format_key(1) == "0x00000001"
+    assert format_key(-559038737) == "0xdeadbeef"  # a signed key_t as sysv_ipc reports it
+    assert format_key(1 << 40) == "0x10000000000"
+
+
+@pytest.mark.parametrize("key", [0, -1, KEY_T_MAX + 1, 1 << 63, True, "1"])
+def test_invalid_keys(key):
+    with pytest.raises(InvalidQueueKey):
+        check_key(key)
+    with pytest.raises(InvalidQueueKey):
+        LocalQueue.open(key)
+    assert issubclass(InvalidQueueKey, QueueError) and issubclass(InvalidQueueKey, ValueError)
+
+
+def test_kernel_limits_and_max_payload():
+    limits = kernel_limits()
+    assert (limits.msgmax, limits.msgmnb, limits.msgmni) == (
+        _proc("msgmax"), _proc("msgmnb"), _proc("msgmni"))
+    assert max_payload() == limits.msgmax - TRANSMISSION_HEADER_SIZE
+    assert max_payload(type(limits)(1000, 2000, 3)) == 1000 - TRANSMISSION_HEADER_SIZE
+
+
+# --------------------------------------------------------------------------------------------
+# LocalQueue basics
+# --------------------------------------------------------------------------------------------
+
+
+def test_put_get_depth_stat(make_queue):
+    q = make_queue(mode=0o640)
+    q.put(b"one")
+    q.put(b"two", mtype=5)
+    assert q.depth == 2
+    st = q.stat()
+    assert isinstance(st, QueueStat)
+    assert (st.uid, st.gid, st.cuid, st.cgid) == (os.geteuid(), os.getegid(),) * 2
+    assert st.mode == 0o640 and st.current_messages == 2
+    assert st.max_size == kernel_limits().msgmnb
+    assert q.get(mtype=5) == b"two"
+    assert q.get() == b"one"
+    assert q.depth == 0
+
+
+def test_open_create_exists(make_queue, ipc_keys):
+    key = ipc_keys()
+    assert not LocalQueue.exists(key)
+    with pytest.raises(QueueNotFound, match=format_key(key)):
+        LocalQueue.open(key)
+    created = LocalQueue.create(key, mode=0o620)
+    assert LocalQueue.exists(key) and created.key == key
+    again = LocalQueue.create(key, mode=0o666)  # opens it, mode kept
+    assert again.id == created.id and again.stat().mode == 0o620
+    assert LocalQueue.open(key).id == created.id
+    assert repr(created) == f"<LocalQueue {format_key(key)} id={created.id}>"
+    created.remove()
+    assert not LocalQueue.exists(key)
+
+
+def test_key_above_int_max(make_queue):
+    q = make_queue(high_key=True)
+    assert q.key > 0x7FFFFFFF
+    opened = LocalQueue.open(q.key)
+    assert opened.key == q.key and opened.id == q.id
+
+
+def test_get_mtype_selection(make_queue):
+    q = make_queue()
+    for t in (3, 1, 2):
+        q.put(bytes([t]), mtype=t)
+    assert q.get(mtype=2) == b"\x02"
+    assert q.get(mtype=-3) == b"\x01"  # lowest type <= 3
+    assert q.get(mtype=0) == b"\x03"
+    with pytest.raises(ValueError):
+        q.put(b"x", mtype=0)
+
+
+def test_get_empty(make_queue):
+    q = make_queue()
+    with pytest.raises(QueueEmpty, match=f"queue {format_key(q.key)} is empty"):
+        q.get(block=False)
+    t0 = time.monotonic()
+    with pytest.raises(QueueEmpty, match="no message after 0.1 s"):
+        q.get(timeout=0.1)
+    assert 0.1 <= time.monotonic() - t0 < 1.0
+
+
+def test_get_with_timeout_receives_message_that_arrives(make_queue):
+    q = make_queue()
+    threading.Timer(0.05, q.put, args=(b"late",)).start()
+    t0 = time.monotonic()
+    assert q.get(timeout=2) == b"late"
+    assert time.monotonic() - t0 < 1.0  # polls, at most 50 ms apart, found it well before 2 s
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes around the kernel limit
+# --------------------------------------------------------------------------------------------
+
+
+def test_max_payload_goes_through(make_queue):
+    q = make_queue()
+    payload = os.urandom(max_payload())
+    raw = TransmissionRecord(0, q.key, payload).to_bytes()
+    assert len(raw) == kernel_limits().msgmax
+    q.put(raw)
+    assert TransmissionRecord.from_bytes(q.get()).payload == payload
+
+
+def test_one_byte_over_is_refused_up_front(make_queue):
+    q = make_queue()
+    msgmax = kernel_limits().msgmax
+    raw = TransmissionRecord(0, q.key, bytes(max_payload() + 1)).to_bytes()
+    with pytest.raises(MessageTooBig) as info:
+        q.put(raw)
+    assert (info.value.size, info.value.limit) == (msgmax + 1, msgmax)
+    msg = str(info.value)
+    assert str(msgmax + 1) in msg and str(msgmax) in msg
+    assert "kernel.msgmax" in msg and format_key(q.key) in msg
+    assert q.depth == 0
+
+
+def test_bigger_than_queue_max_size(make_queue):
+    q = make_queue()
+    sysv_ipc.MessageQueue(q.key, 0, mode=0).max_size = 100  # IPC_SET msg_qbytes
+    with pytest.raises(MessageTooBig) as info:
+        q.put(b"x" * 101, block=False)
+    assert (info.value.size, info.value.limit) == (101, 100)
+    assert "max_size" in str(info.value)
+    q.put(b"x" * 100)
+
+
+def _fill(q):
+    msgmax = kernel_limits().msgmax
+    for _ in range(kernel_limits().msgmnb // msgmax + 2):
+        try:
+            q.put(b"f" * msgmax, block=False)
+        except QueueFull:
+            return
+    raise AssertionError("queue never became full")
+
+
+def test_queue_full(make_queue):
+    q = make_queue()
+    _fill(q)
+    with pytest.raises(QueueFull, match=f"queue {format_key(q.key)} is full"):
+        q.put(b"x", block=False)
+    t0 = time.monotonic()
+    with pytest.raises(QueueFull, match="still full after 0.05 s"):
+        q.put(b"x", timeout=0.05)
+    assert time.monotonic() - t0 >= 0.05
+
+
+def test_put_with_timeout_succeeds_when_room_appears(make_queue):
+    q = make_queue()
+    _fill(q)
+    threading.Timer(0.05, q.get).start()
+    q.put(b"x", timeout=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Removed queues, signals
+# --------------------------------------------------------------------------------------------
+
+
+def test_removed_queue(make_queue):
+    q = make_queue()
+    q.remove()
+    for op in (lambda: q.put(b"x"), lambda: q.put(b"x", block=False), lambda: q.get(block=False),
+               lambda: q.depth, q.stat, q.remove):
+        with pytest.raises(QueueNotFound, match=format_key(q.key)):
+            op()
+    with pytest.raises(QueueNotFound):
+        LocalQueue.open(q.key)
+
+
+def test_removed_while_blocked_in_get(make_queue):
+    q = make_queue()
+    threading.Timer(0.05, sysv_ipc.remove_message_queue, args=(q.id,)).start()
+    with pytest.raises(QueueNotFound, match=format_key(q.key)):
+        q.get()
+
+
+def test_removed_while_blocked_in_put(make_queue):
+    q = make_queue()
+    _fill(q)
+    threading.Timer(0.05, sysv_ipc.remove_message_queue, args=(q.id,)).start()
+    with pytest.raises(QueueNotFound, match=format_key(q.key)):
+        q.put(b"x")
+
+
+@pytest.fixture
+def alarm():
+    old = signal.getsignal(signal.SIGALRM)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_signal_with_quiet_handler_does_not_end_blocking_get(make_queue, alarm):
+    q = make_queue()
+    seen = []
+    signal.signal(signal.SIGALRM, lambda *a: seen.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.02)
+    threading.Timer(0.1, q.put, args=(b"after the signal",)).start()
+    assert q.get() == b"after the signal"
+    assert seen == [1]
+
+
+def test_signal_handler_that_raises_ends_blocking_get(make_queue, alarm):
+    q = make_queue()
+
+    class Stop(Exception):
+        pass
+
+    def handler(*_):
+        raise Stop
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.02)
+    with pytest.raises(Stop):
+        q.get()
+
+
+# --------------------------------------------------------------------------------------------
+# Dead letters of huge payloads
+# --------------------------------------------------------------------------------------------
+
+
+def test_huge_dead_letter_is_truncated_spilled_and_fits_a_real_queue(make_queue, tmp_path):
+    q = make_queue()
+    msgmax = kernel_limits().msgmax
+    payload = os.urandom(5 * msgmax)
+    rec = DeadLetterRecord(reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=0x52510001,
+                           message_key=42, payload=payload, detail="too big")
+    fitted = fit_dead_letter(rec, msgmax, spill_dir=tmp_path)
+    assert fitted.truncated and fitted.original_length == len(payload)
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(fitted.spill_path)]
+    with open(fitted.spill_path, "rb") as f:
+        assert f.read() == payload
+    q.put(fitted.to_bytes())
+    back = DeadLetterRecord.from_bytes(q.get())
+    assert back == fitted and payload.startswith(back.payload)
+
+
+# --------------------------------------------------------------------------------------------
+# Write permission
+# --------------------------------------------------------------------------------------------
+
+
+def _stat(uid=1000, gid=1000, cuid=0, cgid=0, mode=0o600):
+    return QueueStat(uid=uid, gid=gid, cuid=cuid, cgid=cgid, mode=mode, current_messages=0,
+                     max_size=16384)
+
+
+@pytest.mark.parametrize("st,euid,egid,groups,expected", [
+    (_stat(mode=0o600), 1000, 1000, (), True),  # owner bits
+    (_stat(mode=0o600), 1001, 1000, (), False),  # group bits: none
+    (_stat(mode=0o060), 1000, 1000, (), False),  # owner matches: group bits not used
+    (_stat(mode=0o620), 1001, 1000, (), True),  # group via egid
+    (_stat(mode=0o620), 1001, 5, (7, 1000), True),  # group via a supplementary group
+    (_stat(mode=0o620, cgid=9), 1001, 9, (), True),  # group via cgid
+    (_stat(mode=0o600, cuid=1001), 1001, 5, (), True),  # owner via cuid
+    (_stat(mode=0o602), 1001, 1000, (), False),  # in the group: other bits not used
+    (_stat(mode=0o602), 1001, 5, (), True),  # other bits
+    (_stat(mode=0o644), 1001, 5, (), False),
+])
+def test_mode_permits_follows_ipcperms(st, euid, egid, groups, expected):
+    ok, why = mode_permits(st, euid=euid, egid=egid, groups=groups)
+    assert ok is expected and f"mode {st.mode:03o}" in why
+
+
+def test_may_write_root_and_missing(make_queue, ipc_keys):
+    q = make_queue(mode=0o000)
+    if os.geteuid() == 0:
+        assert may_write(q.key)
+        assert "CAP_IPC_OWNER" in write_access(q.key).reason
+    missing = ipc_keys()
+    access = write_access(missing)
+    assert access.status is AccessStatus.NOT_FOUND and not access
+    assert format_key(missing) in access.reason
+    assert not may_write(missing)
+
+
+def test_may_write_for_another_identity(make_queue):
+    q = make_queue(mode=0o620)
+    mq = sysv_ipc.MessageQueue(q.key, 0, mode=0)
+    mq.uid, mq.gid = 4000, 4001  # root may IPC_SET the owner
+    assert may_write(q.key, euid=4000, egid=1, groups=[])
+    assert may_write(q.key, euid=5, egid=4001, groups=[])
+    assert may_write(q.key, euid=5, egid=6, groups=[4001])
+    access = write_access(q.key, euid=5, egid=6, groups=[])
+    assert access.status is AccessStatus.NO_PERMISSION and "other bits" in access.reason
+    assert may_write(q.key, euid=0, egid=0, groups=[])
+
+
+def _as_child(key):
+    """In a child that dropped privileges: what write_access says, and what a real put does."""
+    access = write_access(key)
+    try:
+        LocalQueue.open(key).put(b"from child", block=False)
+        put = "ok"
+    except QueuePermissionDenied:
+        put = "denied"
+    return access.status.name, access.reason, put
+
+
+@pytest.mark.parametrize("mode,group_owner,child_groups,expected", [
+    (0o600, None, [], "NO_PERMISSION"),  # IPC_STAT refused too: msgget(key, 0200) decides
+    (0o644, None, [], "NO_PERMISSION"),  # readable, not writable by other
+    (0o622, None, [], "EXISTS_WRITABLE"),  # write-only for other: no IPC_STAT, still writable
+    (0o660, NOBODY, [], "EXISTS_WRITABLE"),  # group owner is nobody's egid
+    (0o660, 4242, [4242], "EXISTS_WRITABLE"),  # via a supplementary group
+    (0o660, 4242, [], "NO_PERMISSION"),
+])
+def test_may_write_as_nobody(make_queue, run_as, mode, group_owner, child_groups, expected):
+    q = make_queue(mode=mode)
+    if group_owner is not None:
+        sysv_ipc.MessageQueue(q.key, 0, mode=0).gid = group_owner
+    status, reason, put = run_as(NOBODY, NOBODY, child_groups, _as_child, q.key)
+    assert status == expected, reason
+    assert put == ("ok" if expected == "EXISTS_WRITABLE" else "denied")
+    assert format_key(q.key) in reason
+    if mode in (0o600, 0o622):
+        assert "IPC_STAT refused" in reason
+    assert q.depth == (1 if put == "ok" else 0)
+
+
+def _child_sees_not_found(key):
+    return write_access(key).status.name
+
+
+def test_may_write_as_nobody_missing_queue(ipc_keys, run_as):
+    assert run_as(NOBODY, NOBODY, [], _child_sees_not_found, ipc_keys()) == "NOT_FOUND"
+
+
+def _child_write_only_queue(key):
+    q = LocalQueue.open(key)  # opening asks for no access, so a write-only queue opens
+    q.put(b"w")
+    out = []
+    for op in (q.get, lambda: q.depth):
+        try:
+            op()
+        except QueuePermissionDenied as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_write_only_queue_from_unprivileged_process(make_queue, run_as):
+    q = make_queue(mode=0o622)
+    errors = run_as(NOBODY, NOBODY, [], _child_write_only_queue, q.key)
+    assert len(errors) == 2
+    assert all(re.search(rf"queue {format_key(q.key)}: permission denied", e) for e in errors)
+    assert q.get() == b"w"
+
+
+def test_default_mtype_used(make_queue):
+    q = make_queue()
+    q.put(b"x")
+    mq = sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=64)
+    assert mq.receive(block=False) == (b"x", DEFAULT_MTYPE)
+
+
+def test_receive_buffer_grows_when_msgmax_was_raised_after_open(make_queue):
+    # A LocalQueue opened when msgmax was 100: bigger messages re-read the kernel's msgmax
+    # and re-open the queue with a bigger buffer (for put and for get).
+    q = make_queue()
+    small = LocalQueue(sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=100), q.key, 100)
+    q.put(b"y" * 500)
+    assert small.get() == b"y" * 500
+    assert small.msgmax == kernel_limits().msgmax and small.id == q.id
+    small = LocalQueue(sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=100), q.key, 100)
+    small.put(b"z" * 300)
+    assert q.get() == b"z" * 300
