@@ -1,0 +1,201 @@
+"""The receiving MCA's protocol core (spec sections 2, 3 and 5): no I/O.
+
+A :class:`ReceiverConnection` is fed the bytes of one connection and hands out requests, one at
+a time and in order; the daemon decides each one (is the queue offered? did the put work?) and
+gets back the bytes of the answer. The states and transitions are :data:`TRANSITIONS`, the
+seed's diagram for the receiving MCA::
+
+    Waiting for message --Queue_ask, offered--------> Sending queue_yes ----answer sent--> Waiting
+    Waiting for message --Queue_ask, not offered----> Sending queue_no -----answer sent--> Waiting
+    Waiting for message --Message, put--------------> Sending delivered_yes -answer sent--> Waiting
+    Waiting for message --Message, not delivered----> Sending delivered error and putting
+                                                      message to DEAD.LETTER.Q --sent--> Waiting
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .constants import HARD_MESSAGE_CAP, IPC_PRIVATE, KEY_T_MAX, SURE_MSG
+from .errors import LocalProtocolError
+from .events import (
+    REQUESTS, DeliveredError, DeliveredYes, Message, OversizedMessage, QueueAsk, QueueNo, QueueYes,
+)
+from .frames import CLOSED, NEED_DATA, FrameDecoder, encode
+from .records import ReasonCode
+
+__all__ = [
+    "State", "Outcome", "TRANSITIONS", "ANSWERS", "ReceiverConnection", "Ask", "Put", "Refuse",
+    "queue_key_problem",
+]
+
+
+class State(enum.Enum):
+    WAITING_FOR_MESSAGE = "Waiting for message"
+    SENDING_DELIVERED_YES = "Sending delivered_yes"
+    SENDING_QUEUE_YES = "Sending queue_yes"
+    SENDING_QUEUE_NO = "Sending queue_no"
+    SENDING_DELIVERED_ERROR = "Sending delivered error and putting message to DEAD.LETTER.Q"
+
+
+class Outcome(enum.Enum):
+    """What the daemon found out about a request (the seed's events, split by their result)."""
+
+    QUEUE_ASK_OFFERED = "Queue_ask, queue offered"
+    QUEUE_ASK_NOT_OFFERED = "Queue_ask, queue not offered"
+    MESSAGE_PUT = "Message, put in the local queue"
+    MESSAGE_NOT_DELIVERED = "Message, cannot be delivered"
+    ANSWER_SENT = "answer sent"
+
+
+W = State.WAITING_FOR_MESSAGE
+TRANSITIONS: dict[State, dict[Outcome, State]] = {
+    W: {
+        Outcome.QUEUE_ASK_OFFERED: State.SENDING_QUEUE_YES,
+        Outcome.QUEUE_ASK_NOT_OFFERED: State.SENDING_QUEUE_NO,
+        Outcome.MESSAGE_PUT: State.SENDING_DELIVERED_YES,
+        Outcome.MESSAGE_NOT_DELIVERED: State.SENDING_DELIVERED_ERROR,
+    },
+    State.SENDING_QUEUE_YES: {Outcome.ANSWER_SENT: W},
+    State.SENDING_QUEUE_NO: {Outcome.ANSWER_SENT: W},
+    State.SENDING_DELIVERED_YES: {Outcome.ANSWER_SENT: W},
+    State.SENDING_DELIVERED_ERROR: {Outcome.ANSWER_SENT: W},
+}
+#: The frame sent in each answering state.
+ANSWERS = {
+    State.SENDING_QUEUE_YES: QueueYes(), State.SENDING_QUEUE_NO: QueueNo(),
+    State.SENDING_DELIVERED_YES: DeliveredYes(), State.SENDING_DELIVERED_ERROR: DeliveredError(),
+}
+
+
+def queue_key_problem(queue_key: int) -> str | None:
+    """Why a uint64 ``queue_key`` names no System V queue (spec 5.5), or None if it may."""
+    if queue_key == IPC_PRIVATE:
+        return "queue_key 0 is IPC_PRIVATE and names no queue"
+    if queue_key > KEY_T_MAX:
+        return f"queue_key {queue_key:#x} does not fit a 32-bit key_t"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A ``QUEUE_ASK``: answer with :meth:`ReceiverConnection.answer_ask`."""
+
+    queue_key: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """A ``MESSAGE`` to put in the local queue: answer with :meth:`ReceiverConnection.answer_put`."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """A ``MESSAGE`` the core already knows cannot be delivered.
+
+    The daemon dead-letters it (when ``dead_letter`` is true) with ``reason`` and ``detail``, and
+    answers with :meth:`ReceiverConnection.answer_put` ``(self, False)``. ``message`` is a
+    :class:`Message` or, for a body too big to read, an :class:`OversizedMessage`.
+    """
+
+    message: Message | OversizedMessage
+    reason: ReasonCode
+    detail: str
+    dead_letter: bool = True
+
+
+class ReceiverConnection:
+    """One connection of a receiving MCA, from the bytes in to the answers out.
+
+    Requests come out in order and must be answered in that order, one at a time: answers carry
+    no key, so the sender matches them by order (spec 5.2).
+
+    Order of SURE messages (decision, see README): once a SURE ``MESSAGE`` for a queue key is
+    answered ``DELIVERED_ERROR``, later SURE messages for that key on this connection are refused
+    without being put (and without a dead letter: the sender still holds them) until the sender
+    asks for that queue again with ``QUEUE_ASK``, which it does before re-sending (spec 2). So a
+    message the sender will retry is never overtaken by the ones it had pipelined behind it.
+    """
+
+    def __init__(self, *, max_message_size: int, hard_cap: int = HARD_MESSAGE_CAP) -> None:
+        self.decoder = FrameDecoder(accept=REQUESTS, max_message_size=max_message_size,
+                                    hard_cap=hard_cap)
+        self.state = State.WAITING_FOR_MESSAGE
+        self._current: Ask | Put | Refuse | None = None
+        self._held_keys: set[int] = set()
+
+    def receive_data(self, data: bytes) -> None:
+        self.decoder.receive_data(data)
+
+    def next_request(self):
+        """The next :class:`Ask`, :class:`Put` or :class:`Refuse`; or NEED_DATA / CLOSED.
+
+        Raises :class:`rqp.RemoteProtocolError` for a bad stream: close the connection.
+        """
+        if self._current is not None:
+            raise LocalProtocolError("the previous request has not been answered yet")
+        event = self.decoder.next_event()
+        if event is NEED_DATA or event is CLOSED:
+            return event
+        self._current = request = self._request_for(event)
+        return request
+
+    def _request_for(self, event) -> Ask | Put | Refuse:
+        if isinstance(event, QueueAsk):
+            self._held_keys.discard(event.queue_key)
+            return Ask(event.queue_key)
+        if isinstance(event, OversizedMessage):
+            return Refuse(event, ReasonCode.MESSAGE_TOO_BIG,
+                          f"message_length {event.message_length} is over this receiver's "
+                          f"max_message_size {event.limit}")
+        problem = queue_key_problem(event.queue_key)
+        if problem:
+            return Refuse(event, ReasonCode.INVALID_QUEUE_KEY, problem)
+        if event.message_type == SURE_MSG and event.queue_key in self._held_keys:
+            return Refuse(event, ReasonCode.PUT_FAILED,
+                          "held back: an earlier SURE message for this queue was refused and "
+                          "the sender has not asked for the queue again", dead_letter=False)
+        return Put(event)
+
+    def _fire(self, outcome: Outcome) -> None:
+        try:
+            self.state = TRANSITIONS[self.state][outcome]
+        except KeyError:
+            raise LocalProtocolError(
+                f"cannot go from {self.state.value!r} on {outcome.value!r}") from None
+
+    def _answer(self, request, outcome: Outcome) -> bytes:
+        if request is not self._current:
+            raise LocalProtocolError(f"{request!r} is not the request being answered")
+        self._fire(outcome)
+        data = encode(ANSWERS[self.state])
+        self._fire(Outcome.ANSWER_SENT)
+        self._current = None
+        return data
+
+    def answer_ask(self, request: Ask, offered: bool) -> bytes:
+        """QUEUE_YES exactly when the queue exists, may be written and is offered."""
+        if not isinstance(request, Ask):
+            raise LocalProtocolError(f"answer_ask() given {request!r}")
+        offered = offered and queue_key_problem(request.queue_key) is None
+        return self._answer(request, Outcome.QUEUE_ASK_OFFERED if offered
+                            else Outcome.QUEUE_ASK_NOT_OFFERED)
+
+    def answer_put(self, request: Put | Refuse, delivered: bool) -> bytes:
+        """DELIVERED_YES if the message is in the local queue, else DELIVERED_ERROR.
+
+        Call it for a failed put only once the dead-letter record is written (or, for a
+        :class:`Refuse` with ``dead_letter=False``, at once). If even the dead-letter record
+        cannot be written, do not answer: close the connection (spec 5.10).
+        """
+        if not isinstance(request, (Put, Refuse)):
+            raise LocalProtocolError(f"answer_put() given {request!r}")
+        if isinstance(request, Refuse) and delivered:
+            raise LocalProtocolError("a refused message cannot have been delivered")
+        if not delivered and request.message.message_type == SURE_MSG:
+            self._held_keys.add(request.message.queue_key)
+        return self._answer(request, Outcome.MESSAGE_PUT if delivered
+                            else Outcome.MESSAGE_NOT_DELIVERED)

@@ -1,0 +1,670 @@
+"""The sending MCA's protocol core (spec sections 2, 3 and 5): no I/O, no clock, no threads.
+
+The daemon feeds it what happened (a record taken from the transmission queue, a connection up
+or down, bytes from a receiving MCA, the time) and carries out the actions it returns (connect,
+send bytes, close, dead-letter, release). Every rule of the spec lives here:
+
+* a queue key with no route is asked of the hosts of ``.rqprc`` in order; the first
+  ``QUEUE_YES`` becomes the route and asking stops (spec 2);
+* UNSURE: a ``DELIVERED_ERROR`` or an overdue answer increases the error counter of that
+  (route, queue key); over ``error_limit`` the route is deleted. The message is not sent again
+  (it may be lost; it is never duplicated). A ``DELIVERED_YES`` resets the counter (decision:
+  the counter counts consecutive failures, so a route is not dropped for four errors spread
+  over a month);
+* SURE: anything but ``DELIVERED_YES`` deletes the route at once and the whole send is repeated
+  from asking, after an exponential back-off (spec 5.10);
+* no host says yes: UNSURE -> ``DEAD.LETTER.Q`` (NO_ROUTE); SURE waits with back-off, keeping its
+  place: it holds back later messages of its own queue key only (spec 5.7, 5.8);
+* answers are matched by order; an overdue answer ends the connection (spec 5.2, 5.11);
+* one connection per receiving host, several frames in flight (``window``).
+
+Each message walks the seed's state diagram, :data:`TRANSITIONS`; the MCA as a whole is in
+*Waiting for message* once opened.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
+from .errors import LocalProtocolError, RemoteProtocolError
+from .events import ANSWERS, DeliveredYes, QueueAsk, QueueYes
+from .frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
+from .receiver_core import queue_key_problem
+from .records import ReasonCode
+
+__all__ = [
+    "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
+    "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
+]
+
+
+class MsgState(enum.Enum):
+    """The seed's states of the sending MCA, as seen by one message."""
+
+    WAITING_FOR_MESSAGE = "Waiting for message"
+    ASK_FOR_QUEUE = "Ask for queue"
+    SENDING_MESSAGE = "Sending message"
+    WAITING_FOR_CONFIRMATION = "Waiting for confirmation"
+    INCREASE_ERROR_COUNTER = "Increase error counter"
+    PUT_TO_DEAD_LETTER_Q = "Put message to DEAD.LETTER.Q"
+    # Where a message's walk ends; the MCA itself goes back to Waiting for message.
+    DELIVERED = "delivered"
+    LOST = "lost (UNSURE, not confirmed)"
+    DEAD_LETTERED = "in DEAD.LETTER.Q"
+
+
+class Trigger(enum.Enum):
+    """The seed's events, split where the diagram branches on the message type or a count."""
+
+    NEW_MESSAGE_ROUTED = "New message, route known"
+    NEW_MESSAGE_UNROUTED = "New message, no route"
+    INVALID_MESSAGE = "New message, unusable (no queue key, bad type)"
+    QUEUE_YES = "Queue_yes"
+    QUEUE_NO_OR_TIMEOUT = "Queue_no or timeout"
+    NO_HOST_LEFT_UNSURE = "Queue_no or timeout from every host, UNSURE"
+    NO_HOST_LEFT_SURE = "Queue_no or timeout from every host, SURE"
+    SENT = "frame written"
+    DELIVERED = "Delivered"
+    ERROR_OR_TIMEOUT_UNSURE = "Delivered error or timeout, UNSURE"
+    ERROR_OR_TIMEOUT_SURE = "Delivered error or timeout, SURE"
+    COUNTED = "error counted"
+    DEAD_LETTERED = "dead-lettered"
+    RETRY_BUDGET_SPENT = "SURE retry budget spent"
+
+
+S, T = MsgState, Trigger
+TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
+    S.WAITING_FOR_MESSAGE: {
+        T.NEW_MESSAGE_ROUTED: S.SENDING_MESSAGE,
+        T.NEW_MESSAGE_UNROUTED: S.ASK_FOR_QUEUE,
+        T.INVALID_MESSAGE: S.PUT_TO_DEAD_LETTER_Q,
+        T.RETRY_BUDGET_SPENT: S.PUT_TO_DEAD_LETTER_Q,
+    },
+    S.ASK_FOR_QUEUE: {
+        T.QUEUE_YES: S.SENDING_MESSAGE,
+        T.QUEUE_NO_OR_TIMEOUT: S.ASK_FOR_QUEUE,
+        T.NO_HOST_LEFT_UNSURE: S.PUT_TO_DEAD_LETTER_Q,
+        T.NO_HOST_LEFT_SURE: S.WAITING_FOR_MESSAGE,
+    },
+    S.SENDING_MESSAGE: {T.SENT: S.WAITING_FOR_CONFIRMATION},
+    S.WAITING_FOR_CONFIRMATION: {
+        T.DELIVERED: S.DELIVERED,
+        T.ERROR_OR_TIMEOUT_UNSURE: S.INCREASE_ERROR_COUNTER,
+        T.ERROR_OR_TIMEOUT_SURE: S.WAITING_FOR_MESSAGE,
+    },
+    S.INCREASE_ERROR_COUNTER: {T.COUNTED: S.LOST},
+    S.PUT_TO_DEAD_LETTER_Q: {T.DEAD_LETTERED: S.DEAD_LETTERED},
+    S.DELIVERED: {}, S.LOST: {}, S.DEAD_LETTERED: {},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the core needs of ``.rqprc`` (see :class:`rqp.config.SenderConfig`)."""
+
+    hosts: tuple  # of HostAddress (anything hashable with a str())
+    ask_timeout: float = 2.0
+    confirm_timeout: float = 15.0
+    error_limit: int = ERROR_LIMIT
+    window: int = 64
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    #: SURE retry budget; None = retry forever (the spec's rule).
+    max_attempts: int | None = None
+    max_age: float | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "Settings":
+        return cls(hosts=tuple(config.hosts), ask_timeout=config.ask_timeout,
+                   confirm_timeout=config.confirm_timeout, error_limit=config.error_limit,
+                   window=config.window, backoff_initial=config.retry_backoff_initial,
+                   backoff_max=config.retry_backoff_max)
+
+    def backoff(self, failures: int) -> float:
+        """Wait before attempt ``failures + 1``: the first retry is at once (the spec's "repeat
+        all steps"), then ``backoff_initial`` doubling up to ``backoff_max``."""
+        if failures <= 1:
+            return 0.0
+        return min(self.backoff_initial * (2 ** min(failures - 2, 30)), self.backoff_max)
+
+    def reconnect_delay(self, failures: int) -> float:
+        """Wait before connecting again after ``failures`` failed connections in a row."""
+        if failures <= 0:
+            return 0.0
+        return min(self.backoff_initial * (2 ** min(failures - 1, 30)), self.backoff_max)
+
+
+@dataclass(eq=False, slots=True)
+class Outgoing:
+    """One message in the sending MCA's hands, from the transmission queue to its end."""
+
+    seq: int
+    message_type: int
+    queue_key: int
+    payload: bytes = field(repr=False)
+    taken_at: float = 0.0
+    origin: object = field(default=None, repr=False)  # the transmission record, for the daemon
+    key: int = 0  # the unique RQP key (spec 5.6), given at the first send, kept for retries
+    attempts: int = 0  # MESSAGE frames sent
+    failures: int = 0  # failed attempts, for the back-off (SURE)
+    state: MsgState = MsgState.WAITING_FOR_MESSAGE
+    host: object = None  # where it was sent last
+    last_error: str = ""
+
+
+# --- actions: what the daemon must do --------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    host: object
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    host: object
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    host: object
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    message: Outgoing
+    reason: ReasonCode
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    message: Outgoing
+    host: object
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """An UNSURE message that was sent but not confirmed: it may or may not have arrived."""
+
+    message: Outgoing
+    host: object
+    detail: str
+
+
+class NoteKind(enum.Enum):
+    ROUTE_FOUND = "route found"
+    ROUTE_DROPPED = "route dropped"
+    ERROR_COUNTED = "error counter increased"
+    NO_ROUTE = "no host offers the queue"
+    RETRY_SCHEDULED = "SURE message will be retried"
+    CONNECTION_FAILED = "connection failed"
+    CONNECTED = "connected"
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something an operator would grep for (and a metric would count)."""
+
+    kind: NoteKind
+    queue_key: int | None
+    host: object
+    detail: str = ""
+    key: int | None = None
+
+
+# --- internal bookkeeping --------------------------------------------------------------------
+
+class LinkState(enum.Enum):
+    DOWN = "down"
+    CONNECTING = "connecting"
+    UP = "up"
+
+
+@dataclass(eq=False, slots=True)
+class _Frame:
+    """A frame waiting for its answer: an ask for ``lane``, or the message ``msg``."""
+
+    lane: "_Lane"
+    msg: Outgoing | None
+    timeout: float
+    deadline: float
+
+
+@dataclass(eq=False, slots=True)
+class _Link:
+    host: object
+    state: LinkState = LinkState.DOWN
+    outstanding: deque = field(default_factory=deque)
+    decoder: FrameDecoder | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    waiting: dict = field(default_factory=dict)  # lanes waiting for it to be up or have room
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    """Everything the sender holds for one queue key, in order."""
+
+    queue_key: int
+    pending: deque = field(default_factory=deque)  # Outgoing not yet sent, by seq
+    inflight: int = 0
+    ask_index: int | None = None  # which host is being asked, while asking
+    retry_at: float = 0.0
+
+
+class SenderCore:
+    """The sending MCA's decisions. Call a method, then :meth:`take_actions`."""
+
+    def __init__(self, settings: Settings, new_key: Callable[[], int]) -> None:
+        if not settings.hosts:
+            raise LocalProtocolError("a sending MCA needs at least one host to ask")
+        self.settings = settings
+        self._new_key = new_key
+        self._links = {host: _Link(host) for host in settings.hosts}
+        self._lanes: dict[int, _Lane] = {}
+        self.routes: dict[int, object] = {}
+        self.errors: dict[tuple[object, int], int] = {}
+        self._actions: list = []
+        self._seq = 0
+        self._now = 0.0
+
+    # --- inspection ---------------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Messages taken and not yet finished (delivered, lost or dead-lettered)."""
+        return sum(len(lane.pending) + lane.inflight for lane in self._lanes.values())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(lane.inflight for lane in self._lanes.values())
+
+    def link_state(self, host) -> LinkState:
+        return self._links[host].state
+
+    def error_count(self, host, queue_key: int) -> int:
+        return self.errors.get((host, queue_key), 0)
+
+    def take_actions(self) -> list:
+        actions, self._actions = self._actions, []
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` must be called next (answer overdue, back-off over)."""
+        times = [link.outstanding[0].deadline for link in self._links.values() if link.outstanding]
+        times += [link.retry_at for link in self._links.values()
+                  if link.waiting and link.state is LinkState.DOWN and link.retry_at > self._now]
+        times += [lane.retry_at for lane in self._lanes.values()
+                  if lane.pending and lane.retry_at > self._now]
+        return min(times, default=None)
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
+               origin: object = None) -> Outgoing:
+        """A record taken from the transmission queue."""
+        self._now = now
+        self._seq += 1
+        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin)
+        problem = None
+        if message_type not in (SURE_MSG, UNSURE_MSG):
+            problem = (ReasonCode.BAD_MESSAGE_TYPE,
+                       f"message_type {message_type} is neither SURE_MSG (0) nor UNSURE_MSG (1)")
+        elif queue_key_problem(queue_key):
+            problem = (ReasonCode.NO_QUEUE_KEY, queue_key_problem(queue_key))
+        if problem:
+            self._fire(msg, T.INVALID_MESSAGE)
+            self._dead_letter(msg, *problem)
+            return msg
+        lane = self._lanes.get(queue_key)
+        if lane is None:
+            lane = self._lanes[queue_key] = _Lane(queue_key)
+        lane.pending.append(msg)
+        self._pump(lane)
+        return msg
+
+    def connected(self, host, now: float) -> None:
+        self._now = now
+        link = self._links[host]
+        if link.state is not LinkState.CONNECTING:
+            raise LocalProtocolError(f"connected() for {host} in state {link.state.value}")
+        link.state = LinkState.UP
+        link.decoder = FrameDecoder(accept=ANSWERS)
+        link.failures = 0
+        self._note(NoteKind.CONNECTED, None, host)
+        self._wake(link)
+
+    def connect_failed(self, host, error: str, now: float) -> None:
+        self._now = now
+        link = self._links[host]
+        link.state = LinkState.DOWN
+        self._link_failed(link, f"cannot connect: {error}")
+
+    def data_received(self, host, data: bytes, now: float) -> None:
+        self._now = now
+        link = self._links[host]
+        if link.state is not LinkState.UP:
+            return  # bytes from a connection we have already given up
+        try:
+            link.decoder.receive_data(data)
+            while (event := link.decoder.next_event()) is not NEED_DATA:
+                if event is CLOSED:
+                    self._drop_link(link, "closed by the receiving MCA")
+                    return
+                if not link.outstanding:
+                    raise RemoteProtocolError(f"{type(event).__name__} answers nothing")
+                self._answer(link, link.outstanding.popleft(), event)
+                if link.state is not LinkState.UP:
+                    return
+        except RemoteProtocolError as exc:
+            self._drop_link(link, f"protocol error: {exc}")
+
+    def connection_lost(self, host, error: str, now: float) -> None:
+        self._now = now
+        link = self._links[host]
+        if link.state is not LinkState.DOWN:
+            self._drop_link(link, error, close=False)
+
+    def tick(self, now: float) -> None:
+        """Let time pass: overdue answers end their connection; back-offs end."""
+        self._now = now
+        for link in self._links.values():
+            if link.outstanding and link.outstanding[0].deadline <= now:
+                frame = link.outstanding[0]
+                what = "QUEUE_ASK" if frame.msg is None else f"MESSAGE key={frame.msg.key:#018x}"
+                self._drop_link(link, f"no answer to {what} within {frame.timeout:g}s")
+            elif link.waiting and link.state is LinkState.DOWN and link.retry_at <= now:
+                self._wake(link)
+        for lane in list(self._lanes.values()):
+            if lane.pending and lane.retry_at and lane.retry_at <= now:
+                lane.retry_at = 0.0
+                self._pump(lane)
+
+    # --- the walk of a message ---------------------------------------------------------------
+
+    def _fire(self, msg: Outgoing, trigger: Trigger) -> None:
+        try:
+            msg.state = TRANSITIONS[msg.state][trigger]
+        except KeyError:
+            raise LocalProtocolError(
+                f"message seq={msg.seq} cannot go from {msg.state.value!r} on {trigger.value!r}"
+            ) from None
+
+    def _pump(self, lane: _Lane) -> None:
+        """Move the head of ``lane`` on as far as it can go now."""
+        while lane.pending:
+            if lane.ask_index is not None:
+                return
+            head = lane.pending[0]
+            if self._budget_spent(head):
+                lane.pending.popleft()
+                self._fire(head, T.RETRY_BUDGET_SPENT)
+                self._dead_letter(head, ReasonCode.RETRY_BUDGET_EXHAUSTED,
+                                  f"not delivered after {head.attempts} attempts; last error: "
+                                  f"{head.last_error or 'none'}")
+                continue
+            if lane.retry_at > self._now:
+                return
+            host = self.routes.get(lane.queue_key)
+            if host is None:
+                if lane.inflight:
+                    return  # let the frames already sent settle first, to keep the order
+                self._ask(lane, 0)
+                return
+            link = self._links[host]
+            if link.state is not LinkState.UP or len(link.outstanding) >= self.settings.window:
+                self._wait_for(link, lane)
+                return
+            lane.pending.popleft()
+            self._fire(head, T.NEW_MESSAGE_ROUTED if head.state is S.WAITING_FOR_MESSAGE
+                       else T.QUEUE_YES)
+            self._send_message(link, lane, head)
+
+    def _send_message(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
+        if not msg.key:
+            msg.key = self._new_key()
+        msg.attempts += 1
+        msg.host = link.host
+        lane.inflight += 1
+        data = encode_message(msg.message_type, msg.key, msg.queue_key, msg.payload)
+        self._push(link, _Frame(lane, msg, self.settings.confirm_timeout, 0.0), data)
+        self._fire(msg, T.SENT)
+
+    def _push(self, link: _Link, frame: _Frame, data: bytes) -> None:
+        frame.deadline = self._now + frame.timeout
+        link.outstanding.append(frame)
+        self._actions.append(Send(link.host, data))
+
+    def _ask(self, lane: _Lane, index: int) -> None:
+        """Ask hosts[index] (or the next one that can be reached) for ``lane``'s queue."""
+        head = lane.pending[0]
+        if head.state is S.WAITING_FOR_MESSAGE:
+            self._fire(head, T.NEW_MESSAGE_UNROUTED)
+        hosts = self.settings.hosts
+        while index < len(hosts):
+            link = self._links[hosts[index]]
+            if link.state is LinkState.DOWN and link.retry_at > self._now:
+                index += 1  # unreachable for now: as good as a time-out, ask the next host
+                continue
+            lane.ask_index = index
+            if link.state is LinkState.UP and len(link.outstanding) < self.settings.window:
+                self._push(link, _Frame(lane, None, self.settings.ask_timeout, 0.0),
+                           encode(QueueAsk(queue_key=lane.queue_key)))
+            else:
+                self._wait_for(link, lane)
+            return
+        self._no_route(lane)
+
+    def _no_route(self, lane: _Lane) -> None:
+        lane.ask_index = None
+        hosts = ", ".join(map(str, self.settings.hosts))
+        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"asked {hosts}")
+        while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
+            msg = lane.pending.popleft()
+            if msg.state is S.WAITING_FOR_MESSAGE:
+                self._fire(msg, T.NEW_MESSAGE_UNROUTED)
+            self._fire(msg, T.NO_HOST_LEFT_UNSURE)
+            self._dead_letter(msg, ReasonCode.NO_ROUTE,
+                              f"no host offers queue {lane.queue_key:#x} (asked {hosts})")
+        if lane.pending:
+            head = lane.pending[0]
+            self._fire(head, T.NO_HOST_LEFT_SURE)
+            head.failures += 1
+            head.last_error = f"no host offers queue {lane.queue_key:#x}"
+            self._retry_later(lane, head)
+            self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
+        else:
+            self._forget_if_idle(lane)
+
+    def _retry_later(self, lane: _Lane, msg: Outgoing) -> None:
+        delay = self.settings.backoff(msg.failures)
+        lane.retry_at = self._now + delay
+        self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, msg.host,
+                   f"attempt {msg.failures + 1} in {delay:g}s: {msg.last_error}", msg.key)
+
+    def _budget_spent(self, msg: Outgoing) -> bool:
+        s = self.settings
+        if msg.message_type != SURE_MSG or not msg.failures:
+            return False
+        return ((s.max_attempts is not None and msg.failures >= s.max_attempts)
+                or (s.max_age is not None and self._now - msg.taken_at >= s.max_age))
+
+    def _answer(self, link: _Link, frame: _Frame, event) -> None:
+        if link.outstanding:  # the next frame's wait starts no earlier than now
+            nxt = link.outstanding[0]
+            nxt.deadline = max(nxt.deadline, self._now + nxt.timeout)
+        lane = frame.lane
+        if frame.msg is None:
+            if type(event).__name__ not in ("QueueYes", "QueueNo"):
+                raise RemoteProtocolError(f"{type(event).__name__} in answer to QUEUE_ASK")
+            self._ask_answered(link, lane, isinstance(event, QueueYes), "QUEUE_NO")
+        else:
+            if type(event).__name__ not in ("DeliveredYes", "DeliveredError"):
+                raise RemoteProtocolError(f"{type(event).__name__} in answer to MESSAGE")
+            if isinstance(event, DeliveredYes):
+                self._confirmed(link, lane, frame.msg)
+            else:
+                self._not_confirmed(link, lane, frame.msg, "DELIVERED_ERROR")
+        self._wake(link)
+
+    def _ask_answered(self, link: _Link, lane: _Lane, yes: bool, why: str) -> None:
+        if lane.ask_index is None or self.settings.hosts[lane.ask_index] != link.host:
+            raise LocalProtocolError(f"answer to an ask not pending for {link.host}")
+        if yes:
+            lane.ask_index = None
+            self.routes[lane.queue_key] = link.host
+            self.errors.pop((link.host, lane.queue_key), None)
+            self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
+            self._pump(lane)
+        else:
+            if lane.pending:
+                self._fire(lane.pending[0], T.QUEUE_NO_OR_TIMEOUT)
+                self._ask(lane, lane.ask_index + 1)
+            else:  # pragma: no cover - a lane asks only for a pending message
+                lane.ask_index = None
+
+    def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
+        lane.inflight -= 1
+        self.errors.pop((link.host, lane.queue_key), None)
+        self._fire(msg, T.DELIVERED)
+        self._actions.append(Delivered(msg, link.host))
+        self._pump(lane)
+        self._forget_if_idle(lane)
+
+    def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
+        lane.inflight -= 1
+        msg.last_error = f"{why} from {link.host}"
+        key = lane.queue_key
+        if msg.message_type == UNSURE_MSG:
+            self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
+            count = self.errors.get((link.host, key), 0) + 1
+            self.errors[(link.host, key)] = count
+            self._note(NoteKind.ERROR_COUNTED, key, link.host,
+                       f"{count} of {self.settings.error_limit}: {why}", msg.key)
+            if count > self.settings.error_limit:
+                self._drop_route(key, link.host, f"error counter {count} over the limit "
+                                 f"{self.settings.error_limit}")
+            self._fire(msg, T.COUNTED)
+            self._actions.append(Lost(msg, link.host, msg.last_error))
+        else:
+            self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
+            msg.failures += 1
+            self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
+                             f"{why}")
+            self._requeue(lane, msg)
+            self._retry_later(lane, msg)
+        self._pump(lane)
+        self._forget_if_idle(lane)
+
+    def _requeue(self, lane: _Lane, msg: Outgoing) -> None:
+        """Put ``msg`` back in its place (by the order it was taken in)."""
+        seqs = [m.seq for m in lane.pending]
+        lane.pending.insert(bisect.bisect(seqs, msg.seq), msg)
+
+    def _drop_route(self, queue_key: int, host, why: str) -> None:
+        if self.routes.get(queue_key) == host:
+            del self.routes[queue_key]
+            self.errors.pop((host, queue_key), None)
+            self._note(NoteKind.ROUTE_DROPPED, queue_key, host, why)
+
+    # --- connections --------------------------------------------------------------------------
+
+    def _wait_for(self, link: _Link, lane: _Lane) -> None:
+        link.waiting[lane] = None
+        if link.state is LinkState.DOWN and link.retry_at <= self._now:
+            link.state = LinkState.CONNECTING
+            self._actions.append(Connect(link.host))
+
+    def _wake(self, link: _Link) -> None:
+        """Let the lanes waiting for ``link`` go on, oldest first, while there is room."""
+        if link.state is LinkState.DOWN:
+            if link.waiting and link.retry_at <= self._now:
+                link.state = LinkState.CONNECTING
+                self._actions.append(Connect(link.host))
+            return
+        if link.state is not LinkState.UP:
+            return
+        while link.waiting and len(link.outstanding) < self.settings.window:
+            lane = next(iter(link.waiting))
+            del link.waiting[lane]
+            if lane.ask_index is not None and self.settings.hosts[lane.ask_index] == link.host:
+                lane.ask_index = None  # the ask could not be sent yet: send it now
+                self._ask(lane, self.settings.hosts.index(link.host))
+            else:
+                self._pump(lane)
+
+    def _drop_link(self, link: _Link, why: str, close: bool = True) -> None:
+        """The connection ends: every frame it carried is unanswered (spec 5.11)."""
+        if close:
+            self._actions.append(Close(link.host, why))
+        link.state = LinkState.DOWN
+        link.decoder = None
+        self._link_failed(link, why)
+
+    def _link_failed(self, link: _Link, why: str) -> None:
+        link.failures += 1
+        link.retry_at = self._now + self.settings.reconnect_delay(link.failures)
+        self._note(NoteKind.CONNECTION_FAILED, None, link.host, why)
+        waiting, link.waiting = list(link.waiting), {}
+        frames, link.outstanding = link.outstanding, deque()
+        for frame in frames:
+            if frame.msg is None:
+                self._ask_answered(link, frame.lane, False, why)
+            else:
+                self._not_confirmed(link, frame.lane, frame.msg, why)
+        # Lanes that were waiting for this link to come up (and were not just dealt with).
+        for lane in waiting:
+            if lane in link.waiting or lane.queue_key not in self._lanes:
+                continue
+            if lane.ask_index is not None and self.settings.hosts[lane.ask_index] == link.host:
+                self._ask_answered(link, lane, False, why)
+            elif lane.pending and self.routes.get(lane.queue_key) == link.host:
+                self._route_unreachable(link, lane, why)
+            else:
+                self._pump(lane)
+
+    def _route_unreachable(self, link: _Link, lane: _Lane, why: str) -> None:
+        """A routed lane's receiver cannot be reached: an unconfirmed attempt for its head."""
+        head = lane.pending[0]
+        key = lane.queue_key
+        head.last_error = f"{link.host}: {why}"
+        if head.message_type == SURE_MSG:
+            self._drop_route(key, link.host, f"SURE message waiting and {why}")
+        else:
+            count = self.errors.get((link.host, key), 0) + 1
+            self.errors[(link.host, key)] = count
+            self._note(NoteKind.ERROR_COUNTED, key, link.host,
+                       f"{count} of {self.settings.error_limit}: {why}")
+            if count > self.settings.error_limit:
+                self._drop_route(key, link.host, f"error counter {count} over the limit "
+                                 f"{self.settings.error_limit}")
+            else:
+                link.waiting[lane] = None  # try the same route again after the back-off
+                return
+        self._pump(lane)
+
+    # --- endings ------------------------------------------------------------------------------
+
+    def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str) -> None:
+        self._actions.append(DeadLetter(msg, reason, detail))
+        self._fire(msg, T.DEAD_LETTERED)
+
+    def _forget_if_idle(self, lane: _Lane) -> None:
+        if not lane.pending and not lane.inflight and lane.ask_index is None:
+            self._lanes.pop(lane.queue_key, None)
+            for link in self._links.values():
+                link.waiting.pop(lane, None)
+
+    def _note(self, kind: NoteKind, queue_key, host, detail: str = "", key=None) -> None:
+        self._actions.append(Note(kind, queue_key, host, detail, key))
+
+    def hosts_with(self, states: Iterable[LinkState]) -> list:
+        wanted = set(states)
+        return [h for h, link in self._links.items() if link.state in wanted]

@@ -1,0 +1,386 @@
+"""Every rule of the sending MCA (spec 2, 3, 5), fed as events and bytes: no sockets, no daemon."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rqp import SURE_MSG, UNSURE_MSG
+from rqp.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
+from rqp.frames import FrameDecoder, encode
+from rqp.records import ReasonCode
+from rqp.sender_core import (
+    TRANSITIONS, Close, Connect, DeadLetter, Delivered, Lost, MsgState, Note, NoteKind, Send,
+    SenderCore, Settings,
+)
+
+Q1, Q2 = 0x52510001, 0x52510002
+YES, NO = encode(QueueYes()), encode(QueueNo())
+OK, ERR = encode(DeliveredYes()), encode(DeliveredError())
+
+
+class Harness:
+    """A sending MCA core with hosts b and c (by default) and a clock that only moves on demand."""
+
+    def __init__(self, hosts=("b", "c"), **settings):
+        self.keys = itertools.count(0x100000001)
+        self.core = SenderCore(Settings(hosts=tuple(hosts), **settings), lambda: next(self.keys))
+        self.now = 100.0
+        self.log: list = []
+        self._seen = 0  # how much of the log sent() has looked at
+
+    def actions(self) -> list:
+        acts = self.core.take_actions()
+        self.log += acts
+        return acts
+
+    def submit(self, queue_key=Q1, message_type=SURE_MSG, payload=b"x"):
+        return self.core.submit(message_type, queue_key, payload, self.now)
+
+    def sent(self, connect=True) -> list:
+        """Frames sent since the last call, decoded, as (host, event). Connections succeed."""
+        out = []
+        self.actions()
+        while self._seen < len(self.log):
+            act = self.log[self._seen]
+            self._seen += 1
+            if isinstance(act, Connect) and connect:
+                self.core.connected(act.host, self.now)
+                self.actions()
+            elif isinstance(act, Send):
+                out += [(act.host, ev) for ev in FrameDecoder().events(act.data)]
+        return out
+
+    def answer(self, host, *frames):
+        self.core.data_received(host, b"".join(frames), self.now)
+
+    def serve(self, offers: dict, deliver=lambda host, msg: True, rounds=100) -> list:
+        """Play the receiving MCAs until nothing more is sent: ``offers`` maps a host to the
+        queue keys it offers; ``deliver`` says whether a MESSAGE is put. Returns the frames."""
+        frames = []
+        for _ in range(rounds):
+            batch = self.sent()
+            if not batch:
+                return frames
+            frames += batch
+            for host, ev in batch:
+                if isinstance(ev, QueueAsk):
+                    self.answer(host, YES if ev.queue_key in offers.get(host, ()) else NO)
+                else:
+                    self.answer(host, OK if deliver(host, ev) else ERR)
+        raise AssertionError("the sender never went quiet")
+
+    def of(self, kind):
+        self.actions()
+        return [a for a in self.log if isinstance(a, kind)]
+
+    def advance(self, seconds=None):
+        """Move the clock by ``seconds``, or to the core's next deadline."""
+        if seconds is None:
+            deadline = self.core.next_deadline()
+            assert deadline is not None, "nothing is waiting for time to pass"
+            seconds = max(deadline - self.now, 0)
+        self.now += seconds
+        self.core.tick(self.now)
+        return seconds
+
+
+def test_asks_hosts_in_order_and_stops_at_first_yes_then_caches_the_route():
+    h = Harness(hosts=("a", "b", "c"))
+    h.submit()
+    assert h.sent() == [("a", QueueAsk(queue_key=Q1))]
+    h.answer("a", NO)
+    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    h.answer("b", YES)
+    [(host, msg)] = h.sent()
+    assert host == "b" and isinstance(msg, Message) and msg.queue_key == Q1
+    h.answer("b", OK)
+    assert [d.host for d in h.of(Delivered)] == ["b"]
+    h.submit(payload=b"second")
+    [(host, msg)] = h.sent()  # no QUEUE_ASK this time, and c was never asked
+    assert host == "b" and msg.message == b"second"
+    assert h.core.routes == {Q1: "b"}
+    assert not [a for a in h.log if isinstance(a, Connect) and a.host == "c"]
+
+
+def test_unique_key_assigned_at_first_send_and_kept_across_retries():
+    h = Harness()
+    h.submit()
+    h.sent()
+    h.answer("b", YES)
+    [(_, first)] = h.sent()
+    h.answer("b", ERR)  # SURE: route dropped, whole send repeated from asking
+    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    h.answer("b", NO)
+    h.sent()
+    h.answer("c", YES)
+    [(host, second)] = h.sent()
+    assert host == "c" and second.key == first.key == 0x100000001
+    h.submit()
+    [(_, third)] = h.sent()
+    assert third.key == 0x100000002
+
+
+def test_unsure_error_counter_drops_route_after_error_limit():
+    h = Harness(error_limit=3)
+    for _ in range(4):
+        h.submit(message_type=UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    assert len(h.sent()) == 4  # pipelined: a window of MESSAGEs in flight
+    for n in range(1, 4):
+        h.answer("b", ERR)
+        assert h.core.error_count("b", Q1) == n and h.core.routes == {Q1: "b"}
+    h.answer("b", ERR)  # the fourth error exceeds ERROR_LIMIT = 3
+    assert h.core.routes == {}
+    assert len(h.of(Lost)) == 4 and not h.of(DeadLetter)
+    assert [n.detail for n in h.of(Note) if n.kind is NoteKind.ERROR_COUNTED] == [
+        f"{i} of 3: DELIVERED_ERROR" for i in range(1, 5)]
+    h.submit(message_type=UNSURE_MSG)
+    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]  # asks again
+
+
+def test_unsure_success_resets_the_counter():
+    h = Harness()
+    for _ in range(3):
+        h.submit(message_type=UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", ERR, ERR)
+    assert h.core.error_count("b", Q1) == 2
+    h.answer("b", OK)
+    assert h.core.error_count("b", Q1) == 0
+
+
+def test_sure_not_confirmed_drops_route_at_once_and_repeats_from_asking():
+    h = Harness()
+    h.submit()
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", ERR)
+    assert h.core.routes == {}
+    assert [n.kind for n in h.of(Note)][-2:] == [NoteKind.ROUTE_DROPPED, NoteKind.RETRY_SCHEDULED]
+    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]  # first retry at once
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", OK)
+    assert len(h.of(Delivered)) == 1 and not h.of(DeadLetter) and not h.of(Lost)
+
+
+def test_sure_retries_back_off_exponentially():
+    h = Harness(hosts=("b",), backoff_initial=0.5, backoff_max=4)
+    h.submit()
+    asks = []
+    for _ in range(6):
+        asks += [h.now] * len(h.serve({}))
+        h.advance()
+    gaps = [round(b - a, 3) for a, b in zip(asks, asks[1:])]
+    assert gaps == [0, 0.5, 1, 2, 4, 4]  # at once, then doubling up to backoff_max
+
+
+def test_no_host_says_yes_unsure_dead_letter_sure_waits():
+    h = Harness()
+    h.submit(Q1, UNSURE_MSG, b"u")
+    assert [f for f in h.serve({})] == [("b", QueueAsk(queue_key=Q1)),
+                                        ("c", QueueAsk(queue_key=Q1))]
+    [dl] = h.of(DeadLetter)
+    assert dl.reason is ReasonCode.NO_ROUTE and dl.message.payload == b"u"
+    assert "asked b, c" in dl.detail
+    assert dl.message.state is MsgState.DEAD_LETTERED
+
+    h.submit(Q2, SURE_MSG, b"s")
+    assert len(h.serve({})) == 4  # two rounds: the first retry is at once
+    assert h.core.held == 1 and len(h.of(DeadLetter)) == 1
+    assert h.advance() == 0.5
+    assert len(h.serve({})) == 2 and h.core.held == 1
+    assert h.advance() == 1.0
+    frames = h.serve({"c": {Q2}})  # the queue appeared on c meanwhile
+    assert [type(ev) for _, ev in frames] == [QueueAsk, QueueAsk, Message]
+    assert h.core.held == 0 and [d.host for d in h.of(Delivered)] == ["c"]
+
+
+def test_waiting_sure_holds_back_its_own_key_only():
+    h = Harness(hosts=("b",))
+    h.submit(Q1, SURE_MSG, b"held-1")
+    h.submit(Q1, UNSURE_MSG, b"held-2")
+    h.serve({})  # Q1 has no route: the SURE head waits, and so does what is behind it
+    h.submit(Q2, UNSURE_MSG, b"flows")
+    frames = h.serve({"b": {Q2}})
+    assert [ev.message for _, ev in frames if isinstance(ev, Message)] == [b"flows"]
+    assert not h.of(DeadLetter)  # held-2 (UNSURE) is not dead-lettered: it is behind a SURE
+    assert h.core.held == 2
+    h.advance()
+    frames = h.serve({"b": {Q1, Q2}})
+    assert [ev.message for _, ev in frames if isinstance(ev, Message)] == [b"held-1", b"held-2"]
+
+
+def test_order_kept_when_a_pipelined_sure_message_fails():
+    h = Harness(hosts=("b",))
+    for i in range(4):
+        h.submit(payload=b"%d" % i)
+    h.sent()
+    h.answer("b", YES)
+    assert [m.message for _, m in h.sent()] == [b"0", b"1", b"2", b"3"]
+    h.answer("b", OK, ERR, ERR, OK)  # 1 and 2 failed; 3 (a foreign receiver) took it
+    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    h.answer("b", YES)
+    assert [m.message for _, m in h.sent()] == [b"1", b"2"]
+
+
+def test_answers_matched_in_order_with_a_window():
+    h = Harness(hosts=("b",), window=3)
+    for i in range(5):
+        h.submit(payload=b"%d" % i)
+    h.sent()
+    h.answer("b", YES)
+    assert [m.message for _, m in h.sent()] == [b"0", b"1", b"2"]  # window of 3
+    h.answer("b", OK)
+    assert [m.message for _, m in h.sent()] == [b"3"]
+    h.answer("b", OK + OK[:1])  # an answer split across reads
+    h.answer("b", OK[1:])
+    assert [m.message for _, m in h.sent()] == [b"4"]
+    h.answer("b", OK, OK)
+    assert [d.message.payload for d in h.of(Delivered)] == [b"0", b"1", b"2", b"3", b"4"]
+
+
+def test_overdue_answer_ends_the_connection():
+    h = Harness(hosts=("b",), confirm_timeout=5)
+    h.submit(Q1, SURE_MSG)
+    h.submit(Q2, UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES, YES)
+    h.sent()
+    h.advance(4.9)
+    assert not h.of(Close)
+    h.advance(0.2)
+    [close] = h.of(Close)
+    assert close.host == "b" and "within 5s" in close.reason
+    assert h.core.error_count("b", Q2) == 1 and len(h.of(Lost)) == 1
+    assert h.core.routes == {Q2: "b"}  # UNSURE: route kept below the limit; SURE: dropped
+    assert h.sent() == []  # b is in its reconnect back-off
+    h.advance()
+    frames = h.serve({"b": {Q1}})
+    assert [type(ev) for _, ev in frames] == [QueueAsk, Message]
+    assert [d.message.queue_key for d in h.of(Delivered)] == [Q1]
+
+
+def test_late_answer_is_never_matched_to_a_later_frame():
+    h = Harness(hosts=("b",), confirm_timeout=1)
+    h.submit()
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.advance(1.5)  # connection closed
+    h.answer("b", OK)  # the late answer on the dead connection is ignored
+    assert not h.of(Delivered)
+
+
+@pytest.mark.parametrize("garbage, why", [
+    pytest.param(b"\x09\x00", "unknown message_code 9", id="unknown_code"),
+    pytest.param(encode(QueueAsk(queue_key=1)), "unexpected QUEUE_ASK", id="request_to_sender"),
+    pytest.param(YES, "QueueYes in answer to MESSAGE", id="wrong_answer"),
+])
+def test_protocol_errors_close_the_connection(garbage, why):
+    h = Harness(hosts=("b",))
+    h.submit(message_type=UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", garbage)
+    [close] = h.of(Close)
+    assert why in close.reason
+
+
+def test_answer_with_nothing_outstanding_is_a_protocol_error():
+    h = Harness(hosts=("b",))
+    h.submit()
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", OK, OK)
+    [close] = h.of(Close)
+    assert "answers nothing" in close.reason
+
+
+def test_unreachable_host_is_skipped_when_asking():
+    h = Harness(hosts=("b", "c"))
+    h.submit()
+    assert h.sent(connect=False) == [] and h.of(Connect) == [Connect("b")]
+    h.core.connect_failed("b", "Connection refused", h.now)
+    frames = h.sent()
+    assert frames == [("c", QueueAsk(queue_key=Q1))]
+    h.submit(Q2)
+    assert h.sent() == [("c", QueueAsk(queue_key=Q2))]  # b is in back-off: skipped at once
+    h.answer("c", YES, YES)
+    assert [(host, type(e)) for host, e in h.sent()] == [("c", Message), ("c", Message)]
+    h.advance(0.5)  # b's back-off is over: it is tried again when next needed
+    h.submit(0x52510003)
+    assert h.sent() == [("b", QueueAsk(queue_key=0x52510003))]
+
+
+def test_route_unreachable_sure_reasks_at_once_unsure_counts():
+    h = Harness(hosts=("b", "c"), error_limit=1)
+    h.submit(Q1, UNSURE_MSG)
+    h.submit(Q2, SURE_MSG)
+    h.serve({"b": {Q1, Q2}})
+    h.core.connection_lost("b", "reset by peer", h.now)
+    h.submit(Q1, UNSURE_MSG, b"u")
+    h.submit(Q2, SURE_MSG, b"s")
+    assert h.sent() == []  # both wait for b's reconnect back-off
+    h.advance()
+    assert h.sent(connect=False) == [] and h.of(Connect)[-1] == Connect("b")
+    h.core.connect_failed("b", "refused", h.now)
+    # SURE: route to b dropped at once and asked again (b is in back-off, so c)
+    assert h.sent() == [("c", QueueAsk(queue_key=Q2))]
+    assert h.core.routes.get(Q1) == "b" and h.core.error_count("b", Q1) == 1
+    h.answer("c", NO)
+    h.advance()
+    h.sent(connect=False)
+    h.core.connect_failed("b", "refused", h.now)
+    assert Q1 not in h.core.routes  # second error > error_limit 1: dropped, asked again
+    assert ("c", QueueAsk(queue_key=Q1)) in h.sent()
+
+
+def test_invalid_records_go_to_dead_letter():
+    h = Harness()
+    h.submit(0, SURE_MSG)
+    h.submit(Q1, 7)
+    h.submit(2**33, UNSURE_MSG)
+    reasons = [d.reason for d in h.of(DeadLetter)] + [d.reason for d in h.actions()
+                                                       if isinstance(d, DeadLetter)]
+    assert reasons == [ReasonCode.NO_QUEUE_KEY, ReasonCode.BAD_MESSAGE_TYPE,
+                       ReasonCode.NO_QUEUE_KEY]
+    assert h.core.held == 0
+
+
+def test_retry_budget_dead_letters_a_sure_message():
+    h = Harness(hosts=("b",), max_attempts=2)
+    h.submit()
+    h.sent()
+    h.answer("b", NO)
+    h.sent()
+    h.answer("b", NO)
+    [dl] = h.of(DeadLetter)
+    assert dl.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
+
+
+def test_transition_table_matches_the_seed_diagram():
+    seed_states = {"Waiting for message", "Ask for queue", "Sending message",
+                   "Waiting for confirmation", "Increase error counter",
+                   "Put message to DEAD.LETTER.Q"}
+    assert seed_states <= {s.value for s in TRANSITIONS}
+    reachable = {MsgState.WAITING_FOR_MESSAGE}
+    frontier = [MsgState.WAITING_FOR_MESSAGE]
+    while frontier:
+        for nxt in TRANSITIONS[frontier.pop()].values():
+            if nxt not in reachable:
+                reachable.add(nxt)
+                frontier.append(nxt)
+    assert reachable == set(TRANSITIONS)
+    assert TRANSITIONS[MsgState.WAITING_FOR_CONFIRMATION] == {
+        t: s for t, s in TRANSITIONS[MsgState.WAITING_FOR_CONFIRMATION].items()}
+    for final in (MsgState.DELIVERED, MsgState.LOST, MsgState.DEAD_LETTERED):
+        assert TRANSITIONS[final] == {}
