@@ -1,0 +1,900 @@
+"""Configuration: the sender's ``.rqprc`` and the receiver's YAML file.
+
+All validation happens here. The agents get frozen, fully checked :class:`SenderConfig` and
+:class:`ReceiverConfig` objects; every problem raises :class:`~rqp.errors.ConfigError` with a
+message naming the file, the key, the bad value and what was expected, e.g.::
+
+    /home/u/.rqprc: key 'ask_timeout': bad value '-1': expected a positive duration in seconds
+    (e.g. 2, 0.5, '500ms', '2s') (line 4)
+
+The value parsers (:func:`parse_duration`, :func:`parse_queue_key`, :func:`parse_host`,
+:func:`parse_size`) are public for command-line use; they raise a ``ConfigError`` that is also a
+``ValueError`` (so ``argparse`` reports it) and whose message is ``bad value '...': expected ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import math
+import os
+import re
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import yaml
+
+from rqp.constants import (
+    DEAD_LETTER_QUEUE_NAME,
+    DEFAULT_DEAD_LETTER_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_TRANSMISSION_QUEUE,
+    ERROR_LIMIT,
+    HARD_MESSAGE_CAP,
+    IPC_PRIVATE,
+    KEY_T_MAX,
+    TRANSMISSION_QUEUE_NAME,
+)
+from rqp.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_ASK_TIMEOUT",
+    "DEFAULT_CONFIRM_TIMEOUT",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_LISTEN_HOST",
+    "DEFAULT_PUT_RETRY_COUNT",
+    "DEFAULT_PUT_RETRY_INTERVAL",
+    "DEFAULT_RETRY_BACKOFF_INITIAL",
+    "DEFAULT_RETRY_BACKOFF_MAX",
+    "DEFAULT_WINDOW",
+    "MAX_DURATION",
+    "MAX_WINDOW",
+    "QUEUE_NAME_RE",
+    "RECEIVER_KEYS",
+    "RQPRC_SEARCH_ORDER",
+    "SENDER_KEYS",
+    "SYSTEM_RQPRC",
+    "HostAddress",
+    "ReceiverConfig",
+    "SenderConfig",
+    "default_state_dir",
+    "find_rqprc",
+    "load_receiver_config",
+    "load_sender_config",
+    "parse_duration",
+    "parse_host",
+    "parse_queue_key",
+    "parse_size",
+    "receiver_config_from_mapping",
+    "sender_config_from_mapping",
+]
+
+T = TypeVar("T")
+_PathArg = str | os.PathLike[str] | None
+Env = Mapping[str, str] | None
+
+# Documented defaults that constants.py does not hold.
+DEFAULT_ASK_TIMEOUT = 2.0
+DEFAULT_CONFIRM_TIMEOUT = 15.0
+DEFAULT_CONNECT_TIMEOUT = 2.0
+DEFAULT_RETRY_BACKOFF_INITIAL = 0.5
+DEFAULT_RETRY_BACKOFF_MAX = 30.0
+DEFAULT_WINDOW = 64
+MAX_WINDOW = 65536
+DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default
+DEFAULT_PUT_RETRY_INTERVAL = 1.0  # IBM MQ's MRTMR default
+DEFAULT_LISTEN_HOST = "0.0.0.0"
+#: Longest accepted duration. Far longer values overflow the C timeouts of sockets and selectors.
+MAX_DURATION = 365 * 24 * 3600.0
+
+#: The last place :func:`find_rqprc` looks. A module constant so that tests can replace it.
+SYSTEM_RQPRC = Path("/etc/rqp/rqprc")
+#: Where :func:`find_rqprc` looks, first match wins (for help texts and error messages).
+RQPRC_SEARCH_ORDER: tuple[str, ...] = (
+    "the path given explicitly (e.g. --config)",
+    "$RQPRC",
+    "./.rqprc",
+    "~/.rqprc",
+    str(SYSTEM_RQPRC),
+)
+
+SENDER_KEYS: tuple[str, ...] = (
+    "hosts",
+    "port",
+    "transmission_queue",
+    "dead_letter_queue",
+    "state_dir",
+    "ask_timeout",
+    "confirm_timeout",
+    "connect_timeout",
+    "error_limit",
+    "queues",
+    "retry_backoff_initial",
+    "retry_backoff_max",
+    "window",
+)
+RECEIVER_KEYS: tuple[str, ...] = (
+    "listen",
+    "dead_letter_queue",
+    "max_message_size",
+    "queues",
+    "offer",
+    "put_retry_count",
+    "put_retry_interval",
+    "state_dir",
+    "host_name",
+)
+_OFFER_KEYS = ("allow", "deny")
+
+#: A queue name: NetarchiveSuite style ``<ENV>_<PREFIX>_<REPLICA>[_<MACHINE>][_<APP>]`` or any
+#: name of this shape. Names start with a letter, so they never look like a number.
+QUEUE_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,127}")
+
+_NO_FILE = "<mapping>"
+_BOOL_NOTE = " (YAML reads yes/no/on/off/true/false as booleans)"
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class _BadValue(ConfigError, ValueError):
+    """One value is wrong. The loaders prefix the file and the key to the message."""
+
+    def __init__(self, value: object, expected: str):
+        if isinstance(value, bool):
+            expected += _BOOL_NOTE
+        super().__init__(f"bad value {_show(value)}: {expected}")
+        self.value = value
+        self.expected = expected
+
+
+def _show(value: object) -> str:
+    """The value as the user wrote it (near enough), quoted and cut to a readable length."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif value is None:
+        text = "null"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return repr(text)
+
+
+def _did_you_mean(word: object, choices: Iterable[str]) -> str:
+    folded = {choice.casefold(): choice for choice in choices}
+    close = difflib.get_close_matches(str(word).casefold(), folded, n=1)
+    return f" (did you mean {folded[close[0]]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Value parsers
+
+_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h)?")
+_DURATION_UNITS: Mapping[str | None, Fraction] = {
+    "ms": Fraction(1, 1000),
+    "s": Fraction(1),
+    None: Fraction(1),
+    "m": Fraction(60),
+    "h": Fraction(3600),
+}
+_DURATION_EXPECTED = "expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s')"
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a positive number, or a string: ``'500ms'``, ``'2s'``, ``'3m'``, ``'1h'``."""
+    seconds = _duration_seconds(value)
+    if seconds is None or not (math.isfinite(seconds) and seconds > 0):
+        raise _BadValue(value, _DURATION_EXPECTED)
+    if seconds > MAX_DURATION:
+        raise _BadValue(value, f"expected a duration of at most {MAX_DURATION:.0f} s (a year)")
+    return seconds
+
+
+def _duration_seconds(value: object) -> float | None:
+    try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and (match := _DURATION_RE.fullmatch(value.strip())):
+            return float(Fraction(match["num"]) * _DURATION_UNITS[match["unit"]])
+    except (OverflowError, ValueError):  # too big for a float, or more digits than int() takes
+        pass
+    return None
+
+
+_KEY_RE = re.compile(r"([+-]?)(?:0[xX]([0-9a-fA-F]+)|0[oO]?([0-7]+)|(0|[1-9][0-9]*))")
+_KEY_EXPECTED = (
+    f"expected a System V queue key: an integer 1..{KEY_T_MAX} or a negative key_t "
+    "-2147483648..-1, written in decimal, hex or octal (e.g. 0x52510001, 1381040129)"
+)
+
+
+def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> int:
+    """A System V ``key_t`` as an unsigned 32-bit int; a string in ``names`` gives its key.
+
+    Negative keys (``key_t`` is signed) are normalised to ``value & 0xFFFFFFFF``. 0 is
+    ``IPC_PRIVATE`` and is rejected: it names no queue.
+    """
+    expected = _KEY_EXPECTED + (", or a configured queue name" if names is not None else "")
+    if isinstance(value, bool):
+        raise _BadValue(value, expected)
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if names is not None and text in names:
+            return names[text]
+        if QUEUE_NAME_RE.fullmatch(text):
+            if names is None:
+                raise _BadValue(value, _KEY_EXPECTED + "; a queue name cannot be used here")
+            known = sorted(names)
+            listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "")
+            raise _BadValue(
+                value,
+                "expected a queue key or a queue name defined under 'queues'"
+                f"{_did_you_mean(text, known)}; known names: {listed}",
+            )
+        match = _KEY_RE.fullmatch(text) if len(text) <= 40 else None
+        if match is None:
+            raise _BadValue(value, expected)
+        sign, hex_digits, octal_digits, decimal_digits = match.groups()
+        if hex_digits is not None:
+            number = int(hex_digits, 16)
+        elif octal_digits is not None:
+            number = int(octal_digits, 8)
+        else:
+            number = int(decimal_digits)
+        if sign == "-":
+            number = -number
+    else:
+        raise _BadValue(value, expected)
+    if number == IPC_PRIVATE:
+        raise _BadValue(value, "expected a key other than 0 (0 is IPC_PRIVATE: it names no queue)")
+    if not -(1 << 31) <= number <= KEY_T_MAX:
+        raise _BadValue(value, expected)
+    return number & KEY_T_MAX
+
+
+@dataclasses.dataclass(frozen=True)
+class HostAddress:
+    """A host and a TCP port. ``str()`` gives ``host:port``, or ``[v6]:port`` for IPv6.
+
+    Unpacks like a pair: ``host, port = address``.
+    """
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def __iter__(self) -> Iterator[str | int]:
+        return iter((self.host, self.port))
+
+
+_HOST_EXPECTED = (
+    "expected 'host', 'host:port', 'IPv4:port', '[IPv6]:port', '[IPv6]' or a bare IPv6 address, "
+    "with a port in 1..65535"
+)
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_\-]*[A-Za-z0-9_])?"
+_HOSTNAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+_NUMERIC_HOST_RE = re.compile(r"[0-9.]+")
+
+
+def _hostname_or_ipv4(text: str) -> str | None:
+    if len(text) > 254 or not _HOSTNAME_RE.fullmatch(text):
+        return None
+    if _NUMERIC_HOST_RE.fullmatch(text):  # all digits and dots: it must be a real IPv4 address
+        try:
+            return str(ipaddress.IPv4Address(text))
+        except ValueError:
+            return None
+    return text.lower()
+
+
+def _ipv6(text: str) -> str | None:
+    try:
+        return str(ipaddress.IPv6Address(text))
+    except ValueError:
+        return None
+
+
+def _port(text: str) -> int | None:
+    if not (text.isascii() and text.isdigit()) or len(text) > 5:
+        return None
+    port = int(text)
+    return port if 1 <= port <= 65535 else None
+
+
+def parse_host(value: object, default_port: int = DEFAULT_PORT) -> HostAddress:
+    """``host``, ``host:port``, ``1.2.3.4:5``, ``[::1]:7460``, ``[::1]`` or ``::1``.
+
+    Host names are lower-cased and IP addresses put in canonical form, so equal addresses
+    compare equal.
+    """
+    if not isinstance(value, str):
+        quote = isinstance(value, (int, list))  # YAML took 1:2:3 for a number, [::1] for a list
+        raise _BadValue(value, _HOST_EXPECTED + (" (quote IPv6 addresses in YAML)" * quote))
+    text = value.strip()
+    host: str | None
+    port: int | None = default_port
+    if text.startswith("["):
+        inside, bracket, rest = text[1:].partition("]")
+        host = _ipv6(inside) if bracket else None
+        if rest:
+            port = _port(rest[1:]) if rest.startswith(":") else None
+    elif text.count(":") >= 2:
+        host = _ipv6(text)
+    elif ":" in text:
+        name, _, port_text = text.partition(":")
+        host, port = _hostname_or_ipv4(name), _port(port_text)
+    else:
+        host = _hostname_or_ipv4(text)
+    if host is None or port is None:
+        raise _BadValue(value, _HOST_EXPECTED)
+    return HostAddress(host, port)
+
+
+_LISTEN_EXPECTED = (
+    "expected 'host:port', 'host' or ':port' for all interfaces "
+    "(e.g. '0.0.0.0:7460', ':7460', '[::]:7460'), with a port in 1..65535"
+)
+
+
+def _parse_listen(value: object) -> HostAddress:
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.startswith(":") and not text.startswith("::"):
+        text = DEFAULT_LISTEN_HOST + text  # ':port' means every interface
+    try:
+        return parse_host(text, DEFAULT_PORT)
+    except _BadValue:
+        raise _BadValue(value, _LISTEN_EXPECTED) from None
+
+
+_SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib)?", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_SIZE_EXPECTED = (
+    f"expected a positive number of bytes up to {HARD_MESSAGE_CAP} (e.g. 8192, '8KiB', '1MiB'), "
+    "or null for the kernel's msgmax"
+)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from a positive int, or a string: ``'8192'``, ``'8KiB'``, ``'64 KiB'``, ``'1MiB'``."""
+    size = 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE_RE.fullmatch(value.strip())):
+        if len(match[1]) < 20:
+            size = int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
+    if not 1 <= size <= HARD_MESSAGE_CAP:
+        raise _BadValue(value, _SIZE_EXPECTED)
+    return size
+
+
+def _int_parser(low: int, high: int | None, what: str) -> Callable[[object], int]:
+    span = f"{low}..{high}" if high is not None else f">= {low}"
+    expected = f"expected {what}: an integer {span}"
+
+    def parse(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _BadValue(value, expected)
+        if value < low or (high is not None and value > high):
+            raise _BadValue(value, expected)
+        return value
+
+    return parse
+
+
+_parse_port = _int_parser(1, 65535, "a TCP port")
+_parse_error_limit = _int_parser(1, None, "a number of errors")
+_parse_window = _int_parser(1, MAX_WINDOW, "a number of frames")
+_parse_retry_count = _int_parser(0, None, "a number of retries")
+
+_HOST_NAME_RE = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
+
+
+def _parse_host_name(value: object) -> str:
+    if not isinstance(value, str) or not _HOST_NAME_RE.fullmatch(value):
+        raise _BadValue(value, "expected a host name: 1 to 255 characters without spaces")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The state directory
+
+
+def _home_dir(env: Mapping[str, str], home: _PathArg) -> str:
+    if home is not None:
+        return os.fspath(home)
+    return env.get("HOME") or os.path.expanduser("~")
+
+
+def default_state_dir(
+    env: Env = None,
+    *,
+    euid: int | None = None,
+    home: _PathArg = None,
+) -> str:
+    """``$STATE_DIRECTORY`` (its first entry), else ``/var/lib/rqp`` for root, else
+    ``$XDG_STATE_HOME/rqp`` or ``~/.local/state/rqp``."""
+    env = os.environ if env is None else env
+    for entry in env.get("STATE_DIRECTORY", "").split(":"):
+        if entry:
+            return entry
+    if (os.geteuid() if euid is None else euid) == 0:
+        return "/var/lib/rqp"
+    xdg = env.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec says to ignore a relative value
+        return os.path.join(xdg, "rqp")
+    return os.path.join(_home_dir(env, home), ".local", "state", "rqp")
+
+
+# --------------------------------------------------------------------------------------------
+# The result types
+
+
+def _no_names() -> Mapping[str, int]:
+    return types.MappingProxyType({})
+
+
+def _queue_name(names: Mapping[str, int], builtins: Mapping[str, int], key: int) -> str | None:
+    if -(1 << 31) <= key < 0:
+        key &= KEY_T_MAX
+    for table in (names, builtins):
+        for name, value in table.items():
+            if value == key:
+                return name
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderConfig:
+    """The sending MCA's and the application API's settings, from ``.rqprc``."""
+
+    hosts: tuple[HostAddress, ...]
+    port: int = DEFAULT_PORT
+    transmission_queue: int = DEFAULT_TRANSMISSION_QUEUE
+    dead_letter_queue: int = DEFAULT_DEAD_LETTER_QUEUE
+    state_dir: str = dataclasses.field(default_factory=default_state_dir)
+    ask_timeout: float = DEFAULT_ASK_TIMEOUT
+    confirm_timeout: float = DEFAULT_CONFIRM_TIMEOUT
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    error_limit: int = ERROR_LIMIT
+    queues: Mapping[str, int] = dataclasses.field(default_factory=_no_names, hash=False)
+    retry_backoff_initial: float = DEFAULT_RETRY_BACKOFF_INITIAL
+    retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
+    window: int = DEFAULT_WINDOW
+    source: str | None = None
+
+    @property
+    def builtin_queues(self) -> Mapping[str, int]:
+        """``DEAD.LETTER.Q`` and ``RQP.XMIT.Q`` with their configured keys."""
+        return {
+            DEAD_LETTER_QUEUE_NAME: self.dead_letter_queue,
+            TRANSMISSION_QUEUE_NAME: self.transmission_queue,
+        }
+
+    def resolve_queue(self, name_or_key: object) -> int:
+        """The key of a configured or built-in queue name, or a queue key given as such."""
+        return parse_queue_key(name_or_key, {**self.queues, **self.builtin_queues})
+
+    def queue_name(self, key: int) -> str | None:
+        """The first name configured for ``key``, else its built-in name, else None."""
+        return _queue_name(self.queues, self.builtin_queues, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverConfig:
+    """The receiving MCA's settings. Every field has a default: a receiver needs no file."""
+
+    listen: HostAddress = HostAddress(DEFAULT_LISTEN_HOST, DEFAULT_PORT)
+    dead_letter_queue: int = DEFAULT_DEAD_LETTER_QUEUE
+    #: None: the kernel's ``msgmax``, read at run time.
+    max_message_size: int | None = None
+    queues: Mapping[str, int] = dataclasses.field(default_factory=_no_names, hash=False)
+    #: None: no allow list, every queue may be offered.
+    offer_allow: frozenset[int] | None = None
+    offer_deny: frozenset[int] = frozenset()
+    put_retry_count: int = DEFAULT_PUT_RETRY_COUNT
+    put_retry_interval: float = DEFAULT_PUT_RETRY_INTERVAL
+    state_dir: str = dataclasses.field(default_factory=default_state_dir)
+    #: None: ``socket.gethostname()`` at run time.
+    host_name: str | None = None
+    source: str | None = None
+
+    @property
+    def builtin_queues(self) -> Mapping[str, int]:
+        """``DEAD.LETTER.Q`` with its configured key (a receiver has no transmission queue)."""
+        return {DEAD_LETTER_QUEUE_NAME: self.dead_letter_queue}
+
+    def resolve_queue(self, name_or_key: object) -> int:
+        """The key of a configured queue name or ``DEAD.LETTER.Q``, or a queue key given as such."""
+        return parse_queue_key(name_or_key, {**self.queues, **self.builtin_queues})
+
+    def queue_name(self, key: int) -> str | None:
+        """The first name configured for ``key``, else its built-in name, else None."""
+        return _queue_name(self.queues, self.builtin_queues, key)
+
+    def offers(self, key: int) -> bool:
+        """Whether the allow and deny lists let this receiver offer queue ``key``."""
+        if self.offer_allow is not None and key not in self.offer_allow:
+            return False
+        return key not in self.offer_deny
+
+
+# --------------------------------------------------------------------------------------------
+# Building configs from parsed YAML
+
+
+_RESERVED_NAMES = {
+    DEAD_LETTER_QUEUE_NAME: "the dead-letter queue, dead_letter_queue",
+    TRANSMISSION_QUEUE_NAME: "the transmission queue, transmission_queue",
+}
+_HOSTS_EXPECTED = (
+    "expected a non-empty list of hosts ('host', 'host:port', '[IPv6]:port'), asked in that order"
+)
+_QUEUES_EXPECTED = (
+    "expected a mapping of queue names to keys (e.g. PROD_THE_SCHED_COMMON: 0x52510001)"
+)
+_QUEUE_NAME_EXPECTED = (
+    f"expected a queue name matching {QUEUE_NAME_RE.pattern} (e.g. PROD_THE_SCHED_COMMON)"
+)
+_STATE_DIR_EXPECTED = (
+    "expected a directory path (a relative one starts at the config file's directory)"
+)
+_OFFER_EXPECTED = "expected a mapping with 'allow' and/or 'deny' lists of queue keys or names"
+
+
+class _Fields:
+    """One parsed file being validated: turns value errors into file/key errors."""
+
+    def __init__(
+        self,
+        data: object,
+        file: str | None,
+        lines: Mapping[str, int],
+        env: Mapping[str, str],
+        home: _PathArg,
+    ):
+        self.file = file
+        self.name = file or _NO_FILE
+        self.lines = lines
+        self.env = env
+        self.home = home
+        if not isinstance(data, Mapping):
+            found = "a list" if isinstance(data, list) else f"the value {_show(data)}"
+            self.fail(None, f"expected a mapping of keys to values at the top level, found {found}")
+        self.data: Mapping[object, object] = data
+
+    def fail(self, key: str | None, message: str) -> NoReturn:
+        line = self.lines.get(key or "")
+        where = f" (line {line})" if line else ""
+        prefix = f"{self.name}: key {key!r}: " if key else f"{self.name}: "
+        raise ConfigError(prefix + message + where, path=self.file, key=key)
+
+    def missing(self, key: str, expected: str) -> NoReturn:
+        message = f"{self.name}: key {key!r} is required: {expected}"
+        raise ConfigError(message, path=self.file, key=key)
+
+    def bad(self, key: str, value: object, expected: str) -> NoReturn:
+        self.fail(key, str(_BadValue(value, expected)))
+
+    def parse(self, key: str, value: object, parser: Callable[[object], T]) -> T:
+        try:
+            return parser(value)
+        except _BadValue as exc:
+            self.fail(key, str(exc))
+
+    def get(self, key: str, parser: Callable[[object], T], default: T) -> T:
+        """The parsed value of ``key``; missing and null both mean the default."""
+        value = self.data.get(key)
+        return default if value is None else self.parse(key, value, parser)
+
+    def check_keys(
+        self,
+        mapping: Mapping[object, object],
+        known: Sequence[str],
+        prefix: str = "",
+        elsewhere: tuple[Sequence[str], str] = ((), ""),
+    ) -> None:
+        """Reject unknown keys, suggesting the nearest known one."""
+        for key in mapping:
+            if key in known:
+                continue
+            hint = _did_you_mean(key, known)
+            if not hint and key in elsewhere[0]:
+                hint = f" (it belongs in {elsewhere[1]})"
+            path = f"{prefix}{key}"
+            line = self.lines.get(path)
+            where = f" (line {line})" if line else ""
+            message = f"{self.name}: unknown key {str(key)!r}{hint}; known keys: {', '.join(known)}"
+            raise ConfigError(message + where, path=self.file, key=path)
+
+    def state_dir(self) -> str:
+        base = os.path.dirname(os.path.abspath(self.file)) if self.file else os.getcwd()
+
+        def parse(value: object) -> str:
+            if not isinstance(value, str) or not value.strip() or "\0" in value:
+                raise _BadValue(value, _STATE_DIR_EXPECTED)
+            path = value.strip()
+            if path == "~" or path.startswith("~/"):
+                path = _home_dir(self.env, self.home) + path[1:]
+            return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+        return self.get("state_dir", parse, None) or default_state_dir(self.env, home=self.home)
+
+    def queues(self) -> Mapping[str, int]:
+        value = self.data.get("queues")
+        if value is None:
+            return _no_names()
+        if not isinstance(value, Mapping):
+            self.bad("queues", value, _QUEUES_EXPECTED)
+        names: dict[str, int] = {}
+        for name, key in value.items():
+            path = f"queues.{name}"
+            if not isinstance(name, str) or not QUEUE_NAME_RE.fullmatch(name):
+                self.bad(path, name, _QUEUE_NAME_EXPECTED)
+            if name in _RESERVED_NAMES:
+                self.bad(path, name, f"expected a name of your own: {name} is built in (it names "
+                         f"{_RESERVED_NAMES[name]}) and cannot be redefined")
+            names[name] = self.parse(path, key, parse_queue_key)
+        return types.MappingProxyType(names)
+
+    def key_list(self, path: str, value: object, names: Mapping[str, int]) -> frozenset[int]:
+        if not isinstance(value, list):
+            self.bad(path, value, "expected a list of queue keys or names")
+        return frozenset(
+            self.parse(f"{path}[{i}]", item, lambda v: parse_queue_key(v, names))
+            for i, item in enumerate(value)
+        )
+
+
+def _build_sender(fields: _Fields) -> SenderConfig:
+    f = fields
+    f.check_keys(f.data, SENDER_KEYS, elsewhere=(RECEIVER_KEYS, "a receiver config, not .rqprc"))
+
+    port = f.get("port", _parse_port, DEFAULT_PORT)
+    raw_hosts = f.data.get("hosts")
+    if raw_hosts is None:
+        f.missing("hosts", _HOSTS_EXPECTED)
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        f.bad("hosts", raw_hosts, _HOSTS_EXPECTED)
+    hosts: list[HostAddress] = []
+    for i, entry in enumerate(raw_hosts):
+        address = f.parse(f"hosts[{i}]", entry, lambda v: parse_host(v, port))
+        if address in hosts:
+            first = f"hosts[{hosts.index(address)}]"
+            f.bad(f"hosts[{i}]", entry, f"expected each host once, but {address} is {first} too")
+        hosts.append(address)
+
+    xmit = f.get("transmission_queue", parse_queue_key, DEFAULT_TRANSMISSION_QUEUE)
+    dead = f.get("dead_letter_queue", parse_queue_key, DEFAULT_DEAD_LETTER_QUEUE)
+    if dead == xmit:  # blame the one given explicitly
+        key, other = ("dead_letter_queue", "transmission_queue")
+        if f.data.get(key) is None:
+            key, other = other, key
+        f.bad(key, f.data[key], f"expected a key other than {other}'s (0x{xmit:08x})")
+
+    backoff_initial = f.get("retry_backoff_initial", parse_duration, DEFAULT_RETRY_BACKOFF_INITIAL)
+    backoff_max = f.get("retry_backoff_max", parse_duration, DEFAULT_RETRY_BACKOFF_MAX)
+    if backoff_max < backoff_initial:
+        if f.data.get("retry_backoff_max") is not None:
+            expected = f"expected a duration >= retry_backoff_initial ({backoff_initial:g} s)"
+            f.bad("retry_backoff_max", f.data["retry_backoff_max"], expected)
+        expected = f"expected a duration <= retry_backoff_max ({backoff_max:g} s)"
+        f.bad("retry_backoff_initial", f.data["retry_backoff_initial"], expected)
+
+    return SenderConfig(
+        hosts=tuple(hosts),
+        port=port,
+        transmission_queue=xmit,
+        dead_letter_queue=dead,
+        state_dir=f.state_dir(),
+        ask_timeout=f.get("ask_timeout", parse_duration, DEFAULT_ASK_TIMEOUT),
+        confirm_timeout=f.get("confirm_timeout", parse_duration, DEFAULT_CONFIRM_TIMEOUT),
+        connect_timeout=f.get("connect_timeout", parse_duration, DEFAULT_CONNECT_TIMEOUT),
+        error_limit=f.get("error_limit", _parse_error_limit, ERROR_LIMIT),
+        queues=f.queues(),
+        retry_backoff_initial=backoff_initial,
+        retry_backoff_max=backoff_max,
+        window=f.get("window", _parse_window, DEFAULT_WINDOW),
+        source=f.file,
+    )
+
+
+def _build_receiver(fields: _Fields) -> ReceiverConfig:
+    f = fields
+    f.check_keys(f.data, RECEIVER_KEYS, elsewhere=(SENDER_KEYS, "the sender's .rqprc"))
+
+    dead = f.get("dead_letter_queue", parse_queue_key, DEFAULT_DEAD_LETTER_QUEUE)
+    queues = f.queues()
+    allow: frozenset[int] | None = None
+    deny: frozenset[int] = frozenset()
+    offer = f.data.get("offer")
+    if offer is not None:
+        if not isinstance(offer, Mapping):
+            f.bad("offer", offer, _OFFER_EXPECTED)
+        f.check_keys(offer, _OFFER_KEYS, prefix="offer.")
+        names = {**queues, DEAD_LETTER_QUEUE_NAME: dead}
+        if "allow" in offer:
+            allow = f.key_list("offer.allow", offer["allow"], names)
+        if "deny" in offer:
+            deny = f.key_list("offer.deny", offer["deny"], names)
+
+    return ReceiverConfig(
+        listen=f.get("listen", _parse_listen, HostAddress(DEFAULT_LISTEN_HOST, DEFAULT_PORT)),
+        dead_letter_queue=dead,
+        max_message_size=f.get("max_message_size", parse_size, None),
+        queues=queues,
+        offer_allow=allow,
+        offer_deny=deny,
+        put_retry_count=f.get("put_retry_count", _parse_retry_count, DEFAULT_PUT_RETRY_COUNT),
+        put_retry_interval=f.get("put_retry_interval", parse_duration, DEFAULT_PUT_RETRY_INTERVAL),
+        state_dir=f.state_dir(),
+        host_name=f.get("host_name", _parse_host_name, None),
+        source=f.file,
+    )
+
+
+def _sender(
+    data: object, file: str | None, lines: Mapping[str, int], env: Env, home: _PathArg
+) -> SenderConfig:
+    if data is None:
+        name = file or _NO_FILE
+        message = f"{name}: the file is empty; key 'hosts' is required: {_HOSTS_EXPECTED}"
+        raise ConfigError(message, path=file, key="hosts")
+    return _build_sender(_Fields(data, file, lines, os.environ if env is None else env, home))
+
+
+def _receiver(
+    data: object, file: str | None, lines: Mapping[str, int], env: Env, home: _PathArg
+) -> ReceiverConfig:
+    env = os.environ if env is None else env
+    return _build_receiver(_Fields({} if data is None else data, file, lines, env, home))
+
+
+def sender_config_from_mapping(
+    data: object, source: _PathArg = None, *, env: Env = None, home: _PathArg = None
+) -> SenderConfig:
+    """Validate an already parsed ``.rqprc``. ``source`` names it in messages and is the
+    directory a relative ``state_dir`` is relative to (else the current directory)."""
+    return _sender(data, None if source is None else os.fspath(source), {}, env, home)
+
+
+def receiver_config_from_mapping(
+    data: object, source: _PathArg = None, *, env: Env = None, home: _PathArg = None
+) -> ReceiverConfig:
+    """Validate an already parsed receiver config; None means all defaults."""
+    return _receiver(data, None if source is None else os.fspath(source), {}, env, home)
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def _node_lines(node: yaml.Node | None, file: str) -> dict[str, int]:
+    """1-based line of every key path (``a``, ``a.b``, ``a[2]``); rejects duplicate keys."""
+    lines: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if id(node) in seen:  # an alias, possibly recursive
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.value == "<<":
+                    continue
+                line = key_node.start_mark.line + 1
+                path = prefix + key_node.value
+                if key_node.value in first:
+                    where = f"at lines {first[key_node.value]} and {line}"
+                    message = f"{file}: key {path!r} appears twice, {where}"
+                    raise ConfigError(message, path=file, key=path)
+                first[key_node.value] = line
+                lines[path] = line
+                walk(value_node, path + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            base = prefix[:-1]
+            for i, item in enumerate(node.value):
+                lines[f"{base}[{i}]"] = item.start_mark.line + 1
+                walk(item, f"{base}[{i}].")
+
+    if node is not None:
+        walk(node, "")
+    return lines
+
+
+_BRACKETED_IPV6_RE = re.compile(r"\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\]")
+
+
+def _read_yaml(path: Path) -> tuple[object, dict[str, int]]:
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{file}: cannot read the file: {reason}", path=file) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = exc.problem or exc.context or "syntax error"
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
+        if _BRACKETED_IPV6_RE.search(line):  # '- [::1]:7460' is a YAML list followed by junk
+            context += "; quote IPv6 addresses in brackets: '[::1]:7460'"
+        message = f"{file}: {where}invalid YAML: {problem}{context}"
+        raise ConfigError(message, path=file) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: invalid YAML: {exc}", path=file) from None
+    return data, _node_lines(node, file)
+
+
+def find_rqprc(
+    path: _PathArg = None,
+    *,
+    env: Env = None,
+    cwd: _PathArg = None,
+    home: _PathArg = None,
+) -> Path:
+    """The ``.rqprc`` to use: ``path``, ``$RQPRC``, ``./.rqprc``, ``~/.rqprc``, ``/etc/rqp/rqprc``.
+
+    A file named by ``path`` or ``$RQPRC`` must exist; the other places are skipped when absent.
+    """
+    env = os.environ if env is None else env
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    for given, origin in ((path, "given explicitly"), (env.get("RQPRC"), "named by $RQPRC")):
+        if given:
+            found = here / Path(given).expanduser()
+            if not found.is_file():
+                problem = "is not a file" if found.exists() else "no such file"
+                raise ConfigError(f"{found}: {problem} ({origin})", path=str(found))
+            return found
+    places = [here / ".rqprc", Path(_home_dir(env, home)) / ".rqprc", SYSTEM_RQPRC]
+    for place in places:
+        if place.exists():
+            return place
+    looked = ", ".join(["$RQPRC (not set)", *map(str, places)])
+    raise ConfigError(f"no .rqprc found; looked at: {looked}")
+
+
+def load_sender_config(
+    path: _PathArg = None,
+    *,
+    env: Env = None,
+    cwd: _PathArg = None,
+    home: _PathArg = None,
+) -> SenderConfig:
+    """Find (see :func:`find_rqprc`), read and validate the ``.rqprc``."""
+    found = find_rqprc(path, env=env, cwd=cwd, home=home)
+    data, lines = _read_yaml(found)
+    return _sender(data, str(found), lines, env, home)
+
+
+def load_receiver_config(
+    path: _PathArg = None,
+    *,
+    env: Env = None,
+    home: _PathArg = None,
+) -> ReceiverConfig:
+    """Read and validate a receiver config; with no ``path``, all defaults."""
+    if path is None:
+        return _receiver(None, None, {}, env, home)
+    file = Path(path).expanduser().absolute()
+    if not file.is_file():
+        problem = "is not a file" if file.exists() else "no such file"
+        raise ConfigError(f"{file}: {problem}", path=str(file))
+    data, lines = _read_yaml(file)
+    return _receiver(data, str(file), lines, env, home)
