@@ -12,6 +12,9 @@ from .errors import (
     ConfigError, LocalProtocolError, MessageTooBig, ProtocolError, QueueError, QueueFull,
     QueueNotFound, QueuePermissionDenied, RecordError, RemoteProtocolError, RQPError,
 )
+from .api import (
+    AgentStartError, HandleError, closeConnection, openConnection, receiveMessage, sendMessage,
+)
 
 __version__ = "0.1.0"
 
@@ -20,5 +23,6 @@ __all__ = [
     "SURE_MSG", "UNSURE_MSG", "ERROR_LIMIT", "MessageCode", "MessageType",
     "RQPError", "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "ConfigError",
     "QueueError", "QueueNotFound", "QueuePermissionDenied", "QueueFull", "MessageTooBig",
-    "RecordError",
+    "RecordError", "HandleError", "AgentStartError",
+    "openConnection", "sendMessage", "closeConnection", "receiveMessage",
 ]

@@ -665,6 +665,16 @@ class SenderCore:
     def _note(self, kind: NoteKind, queue_key, host, detail: str = "", key=None) -> None:
         self._actions.append(Note(kind, queue_key, host, detail, key))
 
+    def drain_pending(self) -> list[Outgoing]:
+        """Take out every message not in flight, in the order taken (for a graceful stop)."""
+        out = []
+        for lane in list(self._lanes.values()):
+            out += lane.pending
+            lane.pending.clear()
+            lane.retry_at = 0.0
+            self._forget_if_idle(lane)
+        return sorted(out, key=lambda m: m.seq)
+
     def hosts_with(self, states: Iterable[LinkState]) -> list:
         wanted = set(states)
         return [h for h, link in self._links.items() if link.state in wanted]

@@ -1,0 +1,1 @@
+"""The RQP message channel agents (the daemons). Installed as ``rqp_agents``."""

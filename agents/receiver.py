@@ -1,0 +1,297 @@
+"""rqp-receiver: the receiving MCA.
+
+Listens for sending MCAs, answers ``QUEUE_ASK`` with the local queues it may write to and puts
+each ``MESSAGE`` in the local System V queue with that key, or in ``DEAD.LETTER.Q`` with the
+reason. The protocol lives in :mod:`rqp.receiver_core`; this module is the I/O around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rqp import SURE_MSG, RQPError
+from rqp.config import ReceiverConfig, load_receiver_config, parse_host
+from rqp.constants import DEFAULT_MTYPE
+from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, QueuePermissionDenied
+from rqp.events import OversizedMessage
+from rqp.frames import CLOSED, NEED_DATA
+from rqp.queues import LocalQueue, format_key, kernel_limits, write_access
+from rqp.receiver_core import Ask, ReceiverConnection, Refuse
+from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, fit_dead_letter
+from rqp.service import host_name, notify, setup_logging, watchdog_interval
+
+log = logging.getLogger("rqp.receiver")
+
+READ_SIZE = 1 << 16
+#: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
+NOTICE_MEMORY = 100_000
+
+
+class DeadLetterUnavailable(RQPError):
+    """Even DEAD.LETTER.Q cannot take the record: the message must stay with its sender."""
+
+
+class Receiver:
+    """The receiving MCA: one asyncio server, one task per connection."""
+
+    def __init__(self, config: ReceiverConfig) -> None:
+        self.config = config
+        self.host = config.host_name or host_name()
+        self.msgmax = kernel_limits().msgmax
+        self.max_message_size = config.max_message_size or self.msgmax
+        self.spill_dir = Path(config.state_dir) / "spill"
+        self.dead_letter_queue = LocalQueue.create(config.dead_letter_queue)
+        self._queues: dict[int, LocalQueue] = {}
+        self._noticed: dict[int, None] = {}
+        self._connections: set[asyncio.Task] = set()
+        self._idle: set[asyncio.Task] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._stopping = asyncio.Event()
+        self.put_budget = config.put_retry_count * config.put_retry_interval
+        self.stats = {"connections": 0, "messages": 0, "dead_letters": 0, "asks": 0}
+
+    # --- serving ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        listen = self.config.listen
+        self._server = await asyncio.start_server(
+            self._serve, listen.host, listen.port, reuse_address=True, limit=READ_SIZE)
+        where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
+        log.info("listening on %s; DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
+                 format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
+        notify("READY=1\nSTATUS=listening")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        watchdog = watchdog_interval()
+        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        await self._stopping.wait()
+        notify("STOPPING=1")
+        self._server.close()
+        await self._server.wait_closed()
+        for task in list(self._idle):  # nothing in flight on these
+            task.cancel()
+        busy = self._connections - self._idle
+        if busy:  # answer what was already received, then close
+            await asyncio.wait(busy, timeout=self.put_budget + 5)
+        for task in list(self._connections):
+            task.cancel()
+        if pinger:
+            pinger.cancel()
+        log.info("stopped")
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stopping.is_set():
+            log.warning("second %s: exiting at once", signal.Signals(sig).name)
+            os._exit(0)
+        log.info("%s: no new connections; answering what is in flight",
+                 signal.Signals(sig).name)
+        self._stopping.set()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        peer = writer.get_extra_info("peername")
+        peer_host = peer[0] if peer else "?"
+        self.stats["connections"] += 1
+        log.info("connection from %s", _peer(peer))
+        conn = ReceiverConnection(max_message_size=self.max_message_size)
+        try:
+            while True:
+                self._idle.add(task)  # waiting for bytes: nothing in flight
+                try:
+                    data = await reader.read(READ_SIZE)
+                finally:
+                    self._idle.discard(task)
+                conn.receive_data(data)
+                answers = []
+                try:
+                    while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
+                        answers.append(await self._handle(conn, request, peer_host))
+                finally:  # whatever happens next, what was answered is sent, in order
+                    if answers:
+                        writer.write(b"".join(answers))
+                await writer.drain()
+                if request is CLOSED:
+                    log.info("connection from %s closed", _peer(peer))
+                    break
+        except RQPError as exc:
+            log.warning("closing connection from %s: %s", _peer(peer), exc)
+        except (ConnectionError, OSError) as exc:
+            log.info("connection from %s lost: %s", _peer(peer), exc)
+        finally:
+            writer.close()
+            self._connections.discard(task)
+
+    async def _handle(self, conn: ReceiverConnection, request, peer: str) -> bytes:
+        if isinstance(request, Ask):
+            self.stats["asks"] += 1
+            return conn.answer_ask(request, self.offers(request.queue_key))
+        if isinstance(request, Refuse):
+            if request.dead_letter:
+                await self._dead_letter(request.message, request.reason, request.detail, peer)
+            return conn.answer_put(request, False)
+        message = request.message
+        reason, detail = await self._put(message)
+        if reason is None:
+            self.stats["messages"] += 1
+            return conn.answer_put(request, True)
+        await self._dead_letter(message, reason, detail, peer)
+        return conn.answer_put(request, False)
+
+    # --- decisions that need the system -------------------------------------------------------
+
+    def offers(self, queue_key: int) -> bool:
+        """QUEUE_YES exactly when the queue exists, may be written, and the config allows it."""
+        if not self.config.offers(queue_key) or queue_key == self.config.dead_letter_queue:
+            return False
+        try:
+            return write_access(queue_key).writable
+        except QueueError as exc:
+            log.warning("queue %s: cannot tell whether it is writable: %s",
+                        format_key(queue_key), exc)
+            return False
+
+    def _queue(self, key: int) -> LocalQueue:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = LocalQueue.open(key)
+        return queue
+
+    async def _put_retrying(self, queue: LocalQueue, data: bytes, budget: float,
+                            what: str) -> None:
+        """Put without blocking the loop; while the queue is full, try again (waits doubling
+        from 5 ms up to ``put_retry_interval``) until ``budget`` seconds have passed."""
+        deadline = None
+        wait = 0.005
+        while True:
+            try:
+                queue.put(data, mtype=DEFAULT_MTYPE, block=False)
+                return
+            except QueueFull:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + budget
+                    log.info("%s full: retrying for up to %gs", what, budget)
+                if now >= deadline:
+                    raise
+                await asyncio.sleep(min(wait, deadline - now))
+                wait = min(wait * 2, self.config.put_retry_interval)
+
+    async def _put(self, message) -> tuple[ReasonCode | None, str]:
+        """Put the message in its queue; (None, "") or why not."""
+        key = message.queue_key
+        name = f"queue {format_key(key)}"
+        if not self.config.offers(key) or key == self.config.dead_letter_queue:
+            return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
+        for fresh in (key not in self._queues, True):
+            try:
+                await self._put_retrying(self._queue(key), message.message, self.put_budget,
+                                         f"{name} (key={message.key:#018x})")
+                return None, ""
+            except QueueNotFound as exc:
+                self._queues.pop(key, None)
+                if fresh:  # not a stale handle of a queue removed and created again
+                    return ReasonCode.UNKNOWN_QUEUE, str(exc)
+            except QueueFull:
+                return ReasonCode.QUEUE_FULL, (
+                    f"{name} still full after {self.put_budget:g}s "
+                    f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)")
+            except QueuePermissionDenied as exc:
+                self._queues.pop(key, None)
+                return ReasonCode.NOT_AUTHORIZED, str(exc)
+            except MessageTooBig as exc:
+                return ReasonCode.MESSAGE_TOO_BIG, str(exc)
+            except QueueError as exc:
+                self._queues.pop(key, None)
+                return ReasonCode.PUT_FAILED, str(exc)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _dead_letter(self, message, reason: ReasonCode, detail: str, peer: str) -> None:
+        sure = message.message_type == SURE_MSG
+        if sure and message.key in self._noticed:
+            log.info("dead letter (repeat, not written again) reason=%s queue=%s key=%#018x "
+                     "from=%s", reason.name, format_key(message.queue_key), message.key, peer)
+            return
+        header_only = isinstance(message, OversizedMessage)
+        record = DeadLetterRecord(
+            reason=reason, message_type=message.message_type, agent=AgentKind.RECEIVER,
+            flags=DeadLetterFlags.HEADER_ONLY if header_only else 0,
+            queue_key=message.queue_key, message_key=message.key, attempts=1,
+            original_length=message.message_length, host=self.host, source_host=peer,
+            destination_host=self.host, detail=detail,
+            payload=b"" if header_only else message.message)
+        try:
+            if record.encoded_size() > self.msgmax:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                record = fit_dead_letter(record, self.msgmax, self.spill_dir)
+            await self._put_retrying(self.dead_letter_queue, record.to_bytes(), 1.0,
+                                     "DEAD.LETTER.Q")
+        except (RQPError, OSError) as exc:
+            log.error("DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x "
+                      "(queue %s, reason %s): %s -- closing the connection unanswered so the "
+                      "sender keeps the message", format_key(self.config.dead_letter_queue),
+                      message.key, format_key(message.queue_key), reason.name, exc)
+            raise DeadLetterUnavailable(str(exc)) from exc
+        self.stats["dead_letters"] += 1
+        if sure:
+            self._noticed[message.key] = None
+            if len(self._noticed) > NOTICE_MEMORY:
+                del self._noticed[next(iter(self._noticed))]
+        log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
+                    format_key(message.queue_key), message.key,
+                    "SURE" if sure else "UNSURE", peer, detail)
+
+
+def _peer(peer) -> str:
+    if not peer:
+        return "?"
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rqp-receiver", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="receiver YAML config (default: none; "
+                        "documented defaults)")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="overrides the config's listen")
+    parser.add_argument("--state-dir", metavar="DIR", help="overrides the config's state_dir")
+    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = load_receiver_config(args.config)
+        changes = {}
+        if args.listen:
+            listen = args.listen if not args.listen.startswith(":") else "0.0.0.0" + args.listen
+            changes["listen"] = parse_host(listen, config.listen.port)
+        if args.state_dir:
+            changes["state_dir"] = args.state_dir
+        if changes:
+            import dataclasses
+            config = dataclasses.replace(config, **changes)
+        receiver = Receiver(config)
+        asyncio.run(receiver.run())
+    except RQPError as exc:
+        log.error("%s", exc)
+        return 1
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

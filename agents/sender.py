@@ -1,0 +1,370 @@
+"""rqp-sender: the sending MCA.
+
+Takes records from the local transmission queue, finds which receiving MCA serves each queue
+key by asking the hosts of ``.rqprc``, sends the messages and waits for their confirmations.
+The protocol lives in :mod:`rqp.sender_core`; this module is the I/O around it: a thread that
+blocks on the transmission queue, an asyncio loop for the connections and the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from rqp import RQPError
+from rqp.config import SenderConfig, load_sender_config
+from rqp.errors import QueueError, QueueFull, QueueNotFound, RecordError
+from rqp.queues import Interrupted, LocalQueue, format_key, kernel_limits
+from rqp.records import (
+    AgentKind, DeadLetterRecord, ReasonCode, TransmissionRecord, UNKNOWN_MESSAGE_TYPE,
+    fit_dead_letter,
+)
+from rqp.sender_core import (
+    Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore, Settings,
+)
+from rqp.service import (
+    KeySource, ServingLock, host_name, notify, setup_logging, watchdog_interval,
+    write_file_atomically,
+)
+
+log = logging.getLogger("rqp.sender")
+
+#: At most this many messages are held in memory; the rest wait in the transmission queue.
+MAX_HELD = 10_000
+#: Records taken in one go by the reader thread once the first one has arrived.
+READ_BATCH = 256
+#: A graceful stop waits at most this long for the answers of frames in flight.
+STOP_GRACE = 10.0
+
+
+class _Link(asyncio.Protocol):
+    """One TCP connection to a receiving MCA; it only passes bytes and endings on."""
+
+    def __init__(self, sender: "Sender", host) -> None:
+        self.sender = sender
+        self.host = host
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.sender.on_data(self, data)
+
+    def eof_received(self):
+        self.sender.on_data(self, b"")
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.sender.on_lost(self, exc)
+
+
+class Sender:
+    def __init__(self, config: SenderConfig) -> None:
+        self.config = config
+        self.host = host_name()
+        self.state_dir = Path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.msgmax = kernel_limits().msgmax
+        # The spec's start: DEAD.LETTER.Q and the transmission queue exist before anything else.
+        self.dead_letter_queue = LocalQueue.create(config.dead_letter_queue)
+        self.transmission_queue = LocalQueue.create(config.transmission_queue)
+        self.lock = ServingLock(config.transmission_queue)
+        self.name = f"sender-{config.transmission_queue:08x}"
+        self.keys = KeySource(self.state_dir, self.name)
+        self.pid_file = self.state_dir / f"{self.name}.pid"
+        write_file_atomically(self.pid_file, f"{os.getpid()}\n".encode())
+        self.core = SenderCore(Settings.from_config(config), self.keys)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._links: dict[object, _Link] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._slots = threading.BoundedSemaphore(MAX_HELD)
+        self._stop_reading = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+        self._dead_letter_backlog: collections.deque = collections.deque()
+        self.stats = collections.Counter()
+
+    # --- running ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self._on_signal, sig)
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
+        self._reader = threading.Thread(target=self._read, name="xmit-reader", daemon=True)
+        self._reader.start()
+        log.info("serving transmission queue %s (DEAD.LETTER.Q %s); hosts %s; keys from "
+                 "incarnation %08x", format_key(self.config.transmission_queue),
+                 format_key(self.config.dead_letter_queue),
+                 ", ".join(map(str, self.config.hosts)), self.keys.incarnation)
+        notify("READY=1\nSTATUS=serving")
+        watchdog = watchdog_interval()
+        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        await self._stopping.wait()
+        notify("STOPPING=1")
+        await self._stop()
+        if pinger:
+            pinger.cancel()
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stopping.is_set():
+            log.warning("second %s: exiting at once", signal.Signals(sig).name)
+            os._exit(0)
+        log.info("%s: taking no new records; waiting up to %gs for answers in flight",
+                 signal.Signals(sig).name, STOP_GRACE)
+        self._stopping.set()
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def _stop(self) -> None:
+        self._stop_reading.set()
+        while self._reader.is_alive():  # wake it from msgrcv; no record is taken by that
+            signal.pthread_kill(self._reader.ident, signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+        waited = 0.0
+        while self.core.in_flight and waited < STOP_GRACE:
+            await asyncio.sleep(0.05)
+            waited += 0.05
+        # Not sent yet, or sent and not answered in time: back to the transmission queue, so
+        # that a later sending MCA sends them (an UNSURE one in flight may then arrive twice:
+        # it was in flight when we stopped; see the README).
+        back = self.core.drain_pending()
+        for msg in back:
+            self._put_back(msg)
+        if back:
+            log.info("%d message(s) not sent yet put back on the transmission queue", len(back))
+        for link in list(self._links.values()):
+            link.transport.close()
+        self._flush_dead_letters()
+        self.pid_file.unlink(missing_ok=True)
+        log.info("stopped: %s", dict(self.stats))
+
+    def _put_back(self, msg) -> None:
+        try:
+            self.transmission_queue.put(msg.origin.to_bytes(), block=True, timeout=5.0)
+        except RQPError as exc:
+            log.error("could not put message key=%#018x for queue %s back on the transmission "
+                      "queue: %s", msg.key, format_key(msg.queue_key), exc)
+
+    # --- the transmission queue ---------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Reader thread: take records, hand them to the loop in batches."""
+        queue = self.transmission_queue
+        stop = self._stop_reading.is_set
+        while not stop():
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            try:
+                batch = [queue.get(stop=stop)]
+            except Interrupted:
+                self._slots.release()
+                return
+            except QueueNotFound:
+                self._slots.release()
+                log.error("transmission queue %s was removed: creating it again",
+                          format_key(self.config.transmission_queue))
+                self.transmission_queue = queue = LocalQueue.create(queue.key)
+                continue
+            except QueueError as exc:
+                self._slots.release()
+                log.error("cannot read the transmission queue: %s", exc)
+                self._stop_reading.wait(1.0)
+                continue
+            while len(batch) < READ_BATCH and self._slots.acquire(blocking=False):
+                try:
+                    batch.append(queue.get(block=False))
+                except QueueError:
+                    self._slots.release()
+                    break
+            self.loop.call_soon_threadsafe(self._on_records, batch)
+
+    def _on_records(self, batch: list[bytes]) -> None:
+        now = self.loop.time()
+        for data in batch:
+            self.stats["taken"] += 1
+            try:
+                record = TransmissionRecord.from_bytes(data)
+            except RecordError as exc:
+                self._dead_letter_raw(data, exc)
+                self._slots.release()
+                continue
+            self.core.submit(record.message_type, record.queue_key, record.payload, now,
+                             origin=record)
+        self._run_actions()
+
+    # --- connections --------------------------------------------------------------------------
+
+    async def _connect(self, host) -> None:
+        try:
+            _, link = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Link(self, host), host.host, host.port),
+                self.config.connect_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            why = "timed out" if isinstance(exc, asyncio.TimeoutError) else (
+                exc.strerror or str(exc))
+            self.core.connect_failed(host, why, self.loop.time())
+            self._run_actions()
+            return
+        link.transport.get_extra_info("socket").setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._links[host] = link
+        self.core.connected(host, self.loop.time())
+        self._run_actions()
+
+    def on_data(self, link: _Link, data: bytes) -> None:
+        if self._links.get(link.host) is link:
+            self.core.data_received(link.host, data, self.loop.time())
+            self._run_actions()
+
+    def on_lost(self, link: _Link, exc) -> None:
+        if self._links.get(link.host) is link:
+            del self._links[link.host]
+            self.core.connection_lost(link.host, str(exc) if exc else "closed",
+                                      self.loop.time())
+            self._run_actions()
+
+    # --- carrying out the core's decisions ---------------------------------------------------
+
+    def _run_actions(self) -> None:
+        for act in self.core.take_actions():
+            kind = type(act)
+            if kind is Send:
+                link = self._links.get(act.host)
+                if link is not None:
+                    link.transport.write(act.data)
+            elif kind is Delivered:
+                self.stats["delivered"] += 1
+                self._slots.release()
+            elif kind is Connect:
+                self.loop.create_task(self._connect(act.host))
+            elif kind is Close:
+                link = self._links.pop(act.host, None)
+                log.warning("closing connection to %s: %s", act.host, act.reason)
+                if link is not None:
+                    link.transport.abort()
+            elif kind is Lost:
+                self.stats["lost"] += 1
+                self._slots.release()
+                log.warning("UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
+                            act.message.key, format_key(act.message.queue_key), act.host,
+                            act.detail)
+            elif kind is DeadLetter:
+                self._dead_letter(act)
+                self._slots.release()
+            elif kind is Note:
+                self._log_note(act)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        deadline = self.core.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = None if deadline is None else self.loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self.core.tick(self.loop.time())
+        self._run_actions()
+
+    def _log_note(self, note: Note) -> None:
+        level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED) \
+            else logging.WARNING
+        fields = []
+        if note.queue_key is not None:
+            name = self.config.queue_name(note.queue_key)
+            fields.append(f"queue={format_key(note.queue_key)}" + (f"({name})" if name else ""))
+        if note.host is not None:
+            fields.append(f"peer={note.host}")
+        if note.key:
+            fields.append(f"key={note.key:#018x}")
+        log.log(level, "%s %s%s", note.kind.value, " ".join(fields),
+                f": {note.detail}" if note.detail else "")
+
+    # --- dead letters -------------------------------------------------------------------------
+
+    def _dead_letter(self, act: DeadLetter) -> None:
+        msg = act.message
+        record = DeadLetterRecord.from_transmission(
+            msg.origin, reason=act.reason, agent=AgentKind.SENDER, message_key=msg.key,
+            attempts=msg.attempts, host=self.host, source_host=self.host,
+            destination_host=str(msg.host or ""), detail=act.detail)
+        log.warning("dead letter reason=%s queue=%s key=%#018x: %s", act.reason.name,
+                    format_key(msg.queue_key), msg.key, act.detail)
+        self._put_dead_letter(record)
+
+    def _dead_letter_raw(self, data: bytes, exc: RecordError) -> None:
+        record = DeadLetterRecord(
+            reason=ReasonCode.MALFORMED_RECORD, message_type=UNKNOWN_MESSAGE_TYPE,
+            agent=AgentKind.SENDER, host=self.host, source_host=self.host, detail=str(exc),
+            payload=data)
+        log.warning("dead letter reason=MALFORMED_RECORD: %s", exc)
+        self._put_dead_letter(record)
+
+    def _put_dead_letter(self, record: DeadLetterRecord) -> None:
+        self.stats["dead_lettered"] += 1
+        if record.encoded_size() > self.msgmax:
+            spill = self.state_dir / "spill"
+            spill.mkdir(exist_ok=True)
+            record = fit_dead_letter(record, self.msgmax, spill)
+        self._dead_letter_backlog.append(record.to_bytes())
+        self._flush_dead_letters()
+
+    def _flush_dead_letters(self) -> None:
+        while self._dead_letter_backlog:
+            try:
+                self.dead_letter_queue.put(self._dead_letter_backlog[0], block=False)
+            except QueueFull:
+                log.error("DEAD.LETTER.Q %s is full: %d dead letter(s) held in memory, "
+                          "retrying", format_key(self.config.dead_letter_queue),
+                          len(self._dead_letter_backlog))
+                self.loop.call_later(0.5, self._flush_dead_letters)
+                return
+            except QueueNotFound:
+                log.error("DEAD.LETTER.Q %s was removed: creating it again",
+                          format_key(self.config.dead_letter_queue))
+                self.dead_letter_queue = LocalQueue.create(self.config.dead_letter_queue)
+                continue
+            self._dead_letter_backlog.popleft()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rqp-sender", description=__doc__.splitlines()[0])
+    parser.add_argument("--rqprc", metavar="FILE",
+                        help="the .rqprc to use (default: $RQPRC, ./.rqprc, ~/.rqprc, "
+                        "/etc/rqp/rqprc)")
+    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = load_sender_config(args.rqprc)
+        sender = Sender(config)
+        asyncio.run(sender.run())
+    except RQPError as exc:
+        log.error("%s", exc)
+        return 1
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

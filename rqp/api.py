@@ -1,0 +1,185 @@
+"""The application API, C style: ``openConnection`` / ``sendMessage`` / ``closeConnection``.
+
+An application's message goes onto the local transmission queue as a transmission record
+(:mod:`rqp.records`); the sending MCA takes it from there. The first ``openConnection`` on a
+host starts a sending MCA if none serves the transmission queue yet (spec 2).
+
+A local consumer needs nothing of ours: a message arrives in the destination System V queue as
+the application's bytes, with ``mtype`` 1 (:data:`rqp.constants.DEFAULT_MTYPE`), so
+``msgrcv(id, buf, size, 0, 0)`` in C reads it. :func:`receiveMessage` is that, in Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SenderConfig, find_rqprc, load_sender_config
+from .constants import SURE_MSG, UNSURE_MSG
+from .errors import MessageTooBig, QueueError, RQPError
+from .queues import LocalQueue, QueueEmpty, format_key, max_payload
+from .records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
+from .service import sender_serving, spawn_lock
+
+__all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
+           "ensure_sender", "HandleError", "AgentStartError", "QueueEmpty"]
+
+#: How long openConnection waits for a sending MCA it started to take its queue.
+START_TIMEOUT = 15.0
+
+
+class HandleError(RQPError):
+    """A handle that openConnection did not give, or that was closed."""
+
+
+class AgentStartError(RQPError):
+    """No sending MCA serves the transmission queue and none could be started."""
+
+
+@dataclass
+class _Connection:
+    queue_key: int
+    config: SenderConfig
+    transmission_queue: LocalQueue
+    limit: int
+
+
+_lock = threading.Lock()
+_handles: dict[int, _Connection] = {}
+_next_handle = itertools.count(1)
+_sequence = itertools.count(1)
+
+
+def ensure_sender(config: SenderConfig, rqprc: Path | None = None) -> bool:
+    """Start a sending MCA for ``config``'s transmission queue unless one serves it already.
+
+    Returns True if this call started one. Two processes calling at the same moment start
+    exactly one: starting is serialised by a semaphore (see :mod:`rqp.service`).
+    """
+    xmit = config.transmission_queue
+    if sender_serving(xmit):
+        return False
+    with spawn_lock(xmit):
+        if sender_serving(xmit):
+            return False
+        state_dir = Path(config.state_dir)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            log_path = state_dir / f"sender-{xmit:08x}.log"
+            log_file = open(log_path, "ab")
+        except OSError as exc:
+            raise AgentStartError(f"cannot start a sending MCA: state_dir {state_dir}: "
+                                  f"{exc.strerror or exc}") from exc
+        argv = [sys.executable, "-m", "rqp_agents.sender"]
+        if rqprc is not None:
+            argv += ["--rqprc", str(rqprc)]
+        with log_file:
+            try:
+                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=log_file,
+                                         start_new_session=True, close_fds=True,
+                                         cwd=str(state_dir))
+            except OSError as exc:
+                raise AgentStartError(f"cannot start a sending MCA ({' '.join(argv)}): "
+                                      f"{exc}") from exc
+        deadline = time.monotonic() + START_TIMEOUT
+        wait = 0.005
+        while not sender_serving(xmit):
+            if child.poll() is not None:
+                raise AgentStartError(
+                    f"the sending MCA started for transmission queue {format_key(xmit)} exited "
+                    f"with status {child.returncode}; its log {log_path} ends:\n"
+                    + _tail(log_path))
+            if time.monotonic() > deadline:
+                raise AgentStartError(
+                    f"the sending MCA (pid {child.pid}) did not take transmission queue "
+                    f"{format_key(xmit)} within {START_TIMEOUT:g}s; see {log_path}")
+            time.sleep(wait)  # waiting on another process's start-up, with a deadline
+            wait = min(wait * 2, 0.1)
+        return True
+
+
+def _tail(path: Path, lines: int = 10) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(unreadable)"
+
+
+def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
+                   start_sender: bool = True) -> int:
+    """A handle for sending to ``queue`` (a System V key, or a name from ``.rqprc``)."""
+    path = find_rqprc(rqprc)
+    config = load_sender_config(path)
+    queue_key = config.resolve_queue(queue)
+    if start_sender:
+        ensure_sender(config, path.resolve())
+    try:
+        xmit = LocalQueue.open(config.transmission_queue)
+    except QueueError as exc:
+        raise AgentStartError(f"transmission queue {format_key(config.transmission_queue)}: "
+                              f"{exc}; is a sending MCA running?") from exc
+    with _lock:
+        handle = next(_next_handle)
+        _handles[handle] = _Connection(queue_key, config, xmit, max_payload())
+    return handle
+
+
+def _connection(handle: int) -> _Connection:
+    conn = _handles.get(handle)
+    if conn is None:
+        raise HandleError(f"handle {handle!r} is not open (never opened, or closed already)")
+    return conn
+
+
+def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
+                timeout: float | None = None) -> None:
+    """Put ``data`` on the transmission queue for the handle's queue.
+
+    Returns once the record is in the kernel's transmission queue; if that queue is full, waits
+    (at most ``timeout`` seconds, if given) for the sending MCA to make room.
+    """
+    conn = _connection(handle)
+    if msg_type not in (SURE_MSG, UNSURE_MSG):
+        raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
+                       f"got {msg_type!r}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if len(data) > conn.limit:
+        raise MessageTooBig(
+            f"message of {len(data)} bytes is over the {conn.limit}-byte limit of one System V "
+            f"message (kernel msgmax {conn.limit + TRANSMISSION_HEADER_SIZE} minus the "
+            f"{TRANSMISSION_HEADER_SIZE}-byte transmission header); "
+            "split it, or raise kernel.msgmax on every host (see the README)",
+            size=len(data), limit=conn.limit)
+    record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
+                                payload=bytes(data), producer_pid=os.getpid(),
+                                sequence=next(_sequence), enqueued_ns=time.time_ns())
+    conn.transmission_queue.put(record.to_bytes(), block=True, timeout=timeout)
+
+
+def closeConnection(handle: int) -> None:
+    with _lock:
+        if _handles.pop(handle, None) is None:
+            raise HandleError(f"handle {handle!r} is not open (never opened, or closed already)")
+
+
+def receiveMessage(queue, timeout: float | None = None, *,
+                   rqprc: str | os.PathLike | None = None) -> bytes:
+    """Take the next message from a local queue (a key, or a name from ``.rqprc``).
+
+    Blocks until one arrives, or raises :class:`rqp.queues.QueueEmpty` after ``timeout``.
+    """
+    if isinstance(queue, int):
+        key = queue
+    else:
+        key = load_sender_config(find_rqprc(rqprc)).resolve_queue(queue)
+    local = LocalQueue.open(key)
+    return local.get(block=True, timeout=timeout)
+

@@ -1,0 +1,173 @@
+"""rqp-demo: the whole path on one machine, in a few seconds.
+
+Starts a receiving MCA on loopback, sends SURE and UNSURE messages through ``openConnection``
+(which starts the sending MCA), shows them arriving in the destination System V queue,
+provokes a dead letter and shows its reason, then stops both agents and removes its queues.
+Run as root it works in a private IPC namespace (``unshare --ipc``), so it touches none of the
+host's queues; otherwise it uses queue keys that no queue has yet, and removes them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import rqp
+from rqp.queues import LocalQueue, format_key
+from rqp.records import DeadLetterRecord
+from rqp.service import serving_pid
+
+NAME = "DEMO_THE_ORDERS_COMMON"
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(what: str, predicate, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rqp-demo: gave up waiting for {what} after {timeout:g}s")
+        time.sleep(0.02)
+
+
+def unused_key() -> int:
+    while True:
+        key = 0x52000000 | secrets.randbits(24)
+        if not LocalQueue.exists(key):
+            return key
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop(proc: subprocess.Popen | None, pid: int | None = None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    elif pid:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+
+def run(workdir: Path) -> int:
+    dest, xmit, dlq = unused_key(), unused_key(), unused_key()
+    port = free_port()
+    (workdir / "state").mkdir()
+    receiver_yaml = workdir / "receiver.yaml"
+    receiver_yaml.write_text(
+        f"listen: 127.0.0.1:{port}\ndead_letter_queue: {dlq:#x}\nstate_dir: state\n"
+        "put_retry_count: 2\nput_retry_interval: 0.2\n")
+    rqprc = workdir / ".rqprc"
+    rqprc.write_text(
+        f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
+        f"dead_letter_queue: {dlq:#x}\nstate_dir: state\nask_timeout: 1s\n"
+        f"confirm_timeout: 3s\nqueues:\n  {NAME}: {dest:#x}\n")
+    say(f"== RQP demo in {workdir}")
+    say(f"   destination queue {NAME} = {format_key(dest)}, transmission queue "
+        f"{format_key(xmit)}, DEAD.LETTER.Q {format_key(dlq)}")
+    queues = [LocalQueue.create(dest, mode=0o600)]
+    receiver = sender_pid = None
+    try:
+        receiver = subprocess.Popen(
+            [sys.executable, "-m", "rqp_agents.receiver", "--config", str(receiver_yaml)],
+            stderr=open(workdir / "receiver.log", "wb"), start_new_session=True)
+        wait_until("the receiving MCA to listen", lambda: port_open(port))
+        say(f"1. receiving MCA listening on 127.0.0.1:{port} (pid {receiver.pid})")
+
+        handle = rqp.openConnection(NAME, rqprc=rqprc)
+        sender_pid = serving_pid(xmit)
+        say(f"2. openConnection({NAME!r}) -> handle {handle}; it started the sending MCA "
+            f"(pid {sender_pid})")
+        queues += [LocalQueue.open(xmit), LocalQueue.open(dlq)]
+
+        sent = [(rqp.SURE_MSG, b"order 1001: 3 x widget"), (rqp.UNSURE_MSG, b"tick 17:00:00"),
+                (rqp.SURE_MSG, b"order 1002: 1 x gadget")]
+        for msg_type, data in sent:
+            rqp.sendMessage(handle, data, msg_type)
+            kind = "SURE" if msg_type == rqp.SURE_MSG else "UNSURE"
+            say(f"3. sendMessage({kind:6}) {data.decode()!r}")
+        for _ in sent:
+            data = rqp.receiveMessage(dest, timeout=15)
+            say(f"4. arrived in {NAME}: {data.decode()!r}")
+        rqp.closeConnection(handle)
+
+        nowhere = unused_key()
+        handle = rqp.openConnection(nowhere, rqprc=rqprc)
+        rqp.sendMessage(handle, b"for a queue no host has", rqp.UNSURE_MSG)
+        rqp.closeConnection(handle)
+        say(f"5. sent an UNSURE message to {format_key(nowhere)}, which no host offers")
+        record = DeadLetterRecord.from_bytes(LocalQueue.open(dlq).get(timeout=15))
+        say(f"6. DEAD.LETTER.Q: reason {record.reason.name} ({record.description}); "
+            f"queue {format_key(record.queue_key)}; detail: {record.detail}; "
+            f"payload {record.payload!r}")
+        say("== done: every message arrived; the undeliverable one was dead-lettered with its "
+            "reason")
+        return 0
+    finally:
+        stop(None, sender_pid or serving_pid(xmit))
+        stop(receiver)
+        for queue in queues:
+            try:
+                queue.remove()
+            except rqp.QueueError:
+                pass
+        say("   agents stopped, queues removed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if os.geteuid() == 0 and not os.environ.get("RQP_DEMO_ISOLATED") and shutil.which("unshare"):
+        env = dict(os.environ, RQP_DEMO_ISOLATED="1")
+        return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.demo",
+                                *argv], env=env)
+    workdir = Path(tempfile.mkdtemp(prefix="rqp-demo-"))
+    try:
+        return run(workdir)
+    except rqp.RQPError as exc:
+        print(f"rqp-demo: {exc}", file=sys.stderr)
+        for log in ("receiver.log", "state/sender-*.log"):
+            for path in workdir.glob(log):
+                print(f"--- {path.name}\n{path.read_text(errors='replace')}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
