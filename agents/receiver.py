@@ -138,7 +138,10 @@ class Receiver:
     async def _handle(self, conn: ReceiverConnection, request, peer: str) -> bytes:
         if isinstance(request, Ask):
             self.stats["asks"] += 1
-            return conn.answer_ask(request, self.offers(request.queue_key))
+            offered = self.offers(request.queue_key)
+            log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
+                      "QUEUE_YES" if offered else "QUEUE_NO")
+            return conn.answer_ask(request, offered)
         if isinstance(request, Refuse):
             if request.dead_letter:
                 await self._dead_letter(request.message, request.reason, request.detail, peer)

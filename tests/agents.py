@@ -1,0 +1,141 @@
+"""Helpers for tests that run the real agents on simulated hosts (see tests/testbed.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.testbed import wait_for
+
+PORT = 7460
+DLQ = 0x5251DEAD
+
+
+def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG", extra=()):
+    argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{host.address}:{PORT}",
+            "--state-dir", str(host.workdir / "receiver-state"), "--log-level", log_level]
+    if config is not None:
+        path = host.workdir / "receiver.yaml"
+        path.write_text(config)
+        argv += ["--config", str(path)]
+    proc = host.popen([*argv, *extra])
+    wait_for(lambda: "listening on" in host.output(proc, "stderr") or proc.poll() is not None,
+             timeout=20, message=f"receiver on {host.name} did not start")
+    assert proc.poll() is None, host.output(proc, "stderr")
+    return proc
+
+
+def write_rqprc(host, receivers, **settings) -> Path:
+    values = {"ask_timeout": "1s", "confirm_timeout": "3s", "retry_backoff_initial": "0.1s",
+              "retry_backoff_max": "1s", "state_dir": str(host.workdir / "sender-state"),
+              **settings}
+    lines = ["hosts:"] + [f"  - {r.address}:{PORT}" for r in receivers]
+    lines += [f"{k}: {json.dumps(v) if isinstance(v, (str, dict)) else v}"
+              for k, v in values.items()]
+    path = host.workdir / f"rqprc-{len(list(host.workdir.glob('rqprc-*')))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_sender(host, rqprc: Path, log_level: str = "DEBUG"):
+    proc = host.popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc),
+                       "--log-level", log_level])
+    wait_for(lambda: "serving transmission queue" in host.output(proc, "stderr")
+             or proc.poll() is not None, timeout=20, message=f"sender on {host.name} did not start")
+    assert proc.poll() is None, host.output(proc, "stderr")
+    return proc
+
+
+def make_queue(host, key: int, mode: int = 0o600) -> None:
+    host.python("import sys, sysv_ipc; sysv_ipc.MessageQueue(int(sys.argv[1]), "
+                "sysv_ipc.IPC_CREAT, mode=int(sys.argv[2]))", str(key), str(mode))
+
+
+def remove_queue(host, key: int) -> None:
+    host.python("import sys, sysv_ipc; sysv_ipc.MessageQueue(int(sys.argv[1])).remove()",
+                str(key))
+
+
+SEND = r"""
+import json, sys, rqp
+rqprc, key, mtype, payloads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+h = rqp.openConnection(key, rqprc=rqprc, start_sender=False)
+for p in payloads:
+    rqp.sendMessage(h, p.encode(), mtype)
+rqp.closeConnection(h)
+"""
+
+SEND_SEQUENCE = r"""
+import sys, rqp
+rqprc, key, mtype, prefix, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+h = rqp.openConnection(key, rqprc=rqprc, start_sender=False)
+for i in range(count):
+    rqp.sendMessage(h, f"{prefix}{i}".encode(), mtype)
+rqp.closeConnection(h)
+"""
+
+
+def send(host, rqprc: Path, key: int, payloads, mtype: int = 0) -> None:
+    host.python(SEND, str(rqprc), str(key), str(mtype), json.dumps(list(payloads)))
+
+
+def send_sequence(host, rqprc: Path, key: int, prefix: str, count: int, mtype: int = 0) -> None:
+    host.python(SEND_SEQUENCE, str(rqprc), str(key), str(mtype), prefix, str(count), timeout=120)
+
+
+RECEIVE = r"""
+import json, sys, time, sysv_ipc
+key, count, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + timeout
+got = []
+try:
+    q = sysv_ipc.MessageQueue(key, max_message_size=1 << 16)
+    while len(got) < count and time.monotonic() < deadline:
+        try:
+            data, mtype = q.receive(block=False)
+            got.append([data.decode(errors="replace"), mtype])
+        except sysv_ipc.BusyError:
+            time.sleep(0.005)
+except sysv_ipc.ExistentialError:
+    pass
+print(json.dumps(got))
+"""
+
+
+def receive(host, key: int, count: int, timeout: float = 30.0) -> list[str]:
+    """Up to ``count`` messages from queue ``key`` on ``host`` (fewer if ``timeout`` passes)."""
+    got = json.loads(host.python(RECEIVE, str(key), str(count), str(timeout),
+                                 timeout=timeout + 30))
+    assert all(mtype == 1 for _, mtype in got), got
+    return [data for data, _ in got]
+
+
+DEAD_LETTERS = r"""
+import json, sys, sysv_ipc
+from rqp.records import DeadLetterRecord
+out = []
+try:
+    q = sysv_ipc.MessageQueue(int(sys.argv[1]), max_message_size=1 << 16)
+    while True:
+        try:
+            data, _ = q.receive(block=False)
+        except sysv_ipc.BusyError:
+            break
+        r = DeadLetterRecord.from_bytes(data)
+        out.append({"reason": r.reason.name, "queue_key": r.queue_key, "key": r.message_key,
+                    "type": r.message_type, "payload": r.payload.decode(errors="replace"),
+                    "detail": r.detail, "host": r.host, "source": r.source_host,
+                    "destination": r.destination_host, "attempts": r.attempts})
+except sysv_ipc.ExistentialError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def dead_letters(host, dlq: int = DLQ) -> list[dict]:
+    return json.loads(host.python(DEAD_LETTERS, str(dlq)))
+
+
+def log_lines(host, proc, needle: str) -> list[str]:
+    return [line for line in host.output(proc, "stderr").splitlines() if needle in line]
