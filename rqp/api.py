@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .config import SenderConfig, find_rqprc, load_sender_config
 from .constants import SURE_MSG, UNSURE_MSG
-from .errors import MessageTooBig, QueueError, RQPError
+from .errors import MessageTooBig, RQPError
 from .queues import LocalQueue, QueueEmpty, format_key, max_payload
 from .records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
 from .service import sender_serving, spawn_lock
@@ -120,11 +120,9 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     queue_key = config.resolve_queue(queue)
     if start_sender:
         ensure_sender(config, path.resolve())
-    try:
-        xmit = LocalQueue.open(config.transmission_queue)
-    except QueueError as exc:
-        raise AgentStartError(f"transmission queue {format_key(config.transmission_queue)}: "
-                              f"{exc}; is a sending MCA running?") from exc
+    # Created if missing, so that applications can go on putting while the sending MCA
+    # restarts (systemd) or has not been started (start_sender=False).
+    xmit = LocalQueue.create(config.transmission_queue)
     with _lock:
         handle = next(_next_handle)
         _handles[handle] = _Connection(queue_key, config, xmit, max_payload())

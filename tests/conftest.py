@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Simulated hosts (tests/testbed.py): the ``testbed`` and ``testbed_factory`` fixtures for all.
+from tests.testbed import testbed, testbed_factory  # noqa: F401
+
 # --------------------------------------------------------------------------------------------
 # System V queue fixtures (rqp.queues / rqp.records tests): real kernel queues with random
 # keys, every one removed at teardown even when the test fails; a runner for code that must

@@ -17,7 +17,7 @@ from tests.agents import (
     PORT, dead_letters, log_lines, make_queue, receive, send, send_sequence, start_receiver,
     start_sender, write_rqprc,
 )
-from tests.testbed import testbed_factory, wait_for  # noqa: F401  (testbed_factory: a fixture)
+from tests.testbed import wait_for
 
 Q1, Q2 = 0x52510001, 0x52510002
 BIG_QUEUES = {"kernel.msgmnb": 1 << 22}

@@ -1,0 +1,168 @@
+"""The application API: openConnection / sendMessage / closeConnection / receiveMessage.
+
+Each test runs on a simulated host (its own IPC and network namespace) with a real receiving
+MCA, and the sending MCA started by openConnection itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.agents import start_receiver, start_sender, write_rqprc
+
+Q1 = 0x52510001
+
+
+@pytest.fixture
+def host(testbed):
+    h = testbed.add_host("a")
+    h.receiver = start_receiver(h)
+    h.python("import sysv_ipc; sysv_ipc.MessageQueue(0x52510001, sysv_ipc.IPC_CREAT, mode=0o600)")
+    h.rqprc = write_rqprc(h, [h], queues={"PROD_THE_SCHED_COMMON": Q1})
+    return h
+
+
+def run(host, code: str, *args, timeout: float = 60):
+    """Run ``code`` on the host with ``rqprc`` bound; it prints JSON, which is returned."""
+    prelude = "import json, sys, rqp\nrqprc = sys.argv[1]\nargs = sys.argv[2:]\n"
+    return json.loads(host.python(prelude + code, str(host.rqprc), *map(str, args),
+                                  timeout=timeout))
+
+
+def test_open_starts_the_sending_mca_and_a_message_goes_through_by_name(host):
+    out = run(host, """
+from rqp.service import serving_pid
+before = serving_pid(0x52510000)
+h = rqp.openConnection("PROD_THE_SCHED_COMMON", rqprc=rqprc)
+rqp.sendMessage(h, b"\\x00binary\\xff", rqp.SURE_MSG)
+rqp.sendMessage(h, b"second", rqp.UNSURE_MSG)
+rqp.closeConnection(h)
+got = [rqp.receiveMessage("PROD_THE_SCHED_COMMON", timeout=20, rqprc=rqprc) for _ in range(2)]
+print(json.dumps([before, serving_pid(0x52510000), h, [g.hex() for g in got]]))
+""")
+    before, pid, handle, got = out
+    assert before is None and pid > 0 and handle >= 1
+    assert got == [b"\x00binary\xff".hex(), b"second".hex()]
+
+
+def test_a_c_consumer_reads_plain_bytes_with_mtype_1(host):
+    out = run(host, """
+import ctypes, sysv_ipc
+libc = ctypes.CDLL(None, use_errno=True)
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+rqp.sendMessage(h, b"for C", rqp.SURE_MSG)
+qid = sysv_ipc.MessageQueue(0x52510001).id
+class Msg(ctypes.Structure):
+    _fields_ = [("mtype", ctypes.c_long), ("mtext", ctypes.c_char * 64)]
+m = Msg()
+n = libc.msgrcv(qid, ctypes.byref(m), 64, 0, 0)  # blocking, as a C consumer would
+print(json.dumps([n, m.mtype, m.mtext[:n].decode()]))
+""")
+    assert out == [5, 1, "for C"]
+
+
+def test_concurrent_opens_start_exactly_one_sending_mca(host):
+    out = run(host, """
+import multiprocessing as mp
+from rqp.api import ensure_sender
+from rqp.config import load_sender_config
+def start(_):
+    return ensure_sender(load_sender_config(rqprc), rqprc)
+with mp.get_context("fork").Pool(6) as pool:
+    started = pool.map(start, range(6))
+from rqp.service import serving_pid
+print(json.dumps([started, serving_pid(0x52510000)]))
+""")
+    started, pid = out
+    assert started.count(True) == 1 and pid
+    assert senders_on(host) == [pid]
+
+
+def senders_on(host) -> list[int]:
+    """Pids of sending MCAs in the host's IPC namespace (other tests may run their own)."""
+    ipc = f"ipc:[{os.stat(host.ipc_ns_path).st_ino}]"
+    found = []
+    for pid in host.run(["pgrep", "-f", "rqp_agents.sender"], check=False).stdout.split():
+        try:
+            if os.readlink(f"/proc/{pid}/ns/ipc") == ipc:
+                found.append(int(pid))
+        except OSError:
+            pass  # gone meanwhile
+    return found
+
+
+def test_an_already_running_sending_mca_is_used(host):
+    sender = start_sender(host, host.rqprc)
+    out = run(host, """
+from rqp.service import serving_pid
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+rqp.sendMessage(h, b"via the running one", rqp.SURE_MSG)
+print(json.dumps([serving_pid(0x52510000), rqp.receiveMessage(0x52510001, timeout=20).decode()]))
+""")
+    assert out == [sender.pid, "via the running one"]
+
+
+def test_errors_say_what_to_do(host):
+    out = run(host, """
+from rqp.queues import max_payload
+res = {}
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+try:
+    rqp.sendMessage(h, bytes(max_payload() + 1))
+except rqp.MessageTooBig as e:
+    res["big"] = [str(e), e.size, e.limit]
+rqp.sendMessage(h, bytes(max_payload()))  # exactly at the limit: accepted
+try:
+    rqp.openConnection("PROD_THE_SCHED_COMON", rqprc=rqprc)
+except rqp.ConfigError as e:
+    res["name"] = str(e)
+rqp.closeConnection(h)
+for call in (lambda: rqp.sendMessage(h, b"x"), lambda: rqp.closeConnection(h)):
+    try:
+        call()
+    except rqp.HandleError as e:
+        res.setdefault("handle", []).append(str(e))
+try:
+    rqp.sendMessage(h, b"x", 7)
+except rqp.RQPError as e:
+    res["type"] = str(e)
+print(json.dumps(res))
+""")
+    big, size, limit = out["big"]
+    assert (size, limit) == (8157, 8156) and "8157 bytes" in big and "8156-byte limit" in big
+    assert "PROD_THE_SCHED_COMON" in out["name"] and "did you mean" in out["name"]
+    assert "PROD_THE_SCHED_COMMON" in out["name"]
+    assert len(out["handle"]) == 2 and all("is not open" in e for e in out["handle"])
+    assert "handle" in out["type"] or "msg_type" in out["type"]
+
+
+def test_no_sending_mca_can_be_started_says_why(testbed):
+    h = testbed.add_host("a")
+    h.sysctl("kernel.msgmni", 1)  # room for one queue: the sender cannot create the second
+    h.rqprc = write_rqprc(h, [h])
+    out = run(h, """
+try:
+    rqp.openConnection(0x52510001, rqprc=rqprc)
+except rqp.AgentStartError as e:
+    print(json.dumps(str(e)))
+""")
+    assert "exited with status 1" in out and "its log" in out
+    assert "No space left" in out or "queue" in out
+
+
+def test_full_transmission_queue_blocks_then_times_out(host):
+    out = run(host, """
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+n = 0
+try:
+    while True:
+        rqp.sendMessage(h, bytes(4000), timeout=0.2)
+        n += 1
+except rqp.QueueFull as e:
+    print(json.dumps([n, str(e)]))
+""")
+    n, message = out
+    assert n == 4 and "still full after 0.2 s" in message  # 16384-byte queue, 4036-byte records
