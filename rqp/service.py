@@ -137,8 +137,9 @@ class ServingLock:
         self.key = transmission_queue
         self._sem = _semaphore(transmission_queue)
         self._sem.undo = True
+        self._sem.block = False  # (sysv_ipc treats timeout=0 as "wait forever")
         try:
-            self._sem.acquire(timeout=0)
+            self._sem.acquire()
         except sysv_ipc.BusyError:
             raise RQPError(
                 f"another sending MCA (pid {self._sem.last_pid}) already serves transmission "

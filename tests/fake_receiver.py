@@ -1,0 +1,108 @@
+"""A receiving MCA written with plain ``struct`` and sockets, independent of ``rqp``.
+
+Run on a simulated host to face a real sending MCA with misbehaviour on demand. It prints one
+JSON line per frame it receives. How it answers is read, at every frame, from the file given
+as its second argument (default "yes"):
+
+    yes       QUEUE_YES / DELIVERED_YES
+    no        QUEUE_NO to every ask
+    error     QUEUE_YES to asks, DELIVERED_ERROR to messages
+    silent    reads everything, answers nothing
+    mute      QUEUE_YES to asks, no answer to messages
+    garbage   answers a MESSAGE with an unknown code (09 00)
+    hold N    answers an ask at once; otherwise answers nothing until N frames are outstanding,
+              then answers them all (yes);
+              prints {"outstanding": N} so a test can see how big the sender's window was
+"""
+
+import json
+import socket
+import struct
+import sys
+import threading
+
+HEADER = struct.Struct(">BBQQQ")  # code, type, key, queue_key, length
+
+
+def mode(path):
+    try:
+        with open(path) as f:
+            return f.read().split() or ["yes"]
+    except FileNotFoundError:
+        return ["yes"]
+
+
+def read_exact(conn, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def serve(conn, mode_path, lock):
+    pending = []
+    try:
+        while True:
+            code = read_exact(conn, 1)[0]
+            if code == 1:
+                rest = read_exact(conn, HEADER.size - 1)
+                _, mtype, key, qkey, length = HEADER.unpack(bytes([code]) + rest)
+                body = read_exact(conn, length)
+                frame = {"frame": "MESSAGE", "type": mtype, "key": key, "queue_key": qkey,
+                         "body": body.decode(errors="replace")}
+            elif code == 4:
+                data, qkey = struct.unpack(">BQ", read_exact(conn, 9))
+                frame = {"frame": "QUEUE_ASK", "queue_key": qkey}
+            else:
+                frame = {"frame": "UNEXPECTED", "code": code}
+            with lock:
+                print(json.dumps(frame), flush=True)
+            how = mode(mode_path)
+            if how[0] == "silent":
+                continue
+            if how[0] == "hold":
+                if code == 4 and not pending:
+                    conn.sendall(b"\x05\x00")
+                    continue
+                pending.append(code)
+                if len(pending) < int(how[1]):
+                    continue
+                with lock:
+                    print(json.dumps({"outstanding": len(pending)}), flush=True)
+                conn.sendall(b"".join(b"\x05\x00" if c == 4 else b"\x02\x00" for c in pending))
+                pending.clear()
+                continue
+            if code == 4:
+                conn.sendall(b"\x06\x00" if how[0] == "no" else b"\x05\x00")
+            elif how[0] == "mute":
+                continue
+            elif how[0] == "garbage":
+                conn.sendall(b"\x09\x00")
+            else:
+                conn.sendall(b"\x03\x00" if how[0] == "error" else b"\x02\x00")
+    except (EOFError, OSError):
+        pass
+    finally:
+        with lock:
+            print(json.dumps({"closed": True}), flush=True)
+        conn.close()
+
+
+def main():
+    host, port = sys.argv[1].rsplit(":", 1)
+    mode_path = sys.argv[2]
+    lock = threading.Lock()
+    srv = socket.create_server((host, int(port)), reuse_port=False)
+    print(json.dumps({"listening": True}), flush=True)
+    while True:
+        conn, _ = srv.accept()
+        with lock:
+            print(json.dumps({"connected": True}), flush=True)
+        threading.Thread(target=serve, args=(conn, mode_path, lock), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

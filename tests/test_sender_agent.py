@@ -1,0 +1,169 @@
+"""The sending MCA against a receiver written independently with struct and sockets
+(tests/fake_receiver.py) that misbehaves on demand: silence, garbage, errors, a held window.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from rqp import SURE_MSG, UNSURE_MSG
+from tests.agents import PORT, dead_letters, log_lines, send, start_sender, write_rqprc
+from tests.testbed import wait_for
+
+Q1 = 0x52510001
+FAKE = str(Path(__file__).with_name("fake_receiver.py"))
+
+
+class Fake:
+    def __init__(self, host):
+        self.host = host
+        self.mode_file = host.workdir / "fake-mode"
+        self.proc = host.popen([sys.executable, FAKE, f"{host.address}:{PORT}",
+                                str(self.mode_file)])
+        wait_for(lambda: self.events("listening"), timeout=20, message="fake did not start")
+
+    def set(self, mode: str) -> None:
+        tmp = self.mode_file.with_suffix(".tmp")
+        tmp.write_text(mode)
+        tmp.replace(self.mode_file)
+
+    def lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.host.output(self.proc).splitlines() if line]
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in self.lines() if kind in e or e.get("frame") == kind]
+
+
+@pytest.fixture
+def pair(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    return a, Fake(b)
+
+
+def test_overdue_confirmation_ends_the_connection_and_the_sure_message_keeps_its_key(pair):
+    a, fake = pair
+    fake.set("mute")  # QUEUE_YES, then no DELIVERED_YES ever
+    rqprc = write_rqprc(a, [fake.host], confirm_timeout="0.5s")
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["patient"], SURE_MSG)
+    wait_for(lambda: log_lines(a, sender, "no answer to MESSAGE"), timeout=20,
+             message="the overdue answer did not end the connection")
+    assert "within 0.5s" in log_lines(a, sender, "no answer to MESSAGE")[0]
+    wait_for(lambda: len(fake.events("MESSAGE")) >= 2, timeout=20, message="not re-sent")
+    fake.set("yes")
+    n = len(fake.events("MESSAGE"))
+    wait_for(lambda: len(fake.events("MESSAGE")) > n, timeout=20, message="not re-sent")
+    sender.send_signal(signal.SIGTERM)  # its last log line counts what was delivered
+    assert sender.wait(30) == 0
+    assert "'delivered': 1" in log_lines(a, sender, "stopped:")[0]
+    sent = fake.events("MESSAGE")
+    assert {m["body"] for m in sent} == {"patient"}
+    assert len({m["key"] for m in sent}) == 1  # re-sent with the same unique key (spec 5.6)
+    assert len(fake.events("closed")) >= 1 and len(fake.events("connected")) >= 2
+    assert len(fake.events("QUEUE_ASK")) >= 2  # every retry starts from asking
+
+
+def test_garbage_answer_closes_and_the_sender_reconnects(pair):
+    a, fake = pair
+    fake.set("garbage")
+    rqprc = write_rqprc(a, [fake.host])
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["g"], UNSURE_MSG)
+    wait_for(lambda: log_lines(a, sender, "unknown message_code 9"), timeout=20,
+             message="garbage not detected")
+    fake.set("yes")
+    send(a, rqprc, Q1, ["after"], UNSURE_MSG)
+    wait_for(lambda: any(m["body"] == "after" for m in fake.events("MESSAGE")), timeout=20,
+             message="no reconnect")
+    assert sender.poll() is None
+
+
+def test_the_window_bounds_frames_in_flight(pair):
+    a, fake = pair
+    fake.set("hold 8")
+    rqprc = write_rqprc(a, [fake.host], window=8, confirm_timeout="20s")
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, [f"w{i}" for i in range(40)], UNSURE_MSG)
+    wait_for(lambda: sum(1 for m in fake.events("MESSAGE")) == 40, timeout=30,
+             message="not all sent")
+    held = [e["outstanding"] for e in fake.events("outstanding")]
+    assert held and max(held) == 8  # never more than the window, and the window is used
+    bodies = [m["body"] for m in fake.events("MESSAGE")]
+    assert bodies == [f"w{i}" for i in range(40)]
+
+
+def test_delivered_error_never_confirms_a_sure_message(pair):
+    a, fake = pair
+    fake.set("error")
+    rqprc = write_rqprc(a, [fake.host], retry_backoff_initial="0.05s")
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["sure"], SURE_MSG)
+    wait_for(lambda: len(fake.events("MESSAGE")) >= 3, timeout=20, message="not retried")
+    asks = fake.events("QUEUE_ASK")
+    assert len(asks) >= 3  # each retry asks again from the start
+    fake.set("yes")
+    n = len(fake.events("MESSAGE"))
+    wait_for(lambda: log_lines(a, sender, "route found") and len(fake.events("MESSAGE")) > n,
+             timeout=20, message="not delivered after the receiver recovered")
+    assert len({m["key"] for m in fake.events("MESSAGE")}) == 1
+    assert dead_letters(a) == []
+
+
+def test_invalid_transmission_records_are_dead_lettered(pair):
+    a, fake = pair
+    rqprc = write_rqprc(a, [fake.host])
+    start_sender(a, rqprc)
+    a.python(r"""
+import sysv_ipc
+from rqp.records import TransmissionRecord
+q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
+q.send(b"not a record at all", type=1)
+q.send(TransmissionRecord(message_type=7, queue_key=0x52510001, payload=b"t").to_bytes(), type=1)
+q.send(TransmissionRecord(message_type=0, queue_key=0, payload=b"k").to_bytes(), type=1)
+""")
+    got = wait_for(lambda: (d := dead_letters(a)) and len(d) == 3 and d, timeout=20,
+                   message="dead letters missing")
+    assert [d["reason"] for d in got] == ["MALFORMED_RECORD", "BAD_MESSAGE_TYPE", "NO_QUEUE_KEY"]
+    assert got[0]["payload"] == "not a record at all" and "magic" in got[0]["detail"]
+    assert got[1]["payload"] == "t" and got[2]["payload"] == "k"
+
+
+def test_sigterm_puts_unsent_messages_back_and_exits_0(pair):
+    a, fake = pair
+    fake.set("no")  # no route: SURE messages wait in the sender
+    rqprc = write_rqprc(a, [fake.host])
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["w1", "w2"], SURE_MSG)
+    wait_for(lambda: log_lines(a, sender, "will be retried"), timeout=20, message="no retry")
+    sender.send_signal(signal.SIGTERM)
+    assert sender.wait(30) == 0
+    assert log_lines(a, sender, "put back on the transmission queue")
+    back = a.python(r"""
+import sysv_ipc
+from rqp.records import TransmissionRecord
+q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
+out = []
+while True:
+    try:
+        out.append(TransmissionRecord.from_bytes(q.receive(block=False)[0]).payload.decode())
+    except sysv_ipc.BusyError:
+        break
+print(" ".join(out))
+""")
+    assert back.split() == ["w1", "w2"]
+
+
+def test_a_second_sender_for_the_same_transmission_queue_is_refused(pair):
+    a, fake = pair
+    rqprc = write_rqprc(a, [fake.host])
+    first = start_sender(a, rqprc)
+    second = a.popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)])
+    assert second.wait(30) == 1
+    assert f"(pid {first.pid}) already serves transmission queue 0x52510000" in \
+        a.output(second, "stderr")
+    assert first.poll() is None
