@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .constants import MESSAGE, DELIVERED_YES, DELIVERED_ERROR, QUEUE_ASK, QUEUE_YES, QUEUE_NO
-from .constants import SURE_MSG, UNSURE_MSG, UINT64_MAX
+from .constants import SURE_MSG, UNSURE_MSG
 from .errors import LocalProtocolError
 
 __all__ = [

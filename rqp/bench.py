@@ -1,0 +1,1030 @@
+"""rqp-bench: end-to-end throughput and latency of the real agents, beside a raw ceiling.
+
+One run prints one table. Every figure is for the whole path on loopback::
+
+    application --sendMessage--> transmission queue --> sending MCA --TCP--> receiving MCA
+        --> destination System V queue --> consumer (another process)
+
+for SURE and UNSURE messages of 100 bytes and 4 KiB, plus the latency of a single SURE message
+(send one, wait until it is in the destination queue and taken, repeat). Beside each figure is
+the CEILING: the same four hops done by a minimal pipeline of plain ``struct`` and sockets
+(producer -> System V queue -> "sender" process -> length-prefixed frames on TCP -> "receiver"
+process -> System V queue -> consumer, with a one-byte ack per message written back, pipelined).
+Both pipelines run in the same run, with the same queue sizes, the same consumer checks and the
+same process layout (the producer is this process, the consumer a child process).
+
+Every message is checked: each case must deliver exactly its messages, with their exact bytes
+(a tag and a sequence number at the front of each payload), and SURE messages in order. A
+missing, duplicated, reordered or corrupt message, a dead letter, or a pipeline that stops
+moving for ``STALL`` seconds ends the run with an error and exit status 1.
+
+Run as root, the benchmark re-executes itself under ``unshare --ipc`` (a private IPC
+namespace) and raises ``kernel.msgmnb`` there (a per-namespace sysctl) before it creates any
+queue, so every queue is created with the same, larger ``msg_qbytes``; ``kernel.msgmax`` is left
+as it is. Everything it starts (agents, pipeline processes, queues, semaphores, the temporary
+directory) is removed at the end, also after a failure, Ctrl-C or SIGTERM; child processes are
+told by the kernel (PR_SET_PDEATHSIG) to stop if the benchmark itself is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import sysv_ipc
+
+import rqp
+from rqp.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
+from rqp.queues import LocalQueue, format_key, kernel_limits
+from rqp.records import DeadLetterRecord
+from rqp.service import sender_serving
+
+#: Set in the environment of the re-executed benchmark (inside its own IPC namespace) to the
+#: IPC namespace it left, so that it can tell that it really is in another one.
+ISOLATED_ENV = "RQP_BENCH_ISOLATED"
+DEFAULT_MSGMNB = 4 << 20
+SIZES = (100, 4096)
+DEFAULT_MESSAGES = {100: 60_000, 4096: 20_000}
+QUICK_MESSAGES = {100: 400, 4096: 200}
+DEFAULT_ROUNDS = 3
+DEFAULT_LATENCY_SAMPLES = 500
+QUICK_LATENCY_SAMPLES = 40
+#: No message moved for this long: the run fails (and says where the messages are).
+STALL = 20.0
+START_TIMEOUT = 20.0
+WORKDIR_PREFIX = "rqp-bench-"
+
+#: Front of every payload: the case's tag and the message's sequence number.
+PAYLOAD_HEAD = struct.Struct(">IQ")
+#: Raw pipeline: what the producer puts on the raw transmission queue in front of the payload.
+RAW_RECORD = struct.Struct(">BI")  # message type, destination queue key
+#: Raw pipeline: the frame on the TCP connection, in front of the payload.
+RAW_FRAME = struct.Struct(">IBI")  # payload length, message type, destination queue key
+RAW_ACK = b"\x02"
+#: System V message type of the message that tells the raw sender to finish.
+RAW_STOP_MTYPE = 2
+RAW_BATCH = 256
+
+_PR_SET_PDEATHSIG = 1
+
+
+class BenchError(Exception):
+    """The benchmark could not measure, or a check failed."""
+
+
+class Stalled(BenchError):
+    """Raised in the main thread by the watchdog (through a signal) when nothing moves."""
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def say(text: str = "", *, err: bool = False) -> None:
+    print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def filler(size: int) -> bytes:
+    """The deterministic bytes after the tag and sequence number of a ``size``-byte payload."""
+    n = size - PAYLOAD_HEAD.size
+    if n < 0:
+        raise ValueError(f"payload size {size} is below the {PAYLOAD_HEAD.size}-byte head")
+    return bytes((i * 7 + 3) & 0xFF for i in range(n))
+
+
+def size_label(size: int) -> str:
+    return f"{size // 1024} KiB" if size % 1024 == 0 else f"{size} B"
+
+
+def type_label(msg_type: int) -> str:
+    return "SURE" if msg_type == SURE_MSG else "UNSURE"
+
+
+def unused_key(taken: set[int], span: int = 1) -> int:
+    """A key such that no queue or semaphore has any of ``key .. key + span - 1`` yet."""
+    while True:
+        key = 0x52420000 | (secrets.randbits(16) & ~0xF)  # "RB": clear of the "RQ" keys
+        span_keys = range(key, key + span)
+        if (not taken.intersection(span_keys)
+                and not any(LocalQueue.exists(k) or _semaphore_exists(k) for k in span_keys)):
+            taken.update(span_keys)
+            return key
+
+
+def _semaphore_exists(key: int) -> bool:
+    try:
+        sysv_ipc.Semaphore(key)
+    except sysv_ipc.ExistentialError:
+        return False
+    return True
+
+
+_libc = None
+
+
+def _load_libc():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _libc = False
+    return _libc
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this process when its parent dies.
+
+    SIGKILL, not SIGTERM: a sending MCA's graceful stop puts held messages back on a (then
+    possibly full) transmission queue, 5 s per message, and nobody would be left to wait.
+    """
+    libc = _load_libc()
+    if libc:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _child_setup(parent: int) -> None:
+    """First thing in every pipeline process this module forks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl
+        os._exit(1)
+
+
+def _receive_retrying(mq: sysv_ipc.MessageQueue, **kwargs):
+    while True:
+        try:
+            return mq.receive(**kwargs)
+        except sysv_ipc.Error as exc:
+            if type(exc) is sysv_ipc.Error and "signal" in str(exc).lower():
+                continue  # EINTR; a handler that raises has already propagated
+            raise
+
+
+def _send_retrying(mq: sysv_ipc.MessageQueue, data: bytes, **kwargs) -> None:
+    while True:
+        try:
+            return mq.send(data, **kwargs)
+        except sysv_ipc.Error as exc:
+            if type(exc) is sysv_ipc.Error and "signal" in str(exc).lower():
+                continue
+            raise
+
+
+# --------------------------------------------------------------------------------------------
+# the consumer (one per pipeline, a child process, same code for both)
+# --------------------------------------------------------------------------------------------
+
+
+def _consume(get, tag: int, count: int, size: int, ordered: bool, progress) -> tuple[int, int]:
+    """Take ``count`` messages of case ``tag``, check each; (first, last) monotonic ns."""
+    tail = filler(size)
+    unpack = PAYLOAD_HEAD.unpack_from
+    seen = bytearray(count)
+    first = now = 0
+    for i in range(count):
+        data = get()
+        now = time.monotonic_ns()
+        if i == 0:
+            first = now
+        if len(data) != size or not data.endswith(tail):
+            raise BenchError(f"message {i} of case {tag}: {len(data)} bytes, expected {size} "
+                             f"bytes{'' if len(data) != size else ' (content differs)'}")
+        got_tag, seq = unpack(data)
+        if got_tag != tag:
+            raise BenchError(f"message {i}: belongs to case {got_tag}, expected case {tag} "
+                             "(left over from an earlier case?)")
+        if ordered:
+            if seq != i:
+                raise BenchError(f"SURE message out of order: got sequence {seq} as message "
+                                 f"{i} of case {tag}")
+        else:
+            if seq >= count or seen[seq]:
+                raise BenchError(f"message sequence {seq} of case {tag} is "
+                                 f"{'a duplicate' if seq < count else 'out of range'}")
+            seen[seq] = 1
+        if not i & 63:
+            progress.value = i
+    progress.value = count
+    return first, now
+
+
+def consumer_main(parent: int, key: int, raw: bool, conn, progress) -> None:
+    _child_setup(parent)
+    if raw:
+        mq = sysv_ipc.MessageQueue(key, 0, mode=0, max_message_size=kernel_limits().msgmax)
+
+        def get() -> bytes:
+            return _receive_retrying(mq)[0]
+    else:
+        get = LocalQueue.open(key).get  # what an application does (rqp.receiveMessage)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        _, tag, count, size, ordered = cmd
+        try:
+            first, last = _consume(get, tag, count, size, ordered, progress)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        else:
+            conn.send(("done", first, last))
+
+
+# --------------------------------------------------------------------------------------------
+# the raw pipeline (the ceiling): plain struct and sockets
+# --------------------------------------------------------------------------------------------
+
+
+def raw_sender_main(parent: int, xmit_key: int, port: int, sent, acked) -> None:
+    """Take records off the raw transmission queue, write length-prefixed frames on TCP.
+
+    A second thread reads the one-byte acks and counts them; nothing waits for them.
+    """
+    _child_setup(parent)
+    try:
+        _raw_sender(xmit_key, port, sent, acked)
+    except (sysv_ipc.ExistentialError, OSError):  # the parent is cleaning up after a failure
+        os._exit(5)
+
+
+def _raw_sender(xmit_key: int, port: int, sent, acked) -> None:
+    mq = sysv_ipc.MessageQueue(xmit_key, 0, mode=0, max_message_size=kernel_limits().msgmax)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def read_acks() -> None:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return
+            acked.value += len(data)
+
+    reader = threading.Thread(target=read_acks, daemon=True)
+    reader.start()
+    record, frame = RAW_RECORD, RAW_FRAME
+    hsize = record.size
+    stop = False
+    n = 0
+    while not stop:
+        data, mtype = _receive_retrying(mq)
+        batch = []
+        while True:
+            if mtype == RAW_STOP_MTYPE:
+                stop = True
+                break
+            msg_type, queue_key = record.unpack_from(data)
+            batch.append(frame.pack(len(data) - hsize, msg_type, queue_key))
+            batch.append(data[hsize:])
+            if len(batch) >= 2 * RAW_BATCH:
+                break
+            try:
+                data, mtype = mq.receive(block=False)
+            except sysv_ipc.BusyError:
+                break
+        if batch:
+            n += len(batch) // 2
+            sent.value = n  # before the acks can come back
+            sock.sendall(b"".join(batch))
+    deadline = time.monotonic() + 10
+    while acked.value < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sock.shutdown(socket.SHUT_WR)
+    reader.join(10)
+    sock.close()
+    os._exit(0 if acked.value == n else 3)
+
+
+def raw_receiver_main(parent: int, listener: socket.socket) -> None:
+    """Read frames, put each payload on its destination queue, write a one-byte ack each."""
+    _child_setup(parent)
+    try:
+        _raw_receiver(listener)
+    except (sysv_ipc.ExistentialError, OSError):  # the parent is cleaning up after a failure
+        os._exit(5)
+
+
+def _raw_receiver(listener: socket.socket) -> None:
+    conn, _ = listener.accept()
+    listener.close()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    msgmax = kernel_limits().msgmax
+    queues: dict[int, sysv_ipc.MessageQueue] = {}
+    unpack, hsize = RAW_FRAME.unpack_from, RAW_FRAME.size
+    buf = bytearray()
+    while True:
+        data = conn.recv(1 << 18)
+        if not data:
+            break
+        buf += data
+        pos, end_buf, n = 0, len(buf), 0
+        while end_buf - pos >= hsize:
+            length, _msg_type, queue_key = unpack(buf, pos)
+            end = pos + hsize + length
+            if end > end_buf:
+                break
+            mq = queues.get(queue_key)
+            if mq is None:
+                mq = queues[queue_key] = sysv_ipc.MessageQueue(
+                    queue_key, 0, mode=0, max_message_size=msgmax)
+            _send_retrying(mq, bytes(buf[pos + hsize:end]), type=DEFAULT_MTYPE)
+            n += 1
+            pos = end
+        if pos:
+            del buf[:pos]
+        if n:
+            conn.sendall(RAW_ACK * n)
+    conn.close()
+    os._exit(0 if not buf else 4)
+
+
+# --------------------------------------------------------------------------------------------
+# the watchdog: a stalled pipeline or a dead agent ends the run instead of hanging it
+# --------------------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """Watches progress counters and processes from a thread; raises :class:`Stalled` in the
+    main thread (SIGUSR2 with a raising handler, which also wakes a blocked msgsnd/msgrcv)."""
+
+    def __init__(self, stall: float) -> None:
+        self.stall = stall
+        self.counters: list = []  # objects with .value, or callables
+        self.processes: dict[str, object] = {}  # name -> Popen / multiprocessing.Process
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._main = threading.main_thread().ident
+        self.armed = False
+
+    def start(self) -> None:
+        signal.signal(signal.SIGUSR2, self._on_signal)
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def _on_signal(self, *_):
+        if self.armed and self.reason:
+            self.armed = False
+            raise Stalled(self.reason)
+
+    def _snapshot(self):
+        return tuple(c() if callable(c) else c.value for c in self.counters)
+
+    def _run(self) -> None:
+        last, since = None, time.monotonic()
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            why = None
+            for name, proc in list(self.processes.items()):
+                code = proc.poll() if hasattr(proc, "poll") else proc.exitcode
+                if code is not None:
+                    why = f"{name} exited unexpectedly (status {code})"
+                    break
+            snap = self._snapshot()
+            if snap != last:
+                last, since = snap, now
+            elif why is None and now - since > self.stall:
+                why = f"nothing moved for {self.stall:g}s"
+            if why and self.reason is None:
+                self.reason = why
+                if self.armed:
+                    signal.pthread_kill(self._main, signal.SIGUSR2)
+            elif self.reason and self.armed:  # not delivered yet (handler not armed then)
+                signal.pthread_kill(self._main, signal.SIGUSR2)
+
+    def stop(self) -> None:
+        self.armed = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+# --------------------------------------------------------------------------------------------
+# the benchmark
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaseResult:
+    case: str
+    message_type: str
+    size: int
+    messages: int
+    rounds: int
+    #: Seconds from the first put to the last take, one per round.
+    rqp_seconds: list = field(default_factory=list)
+    raw_seconds: list = field(default_factory=list)
+
+    @property
+    def rqp_msg_per_s(self) -> float:
+        return self.messages / statistics.median(self.rqp_seconds)
+
+    @property
+    def raw_msg_per_s(self) -> float:
+        return self.messages / statistics.median(self.raw_seconds)
+
+    @property
+    def ratio(self) -> float:
+        return self.rqp_msg_per_s / self.raw_msg_per_s if self.raw_msg_per_s else float("nan")
+
+
+@dataclass
+class Latency:
+    samples: int
+    size: int
+    rqp_median_ms: float = 0.0
+    rqp_p99_ms: float = 0.0
+    raw_median_ms: float = 0.0
+    raw_p99_ms: float = 0.0
+
+
+def percentile(values: list[int], p: float) -> int:
+    """Nearest-rank percentile of ``values`` (0 < p <= 100)."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * p // 100))  # ceil
+    return ordered[int(rank) - 1]
+
+
+@dataclass
+class Pipeline:
+    """One of the two pipelines: how to put a message in and where the consumer takes it."""
+
+    name: str
+    dest_key: int
+    consumer: object = None
+    conn: object = None
+    progress: object = None
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    workdir: Path
+    private: bool  # in an IPC namespace of our own
+    msgmnb: int = 0
+    msgmax: int = 0
+    keys: set = field(default_factory=set)
+    created: list = field(default_factory=list)  # LocalQueue objects to remove
+    semaphores: list = field(default_factory=list)  # keys of semaphores the agents make
+    children: list = field(default_factory=list)  # (name, Popen | Process)
+    results: list = field(default_factory=list)
+    latency: Latency | None = None
+    sent: int = 0  # messages this process has put in, for the watchdog
+    raw_put: int = 0  # messages put in the raw pipeline
+    tag: int = 0  # the last case's tag (every run of a pipeline is a case of its own)
+
+    @property
+    def isolation(self) -> str:
+        return "private IPC namespace" if self.private else "host IPC namespace"
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.load = os.getloadavg()[0]
+        self.msgmnb, self.msgmax = self._raise_msgmnb(self.args.msgmnb)
+        k = lambda: unused_key(self.keys)  # noqa: E731
+        # The sending MCA also makes semaphores with the keys xmit and xmit + 1.
+        self.dest, self.xmit, self.dlq = k(), unused_key(self.keys, 2), k()
+        self.raw_xmit, self.raw_dest = k(), k()
+        # The queues before anything else, after msgmnb: their msg_qbytes is fixed now.
+        self.queues = {}
+        for name, key in (("destination queue", self.dest), ("transmission queue", self.xmit),
+                          ("DEAD.LETTER.Q", self.dlq), ("raw transmission queue", self.raw_xmit),
+                          ("raw destination queue", self.raw_dest)):
+            self.queues[name] = LocalQueue.create(key, mode=0o600)
+            self.created.append(self.queues[name])
+        sizes = {q.stat().max_size for q in self.created}
+        if sizes != {self.msgmnb}:
+            raise BenchError(f"queues were created with msg_qbytes {sorted(sizes)}, not the "
+                             f"msgmnb {self.msgmnb}: cannot compare the pipelines")
+        self.semaphores += [self.xmit, (self.xmit + 1) & 0xFFFFFFFF]
+        self.watchdog = Watchdog(self.args.stall)
+        self.rqp = Pipeline("RQP", self.dest)
+        self.raw = Pipeline("raw", self.raw_dest)
+        # Forked children first, while this process has one thread.
+        self._start_consumer(self.rqp, raw=False)
+        self._start_consumer(self.raw, raw=True)
+        self._start_raw()
+        self._start_agents()
+        self.watchdog.counters += [self.rqp.progress, self.raw.progress, self.raw_sent,
+                                   self.raw_acked, lambda: self.sent]
+        self.watchdog.start()
+
+    def _raise_msgmnb(self, want: int) -> tuple[int, int]:
+        """Set kernel.msgmnb, only ever in a private IPC namespace (never the host's)."""
+        limits = kernel_limits()
+        if not self.private:
+            say(f"rqp-bench: not in a private IPC namespace (run as root, with unshare, for "
+                f"that): leaving kernel.msgmnb at {limits.msgmnb}", err=True)
+        elif limits.msgmnb != want:
+            try:
+                Path("/proc/sys/kernel/msgmnb").write_text(f"{want}\n")
+            except OSError as exc:
+                say(f"rqp-bench: cannot set kernel.msgmnb to {want} ({exc.strerror or exc}); "
+                    f"using {limits.msgmnb}", err=True)
+            limits = kernel_limits()
+        return limits.msgmnb, limits.msgmax
+
+    def _fork(self, name: str, target, *args):
+        ctx = multiprocessing.get_context("fork")
+        proc = ctx.Process(target=target, args=(os.getpid(), *args), name=name, daemon=False)
+        proc.start()
+        self.children.append((name, proc))
+        return proc
+
+    def _start_consumer(self, pipe: Pipeline, raw: bool) -> None:
+        ctx = multiprocessing.get_context("fork")
+        parent_end, child_end = ctx.Pipe()
+        pipe.progress = ctx.RawValue("q", 0)
+        pipe.conn = parent_end
+        pipe.consumer = self._fork(f"{pipe.name} consumer", consumer_main, pipe.dest_key, raw,
+                                   child_end, pipe.progress)
+        child_end.close()
+        self.watchdog.processes[f"the {pipe.name} consumer"] = pipe.consumer
+
+    def _start_raw(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        self.raw_sent, self.raw_acked = ctx.RawValue("q", 0), ctx.RawValue("q", 0)
+        self.raw_receiver = self._fork("raw receiver", raw_receiver_main, listener)
+        listener.close()
+        self.raw_sender = self._fork("raw sender", raw_sender_main, self.raw_xmit, port,
+                                     self.raw_sent, self.raw_acked)
+        self.raw_mq = sysv_ipc.MessageQueue(self.raw_xmit, 0, mode=0,
+                                            max_message_size=self.msgmax)
+        self.raw_dest_mq = sysv_ipc.MessageQueue(self.raw_dest, 0, mode=0,
+                                                 max_message_size=self.msgmax)
+        self.watchdog.processes["the raw sender"] = self.raw_sender
+        self.watchdog.processes["the raw receiver"] = self.raw_receiver
+
+    def _popen(self, name: str, argv: list[str], log: Path, cwd: Path) -> subprocess.Popen:
+        _load_libc()
+        with open(log, "ab") as log_file:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=log_file, cwd=str(cwd), start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+        self.children.append((name, proc))
+        return proc
+
+    def _start_agents(self) -> None:
+        port = free_port()
+        state = self.workdir / "state"
+        state.mkdir()
+        receiver_yaml = self.workdir / "receiver.yaml"
+        # The receiver retries a full destination queue for 10 s (100 x 0.1 s) before it
+        # dead-letters: a consumer that falls behind slows the pipeline instead of losing.
+        receiver_yaml.write_text(
+            f"listen: 127.0.0.1:{port}\ndead_letter_queue: {self.dlq:#x}\nstate_dir: state\n"
+            "put_retry_count: 100\nput_retry_interval: 0.1\n")
+        self.rqprc = self.workdir / ".rqprc"
+        self.rqprc.write_text(
+            f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {self.xmit:#x}\n"
+            f"dead_letter_queue: {self.dlq:#x}\nstate_dir: state\nask_timeout: 2s\n"
+            f"confirm_timeout: 15s\n")
+        py = sys.executable
+        self.receiver = self._popen("receiving MCA", [py, "-m", "rqp_agents.receiver",
+                                                      "--config", str(receiver_yaml)],
+                                    self.workdir / "receiver.log", self.workdir)
+        self.receiver_log = self.workdir / "receiver.log"
+        self._wait("the receiving MCA to listen", lambda: port_open(port), self.receiver)
+        # openConnection would start the sending MCA itself (rqp.api.ensure_sender) exactly like
+        # this; it is started here so that it dies with the benchmark (PR_SET_PDEATHSIG).
+        self.sender_log = state / f"sender-{self.xmit:08x}.log"
+        self.sender = self._popen("sending MCA", [py, "-m", "rqp_agents.sender", "--rqprc",
+                                                  str(self.rqprc)], self.sender_log, state)
+        self._wait("the sending MCA to serve its transmission queue",
+                   lambda: sender_serving(self.xmit), self.sender)
+        self.handle = rqp.openConnection(self.dest, rqprc=self.rqprc, start_sender=False)
+        self.dest_queue = LocalQueue.open(self.dest)
+        self.watchdog.processes["the receiving MCA"] = self.receiver
+        self.watchdog.processes["the sending MCA"] = self.sender
+
+    def _wait(self, what: str, predicate, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not predicate():
+            if proc.poll() is not None:
+                raise BenchError(f"gave up waiting for {what}: it exited with status "
+                                 f"{proc.returncode}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
+            time.sleep(0.02)
+
+    # --- putting messages in ------------------------------------------------------------------
+
+    def _put_rqp(self, msg_type: int, tag: int, count: int, size: int) -> None:
+        send, handle, pack, tail = rqp.sendMessage, self.handle, PAYLOAD_HEAD.pack, filler(size)
+        for seq in range(count):
+            send(handle, pack(tag, seq) + tail, msg_type)
+            self.sent += 1
+
+    def _put_raw(self, msg_type: int, tag: int, count: int, size: int) -> None:
+        head = RAW_RECORD.pack(msg_type, self.raw_dest)
+        pack, tail, mq = PAYLOAD_HEAD.pack, filler(size), self.raw_mq
+        for seq in range(count):
+            _send_retrying(mq, head + pack(tag, seq) + tail, type=DEFAULT_MTYPE)
+            self.sent += 1
+        self.raw_put += count
+
+    # --- measuring ----------------------------------------------------------------------------
+
+    def _next_tag(self) -> int:
+        self.tag += 1
+        return self.tag
+
+    def _collect(self, pipe: Pipeline) -> tuple[int, int]:
+        while not pipe.conn.poll(0.25):
+            pass  # the watchdog raises Stalled here if nothing moves
+        reply = pipe.conn.recv()
+        if reply[0] == "error":
+            raise BenchError(f"{pipe.name} consumer: {reply[1]}")
+        return reply[1], reply[2]
+
+    def _run_once(self, pipe: Pipeline, msg_type: int, count: int, size: int) -> float:
+        """Put ``count`` messages through ``pipe``; seconds from the first put to the last take."""
+        tag = self._next_tag()
+        pipe.conn.send(("consume", tag, count, size, msg_type == SURE_MSG))
+        put = self._put_rqp if pipe is self.rqp else self._put_raw
+        start = time.monotonic_ns()
+        put(msg_type, tag, count, size)
+        _, last = self._collect(pipe)
+        self._check_clean(pipe)
+        return (last - start) / 1e9
+
+    def _check_clean(self, pipe: Pipeline) -> None:
+        """After a case: nothing left behind, nothing dead-lettered."""
+        left = {name: q.depth for name, q in self.queues.items()
+                if name.startswith("raw") == (pipe is self.raw) and q.depth}
+        if left:
+            raise BenchError(f"{pipe.name}: messages left behind after the case: {left}")
+        if pipe is self.raw:
+            deadline = time.monotonic() + 10
+            while self.raw_acked.value < self.raw_put and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if not self.raw_put == self.raw_sent.value == self.raw_acked.value:
+                raise BenchError(f"raw: {self.raw_put} messages put, {self.raw_sent.value} "
+                                 f"frames sent, {self.raw_acked.value} acked")
+
+    def throughput(self, msg_type: int, size: int, count: int, rounds: int) -> CaseResult:
+        """``rounds`` timed runs of each pipeline, alternating, after one warm-up run each."""
+        result = CaseResult(f"{type_label(msg_type)} {size_label(size)}", type_label(msg_type),
+                            size, count, rounds)
+        warmup = max(20, min(1000, count // 10))
+        for pipe in (self.rqp, self.raw):
+            self._run_once(pipe, msg_type, warmup, size)
+        for _ in range(rounds):
+            result.rqp_seconds.append(self._run_once(self.rqp, msg_type, count, size))
+            result.raw_seconds.append(self._run_once(self.raw, msg_type, count, size))
+        return result
+
+    def _latency_samples(self, pipe: Pipeline, samples: int, size: int) -> list[int]:
+        tag, tail = self._next_tag(), filler(size)
+        clock = time.perf_counter_ns
+        out = []
+        if pipe is self.rqp:
+            send, handle, get = rqp.sendMessage, self.handle, self.dest_queue.get
+        else:
+            head, mq, dest = RAW_RECORD.pack(SURE_MSG, self.raw_dest), self.raw_mq, self.raw_dest_mq
+        warmup = max(5, samples // 10)
+        for seq in range(warmup + samples):
+            payload = PAYLOAD_HEAD.pack(tag, seq) + tail
+            if pipe is self.rqp:
+                t0 = clock()
+                send(handle, payload, SURE_MSG)
+                data = get()
+                t1 = clock()
+            else:
+                record = head + payload
+                t0 = clock()
+                _send_retrying(mq, record, type=DEFAULT_MTYPE)
+                data = _receive_retrying(dest)[0]
+                t1 = clock()
+                self.raw_put += 1
+            if data != payload:
+                got = PAYLOAD_HEAD.unpack_from(data) if len(data) >= PAYLOAD_HEAD.size else "?"
+                raise BenchError(f"{pipe.name} latency: message {seq} came back different "
+                                 f"({len(data)} bytes, tag and sequence {got})")
+            self.sent += 1
+            if seq >= warmup:
+                out.append(t1 - t0)
+        self._check_clean(pipe)
+        return out
+
+    def measure_latency(self, samples: int, size: int = 100) -> Latency:
+        lat = Latency(samples, size)
+        rqp_ns = self._latency_samples(self.rqp, samples, size)
+        raw_ns = self._latency_samples(self.raw, samples, size)
+        lat.rqp_median_ms, lat.rqp_p99_ms = (percentile(rqp_ns, p) / 1e6 for p in (50, 99))
+        lat.raw_median_ms, lat.raw_p99_ms = (percentile(raw_ns, p) / 1e6 for p in (50, 99))
+        return lat
+
+    def run(self) -> None:
+        self.watchdog.armed = True
+        try:
+            for size in SIZES:
+                for msg_type in (SURE_MSG, UNSURE_MSG):
+                    self.results.append(self.throughput(msg_type, size, self.args.count[size],
+                                                        self.args.rounds))
+            self.latency = self.measure_latency(self.args.latency_samples)
+            self._finish_raw()
+            self._stop_agents(check=True)
+        finally:
+            self.watchdog.armed = False
+
+    def _finish_raw(self) -> None:
+        """Stop the raw pipeline in order; its processes check their own counts on the way."""
+        for proc in (self.raw_sender, self.raw_receiver):
+            self.watchdog.processes.pop(f"the {proc.name}", None)
+        _send_retrying(self.raw_mq, b"stop", type=RAW_STOP_MTYPE)
+        for proc in (self.raw_sender, self.raw_receiver):
+            proc.join(15)
+            if proc.exitcode != 0:
+                raise BenchError(f"{proc.name} ended with status {proc.exitcode} "
+                                 "(frames unacknowledged or cut short)")
+
+    def _stop_agents(self, check: bool = False, grace: float = 20.0) -> None:
+        """SIGTERM (their graceful stop), SIGKILL after ``grace`` seconds."""
+        if hasattr(self, "watchdog"):
+            self.watchdog.processes.pop("the sending MCA", None)
+            self.watchdog.processes.pop("the receiving MCA", None)
+        for name in ("sender", "receiver"):
+            proc = getattr(self, name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                say(f"rqp-bench: the {name} did not stop within {grace:g}s: killing it", err=True)
+                proc.kill()
+                proc.wait()
+            if check and proc.returncode != 0:
+                raise BenchError(f"the {name} ended with status {proc.returncode}")
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def diagnose(self) -> None:
+        """After a failure: where the messages are, what the agents said."""
+        for pipe in (getattr(self, "rqp", None), getattr(self, "raw", None)):
+            if pipe is not None and pipe.progress is not None:
+                say(f"   {pipe.name} consumer: about {pipe.progress.value} message(s) of the "
+                    "current case taken", err=True)
+        for name, key in (("destination", self.dest), ("transmission", self.xmit),
+                          ("DEAD.LETTER.Q", self.dlq), ("raw transmission", self.raw_xmit),
+                          ("raw destination", self.raw_dest)):
+            try:
+                queue = LocalQueue.open(key)
+                say(f"   {name} queue {format_key(key)}: {queue.depth} message(s)", err=True)
+            except rqp.QueueError:
+                continue
+            if key == self.dlq:
+                for _ in range(min(3, queue.depth)):
+                    try:
+                        rec = DeadLetterRecord.from_bytes(queue.get(block=False))
+                        say(f"     dead letter: {rec.reason.name}: {rec.detail}", err=True)
+                    except rqp.RQPError:
+                        break
+        for log in (getattr(self, "receiver_log", None), getattr(self, "sender_log", None)):
+            if log and log.exists():
+                lines = log.read_text(errors="replace").splitlines()[-15:]
+                say(f"--- last lines of {log.name}\n" + "\n".join(lines), err=True)
+
+    def cleanup(self) -> None:
+        if hasattr(self, "watchdog"):
+            self.watchdog.stop()
+        try:
+            self._stop_agents(grace=5.0)  # after a successful run they have stopped already
+        except Exception as exc:  # noqa: BLE001 - cleanup goes on
+            say(f"rqp-bench: stopping the agents: {exc}", err=True)
+        for pipe in (getattr(self, "rqp", None), getattr(self, "raw", None)):
+            if pipe is not None and pipe.conn is not None:
+                try:
+                    pipe.conn.send(("stop",))
+                except OSError:
+                    pass
+        # Removing the queues wakes anything still blocked in msgrcv/msgsnd on them.
+        for queue in self.created:
+            try:
+                queue.remove()
+            except rqp.QueueError:
+                pass
+        for key in self.semaphores:
+            try:
+                sysv_ipc.Semaphore(key).remove()
+            except sysv_ipc.Error:
+                pass
+        for name, proc in self.children:
+            if isinstance(proc, subprocess.Popen):
+                continue
+            proc.join(5)
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+
+    def table(self) -> str:
+        lines = [
+            f"RQP end-to-end on loopback ({self.isolation}): "
+            f"kernel.msgmnb {self.msgmnb} B ({self.msgmnb / 1024:g} KiB, every queue's "
+            f"msg_qbytes), kernel.msgmax {self.msgmax} B",
+            f"Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
+            f"{self.load:.2f} at the start; messages per case: "
+            + ", ".join(f"{self.args.count[s]} x {size_label(s)}" for s in SIZES)
+            + f"; msg/s = median of {self.args.rounds} round(s); every message checked "
+            "(count, bytes, SURE order)",
+            "",
+            f"{'case':<22}{'RQP msg/s':>13}{'raw msg/s':>12}{'RQP/raw':>10}",
+        ]
+        for r in self.results:
+            case = f"{r.message_type:<6} {size_label(r.size)}"
+            lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{r.raw_msg_per_s:>12,.0f}"
+                         f"{r.ratio:>10.3f}")
+        if self.latency:
+            lat = self.latency
+            lines += ["", f"single SURE latency ({size_label(lat.size)}, {lat.samples} samples): "
+                      f"median {lat.rqp_median_ms:.3f} ms, p99 {lat.rqp_p99_ms:.3f} ms "
+                      f"(raw: median {lat.raw_median_ms:.3f} ms, p99 {lat.raw_p99_ms:.3f} ms)"]
+        return "\n".join(lines)
+
+    def figures(self) -> dict:
+        return {
+            "isolation": self.isolation, "msgmnb": self.msgmnb, "msgmax": self.msgmax,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": self.load,
+            "rounds": self.args.rounds, "latency_size": self.latency.size if self.latency else None,
+            "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
+                           raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio) for r in self.results],
+            "latency": asdict(self.latency) if self.latency else None,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="rqp-bench", description="End-to-end messages/s and latency of the RQP agents on "
+        "loopback, beside a minimal raw struct+sockets pipeline (the ceiling).")
+    parser.add_argument("--messages", type=int, metavar="N",
+                        help="messages per throughput case (default: "
+                        + ", ".join(f"{n} for {size_label(s)}" for s, n in DEFAULT_MESSAGES.items())
+                        + ")")
+    parser.add_argument("--latency-samples", type=int, metavar="N",
+                        help=f"single-message round trips (default {DEFAULT_LATENCY_SAMPLES})")
+    parser.add_argument("--rounds", type=int, metavar="R",
+                        help=f"timed runs per case and pipeline, alternating RQP and raw; the "
+                        f"table shows the median (default {DEFAULT_ROUNDS}, 1 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small counts: a smoke test of a few seconds")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
+                        help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
+                        f"(default {DEFAULT_MSGMNB})")
+    parser.add_argument("--stall", type=float, default=STALL, metavar="SECONDS",
+                        help=f"fail when no message moves for this long (default {STALL:g})")
+    args = parser.parse_args(argv)
+    base = QUICK_MESSAGES if args.quick else DEFAULT_MESSAGES
+    if args.messages is not None and args.messages < 1:
+        parser.error("--messages must be at least 1")
+    args.count = {s: args.messages or n for s, n in base.items()}
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else DEFAULT_ROUNDS
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.latency_samples is None:
+        args.latency_samples = QUICK_LATENCY_SAMPLES if args.quick else DEFAULT_LATENCY_SAMPLES
+    if args.latency_samples < 1:
+        parser.error("--latency-samples must be at least 1")
+    return args
+
+
+def _reexec_isolated(argv: list[str]) -> None:
+    """Become ``unshare --ipc -- python -m rqp.bench ARGS`` (no return) when that is possible."""
+    if os.environ.get(ISOLATED_ENV):
+        return  # re-executed already (or told not to)
+    unshare = shutil.which("unshare")
+    if not unshare:
+        return
+    cmd = [unshare, "--ipc"] if os.geteuid() == 0 else [unshare, "--user", "--map-root-user",
+                                                        "--ipc"]
+    probe = subprocess.run([*cmd, "--", "true"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    if probe.returncode != 0:
+        return
+    env = dict(os.environ, **{ISOLATED_ENV: _ipc_namespace()})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(unshare, [*cmd, "--", sys.executable, "-m", "rqp.bench", *argv], env)
+
+
+def sweep_stale_workdirs() -> None:
+    """Remove the working directories of earlier runs that were killed (SIGKILL) and so
+    could not remove their own: ``rqp-bench-PID-*`` of this user whose PID is gone."""
+    tmp = Path(tempfile.gettempdir())
+    for path in tmp.glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.lstat().st_uid != os.getuid() or not path.is_dir():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _ipc_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        return "unknown"
+
+
+def _raise_on_signal(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    _reexec_isolated(argv)
+    left = os.environ.get(ISOLATED_ENV)
+    private = bool(left) and left.startswith("ipc:") and left != _ipc_namespace()
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    sweep_stale_workdirs()
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+    bench = Bench(args, workdir, private)
+    status = 1
+    try:
+        say(f"rqp-bench: starting ({bench.isolation}; working directory {workdir})", err=True)
+        bench.setup()
+        bench.run()
+        table = bench.table()
+        say(table)
+        if args.json:
+            Path(args.json).write_text(json.dumps(bench.figures(), indent=2) + "\n")
+        status = 0
+    except (BenchError, rqp.RQPError, OSError, sysv_ipc.Error) as exc:
+        say(f"rqp-bench: FAILED: {exc}", err=True)
+        try:
+            bench.diagnose()
+        except Exception as diag_exc:  # noqa: BLE001
+            say(f"rqp-bench: (diagnosis failed: {diag_exc})", err=True)
+    except KeyboardInterrupt as exc:
+        say(f"rqp-bench: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
+        status = 130
+    finally:
+        for sig in handled:
+            signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
+        try:
+            bench.cleanup()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

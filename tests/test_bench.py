@@ -1,0 +1,89 @@
+"""rqp-bench (rqp/bench.py): the quick run goes end to end and prints its table; the checker
+that every benchmark case relies on catches what it must. No speed is asserted anywhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rqp import bench
+from rqp.bench import PAYLOAD_HEAD, BenchError, filler
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+CASES = ("SURE 100 B", "UNSURE 100 B", "SURE 4 KiB", "UNSURE 4 KiB")
+
+
+def test_quick_run_prints_the_table(tmp_path):
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "figures.json"
+    proc = subprocess.run([str(python), "-m", "rqp.bench", "--quick", "--json", str(figures)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.splitlines()
+    headers = [line for line in lines if line.split()[:1] == ["case"]]
+    assert len(headers) == 1, proc.stdout
+    assert headers[0].split() == ["case", "RQP", "msg/s", "raw", "msg/s", "RQP/raw"]
+    for case in CASES:
+        rows = [line for line in lines if line.split()[:3] == case.split()]
+        assert len(rows) == 1, f"no single row for {case!r} in:\n{proc.stdout}"
+        cells = rows[0].split()[3:]
+        assert len(cells) == 3, rows[0]  # RQP msg/s, raw msg/s and the ratio column
+        rqp_rate, raw_rate, ratio = (float(cell.replace(",", "")) for cell in cells)
+        assert rqp_rate > 0 and raw_rate > 0 and ratio > 0, rows[0]
+    assert any(line.startswith("single SURE latency") for line in lines), proc.stdout
+    assert "msgmnb" in proc.stdout
+    data = json.loads(figures.read_text())
+    assert [c["case"] for c in data["cases"]] == list(CASES)
+    assert data["latency"]["samples"] > 0
+
+
+# --- the consumer's checks -------------------------------------------------------------------
+
+
+class _Progress:
+    value = 0
+
+
+def _payloads(seqs, tag=7, size=100):
+    return [PAYLOAD_HEAD.pack(tag, seq) + filler(size) for seq in seqs]
+
+
+def _consume(messages, ordered, count=None, size=100):
+    it = iter(messages)
+    return bench._consume(lambda: next(it), 7, len(messages) if count is None else count, size,
+                          ordered, _Progress())
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_checker_accepts_a_whole_case(ordered):
+    first, last = _consume(_payloads(range(50)), ordered)
+    assert 0 < first <= last
+
+
+def test_checker_accepts_unsure_messages_out_of_order():
+    _consume(_payloads([2, 0, 1]), ordered=False)
+
+
+@pytest.mark.parametrize("messages, ordered, error", [
+    (_payloads([0, 2, 1]), True, "out of order"),
+    (_payloads([0, 1, 1]), False, "duplicate"),
+    (_payloads([0, 1, 5]), False, "out of range"),
+    (_payloads([0]) + _payloads([1], tag=8), True, "case 8"),
+    (_payloads([0]) + [_payloads([1])[0][:-1] + b"?"], False, "content differs"),
+    (_payloads([0]) + _payloads([1], size=99), True, "99 bytes"),
+])
+def test_checker_rejects_a_bad_case(messages, ordered, error):
+    with pytest.raises(BenchError, match=error):
+        _consume(messages, ordered)
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(1, 501))
+    assert bench.percentile(values, 50) == 250
+    assert bench.percentile(values, 99) == 495
+    assert bench.percentile([3], 99) == 3
