@@ -48,6 +48,8 @@ __all__ = [
     "DEFAULT_LISTEN_HOST",
     "DEFAULT_PUT_RETRY_COUNT",
     "DEFAULT_PUT_RETRY_INTERVAL",
+    "DEFAULT_DEDUP_WINDOW_KEYS",
+    "DEFAULT_DEDUP_WINDOW_AGE",
     "DEFAULT_RETRY_BACKOFF_INITIAL",
     "DEFAULT_RETRY_BACKOFF_MAX",
     "DEFAULT_WINDOW",
@@ -87,6 +89,8 @@ DEFAULT_WINDOW = 64
 MAX_WINDOW = 65536
 DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default
 DEFAULT_PUT_RETRY_INTERVAL = 1.0  # IBM MQ's MRTMR default
+DEFAULT_DEDUP_WINDOW_KEYS = 1_000_000
+DEFAULT_DEDUP_WINDOW_AGE = 24 * 3600.0
 DEFAULT_LISTEN_HOST = "0.0.0.0"
 #: Longest accepted duration. Far longer values overflow the C timeouts of sockets and selectors.
 MAX_DURATION = 365 * 24 * 3600.0
@@ -115,6 +119,8 @@ SENDER_KEYS: tuple[str, ...] = (
     "queues",
     "retry_backoff_initial",
     "retry_backoff_max",
+    "retry_max_attempts",
+    "retry_max_age",
     "window",
 )
 RECEIVER_KEYS: tuple[str, ...] = (
@@ -127,6 +133,8 @@ RECEIVER_KEYS: tuple[str, ...] = (
     "put_retry_interval",
     "state_dir",
     "host_name",
+    "dedup_window_keys",
+    "dedup_window_age",
 )
 _OFFER_KEYS = ("allow", "deny")
 
@@ -397,6 +405,8 @@ _parse_port = _int_parser(1, 65535, "a TCP port")
 _parse_error_limit = _int_parser(1, None, "a number of errors")
 _parse_window = _int_parser(1, MAX_WINDOW, "a number of frames")
 _parse_retry_count = _int_parser(0, None, "a number of retries")
+_parse_attempts = _int_parser(1, None, "a number of attempts")
+_parse_key_count = _int_parser(0, None, "a number of message keys")
 
 _HOST_NAME_RE = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
 
@@ -472,6 +482,9 @@ class SenderConfig:
     retry_backoff_initial: float = DEFAULT_RETRY_BACKOFF_INITIAL
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
     window: int = DEFAULT_WINDOW
+    #: SURE retry budget; None (the default) = retry forever, as the spec says.
+    retry_max_attempts: int | None = None
+    retry_max_age: float | None = None
     source: str | None = None
 
     @property
@@ -508,6 +521,9 @@ class ReceiverConfig:
     state_dir: str = dataclasses.field(default_factory=default_state_dir)
     #: None: ``socket.gethostname()`` at run time.
     host_name: str | None = None
+    #: SURE message keys remembered to answer repeats without putting them again (0: off).
+    dedup_window_keys: int = DEFAULT_DEDUP_WINDOW_KEYS
+    dedup_window_age: float = DEFAULT_DEDUP_WINDOW_AGE
     source: str | None = None
 
     @property
@@ -706,6 +722,8 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         retry_backoff_initial=backoff_initial,
         retry_backoff_max=backoff_max,
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
+        retry_max_attempts=f.get("retry_max_attempts", _parse_attempts, None),
+        retry_max_age=f.get("retry_max_age", parse_duration, None),
         source=f.file,
     )
 
@@ -740,6 +758,9 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         put_retry_interval=f.get("put_retry_interval", parse_duration, DEFAULT_PUT_RETRY_INTERVAL),
         state_dir=f.state_dir(),
         host_name=f.get("host_name", _parse_host_name, None),
+        dedup_window_keys=f.get("dedup_window_keys", _parse_key_count,
+                                DEFAULT_DEDUP_WINDOW_KEYS),
+        dedup_window_age=f.get("dedup_window_age", parse_duration, DEFAULT_DEDUP_WINDOW_AGE),
         source=f.file,
     )
 

@@ -123,7 +123,8 @@ class Settings:
         return cls(hosts=tuple(config.hosts), ask_timeout=config.ask_timeout,
                    confirm_timeout=config.confirm_timeout, error_limit=config.error_limit,
                    window=config.window, backoff_initial=config.retry_backoff_initial,
-                   backoff_max=config.retry_backoff_max)
+                   backoff_max=config.retry_backoff_max, max_attempts=config.retry_max_attempts,
+                   max_age=config.retry_max_age)
 
     def backoff(self, failures: int) -> float:
         """Wait before attempt ``failures + 1``: the first retry is at once (the spec's "repeat
@@ -308,11 +309,15 @@ class SenderCore:
     # --- inputs -------------------------------------------------------------------------------
 
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
-               origin: object = None) -> Outgoing:
-        """A record taken from the transmission queue."""
+               origin: object = None, key: int = 0) -> Outgoing:
+        """A record taken from the transmission queue.
+
+        ``key``: the unique key already given to it (a SURE message is given its key when it is
+        journaled, so that it keeps it across restarts); 0 = give one at the first send.
+        """
         self._now = now
         self._seq += 1
-        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin)
+        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin, key)
         problem = None
         if message_type not in (SURE_MSG, UNSURE_MSG):
             problem = (ReasonCode.BAD_MESSAGE_TYPE,
