@@ -23,7 +23,7 @@ from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, Queu
 from rqp.events import OversizedMessage
 from rqp.frames import CLOSED, NEED_DATA
 from rqp.queues import LocalQueue, format_key, kernel_limits, write_access
-from rqp.receiver_core import Ask, ReceiverConnection, Refuse
+from rqp.receiver_core import Ask, ReceiverConnection, Refuse, queue_key_problem
 from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, fit_dead_letter
 from rqp.service import host_name, notify, setup_logging, watchdog_interval
 
@@ -127,6 +127,11 @@ class Receiver:
                 if request is CLOSED:
                     log.info("connection from %s closed", _peer(peer))
                     break
+                if self._stopping.is_set():  # what was in flight is answered: done
+                    log.info("closing connection from %s: stopping", _peer(peer))
+                    break
+        except asyncio.CancelledError:  # stopping while it waited for bytes: nothing in flight
+            log.info("closing connection from %s: stopping", _peer(peer))
         except RQPError as exc:
             log.warning("closing connection from %s: %s", _peer(peer), exc)
         except (ConnectionError, OSError) as exc:
@@ -158,7 +163,8 @@ class Receiver:
 
     def offers(self, queue_key: int) -> bool:
         """QUEUE_YES exactly when the queue exists, may be written, and the config allows it."""
-        if not self.config.offers(queue_key) or queue_key == self.config.dead_letter_queue:
+        if (queue_key_problem(queue_key) or not self.config.offers(queue_key)
+                or queue_key == self.config.dead_letter_queue):
             return False
         try:
             return write_access(queue_key).writable

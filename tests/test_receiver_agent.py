@@ -1,0 +1,673 @@
+"""The receiving MCA as a real daemon: its own process on a simulated host, real TCP, real
+System V queues.
+
+Every test builds a fresh testbed: host ``a`` runs ``python -m rqp_agents.receiver`` and a
+peer process (tests/rqp_peer.py) that creates and inspects a's queues from inside a's IPC
+namespace; host ``b`` runs the peer process that plays the sending MCA over TCP, so dead
+letters must name b's address as their source. Nothing sleeps to synchronise: every wait is
+``wait_for`` or a socket read with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rqp.events import Message, QueueAsk
+from rqp.frames import encode
+from rqp.records import AgentKind, DeadLetterFlags, ReasonCode
+from tests.rqp_peer import (
+    DELIVERED_ERROR,
+    DELIVERED_YES,
+    QUEUE_NO,
+    QUEUE_YES,
+    SURE,
+    UNSURE,
+    Peer,
+    answers,
+    ask,
+    msg,
+    pack_ask,
+    pack_message,
+    raw,
+    zeros,
+)
+from tests.testbed import Host, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 7460
+DLQ = 0x5251DEAD
+Q1 = 0x52510001
+Q2 = 0x52510002
+Q3 = 0x52510003
+Q4 = 0x52510004
+MISSING = 0x52510099
+HOST_NAME = "rqp-a.test"
+#: Small retry budget: 2 x 0.1 s.
+BASE_CONFIG = {"host_name": HOST_NAME, "put_retry_count": 2, "put_retry_interval": 0.1}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    """Receiver on host a; ``qa`` works a's queues (and connects from a), ``pb`` connects from b."""
+
+    a: Host
+    b: Host
+    qa: Peer
+    pb: Peer
+    rx: subprocess.Popen
+
+    def log(self) -> str:
+        return self.a.output(self.rx, "stderr")
+
+
+def start_receiver(host: Host, config: dict | None = None, *, listen: str = f"0.0.0.0:{PORT}",
+                   state_dir: bool = True, config_path: str | None = None,
+                   user: int | None = None) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", listen]
+    if state_dir:
+        state = host.workdir / "receiver-state"
+        state.mkdir(exist_ok=True)
+        argv += ["--state-dir", str(state)]
+        if user is not None:
+            os.chmod(state, 0o777)
+    if config is not None:
+        path = host.workdir / f"receiver-{len(host.processes)}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o644)
+        config_path = str(path)
+    if config_path is not None:
+        argv += ["--config", config_path]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
+    proc = host.popen(argv)
+
+    def up() -> bool:
+        err = host.output(proc, "stderr")
+        if proc.poll() is not None:
+            raise AssertionError(f"receiver exited with {proc.returncode}:\n{err}")
+        return "listening on" in err
+
+    wait_for(up, timeout=15, message=f"receiver on {host.name} did not start", ignore=())
+    return proc
+
+
+def rig(testbed, config: dict | None = None, *, queues: dict[int, int] | None = None,
+        sysctls: dict[str, int] | None = None, before_start=None, user: int | None = None,
+        **receiver_args) -> Rig:
+    """Hosts a and b, their peers, queues (key -> mode) made on a, then the receiver on a."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    for name, value in (sysctls or {}).items():  # before any queue exists
+        a.sysctl(name, value)
+    qa, pb = Peer.start(a), Peer.start(b)
+    for key, mode in (queues or {}).items():
+        qa.create(key, mode)
+    if before_start is not None:
+        before_start(qa)
+    rx = start_receiver(a, config, user=user, **receiver_args)
+    return Rig(a, b, qa, pb, rx)
+
+
+def connect(peer: Peer, name: str, r: Rig, port: int = PORT) -> None:
+    got = peer.connect(name, r.a.address, port)
+    assert got["connected"], f"cannot connect to the receiver: {got}"
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def check_record(rec: dict, *, reason: ReasonCode, queue_key: int, key: int, message_type: int,
+                 source: str, payload: bytes | None, original_length: int | None = None,
+                 host: str = HOST_NAME, since_ns: int) -> None:
+    """One dead-letter record as the receiver must write it. ``payload=None``: header only."""
+    __tracebackhide__ = True
+    assert rec["mtype"] == 1
+    assert ReasonCode(rec["reason"]) is reason, rec
+    assert rec["agent"] == AgentKind.RECEIVER
+    assert rec["queue_key"] == queue_key
+    assert rec["message_key"] == key
+    assert rec["message_type"] == message_type
+    assert rec["source_host"] == source
+    assert rec["host"] == host
+    assert rec["destination_host"] == host
+    assert rec["attempts"] == 1
+    assert rec["detail"].strip(), "the record says nothing about why"
+    assert since_ns <= rec["timestamp_ns"] <= time.time_ns()
+    assert not rec["flags"] & DeadLetterFlags.TRUNCATED and rec["spill_path"] == ""
+    if payload is None:
+        assert rec["flags"] == DeadLetterFlags.HEADER_ONLY
+        assert rec["payload"] == b""
+    else:
+        assert rec["flags"] == 0
+        assert rec["payload"] == payload
+    assert rec["original_length"] == (len(payload) if original_length is None else original_length)
+
+
+def test_the_peer_packs_frames_like_the_codec():
+    """The peer's independent packing agrees with rqp.frames (so both sides speak the spec)."""
+    assert pack_ask(Q1) == encode(QueueAsk(queue_key=Q1))
+    body = bytes(range(256))
+    assert pack_message(UNSURE, 2**64 - 1, 2**40, body) == encode(
+        Message(message_type=UNSURE, key=2**64 - 1, queue_key=2**40, message=body))
+
+
+# --- 1. QUEUE_ASK ------------------------------------------------------------------------------
+
+
+def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testbed):
+    config = {**BASE_CONFIG,
+              "offer": {"allow": [Q1, Q2, MISSING, "DEAD.LETTER.Q"], "deny": [Q2]}}
+    r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660, Q3: 0o660})
+    asks = [
+        (Q1, QUEUE_YES),           # exists, allowed, writable
+        (MISSING, QUEUE_NO),       # allowed but no such queue
+        (Q2, QUEUE_NO),            # exists, allowed, but denied
+        (Q3, QUEUE_NO),            # exists, not in offer.allow
+        (DLQ, QUEUE_NO),           # DEAD.LETTER.Q itself (even though allowed)
+        (0, QUEUE_NO),             # IPC_PRIVATE
+        (2**32, QUEUE_NO),         # does not fit a key_t
+        (2**32 + Q1, QUEUE_NO),    # low 32 bits name Q1: must not be taken for it
+        (2**64 - 1, QUEUE_NO),
+        (Q1, QUEUE_YES),           # the connection is still fine
+    ]
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [ask(k) for k, _ in asks])
+    assert answers(got) == answers(b"".join(a for _, a in asks))
+    assert r.qa.dead_letters() == []  # asking never dead-letters anything
+    assert r.qa.depth(Q1) == 0 and r.rx.poll() is None
+
+
+def test_unprivileged_receiver_offers_only_what_it_may_write_and_dead_letters_the_rest(testbed):
+    """Receiver as uid 65534: a root 0600 queue is QUEUE_NO and NOT_AUTHORIZED, a write-only
+    0622 queue (IPC_STAT refused) is offered and delivered to."""
+    root_only, write_only, open_q = Q1, Q2, Q3
+    testbed.workdir.chmod(0o755)  # so that nobody can read its config file
+    testbed_start = time.time_ns()
+    a_dir = testbed.workdir / "a"
+    r = rig(testbed, BASE_CONFIG, queues={root_only: 0o600, write_only: 0o622, open_q: 0o666},
+            user=65534, before_start=lambda _: a_dir.chmod(0o755))
+    uid_line = next(line for line in Path(f"/proc/{r.rx.pid}/status").read_text().splitlines()
+                    if line.startswith("Uid:"))
+    assert uid_line.split()[1:] == ["65534"] * 4, uid_line
+    assert r.qa.stat(DLQ)["uid"] == 65534  # it made DEAD.LETTER.Q itself
+
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [ask(root_only), ask(write_only), ask(open_q)])
+    assert answers(got) == ["QUEUE_NO", "QUEUE_YES", "QUEUE_YES"]
+    got = r.pb.exchange("c", [
+        msg(root_only, b"not for you", key=0xA1, type=SURE),
+        msg(write_only, b"write only", key=0xA2, type=SURE),
+        msg(open_q, b"open", key=0xA3, type=UNSURE),
+    ])
+    assert answers(got) == ["DELIVERED_ERROR", "DELIVERED_YES", "DELIVERED_YES"]
+    assert r.qa.drain(root_only) == []
+    assert r.qa.drain(write_only) == [(1, b"write only")]
+    assert r.qa.drain(open_q) == [(1, b"open")]
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.NOT_AUTHORIZED, queue_key=root_only, key=0xA1,
+                 message_type=SURE, source=r.b.address, payload=b"not for you",
+                 since_ns=testbed_start)
+
+
+# --- 2. MESSAGE delivered ----------------------------------------------------------------------
+
+
+def test_messages_are_delivered_byte_exact_with_mtype_1(testbed):
+    high = 0xDEADBEEF  # above 0x7fffffff: a negative key_t
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660, high: 0o660})
+    binary = bytes(range(256)) * 3
+    biggest = bytes((i * 7) & 0xFF for i in range(8192))  # = msgmax of the host
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [
+        msg(Q1, binary, key=0x0123456789ABCDEF, type=SURE),
+        msg(Q1, b"", key=2, type=UNSURE),
+        msg(Q1, biggest, key=3, type=SURE),
+        ask(high),
+        msg(high, b"high key", key=4, type=SURE),
+    ])
+    assert answers(got) == ["DELIVERED_YES"] * 3 + ["QUEUE_YES", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, binary), (1, b""), (1, biggest)]
+    assert r.qa.drain(high) == [(1, b"high key")]
+    assert r.qa.dead_letters() == []
+
+
+def test_a_full_queue_does_not_hold_up_other_connections(testbed):
+    config = {**BASE_CONFIG, "put_retry_count": 50, "put_retry_interval": 0.1}  # 5 s budget
+    r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660})
+    r.qa.fill(Q1)
+    connect(r.pb, "stuck", r)
+    r.pb.send("stuck", [msg(Q1, b"waits", key=1, type=SURE)])
+    wait_for(lambda: "full: retrying" in r.log(), timeout=5, message="the put never started")
+    connect(r.pb, "other", r)
+    start = time.monotonic()
+    got = r.pb.exchange("other", [ask(Q2), msg(Q2, b"goes through", key=2, type=SURE)],
+                        timeout=2)
+    assert answers(got) == ["QUEUE_YES", "DELIVERED_YES"]
+    assert time.monotonic() - start < 2
+    assert r.qa.drain(Q2) == [(1, b"goes through")]
+    assert r.qa.drain(Q1, limit=1)  # now the first one gets in too
+    assert r.pb.recv("stuck", 2, timeout=3)["data"] == DELIVERED_YES
+
+
+def test_a_queue_removed_and_created_again_gets_the_next_message(testbed):
+    """The receiver caches queue handles: a stale one must not lose or misfile messages."""
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    assert r.pb.exchange("c", [msg(Q1, b"one", key=1)]) == DELIVERED_YES
+    r.qa.remove(Q1)
+    r.qa.create(Q1)
+    assert r.pb.exchange("c", [msg(Q1, b"two", key=2)]) == DELIVERED_YES
+    assert r.qa.drain(Q1) == [(1, b"two")]
+    r.qa.remove(Q1)
+    assert r.pb.exchange("c", [msg(Q1, b"three", key=3, type=UNSURE)]) == DELIVERED_ERROR
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=Q1, key=3, message_type=UNSURE,
+                 source=r.b.address, payload=b"three", since_ns=t0)
+
+
+# --- 3. dead letters, one reason each ----------------------------------------------------------
+
+
+def test_dead_letter_unknown_queue(testbed):
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    assert r.pb.exchange("c", [msg(MISSING, b"nobody home", key=0xBEEF, type=SURE)]) \
+        == DELIVERED_ERROR
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0xBEEF,
+                 message_type=SURE, source=r.b.address, payload=b"nobody home", since_ns=t0)
+    assert not r.qa.exists(MISSING)  # the receiver never creates destination queues
+
+
+def test_dead_letter_queue_not_offered(testbed):
+    t0 = time.time_ns()
+    config = {**BASE_CONFIG, "offer": {"deny": [Q2]}}
+    r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660})
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [msg(Q2, b"denied", key=7, type=UNSURE),
+                              msg(DLQ, b"into the DLQ?", key=8, type=UNSURE)])
+    assert answers(got) == ["DELIVERED_ERROR"] * 2
+    assert r.qa.depth(Q2) == 0
+    first, second = r.qa.dead_letters()  # and nothing else was put on DEAD.LETTER.Q
+    check_record(first, reason=ReasonCode.QUEUE_NOT_OFFERED, queue_key=Q2, key=7,
+                 message_type=UNSURE, source=r.b.address, payload=b"denied", since_ns=t0)
+    check_record(second, reason=ReasonCode.QUEUE_NOT_OFFERED, queue_key=DLQ, key=8,
+                 message_type=UNSURE, source=r.b.address, payload=b"into the DLQ?", since_ns=t0)
+
+
+def test_dead_letter_queue_full_after_the_retry_budget(testbed):
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    filled = r.qa.fill(Q1)
+    connect(r.pb, "c", r)
+    start = time.monotonic()
+    assert r.pb.exchange("c", [msg(Q1, b"no room", key=0x22, type=SURE)]) == DELIVERED_ERROR
+    assert time.monotonic() - start >= 0.2  # it retried for put_retry_count x interval
+    assert r.qa.depth(Q1) == filled["messages"]
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.QUEUE_FULL, queue_key=Q1, key=0x22, message_type=SURE,
+                 source=r.b.address, payload=b"no room", since_ns=t0)
+    assert "full: retrying" in r.log()
+
+
+def test_dead_letter_message_over_max_message_size_is_header_only(testbed):
+    t0 = time.time_ns()
+    r = rig(testbed, {**BASE_CONFIG, "max_message_size": 100}, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [msg(Q1, b"x" * 200, key=0x200, type=SURE),
+                              ask(Q1),  # the connection goes on (and the SURE hold is lifted)
+                              msg(Q1, b"y" * 100, key=0x201, type=SURE)])  # exactly the limit
+    assert answers(got) == ["DELIVERED_ERROR", "QUEUE_YES", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, b"y" * 100)]
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q1, key=0x200,
+                 message_type=SURE, source=r.b.address, payload=None, original_length=200,
+                 since_ns=t0)
+
+
+def test_dead_letter_message_over_the_queues_max_size_keeps_its_payload(testbed):
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, before_start=lambda qa: qa.create(Q1, 0o660, max_size=50))
+    connect(r.pb, "c", r)
+    body = bytes(range(80))
+    assert r.pb.exchange("c", [msg(Q1, body, key=0x80, type=UNSURE)]) == DELIVERED_ERROR
+    assert r.qa.depth(Q1) == 0
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q1, key=0x80,
+                 message_type=UNSURE, source=r.b.address, payload=body, since_ns=t0)
+
+
+@pytest.mark.parametrize("queue_key", [0, 2**32, 2**32 + Q1, 2**64 - 1],
+                         ids=["zero", "2**32", "2**32+Q1", "uint64-max"])
+def test_dead_letter_invalid_queue_key(testbed, queue_key):
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    assert r.pb.exchange("c", [msg(queue_key, b"where to?", key=0x24, type=SURE)]) \
+        == DELIVERED_ERROR
+    assert r.qa.depth(Q1) == 0  # 2**32 + Q1 is not Q1
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.INVALID_QUEUE_KEY, queue_key=queue_key, key=0x24,
+                 message_type=SURE, source=r.b.address, payload=b"where to?", since_ns=t0)
+
+
+# --- 4. one notice per SURE key ------------------------------------------------------------------
+
+
+def test_a_sure_message_is_dead_lettered_once_per_key(testbed):
+    t0 = time.time_ns()
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    for attempt in range(2):  # the sender retries the same SURE message on a new connection
+        connect(r.pb, f"c{attempt}", r)
+        assert r.pb.exchange(f"c{attempt}", [msg(MISSING, b"again", key=0x5E, type=SURE)]) \
+            == DELIVERED_ERROR
+        r.pb.close(f"c{attempt}")
+    connect(r.pb, "u", r)  # UNSURE messages are not retried: each one is recorded
+    got = r.pb.exchange("u", [msg(MISSING, b"u", key=0x6E, type=UNSURE),
+                              msg(MISSING, b"u", key=0x6E, type=UNSURE)])
+    assert answers(got) == ["DELIVERED_ERROR"] * 2
+    records = r.qa.dead_letters()
+    assert [(x["message_key"], x["message_type"]) for x in records] == [
+        (0x5E, SURE), (0x6E, UNSURE), (0x6E, UNSURE)]
+    check_record(records[0], reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0x5E,
+                 message_type=SURE, source=r.b.address, payload=b"again", since_ns=t0)
+
+
+# --- 5. a window of frames in flight -------------------------------------------------------------
+
+
+def test_a_window_of_200_frames_in_one_write_is_answered_in_order(testbed):
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 20})
+    frames, expected = [], []
+    for i in range(200):
+        kind = i % 4
+        if kind == 0:
+            frame, answer = ask(Q1), QUEUE_YES
+        elif kind == 1:
+            frame, answer = msg(Q1, f"ok-{i:03d}".encode(), key=i, type=SURE), DELIVERED_YES
+        elif kind == 2:
+            frame, answer = ask(MISSING), QUEUE_NO
+        else:
+            frame = msg(MISSING, f"lost-{i:03d}".encode(), key=i, type=UNSURE)
+            answer = DELIVERED_ERROR
+        frames.append(frame)
+        expected.append(answer)
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", frames, timeout=20)
+    assert answers(got) == answers(b"".join(expected))
+    assert r.qa.drain(Q1) == [(1, f"ok-{i:03d}".encode()) for i in range(1, 200, 4)]
+    records = r.qa.dead_letters()
+    assert [(x["message_key"], x["payload"]) for x in records] == [
+        (i, f"lost-{i:03d}".encode()) for i in range(3, 200, 4)]
+
+
+# --- 6. bad streams close only their own connection ----------------------------------------------
+
+PROTOCOL_ERRORS = {
+    "unknown-code": [raw(b"\x09\x00")],
+    "bad-message-type": [raw(pack_message(2, 1, Q1, b"x"))],
+    "delivered-yes-to-receiver": [raw(DELIVERED_YES)],
+    "queue-yes-to-receiver": [raw(QUEUE_YES)],
+    "claims-2**63-octets": [msg(Q1, b"", key=9, claim=2**63)],
+    "truncated-then-close": [raw(pack_message(SURE, 9, Q1, b"cut short")[:20])],
+}
+
+
+@pytest.mark.parametrize("bad", PROTOCOL_ERRORS.values(), ids=PROTOCOL_ERRORS.keys())
+def test_a_bad_stream_closes_that_connection_only(testbed, bad):
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "good", r)
+    assert r.pb.exchange("good", [ask(Q1)]) == QUEUE_YES
+    connect(r.pb, "bad", r)
+    r.pb.send("bad", [ask(Q1), *bad])  # the request before the bad bytes is still answered
+    if bad is PROTOCOL_ERRORS["truncated-then-close"]:
+        r.pb.shutdown("bad")
+    got = r.pb.read_to_eof("bad", timeout=5)
+    assert got["data"] == QUEUE_YES and got["eof"], got
+    # the other connection, opened before, is still served; so is a new one
+    got = r.pb.exchange("good", [ask(Q1), msg(Q1, b"after", key=10, type=UNSURE)])
+    assert answers(got) == ["QUEUE_YES", "DELIVERED_YES"]
+    connect(r.pb, "new", r)
+    assert r.pb.exchange("new", [msg(Q1, b"new", key=11, type=UNSURE)]) == DELIVERED_YES
+    assert r.qa.drain(Q1) == [(1, b"after"), (1, b"new")]
+    assert r.qa.dead_letters() == []
+    assert r.rx.poll() is None
+
+
+def test_oversized_messages_are_streamed_past_with_bounded_memory(testbed):
+    """Claims of 10 MB (over max_message_size 1000, under the hard cap), bodies really sent:
+    each is answered DELIVERED_ERROR and dead-lettered header-only, the connection goes on,
+    and 50 MB of bodies do not grow the receiver by 20 MB."""
+    t0 = time.time_ns()
+    r = rig(testbed, {**BASE_CONFIG, "max_message_size": 1000}, queues={Q1: 0o660})
+    big = 10 << 20
+    connect(r.pb, "c", r)
+    # warm up every code path once before measuring
+    got = r.pb.exchange("c", [ask(Q1), msg(Q1, key=0x100, type=UNSURE, claim=5000),
+                              zeros(5000)])
+    assert answers(got) == ["QUEUE_YES", "DELIVERED_ERROR"]
+    rss_before = vm_kib(r.rx.pid, "VmRSS")
+    for i in range(5):
+        r.pb.send("c", [msg(Q1, key=0x101 + i, type=UNSURE, claim=big), zeros(big)], timeout=60)
+    got = r.pb.recv("c", 10, timeout=20)
+    assert answers(got["data"]) == ["DELIVERED_ERROR"] * 5, got
+    peak = vm_kib(r.rx.pid, "VmHWM")
+    assert peak - rss_before < 20 * 1024, f"receiver grew from {rss_before} to {peak} KiB"
+    got = r.pb.exchange("c", [ask(Q1), msg(Q1, b"z" * 1000, key=0x200, type=SURE)])
+    assert answers(got) == ["QUEUE_YES", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, b"z" * 1000)]
+    records = r.qa.dead_letters()
+    assert [x["message_key"] for x in records] == [0x100, *range(0x101, 0x106)]
+    for rec in records[1:]:
+        check_record(rec, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q1,
+                     key=rec["message_key"], message_type=UNSURE, source=r.b.address,
+                     payload=None, original_length=big, since_ns=t0)
+
+
+# --- 7. many clients at once ---------------------------------------------------------------------
+
+
+def test_twenty_clients_at_once_all_delivered_and_answered(testbed):
+    clients, per_client = 20, 100
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 22})
+    results = r.pb.blast(r.a.address, PORT, clients=clients, per_client=per_client,
+                         queue_key=Q1, timeout=30)
+    for c, res in enumerate(results):
+        assert "error" not in res, f"client {c}: {res}"
+        assert bytes.fromhex(res["answers"]) == DELIVERED_YES * per_client, f"client {c}: {res}"
+    assert r.qa.depth(Q1) == clients * per_client
+    bodies = [body.decode() for mtype, body in r.qa.drain(Q1) if mtype == 1]
+    assert len(bodies) == len(set(bodies)) == clients * per_client
+    for c in range(clients):  # each connection's messages land in the order they were sent
+        mine = [b for b in bodies if b.startswith(f"c{c:03d}-")]
+        assert mine == [f"c{c:03d}-{i:05d}" for i in range(per_client)]
+    assert r.qa.dead_letters() == []
+
+
+# --- 8. SIGTERM -----------------------------------------------------------------------------------
+
+
+def test_sigterm_answers_the_request_in_flight_then_exits_0(testbed):
+    config = {**BASE_CONFIG, "put_retry_count": 40, "put_retry_interval": 0.1}  # 4 s budget
+    r = rig(testbed, config, queues={Q1: 0o660})
+    filled = r.qa.fill(Q1)["messages"]
+    connect(r.pb, "idle", r)
+    assert r.pb.exchange("idle", [ask(Q1)]) == QUEUE_YES
+    connect(r.pb, "busy", r)
+    r.pb.send("busy", [msg(Q1, b"in flight", key=0x51, type=SURE)])
+    wait_for(lambda: "full: retrying" in r.log(), timeout=5, message="the put never started")
+
+    r.rx.send_signal(signal.SIGTERM)
+    wait_for(lambda: "no new connections" in r.log(), timeout=5, message="SIGTERM not seen")
+    wait_for(lambda: r.pb.connect("late", r.a.address, PORT).get("error") == "refused",
+             timeout=5, message="new connections still accepted after SIGTERM")
+    got = r.pb.read_to_eof("idle", timeout=3)  # nothing was in flight there
+    assert got == {"data": b"", "eof": True, "reset": False, "timeout": False}
+
+    assert r.qa.drain(Q1, limit=1)  # room for one: the retrying put now succeeds
+    got = r.pb.recv("busy", 2, timeout=3)
+    assert got["data"] == DELIVERED_YES, got
+    assert r.qa.drain(Q1)[-1] == (1, b"in flight")
+    assert r.qa.depth(Q1) == 0 and filled > 1
+
+    # answered: the receiver now closes that connection and exits, it does not wait for more
+    got = r.pb.read_to_eof("busy", timeout=2)
+    assert got["eof"] and got["data"] == b"", (
+        f"connection still open after the in-flight answer: {got}")
+    assert r.rx.wait(timeout=2) == 0
+    assert "stopped" in r.log()
+    assert r.qa.dead_letters() == []
+
+
+def test_sigterm_with_only_idle_connections_exits_at_once_and_cleanly(testbed):
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    for name in ("idle1", "idle2"):
+        connect(r.pb, name, r)
+        assert r.pb.exchange(name, [ask(Q1)]) == QUEUE_YES
+    r.rx.send_signal(signal.SIGTERM)
+    assert r.rx.wait(timeout=3) == 0
+    for name in ("idle1", "idle2"):
+        got = r.pb.read_to_eof(name, timeout=3)
+        assert got == {"data": b"", "eof": True, "reset": False, "timeout": False}
+    log = r.log()
+    assert "stopped" in log
+    # a normal shutdown is not an error: no ERROR lines, no tracebacks in the log
+    errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert not errors, "a normal shutdown logged errors:\n" + "\n".join(errors)
+
+
+def test_a_second_sigterm_exits_at_once(testbed):
+    config = {**BASE_CONFIG, "put_retry_count": 100, "put_retry_interval": 0.1}  # 10 s budget
+    r = rig(testbed, config, queues={Q1: 0o660})
+    r.qa.fill(Q1)
+    connect(r.pb, "busy", r)
+    r.pb.send("busy", [msg(Q1, b"in flight", key=0x52, type=SURE)])
+    wait_for(lambda: "full: retrying" in r.log(), timeout=5, message="the put never started")
+    r.rx.send_signal(signal.SIGTERM)
+    wait_for(lambda: "no new connections" in r.log(), timeout=5, message="SIGTERM not seen")
+    assert r.rx.poll() is None  # still retrying the put
+    start = time.monotonic()
+    r.rx.send_signal(signal.SIGTERM)
+    assert r.rx.wait(timeout=3) == 0
+    assert time.monotonic() - start < 2
+    assert "second SIGTERM" in r.log()
+    got = r.pb.read_to_eof("busy", timeout=3)
+    assert got["data"] == b"" and (got["eof"] or got["reset"]), got
+
+
+# --- 9. DEAD.LETTER.Q full ------------------------------------------------------------------------
+
+
+def test_when_dead_letter_q_is_full_the_connection_closes_unanswered(testbed):
+    t0 = time.time_ns()
+
+    def fill_dlq(qa):
+        qa.create(DLQ, 0o660)
+        qa.fill(DLQ)
+
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660}, before_start=fill_dlq)
+    full = r.qa.depth(DLQ)
+    connect(r.pb, "c", r)
+    r.pb.send("c", [msg(MISSING, b"keep me", key=0x9D, type=SURE)])
+    got = r.pb.read_to_eof("c", timeout=6)
+    assert got == {"data": b"", "eof": True, "reset": False, "timeout": False}
+    errors = [line for line in r.log().splitlines() if " ERROR " in line]
+    assert any("DEAD.LETTER.Q" in line for line in errors), r.log()
+    assert r.qa.depth(DLQ) == full
+    # the receiver goes on serving
+    connect(r.pb, "d", r)
+    assert answers(r.pb.exchange("d", [ask(Q1), msg(Q1, b"fine", key=0x9E)])) == [
+        "QUEUE_YES", "DELIVERED_YES"]
+    # the notice was never written, so the sender's retry is recorded once there is room
+    assert len(r.qa.drain(DLQ)) == full
+    connect(r.pb, "e", r)
+    assert r.pb.exchange("e", [msg(MISSING, b"keep me", key=0x9D, type=SURE)]) == DELIVERED_ERROR
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0x9D,
+                 message_type=SURE, source=r.b.address, payload=b"keep me", since_ns=t0)
+
+
+# --- 10. configurations ---------------------------------------------------------------------------
+
+
+def test_runs_with_no_config_file_at_all(testbed):
+    t0 = time.time_ns()
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    qa.create(Q1, 0o660)
+    rx = start_receiver(a, None, listen=f"127.0.0.1:{PORT}", state_dir=False)
+    assert qa.connect("c", "127.0.0.1", PORT)["connected"]
+    got = qa.exchange("c", [ask(Q1), ask(MISSING), ask(DLQ), ask(2**32 + Q1),
+                            msg(Q1, b"hello", key=1), msg(MISSING, b"lost", key=2, type=UNSURE),
+                            msg(Q1, b"m" * 8193, key=3, type=UNSURE)])
+    assert answers(got) == ["QUEUE_YES", "QUEUE_NO", "QUEUE_NO", "QUEUE_NO",
+                            "DELIVERED_YES", "DELIVERED_ERROR", "DELIVERED_ERROR"]
+    assert qa.drain(Q1) == [(1, b"hello")]
+    lost, too_big = qa.dead_letters()
+    here = socket.gethostname()  # the hosts share the machine's UTS namespace
+    check_record(lost, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=2,
+                 message_type=UNSURE, source="127.0.0.1", payload=b"lost", host=here,
+                 since_ns=t0)
+    check_record(too_big, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q1, key=3,  # msgmax
+                 message_type=UNSURE, source="127.0.0.1", payload=None, original_length=8193,
+                 host=here, since_ns=t0)
+    # it listens on loopback only, as told
+    assert pb.connect("far", a.address, PORT)["error"] == "refused"
+    assert a.stop(rx) == 0
+
+
+def test_runs_with_the_example_config(testbed):
+    t0 = time.time_ns()
+    example = REPO / "config" / "receiver.example.yaml"
+    port = PORT + 1  # --listen overrides the file's 0.0.0.0:7460
+    r = rig(testbed, None, queues={Q1: 0o660, Q3: 0o660, Q4: 0o660}, config_path=str(example),
+            listen=f"0.0.0.0:{port}")
+    state = r.a.workdir / "receiver-state"
+    assert r.pb.connect("default-port", r.a.address, PORT)["error"] == "refused"
+    connect(r.pb, "c", r, port)
+    got = r.pb.exchange("c", [ask(Q1), ask(Q2), ask(Q3), ask(Q4), ask(DLQ)])
+    assert answers(got) == ["QUEUE_YES", "QUEUE_NO", "QUEUE_YES", "QUEUE_NO", "QUEUE_NO"]
+    full = bytes(i & 0xFF for i in range(8192))  # max_message_size: 8KiB
+    got = r.pb.exchange("c", [msg(Q1, full, key=1, type=SURE),
+                              msg(Q4, full, key=2, type=UNSURE),
+                              msg(Q3, b"m" * 8193, key=3, type=UNSURE)])
+    assert answers(got) == ["DELIVERED_YES", "DELIVERED_ERROR", "DELIVERED_ERROR"]
+    assert r.qa.drain(Q1) == [(1, full)]
+    assert r.qa.depth(Q4) == 0 and r.qa.depth(Q3) == 0
+    not_offered, too_big = r.qa.dead_letters()
+    check_record(too_big, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q3, key=3,
+                 message_type=UNSURE, source=r.b.address, payload=None, original_length=8193,
+                 host="rqp1.example.org", since_ns=t0)
+    # A record with an 8 KiB payload does not fit msgmax: the payload is spilled to a file
+    # in the state_dir given by --state-dir, and the record says so.
+    assert ReasonCode(not_offered["reason"]) is ReasonCode.QUEUE_NOT_OFFERED
+    assert not_offered["host"] == "rqp1.example.org"
+    assert not_offered["source_host"] == r.b.address
+    assert (not_offered["queue_key"], not_offered["message_key"]) == (Q4, 2)
+    assert not_offered["flags"] == DeadLetterFlags.TRUNCATED
+    assert not_offered["size"] == 8192 and not_offered["original_length"] == 8192
+    assert full.startswith(not_offered["payload"])
+    spill = Path(not_offered["spill_path"])
+    assert spill.parent == state / "spill", spill
+    assert spill.read_bytes() == full
+    assert stat.S_IMODE(spill.stat().st_mode) == 0o600
+    assert r.a.stop(r.rx) == 0
