@@ -30,9 +30,11 @@ sysv_ipc 1.2.0 on Linux):
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -248,12 +250,13 @@ class LocalQueue:
     blocking call. ``timeout=None`` with ``block=True`` is a true blocking call (no polling).
     """
 
-    __slots__ = ("_mq", "_key", "_msgmax")
+    __slots__ = ("_mq", "_key", "_msgmax", "_copy_buffer")
 
     def __init__(self, mq: sysv_ipc.MessageQueue, key: int, msgmax: int):
         self._mq = mq
         self._key = key
         self._msgmax = msgmax
+        self._copy_buffer = None
 
     # -- construction --------------------------------------------------------------------
 
@@ -348,7 +351,7 @@ class LocalQueue:
             raise QueueNotFound(
                 f"queue {format_key(self._key)} was removed and created again", queue_key=self._key
             )
-        self._mq, self._msgmax = mq, msgmax
+        self._mq, self._msgmax, self._copy_buffer = mq, msgmax, None
 
     # -- put -----------------------------------------------------------------------------
 
@@ -476,6 +479,37 @@ class LocalQueue:
             )
         raise QueueEmpty(f"queue {format_key(self._key)} is empty", queue_key=self._key)
 
+    def peek(self, index: int = 0) -> tuple[bytes, int] | None:
+        """A copy of the message at ``index`` (0 = the next one ``get`` would take) and its
+        mtype, without taking it; None if the queue has fewer messages.
+
+        Linux's ``msgrcv(..., MSG_COPY | IPC_NOWAIT)`` (kernel 3.8+, CONFIG_CHECKPOINT_RESTORE).
+        This is what lets the sending MCA journal a record before it takes it off the queue.
+        Raises :class:`QueueError` where the kernel does not support it (see
+        :func:`peek_supported`).
+        """
+        buf = self._copy_buffer
+        if buf is None:
+            buf = self._copy_buffer = ctypes.create_string_buffer(_LONG_SIZE + self._msgmax)
+        n = _libc.msgrcv(self._mq.id, buf, self._msgmax, index, _MSG_COPY | _IPC_NOWAIT)
+        if n >= 0:
+            raw = buf.raw
+            return raw[_LONG_SIZE:_LONG_SIZE + n], int.from_bytes(raw[:_LONG_SIZE], _BYTEORDER)
+        err = ctypes.get_errno()
+        if err == errno.ENOMSG:
+            return None
+        if err == errno.E2BIG and kernel_limits().msgmax > self._msgmax:
+            self._reopen(kernel_limits().msgmax)
+            return self.peek(index)
+        if err in (errno.EIDRM, errno.EINVAL) and not LocalQueue.exists(self._key):
+            raise QueueNotFound(f"queue {format_key(self._key)} was removed",
+                                queue_key=self._key)
+        if err == errno.EACCES:
+            raise QueuePermissionDenied(f"queue {format_key(self._key)}: no read permission",
+                                        queue_key=self._key)
+        raise QueueError(f"queue {format_key(self._key)}: msgrcv(MSG_COPY) failed: "
+                         f"{os.strerror(err)}", queue_key=self._key)
+
     def _receive(self, mtype: int, block: bool) -> bytes | None:
         """One msgrcv. None if non-blocking and there is no message."""
         for _ in range(2):
@@ -500,6 +534,27 @@ class LocalQueue:
                     raise
                 raise _map_error(exc, self._key, "getting a message") from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.msgrcv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long,
+                         ctypes.c_int)
+_libc.msgrcv.restype = ctypes.c_ssize_t
+_MSG_COPY = 0o40000  # linux/msg.h
+_IPC_NOWAIT = 0o4000
+_LONG_SIZE = ctypes.sizeof(ctypes.c_long)
+_BYTEORDER = sys.byteorder  # mtype is a native long
+
+
+def peek_supported() -> bool:
+    """Whether this kernel has ``MSG_COPY`` (needs a scratch queue to find out)."""
+    mq = sysv_ipc.MessageQueue(None, sysv_ipc.IPC_CREX, mode=0o600)
+    try:
+        buf = ctypes.create_string_buffer(_LONG_SIZE + 16)
+        n = _libc.msgrcv(mq.id, buf, 16, 0, _MSG_COPY | _IPC_NOWAIT)
+        return n >= 0 or ctypes.get_errno() == errno.ENOMSG
+    finally:
+        mq.remove()
 
 
 # --------------------------------------------------------------------------------------------

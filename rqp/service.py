@@ -5,6 +5,8 @@ transmission queue" semaphore, systemd notification, logging. Adapters only; no 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import secrets
@@ -20,7 +22,7 @@ from .errors import RQPError
 from .queues import format_key
 
 __all__ = [
-    "ServingLock", "sender_serving", "serving_pid", "spawn_lock", "KeySource", "write_file_atomically",
+    "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",
     "notify", "setup_logging", "host_name",
 ]
 
@@ -106,6 +108,40 @@ class KeySource:
 # semaphore, key + 1, serialises starting one, so that two applications calling openConnection
 # at the same moment start exactly one.
 
+# sysv_ipc may be built without semtimedop (SEMAPHORE_TIMEOUT_SUPPORTED False: a timeout is then
+# silently ignored and the wait is forever), so timed waits call libc's semtimedop directly.
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Sembuf(ctypes.Structure):
+    _fields_ = [("sem_num", ctypes.c_ushort), ("sem_op", ctypes.c_short),
+                ("sem_flg", ctypes.c_short)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_SEM_UNDO = 0x1000
+
+
+def _semop(sem: sysv_ipc.Semaphore, delta: int, timeout: float | None, undo: bool) -> bool:
+    """Add ``delta`` (negative: wait until possible) within ``timeout`` seconds.
+
+    True if done; False on time-out or when interrupted by a signal (EINTR)."""
+    op = _Sembuf(0, delta, _SEM_UNDO if undo else 0)
+    ts = None
+    if timeout is not None:
+        whole = int(timeout)
+        ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
+    if _libc.semtimedop(sem.id, ctypes.byref(op), 1, ts) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EINTR):
+        return False
+    raise RQPError(f"semaphore {sem.key:#x}: semtimedop: {os.strerror(err)}")
+
+
 def _semaphore(key: int) -> sysv_ipc.Semaphore:
     try:
         return sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, mode=0o666, initial_value=1)
@@ -153,17 +189,49 @@ class ServingLock:
 @contextlib.contextmanager
 def spawn_lock(transmission_queue: int, timeout: float = 30.0):
     sem = _semaphore((transmission_queue + 1) & 0xFFFFFFFF)
-    sem.undo = True
-    try:
-        sem.acquire(timeout=timeout)
-    except sysv_ipc.BusyError:
-        raise RQPError(f"timed out after {timeout:g}s waiting for another process that is "
-                       f"starting the sending MCA of {format_key(transmission_queue)}") from None
+    deadline = time.monotonic() + timeout
+    while not _semop(sem, -1, max(deadline - time.monotonic(), 0.0), undo=True):
+        if time.monotonic() >= deadline:
+            raise RQPError(f"timed out after {timeout:g}s waiting for another process that is "
+                           f"starting the sending MCA of {format_key(transmission_queue)}")
     try:
         yield
     finally:
-        with contextlib.suppress(sysv_ipc.Error):
-            sem.release()
+        _semop(sem, 1, None, undo=True)
+
+
+class Doorbell:
+    """Producers ring it after putting a record; the sending MCA waits on it when its
+    transmission queue is empty. A System V semaphore (key = transmission queue + 2) used as a
+    counter. A producer that does not ring (a C program) is still served: the sending MCA
+    looks at the queue every ``poll`` seconds anyway.
+    """
+
+    def __init__(self, transmission_queue: int) -> None:
+        key = (transmission_queue + 2) & 0xFFFFFFFF
+        try:
+            self._sem = sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, mode=0o666, initial_value=0)
+        except sysv_ipc.ExistentialError:
+            self._sem = sysv_ipc.Semaphore(key)
+
+    def ring(self) -> None:
+        try:
+            self._sem.release()
+        except (sysv_ipc.Error, ValueError, OSError):
+            pass  # at the semaphore's maximum (or removed): the sender looks anyway
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until rung (True) or ``timeout`` seconds pass or a signal comes (False);
+        absorbs every ring so far."""
+        if not _semop(self._sem, -1, timeout, undo=False):
+            return False
+        try:
+            extra = self._sem.value
+            if extra:
+                _semop(self._sem, -extra, 0, undo=False)
+        except sysv_ipc.Error:
+            pass
+        return True
 
 
 # --- systemd --------------------------------------------------------------------------------

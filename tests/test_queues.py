@@ -428,3 +428,24 @@ def test_receive_buffer_grows_when_msgmax_was_raised_after_open(make_queue):
     small = LocalQueue(sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=100), q.key, 100)
     small.put(b"z" * 300)
     assert q.get() == b"z" * 300
+
+
+# --- peek (MSG_COPY): what lets the sending MCA journal a record before taking it ----------
+
+def test_peek_copies_without_taking(make_queue):
+    from rqp.queues import peek_supported
+    assert peek_supported()  # the sending MCA's no-loss take depends on it
+    q = make_queue()
+    assert q.peek(0) is None
+    q.put(b"first")
+    q.put(b"second", mtype=3)
+    assert q.peek(0) == (b"first", 1) and q.peek(1) == (b"second", 3) and q.peek(2) is None
+    assert q.depth == 2
+    assert q.get() == b"first" and q.peek(0) == (b"second", 3)
+
+
+def test_peek_of_a_removed_queue(make_queue):
+    q = make_queue()
+    q.remove()
+    with pytest.raises(QueueNotFound):
+        q.peek(0)
