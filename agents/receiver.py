@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
+from rqp.dedup import DedupWindow, window_path
 from rqp.constants import DEFAULT_MTYPE
 from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, QueuePermissionDenied
 from rqp.events import OversizedMessage
@@ -48,6 +49,14 @@ class Receiver:
         self.max_message_size = config.max_message_size or self.msgmax
         self.spill_dir = Path(config.state_dir) / "spill"
         self.dead_letter_queue = LocalQueue.create(config.dead_letter_queue)
+        state = Path(config.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        # SURE repeats (same key) are answered without a second put, within this window.
+        self.dedup = DedupWindow(window_path(state), max_keys=config.dedup_window_keys,
+                                 max_age=config.dedup_window_age)
+        for problem in self.dedup.problems:
+            log.warning("de-duplication window %s: %s", window_path(state), problem)
+        self._putting: dict[int, asyncio.Event] = {}  # SURE keys being put right now
         self._queues: dict[int, LocalQueue] = {}
         self._noticed: dict[int, None] = {}
         self._connections: set[asyncio.Task] = set()
@@ -55,7 +64,8 @@ class Receiver:
         self._server: asyncio.base_events.Server | None = None
         self._stopping = asyncio.Event()
         self.put_budget = config.put_retry_count * config.put_retry_interval
-        self.stats = {"connections": 0, "messages": 0, "dead_letters": 0, "asks": 0}
+        self.stats = {"connections": 0, "messages": 0, "dead_letters": 0, "asks": 0,
+                      "repeats": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -72,6 +82,7 @@ class Receiver:
             loop.add_signal_handler(sig, self._on_signal, sig)
         watchdog = watchdog_interval()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        expiry = asyncio.create_task(self._expire_dedup())
         await self._stopping.wait()
         notify("STOPPING=1")
         self._server.close()
@@ -85,7 +96,9 @@ class Receiver:
             task.cancel()
         if pinger:
             pinger.cancel()
-        log.info("stopped")
+        expiry.cancel()
+        self.dedup.close()
+        log.info("stopped: %s", self.stats)
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():
@@ -94,6 +107,11 @@ class Receiver:
         log.info("%s: no new connections; answering what is in flight",
                  signal.Signals(sig).name)
         self._stopping.set()
+
+    async def _expire_dedup(self) -> None:
+        while True:
+            await asyncio.sleep(60)
+            self.dedup.expire()
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -122,6 +140,7 @@ class Receiver:
                         answers.append(await self._handle(conn, request, peer_host))
                 finally:  # whatever happens next, what was answered is sent, in order
                     if answers:
+                        self.dedup.commit()  # one fsync for the batch, before any DELIVERED_YES
                         writer.write(b"".join(answers))
                 await writer.drain()
                 if request is CLOSED:
@@ -152,7 +171,25 @@ class Receiver:
                 await self._dead_letter(request.message, request.reason, request.detail, peer)
             return conn.answer_put(request, False)
         message = request.message
-        reason, detail = await self._put(message)
+        if message.message_type != SURE_MSG:
+            reason, detail = await self._put(message)
+        else:
+            key = message.key
+            while key in self._putting:  # the same message on another connection, just now
+                await self._putting[key].wait()
+            if self.dedup.seen(key):
+                self.stats["repeats"] += 1
+                log.info("repeat of SURE message key=%#018x for queue %s from %s: answered "
+                         "without putting it again", key, format_key(message.queue_key), peer)
+                return conn.answer_put(request, True)
+            self._putting[key] = done = asyncio.Event()
+            try:
+                reason, detail = await self._put(message)
+                if reason is None:
+                    self.dedup.record(key)  # made durable before the answer is written
+            finally:
+                del self._putting[key]
+                done.set()
         if reason is None:
             self.stats["messages"] += 1
             return conn.answer_put(request, True)

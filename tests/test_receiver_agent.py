@@ -671,3 +671,30 @@ def test_runs_with_the_example_config(testbed):
     assert spill.read_bytes() == full
     assert stat.S_IMODE(spill.stat().st_mode) == 0o600
     assert r.a.stop(r.rx) == 0
+
+
+# --- de-duplication of SURE messages (issue: SURE means sure) -------------------------------
+
+def test_a_repeated_sure_message_is_answered_without_a_second_put_even_after_a_restart(testbed):
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    key = 0x00000007_00000042
+    connect(r.pb, "c1", r)
+    assert answers(r.pb.exchange("c1", [msg(Q1, b"once", key=key, type=SURE)])) == \
+        ["DELIVERED_YES"]
+    connect(r.pb, "c2", r)  # the sender lost the answer and sends again on a new connection
+    assert answers(r.pb.exchange("c2", [msg(Q1, b"once", key=key, type=SURE),
+                                        msg(Q1, b"other", key=key + 1, type=SURE)])) == \
+        ["DELIVERED_YES", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, b"once"), (1, b"other")]
+    assert "repeat of SURE message key=0x0000000700000042" in r.log()
+
+    r.rx.send_signal(signal.SIGTERM)  # the window is kept in state_dir across a restart
+    assert r.rx.wait(20) == 0
+    rx = start_receiver(r.a, BASE_CONFIG)
+    connect(r.pb, "c3", r)
+    assert answers(r.pb.exchange("c3", [msg(Q1, b"once", key=key, type=SURE),
+                                        msg(Q1, b"unsure", key=key, type=UNSURE)])) == \
+        ["DELIVERED_YES", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, b"unsure")]  # UNSURE messages are never held back
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0
