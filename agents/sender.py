@@ -19,10 +19,12 @@ import sys
 import threading
 from pathlib import Path
 
-from rqp import RQPError
+from rqp import SURE_MSG, RQPError
 from rqp.config import SenderConfig, load_sender_config
+from rqp.journal import Journal
 from rqp.errors import QueueError, QueueFull, QueueNotFound, RecordError
-from rqp.queues import Interrupted, LocalQueue, format_key, kernel_limits
+from rqp.queues import LocalQueue, format_key, kernel_limits
+from rqp.receiver_core import queue_key_problem
 from rqp.records import (
     AgentKind, DeadLetterRecord, ReasonCode, TransmissionRecord, UNKNOWN_MESSAGE_TYPE,
     fit_dead_letter,
@@ -31,7 +33,7 @@ from rqp.sender_core import (
     Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore, Settings,
 )
 from rqp.service import (
-    KeySource, ServingLock, host_name, notify, setup_logging, watchdog_interval,
+    Doorbell, KeySource, ServingLock, host_name, notify, setup_logging, watchdog_interval,
     write_file_atomically,
 )
 
@@ -43,6 +45,44 @@ MAX_HELD = 10_000
 READ_BATCH = 256
 #: A graceful stop waits at most this long for the answers of frames in flight.
 STOP_GRACE = 10.0
+#: An idle sending MCA looks at its transmission queue at least this often, for producers
+#: that do not ring the doorbell (C programs writing records themselves).
+IDLE_POLL = 0.05
+
+
+class _Taken:
+    """What the core's ``origin`` of a message holds: its record and its journal seq."""
+
+    __slots__ = ("record", "seq")
+
+    def __init__(self, record: TransmissionRecord, seq: int | None) -> None:
+        self.record = record
+        self.seq = seq
+
+
+class _Budget:
+    """How many more messages may be held in memory (the rest wait in the kernel queue)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._cond = threading.Condition()
+
+    def take(self, want: int, timeout: float) -> int:
+        with self._cond:
+            if self._free <= 0:
+                self._cond.wait(timeout)
+            got = max(0, min(self._free, want))
+            self._free -= got
+            return got
+
+    def force(self, n: int) -> None:  # replayed messages are held whatever the budget
+        with self._cond:
+            self._free -= n
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self._free += n
+            self._cond.notify()
 
 
 class _Link(asyncio.Protocol):
@@ -83,11 +123,18 @@ class Sender:
         self.pid_file = self.state_dir / f"{self.name}.pid"
         write_file_atomically(self.pid_file, f"{os.getpid()}\n".encode())
         self.core = SenderCore(Settings.from_config(config), self.keys)
+        self.doorbell = Doorbell(config.transmission_queue)
+        # SURE records are journaled before they are taken off the transmission queue and
+        # released once delivered or dead-lettered here (spec 5.7).
+        self.journal = Journal(self.state_dir, self.name)
+        for problem in self.journal.problems:
+            log.error("journal %s: %s", self.state_dir / f"{self.name}.journal", problem)
+        self._releases: list[int] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self._links: dict[object, _Link] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._slots = threading.BoundedSemaphore(MAX_HELD)
+        self._budget = _Budget(MAX_HELD)
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
@@ -102,6 +149,7 @@ class Sender:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._on_signal, sig)
         signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
+        self._replay()
         self._reader = threading.Thread(target=self._read, name="xmit-reader", daemon=True)
         self._reader.start()
         log.info("serving transmission queue %s (DEAD.LETTER.Q %s); hosts %s; keys from "
@@ -132,7 +180,7 @@ class Sender:
 
     async def _stop(self) -> None:
         self._stop_reading.set()
-        while self._reader.is_alive():  # wake it from msgrcv; no record is taken by that
+        while self._reader.is_alive():  # wake it from its waits (semtimedop: EINTR)
             signal.pthread_kill(self._reader.ident, signal.SIGUSR1)
             await asyncio.sleep(0.05)
         waited = 0.0
@@ -146,12 +194,14 @@ class Sender:
             link.transport.abort()
             self.core.connection_lost(host, "sending MCA stopping", self.loop.time())
         self._run_actions()
-        # Everything not confirmed goes back to the transmission queue, for the next sending
-        # MCA (a SURE message that was in flight may then arrive twice; see the README).
-        back = self.core.drain_pending()
+        # SURE messages not confirmed stay in the journal: the next start sends them first, in
+        # order, with their keys. UNSURE ones not sent yet go back to the transmission queue.
+        back = [m for m in self.core.drain_pending() if m.message_type != SURE_MSG]
         if back:
             await self._put_back(back, deadline=self.loop.time() + STOP_GRACE)
-        self._flush_dead_letters()
+        self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
+        self._release_journaled()
+        self.journal.close()
         self.pid_file.unlink(missing_ok=True)
         log.info("stopped: %s", dict(self.stats))
 
@@ -162,7 +212,7 @@ class Sender:
         for msg in messages:
             while True:
                 try:
-                    self.transmission_queue.put(msg.origin.to_bytes(), block=False)
+                    self.transmission_queue.put(msg.origin.record.to_bytes(), block=False)
                     done += 1
                     break
                 except QueueFull:
@@ -181,49 +231,111 @@ class Sender:
 
     # --- the transmission queue ---------------------------------------------------------------
 
+    def _replay(self) -> None:
+        """Journaled SURE messages first, in order, with their keys (before any new record)."""
+        entries = self.journal.recovered
+        if not entries:
+            return
+        journaled = {entry.record for entry in entries}
+        removed = 0
+        # A crash between journaling a batch and taking it off the queue leaves those records
+        # in both: they are taken off now (they are in the journal).
+        while (head := self.transmission_queue.peek(0)) is not None and head[0] in journaled:
+            self.transmission_queue.get(block=False)
+            removed += 1
+        now = self.loop.time()
+        self._budget.force(len(entries))
+        for entry in entries:
+            record = TransmissionRecord.from_bytes(entry.record)
+            self.core.submit(record.message_type, record.queue_key, record.payload, now,
+                             origin=_Taken(record, entry.seq), key=entry.key)
+        log.info("journal: %d SURE message(s) to send again first%s", len(entries),
+                 f" ({removed} also still on the transmission queue, taken off)" if removed
+                 else "")
+        self._run_actions()
+
     def _read(self) -> None:
-        """Reader thread: take records, hand them to the loop in batches."""
-        queue = self.transmission_queue
+        """Reader thread: copy records off the transmission queue, journal the SURE ones with
+        one fsync for the batch, then take them off the queue and hand them to the loop.
+
+        Nothing is taken before it is journaled, so a kill -9 at any moment loses no SURE
+        record (what was journaled and not yet taken is recognised at the next start)."""
         stop = self._stop_reading.is_set
         while not stop():
-            if not self._slots.acquire(timeout=0.2):
+            room = self._budget.take(READ_BATCH, timeout=0.2)
+            if not room:
                 continue
             try:
-                batch = [queue.get(stop=stop)]
-            except Interrupted:
-                self._slots.release()
-                return
-            except QueueNotFound:
-                self._slots.release()
-                log.error("transmission queue %s was removed: creating it again",
-                          format_key(self.config.transmission_queue))
-                self.transmission_queue = queue = LocalQueue.create(queue.key)
-                continue
+                batch = self._copy_batch(room)
             except QueueError as exc:
-                self._slots.release()
-                log.error("cannot read the transmission queue: %s", exc)
-                self._stop_reading.wait(1.0)
+                self._budget.give(room)
+                self._queue_trouble(exc)
                 continue
-            while len(batch) < READ_BATCH and self._slots.acquire(blocking=False):
-                try:
-                    batch.append(queue.get(block=False))
-                except QueueError:
-                    self._slots.release()
-                    break
-            self.loop.call_soon_threadsafe(self._on_records, batch)
+            if len(batch) < room:
+                self._budget.give(room - len(batch))
+            if not batch:
+                self.doorbell.wait(IDLE_POLL)
+                continue
+            try:
+                items = self._journal_and_take(batch)
+            except RQPError as exc:
+                self._budget.give(len(batch))
+                log.critical("cannot journal SURE records: %s -- stopping, records stay on "
+                             "the transmission queue", exc)
+                self.loop.call_soon_threadsafe(self._stopping.set)
+                return
+            self.loop.call_soon_threadsafe(self._on_records, items)
 
-    def _on_records(self, batch: list[bytes]) -> None:
-        now = self.loop.time()
+    def _copy_batch(self, limit: int) -> list[bytes]:
+        queue = self.transmission_queue
+        batch = []
+        while len(batch) < limit and (item := queue.peek(len(batch))) is not None:
+            batch.append(item[0])
+        return batch
+
+    def _journal_and_take(self, batch: list[bytes]) -> list[tuple]:
+        items, sure = [], []
         for data in batch:
-            self.stats["taken"] += 1
             try:
                 record = TransmissionRecord.from_bytes(data)
             except RecordError as exc:
-                self._dead_letter_raw(data, exc)
-                self._slots.release()
+                items.append((data, exc, 0))
+                continue
+            key = self.keys()
+            if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
+                sure.append((len(items), key, data))
+            items.append((data, record, key))
+        seqs = self.journal.append([(key, data) for _, key, data in sure])  # one fsync
+        taken = [list(item) + [None] for item in items]
+        for (index, _, _), seq in zip(sure, seqs):
+            taken[index][3] = seq
+        queue = self.transmission_queue
+        for data in batch:  # now, and only now, off the queue (nobody else takes from it)
+            got = queue.get(block=False)
+            if got != data:
+                log.error("the transmission queue %s has another reader: a record taken off "
+                          "it was not the one journaled", format_key(queue.key))
+        return taken
+
+    def _queue_trouble(self, exc: QueueError) -> None:
+        if isinstance(exc, QueueNotFound):
+            log.error("transmission queue %s was removed: creating it again",
+                      format_key(self.config.transmission_queue))
+            self.transmission_queue = LocalQueue.create(self.config.transmission_queue)
+        else:
+            log.error("cannot read the transmission queue: %s", exc)
+            self._stop_reading.wait(1.0)
+
+    def _on_records(self, items: list) -> None:
+        now = self.loop.time()
+        for data, record, key, seq in items:
+            self.stats["taken"] += 1
+            if isinstance(record, RecordError):
+                self._dead_letter_raw(data, record)
+                self._budget.give(1)
                 continue
             self.core.submit(record.message_type, record.queue_key, record.payload, now,
-                             origin=record)
+                             origin=_Taken(record, seq), key=key)
         self._run_actions()
 
     # --- connections --------------------------------------------------------------------------
@@ -271,6 +383,8 @@ class Sender:
                 frames.append(act.data)
             elif kind is Delivered:
                 delivered += 1
+                if act.message.origin.seq is not None:
+                    self._releases.append(act.message.origin.seq)
             elif kind is Connect:
                 self.loop.create_task(self._connect(act.host))
             elif kind is Close:
@@ -296,8 +410,20 @@ class Sender:
                 link.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
         if finished or delivered:
             self.stats["delivered"] += delivered
-            self._slots.release(finished + delivered)
+            self._budget.give(finished + delivered)
+        if self._releases:
+            self._release_journaled()
         self._schedule()
+
+    def _release_journaled(self) -> None:
+        """Journal RELEASE entries (no fsync of their own: a lost release only means a re-send
+        after a crash, which the receiver recognises by its key)."""
+        if self._releases:
+            self.journal.release(self._releases)
+            self._releases = []
+            if self.journal.maybe_compact():
+                log.info("journal compacted: %d live message(s), %d bytes",
+                         self.journal.live_count, self.journal.file_bytes)
 
     def _schedule(self) -> None:
         deadline = self.core.next_deadline()
@@ -332,12 +458,12 @@ class Sender:
     def _dead_letter(self, act: DeadLetter) -> None:
         msg = act.message
         record = DeadLetterRecord.from_transmission(
-            msg.origin, reason=act.reason, agent=AgentKind.SENDER, message_key=msg.key,
+            msg.origin.record, reason=act.reason, agent=AgentKind.SENDER, message_key=msg.key,
             attempts=msg.attempts, host=self.host, source_host=self.host,
             destination_host=str(msg.host or ""), detail=act.detail)
         log.warning("dead letter reason=%s queue=%s key=%#018x: %s", act.reason.name,
                     format_key(msg.queue_key), msg.key, act.detail)
-        self._put_dead_letter(record)
+        self._put_dead_letter(record, msg.origin.seq)
 
     def _dead_letter_raw(self, data: bytes, exc: RecordError) -> None:
         record = DeadLetterRecord(
@@ -347,19 +473,21 @@ class Sender:
         log.warning("dead letter reason=MALFORMED_RECORD: %s", exc)
         self._put_dead_letter(record)
 
-    def _put_dead_letter(self, record: DeadLetterRecord) -> None:
+    def _put_dead_letter(self, record: DeadLetterRecord, seq: int | None = None) -> None:
+        """Onto DEAD.LETTER.Q; a journaled message is released once the record is there."""
         self.stats["dead_lettered"] += 1
         if record.encoded_size() > self.msgmax:
             spill = self.state_dir / "spill"
             spill.mkdir(exist_ok=True)
             record = fit_dead_letter(record, self.msgmax, spill)
-        self._dead_letter_backlog.append(record.to_bytes())
+        self._dead_letter_backlog.append((record.to_bytes(), seq))
         self._flush_dead_letters()
 
     def _flush_dead_letters(self) -> None:
         while self._dead_letter_backlog:
+            data, seq = self._dead_letter_backlog[0]
             try:
-                self.dead_letter_queue.put(self._dead_letter_backlog[0], block=False)
+                self.dead_letter_queue.put(data, block=False)
             except QueueFull:
                 log.error("DEAD.LETTER.Q %s is full: %d dead letter(s) held in memory, "
                           "retrying", format_key(self.config.dead_letter_queue),
@@ -372,6 +500,9 @@ class Sender:
                 self.dead_letter_queue = LocalQueue.create(self.config.dead_letter_queue)
                 continue
             self._dead_letter_backlog.popleft()
+            if seq is not None:
+                self._releases.append(seq)
+        self._release_journaled()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from .constants import SURE_MSG, UNSURE_MSG
 from .errors import MessageTooBig, RQPError
 from .queues import LocalQueue, QueueEmpty, format_key, max_payload
 from .records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
-from .service import sender_serving, spawn_lock
+from .service import Doorbell, sender_serving, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "ensure_sender", "HandleError", "AgentStartError", "QueueEmpty"]
@@ -48,6 +48,7 @@ class _Connection:
     config: SenderConfig
     transmission_queue: LocalQueue
     limit: int
+    doorbell: Doorbell
 
 
 _lock = threading.Lock()
@@ -125,7 +126,8 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     xmit = LocalQueue.create(config.transmission_queue)
     with _lock:
         handle = next(_next_handle)
-        _handles[handle] = _Connection(queue_key, config, xmit, max_payload())
+        _handles[handle] = _Connection(queue_key, config, xmit, max_payload(),
+                                       Doorbell(config.transmission_queue))
     return handle
 
 
@@ -137,16 +139,25 @@ def _connection(handle: int) -> _Connection:
 
 
 def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
-                timeout: float | None = None) -> None:
+                timeout: float | None = None, sync: bool = False) -> None:
     """Put ``data`` on the transmission queue for the handle's queue.
 
     Returns once the record is in the kernel's transmission queue; if that queue is full, waits
     (at most ``timeout`` seconds, if given) for the sending MCA to make room.
+
+    ``sync=True`` (SURE messages): returns only once the sending MCA has the message in its
+    journal on disk, so that nothing is lost even if the host's kernel queues are lost right
+    after the call (a reboot). The sending MCA journals a SURE record before it takes it off
+    the transmission queue, so "no longer in the queue" means "in the journal"; this waits for
+    that (at most ``timeout`` seconds, default 30). Without ``sync``, a message is in the
+    kernel's memory only until the sending MCA takes it: a reboot in between loses it.
     """
     conn = _connection(handle)
     if msg_type not in (SURE_MSG, UNSURE_MSG):
         raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
                        f"got {msg_type!r}")
+    if sync and msg_type != SURE_MSG:
+        raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     if len(data) > conn.limit:
@@ -159,7 +170,34 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
     record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
                                 payload=bytes(data), producer_pid=os.getpid(),
                                 sequence=next(_sequence), enqueued_ns=time.time_ns())
-    conn.transmission_queue.put(record.to_bytes(), block=True, timeout=timeout)
+    raw = record.to_bytes()
+    conn.transmission_queue.put(raw, block=True, timeout=timeout)
+    conn.doorbell.ring()
+    if sync:
+        _wait_taken(conn, raw, 30.0 if timeout is None else timeout)
+
+
+def _wait_taken(conn: _Connection, raw: bytes, timeout: float) -> None:
+    """Wait until ``raw`` has left the transmission queue (see sendMessage's sync)."""
+    queue = conn.transmission_queue
+    deadline = time.monotonic() + timeout
+    wait = 0.0005
+    while True:
+        index, found = 0, False
+        while (item := queue.peek(index)) is not None:  # FIFO: ours is at or before the end
+            if item[0] == raw:
+                found = True
+                break
+            index += 1
+        if not found:
+            return
+        if time.monotonic() > deadline:
+            raise RQPError(
+                f"sync: the sending MCA has not journaled the message within {timeout:g}s; it "
+                f"is still in transmission queue {format_key(conn.config.transmission_queue)} "
+                f"at position {index} (is a sending MCA running?)")
+        time.sleep(wait)  # waiting on another process, with a deadline
+        wait = min(wait * 2, 0.01)
 
 
 def closeConnection(handle: int) -> None:

@@ -13,16 +13,15 @@ import secrets
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-
-import sysv_ipc
 
 from .errors import RQPError
 from .queues import format_key
 
 __all__ = [
-    "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",
+    "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",
     "notify", "setup_logging", "host_name",
 ]
 
@@ -76,6 +75,7 @@ class KeySource:
 
     def __init__(self, state_dir: Path, name: str) -> None:
         self.path = Path(state_dir) / f"{name}.incarnation"
+        self._lock = threading.Lock()
         self.incarnation = 0
         self._counter = 0
         self._advance()
@@ -92,25 +92,36 @@ class KeySource:
         self._counter = 0
 
     def __call__(self) -> int:
-        self._counter += 1
-        if self._counter > 0xFFFFFFFF:
-            self._advance()
-            self._counter = 1
-        return self.incarnation << 32 | self._counter
+        with self._lock:  # the reader thread and the event loop both take keys
+            self._counter += 1
+            if self._counter > 0xFFFFFFFF:
+                self._advance()
+                self._counter = 1
+            return self.incarnation << 32 | self._counter
 
 
 # --- who serves a transmission queue -------------------------------------------------------
 #
-# A sending MCA holds a System V semaphore whose key is the transmission queue's key (semaphore
-# and message queue keys are separate name spaces), taken with SEM_UNDO: when the process ends,
-# however it ends, the kernel gives it back. So "is a sending MCA serving this transmission
-# queue?" is answered by the kernel, in the same IPC namespace as the queue itself. A second
-# semaphore, key + 1, serialises starting one, so that two applications calling openConnection
-# at the same moment start exactly one.
+# One System V semaphore set per transmission queue, with the queue's key (semaphore and
+# message queue keys are separate name spaces), three semaphores, all starting at 0 (so there
+# is no initialisation race between processes that create it at the same moment):
+#
+#   0  serving   1 while a sending MCA serves the queue. Taken with SEM_UNDO, so when the
+#                process ends, however it ends, the kernel gives it back: "is a sending MCA
+#                serving this queue?" is answered by the kernel, in the queue's IPC namespace.
+#   1  spawning  1 while a process is starting a sending MCA, so that two applications calling
+#                openConnection at the same moment start exactly one (also SEM_UNDO).
+#   2  doorbell  producers add 1 after putting a record; an idle sending MCA waits on it.
+#
+# sysv_ipc handles only one-semaphore sets and may be built without semtimedop (its timeouts
+# are then silently ignored), so this talks to libc directly.
 
-# sysv_ipc may be built without semtimedop (SEMAPHORE_TIMEOUT_SUPPORTED False: a timeout is then
-# silently ignored and the wait is forever), so timed waits call libc's semtimedop directly.
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.semget.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
+_libc.semctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
+_IPC_CREAT, _IPC_NOWAIT, _SEM_UNDO = 0o1000, 0o4000, 0x1000
+_GETPID, _GETVAL = 11, 12
+SERVING, SPAWNING, DOORBELL = 0, 1, 2
 
 
 class _Sembuf(ctypes.Structure):
@@ -122,48 +133,69 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_SEM_UNDO = 0x1000
+class AgentSemaphores:
+    """The semaphore set of one transmission queue (see above)."""
+
+    def __init__(self, transmission_queue: int) -> None:
+        self.key = transmission_queue
+        key_t = ctypes.c_int(transmission_queue & 0xFFFFFFFF).value  # key_t is signed
+        self.id = _libc.semget(key_t, 3, _IPC_CREAT | 0o666)
+        if self.id < 0:
+            err = ctypes.get_errno()
+            hint = (" (a semaphore set with that key and another size exists: remove it with "
+                    f"ipcrm -S {format_key(transmission_queue)})") if err == errno.EINVAL else ""
+            raise RQPError(f"semaphores of transmission queue {format_key(transmission_queue)}:"
+                           f" semget: {os.strerror(err)}{hint}")
+
+    def _op(self, ops: list[tuple[int, int, int]], timeout: float | None) -> bool:
+        """Do ``ops`` (sem_num, sem_op, flags) atomically; False on EAGAIN or EINTR."""
+        buf = (_Sembuf * len(ops))(*[_Sembuf(n, o, f) for n, o, f in ops])
+        ts = None
+        if timeout is not None:
+            whole = int(timeout)
+            ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
+        if _libc.semtimedop(self.id, buf, len(ops), ts) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EINTR):
+            return False
+        raise RQPError(f"semaphores of transmission queue {format_key(self.key)}: semtimedop: "
+                       f"{os.strerror(err)}")
+
+    def value(self, num: int) -> int:
+        return _libc.semctl(self.id, num, _GETVAL)
+
+    def last_pid(self, num: int) -> int:
+        return _libc.semctl(self.id, num, _GETPID)
+
+    def take(self, num: int, timeout: float | None) -> bool:
+        """Wait until semaphore ``num`` is 0 and make it 1, atomically, with SEM_UNDO."""
+        flags = _SEM_UNDO | (_IPC_NOWAIT if timeout == 0 else 0)
+        return self._op([(num, 0, flags), (num, 1, flags)], None if timeout == 0 else timeout)
+
+    def give(self, num: int) -> None:
+        self._op([(num, -1, _SEM_UNDO)], None)
 
 
-def _semop(sem: sysv_ipc.Semaphore, delta: int, timeout: float | None, undo: bool) -> bool:
-    """Add ``delta`` (negative: wait until possible) within ``timeout`` seconds.
-
-    True if done; False on time-out or when interrupted by a signal (EINTR)."""
-    op = _Sembuf(0, delta, _SEM_UNDO if undo else 0)
-    ts = None
-    if timeout is not None:
-        whole = int(timeout)
-        ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
-    if _libc.semtimedop(sem.id, ctypes.byref(op), 1, ts) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EAGAIN, errno.EINTR):
-        return False
-    raise RQPError(f"semaphore {sem.key:#x}: semtimedop: {os.strerror(err)}")
-
-
-def _semaphore(key: int) -> sysv_ipc.Semaphore:
-    try:
-        return sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, mode=0o666, initial_value=1)
-    except sysv_ipc.ExistentialError:
-        return sysv_ipc.Semaphore(key)
+def _existing(transmission_queue: int) -> AgentSemaphores | None:
+    key_t = ctypes.c_int(transmission_queue & 0xFFFFFFFF).value
+    if _libc.semget(key_t, 0, 0) < 0:
+        return None
+    return AgentSemaphores(transmission_queue)
 
 
 def sender_serving(transmission_queue: int) -> bool:
     """Whether a sending MCA holds the transmission queue ``transmission_queue`` now."""
-    try:
-        return sysv_ipc.Semaphore(transmission_queue).value == 0
-    except sysv_ipc.ExistentialError:
-        return False
+    sems = _existing(transmission_queue)
+    return sems is not None and sems.value(SERVING) > 0
 
 
 def serving_pid(transmission_queue: int) -> int | None:
     """The pid of the sending MCA serving ``transmission_queue``, or None if none does."""
-    try:
-        sem = sysv_ipc.Semaphore(transmission_queue)
-        return sem.last_pid if sem.value == 0 else None
-    except sysv_ipc.ExistentialError:
+    sems = _existing(transmission_queue)
+    if sems is None or sems.value(SERVING) == 0:
         return None
+    return sems.last_pid(SERVING)
 
 
 class ServingLock:
@@ -171,66 +203,52 @@ class ServingLock:
 
     def __init__(self, transmission_queue: int) -> None:
         self.key = transmission_queue
-        self._sem = _semaphore(transmission_queue)
-        self._sem.undo = True
-        self._sem.block = False  # (sysv_ipc treats timeout=0 as "wait forever")
-        try:
-            self._sem.acquire()
-        except sysv_ipc.BusyError:
+        self._sems = AgentSemaphores(transmission_queue)
+        if not self._sems.take(SERVING, timeout=0):
             raise RQPError(
-                f"another sending MCA (pid {self._sem.last_pid}) already serves transmission "
-                f"queue {format_key(transmission_queue)}") from None
+                f"another sending MCA (pid {self._sems.last_pid(SERVING)}) already serves "
+                f"transmission queue {format_key(transmission_queue)}")
 
     def release(self) -> None:
-        with contextlib.suppress(sysv_ipc.Error):
-            self._sem.release()
+        self._sems.give(SERVING)
 
 
 @contextlib.contextmanager
 def spawn_lock(transmission_queue: int, timeout: float = 30.0):
-    sem = _semaphore((transmission_queue + 1) & 0xFFFFFFFF)
+    sems = AgentSemaphores(transmission_queue)
     deadline = time.monotonic() + timeout
-    while not _semop(sem, -1, max(deadline - time.monotonic(), 0.0), undo=True):
+    while not sems.take(SPAWNING, max(deadline - time.monotonic(), 0.001)):
         if time.monotonic() >= deadline:
             raise RQPError(f"timed out after {timeout:g}s waiting for another process that is "
                            f"starting the sending MCA of {format_key(transmission_queue)}")
     try:
         yield
     finally:
-        _semop(sem, 1, None, undo=True)
+        sems.give(SPAWNING)
 
 
 class Doorbell:
     """Producers ring it after putting a record; the sending MCA waits on it when its
-    transmission queue is empty. A System V semaphore (key = transmission queue + 2) used as a
-    counter. A producer that does not ring (a C program) is still served: the sending MCA
-    looks at the queue every ``poll`` seconds anyway.
-    """
+    transmission queue is empty. A producer that does not ring (a C program writing records
+    itself) is still served: the sending MCA looks at the queue every so often anyway."""
 
     def __init__(self, transmission_queue: int) -> None:
-        key = (transmission_queue + 2) & 0xFFFFFFFF
-        try:
-            self._sem = sysv_ipc.Semaphore(key, sysv_ipc.IPC_CREX, mode=0o666, initial_value=0)
-        except sysv_ipc.ExistentialError:
-            self._sem = sysv_ipc.Semaphore(key)
+        self._sems = AgentSemaphores(transmission_queue)
 
     def ring(self) -> None:
         try:
-            self._sem.release()
-        except (sysv_ipc.Error, ValueError, OSError):
-            pass  # at the semaphore's maximum (or removed): the sender looks anyway
+            self._sems._op([(DOORBELL, 1, _IPC_NOWAIT)], None)
+        except RQPError:
+            pass  # at the semaphore's maximum (32767): the sender looks anyway
 
     def wait(self, timeout: float) -> bool:
         """Wait until rung (True) or ``timeout`` seconds pass or a signal comes (False);
         absorbs every ring so far."""
-        if not _semop(self._sem, -1, timeout, undo=False):
+        if not self._sems._op([(DOORBELL, -1, 0)], timeout):
             return False
-        try:
-            extra = self._sem.value
-            if extra:
-                _semop(self._sem, -extra, 0, undo=False)
-        except sysv_ipc.Error:
-            pass
+        extra = self._sems.value(DOORBELL)
+        if extra > 0:
+            self._sems._op([(DOORBELL, -extra, _IPC_NOWAIT)], None)
         return True
 
 

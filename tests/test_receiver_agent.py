@@ -76,7 +76,7 @@ class Rig:
 
 def start_receiver(host: Host, config: dict | None = None, *, listen: str = f"0.0.0.0:{PORT}",
                    state_dir: bool = True, config_path: str | None = None,
-                   user: int | None = None) -> subprocess.Popen:
+                   user: int | None = None, env: dict | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", listen]
     if state_dir:
         state = host.workdir / "receiver-state"
@@ -93,7 +93,7 @@ def start_receiver(host: Host, config: dict | None = None, *, listen: str = f"0.
         argv += ["--config", config_path]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
-    proc = host.popen(argv)
+    proc = host.popen(argv, env=env)
 
     def up() -> bool:
         err = host.output(proc, "stderr")
@@ -614,7 +614,11 @@ def test_runs_with_no_config_file_at_all(testbed):
     a, b = testbed.add_host("a"), testbed.add_host("b")
     qa, pb = Peer.start(a), Peer.start(b)
     qa.create(Q1, 0o660)
-    rx = start_receiver(a, None, listen=f"127.0.0.1:{PORT}", state_dir=False)
+    # no file and no --state-dir: the default state_dir, here through systemd's variable (so
+    # that the test writes nothing outside its own directory)
+    state = a.workdir / "default-state"
+    rx = start_receiver(a, None, listen=f"127.0.0.1:{PORT}", state_dir=False,
+                        env={"STATE_DIRECTORY": str(state)})
     assert qa.connect("c", "127.0.0.1", PORT)["connected"]
     got = qa.exchange("c", [ask(Q1), ask(MISSING), ask(DLQ), ask(2**32 + Q1),
                             msg(Q1, b"hello", key=1), msg(MISSING, b"lost", key=2, type=UNSURE),
@@ -633,6 +637,7 @@ def test_runs_with_no_config_file_at_all(testbed):
     # it listens on loopback only, as told
     assert pb.connect("far", a.address, PORT)["error"] == "refused"
     assert a.stop(rx) == 0
+    assert (state / "receiver.dedup").exists()
 
 
 def test_runs_with_the_example_config(testbed):

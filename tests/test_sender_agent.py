@@ -133,29 +133,24 @@ q.send(TransmissionRecord(message_type=0, queue_key=0, payload=b"k").to_bytes(),
     assert got[1]["payload"] == "t" and got[2]["payload"] == "k"
 
 
-def test_sigterm_puts_unsent_messages_back_and_exits_0(pair):
+def test_sigterm_keeps_sure_messages_journaled_and_the_next_start_sends_them_first(pair):
     a, fake = pair
-    fake.set("no")  # no route: SURE messages wait in the sender
+    fake.set("no")  # no route: the messages wait in the sender
     rqprc = write_rqprc(a, [fake.host])
     sender = start_sender(a, rqprc)
     send(a, rqprc, Q1, ["w1", "w2"], SURE_MSG)
+    send(a, rqprc, Q1, ["u3"], UNSURE_MSG)
     wait_for(lambda: log_lines(a, sender, "will be retried"), timeout=20, message="no retry")
     sender.send_signal(signal.SIGTERM)
     assert sender.wait(30) == 0
-    assert log_lines(a, sender, "put back on the transmission queue")
-    back = a.python(r"""
-import sysv_ipc
-from rqp.records import TransmissionRecord
-q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
-out = []
-while True:
-    try:
-        out.append(TransmissionRecord.from_bytes(q.receive(block=False)[0]).payload.decode())
-    except sysv_ipc.BusyError:
-        break
-print(" ".join(out))
-""")
-    assert back.split() == ["w1", "w2"]
+    assert "1 message(s) not sent yet put back" in log_lines(a, sender, "put back")[0]
+    fake.set("yes")
+    again = start_sender(a, rqprc)
+    wait_for(lambda: len(fake.events("MESSAGE")) == 3, timeout=20, message="not sent")
+    assert "2 SURE message(s) to send again first" in log_lines(a, again, "journal:")[0]
+    assert [m["body"] for m in fake.events("MESSAGE")] == ["w1", "w2", "u3"]  # order kept
+    keys = [m["key"] for m in fake.events("MESSAGE")]
+    assert len(set(keys)) == 3 and keys[0] >> 32 != keys[2] >> 32  # journaled keys kept
 
 
 def test_a_second_sender_for_the_same_transmission_queue_is_refused(pair):

@@ -1,0 +1,765 @@
+"""The sending MCA's journal of SURE messages: an append-only log file, declared with ``construct``.
+
+A SURE transmission record taken off the transmission queue is appended here (and made durable
+with ``fsync``) before anything else happens to it; it is released when it has been delivered or
+dead-lettered. At start the journal is replayed first: every record appended and not released is
+sent again (the receiver de-duplicates by message key).
+
+The journal is one file, ``{state_dir}/{name}.journal``: a 16-byte file header, then entries one
+after the other. Every integer is an unsigned big-endian number; there is no padding.
+
+File header
+===========
+
+======  ====  ==========  ====================================================================
+offset  size  field       meaning
+======  ====  ==========  ====================================================================
+0       4     magic       the bytes ``"RQPJ"`` (0x52 0x51 0x50 0x4A)
+4       1     version     1
+5       3     reserved    0 0 0
+8       8     base_seq    the first seq this file may contain: 1 for a new journal; after a
+                          compaction the smallest live seq, or the next seq if none is live
+======  ====  ==========  ====================================================================
+
+Entry
+=====
+
+======  ====  ==============  ================================================================
+offset  size  field           meaning
+======  ====  ==============  ================================================================
+0       4     length          L: the number of bytes after the crc, from ``kind`` to the end of
+                              the entry (9 for RELEASE, 21 + n for APPEND); at most 64 MiB
+4       4     crc32           ``zlib.crc32`` of those L bytes (offsets 8 .. 8+L-1)
+8       1     kind            1 = APPEND, 2 = RELEASE
+9       8     seq             journal sequence number (see below)
+------  ----  --------------  ---- APPEND only ---------------------------------------------
+17      8     key             the RQP unique message key given to the message
+25      4     record_length   n = L - 21
+29      n     record          the transmission record exactly as taken from the queue
+======  ====  ==============  ================================================================
+
+An APPEND entry is 29 + n bytes, a RELEASE entry 17 bytes.
+
+Sequence numbers
+================
+
+Every APPEND gets the next seq; seqs are strictly increasing over the whole life of the journal,
+across compactions and restarts, and never repeat. A RELEASE names the seq of an earlier APPEND.
+On replay, the *live* messages are the APPENDs without a later RELEASE of the same seq, and
+numbering continues after the largest seq seen in the file, released ones included. So that a
+compaction does not forget the largest seq when it was released, the compacted file ends with a
+RELEASE of that seq (a "high-water mark": it releases nothing, it only carries the number).
+
+Recovery at open
+================
+
+* A leftover ``{name}.journal.tmp`` (a compaction or creation that did not finish) is deleted:
+  it is never taken for the journal, because the journal is only ever replaced by a renamed,
+  complete, fsynced temp file.
+* A file whose header is unreadable (too short, bad magic, reserved bytes not zero) is never
+  overwritten: it is renamed ``{name}.journal.corrupt-{UTC timestamp}`` and a new journal is
+  started. A header with the right magic but another *version* raises :class:`JournalError`
+  instead (probably a journal of a newer program: it is valid data we cannot read, so the agent
+  must not start without it).
+* Entries are read in order. Reading stops at the first entry that is torn (the file ends inside
+  it), has an absurd length (< 9 or > 64 MiB), a wrong crc, an unknown kind, or a length that
+  does not match its kind. Everything before it is kept. Everything from it to the end of the
+  file is **discarded**: a log cannot find the start of the next entry safely once one is
+  damaged (the length of the damaged entry cannot be trusted). Nothing is destroyed, though: the
+  discarded bytes are first copied to ``{name}.journal.discarded-{UTC timestamp}`` (fsynced) for
+  an operator; then the journal is truncated to the end of the last good entry (and fsynced), so
+  that new appends follow valid data. After a crash the torn tail is a write whose ``append``
+  never returned, so nothing acknowledged is lost.
+* Every such finding is reported, with its byte offset, in :attr:`Journal.problems`.
+* An APPEND of a seq that is still live (only a bug could write one: the crc is valid) raises
+  :class:`JournalError`; the file is not touched.
+
+Compaction
+==========
+
+The live entries (keeping seq and key) are written to ``{name}.journal.tmp`` in the same
+directory, which is fsynced and renamed over the journal (``os.replace``, atomic), then the
+directory is fsynced and appends go on in the new file. A crash at any point leaves either the
+old complete journal or the new complete one.
+
+Durability and threads
+======================
+
+:meth:`Journal.append` writes all its entries with one ``pwrite`` and makes them durable with
+one ``fsync`` (group commit: the caller passes everything that arrived meanwhile).
+:meth:`Journal.release` is not fsynced by itself: a release lost in a crash only means a message
+is sent again, which the receiver de-duplicates; releases become durable with the next
+``append``'s fsync, :meth:`Journal.flush` or :meth:`Journal.close`.
+
+``append`` is called from one thread (the reader) and ``release`` / ``maybe_compact`` from
+another (the event loop). One lock protects the file descriptor, the file size and the map of
+live entries; every write is done under it. The ``fsync`` of ``append`` (and ``flush``) is done
+*outside* the lock, so that releases are not held up by the disk: ``append`` writes under the
+lock, notes the descriptor and counts itself as a syncer, drops the lock, fsyncs. A release
+written meanwhile is simply made durable too. A compaction that runs meanwhile (it holds the lock
+for its whole duration) copies the just-written entries into the new file and fsyncs that, so
+they are durable either way; the old descriptor is not closed while a syncer still uses it (it is
+"retired" and closed by the last syncer), so an fsync never hits a closed or reused descriptor.
+
+Writes go straight to the kernel (``os.pwrite``, no user-space buffer), so a crash of the
+*process* never loses a written entry; only a crash of the machine can lose what was not fsynced.
+
+Errors
+======
+
+:class:`JournalError` says the journal cannot be used or an operation failed. If a write fails
+(e.g. the disk is full) the file is cut back to where it was and the operation has no effect;
+the journal stays usable. If an ``fsync`` fails, the state of the data on disk is unknown (Linux
+may drop the dirty pages and report the error once only), so the journal is marked failed and
+every later operation raises :class:`JournalError`: the agent must stop; reopening recovers what
+is on disk. Decoding errors of single entries are :class:`rqp.errors.RecordError` internally and
+end up in :attr:`Journal.problems`. A second :class:`Journal` on the same file (in this or
+another process) is refused: the journal holds an exclusive ``flock`` on ``{name}.journal.lock``.
+
+``fsync=False`` skips every fsync (data, temp file, directory): for tests and benchmarks only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import construct
+from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Rebuild, Struct, len_, this
+
+from rqp.constants import UINT64_MAX
+from rqp.errors import RecordError, RQPError
+
+__all__ = [
+    "APPEND_BODY",
+    "APPEND_FIXED",
+    "APPEND_FIXED_SIZE",
+    "ENTRY_PREFIX",
+    "ENTRY_PREFIX_SIZE",
+    "FILE_HEADER",
+    "FILE_HEADER_SIZE",
+    "JOURNAL_MAGIC",
+    "JOURNAL_VERSION",
+    "KIND_APPEND",
+    "KIND_RELEASE",
+    "MAX_ENTRY_LENGTH",
+    "MAX_RECORD_SIZE",
+    "RELEASE_BODY",
+    "RELEASE_ENTRY_SIZE",
+    "Journal",
+    "JournalEntry",
+    "JournalError",
+    "encode_append",
+    "encode_header",
+    "encode_release",
+]
+
+JOURNAL_MAGIC = b"RQPJ"
+JOURNAL_VERSION = 1
+KIND_APPEND = 1
+KIND_RELEASE = 2
+#: The largest ``length`` an entry may have; anything larger is taken for corruption.
+MAX_ENTRY_LENGTH = 64 << 20
+
+# --------------------------------------------------------------------------------------------
+# Declarations
+# --------------------------------------------------------------------------------------------
+
+#: The 16-byte file header.
+FILE_HEADER = Struct(
+    "magic" / Const(JOURNAL_MAGIC),
+    "version" / Int8ub,  # not a Const: another version is reported differently from bad magic
+    "reserved" / Const(bytes(3)),
+    "base_seq" / Int64ub,
+)
+FILE_HEADER_SIZE: int = FILE_HEADER.sizeof()
+
+#: What starts every entry: the length of the rest (after the crc) and its crc32.
+ENTRY_PREFIX = Struct(
+    "length" / Int32ub,
+    "crc" / Int32ub,
+)
+ENTRY_PREFIX_SIZE: int = ENTRY_PREFIX.sizeof()
+
+#: The fixed part of an APPEND body (kind, seq, key, record_length): 21 bytes.
+APPEND_FIXED = Struct(
+    "kind" / Const(KIND_APPEND, Int8ub),
+    "seq" / Int64ub,
+    "key" / Int64ub,
+    "record_length" / Int32ub,
+)
+APPEND_FIXED_SIZE: int = APPEND_FIXED.sizeof()
+
+#: The checksummed part of an APPEND entry: the fixed part, then the record.
+APPEND_BODY = Struct(
+    *APPEND_FIXED.subcons[:-1],
+    "record_length" / Rebuild(Int32ub, len_(this.record)),
+    "record" / Bytes(this.record_length),
+)
+
+#: The checksummed part of a RELEASE entry (9 bytes).
+RELEASE_BODY = Struct(
+    "kind" / Const(KIND_RELEASE, Int8ub),
+    "seq" / Int64ub,
+)
+_RELEASE_BODY_SIZE: int = RELEASE_BODY.sizeof()
+RELEASE_ENTRY_SIZE: int = ENTRY_PREFIX_SIZE + _RELEASE_BODY_SIZE
+
+#: The largest transmission record an APPEND can hold.
+MAX_RECORD_SIZE = MAX_ENTRY_LENGTH - APPEND_FIXED_SIZE
+
+# Compiled structs. Parsing with them is safe here because every body is checked first: the
+# prefix is parsed from exactly 8 bytes, a body only after its full length is present and its
+# crc matches, and an APPEND's record_length is compared with the entry length before use.
+_HEADER_C = FILE_HEADER.compile()
+_PREFIX_C = ENTRY_PREFIX.compile()
+_APPEND_C = APPEND_BODY.compile()
+_RELEASE_C = RELEASE_BODY.compile()
+
+
+def encode_header(base_seq: int) -> bytes:
+    """The file header of a journal whose first seq may be ``base_seq``."""
+    return _HEADER_C.build({"version": JOURNAL_VERSION, "base_seq": base_seq})
+
+
+def _entry(body: bytes) -> bytes:
+    return _PREFIX_C.build({"length": len(body), "crc": zlib.crc32(body)}) + body
+
+
+def encode_append(seq: int, key: int, record: bytes) -> bytes:
+    """One whole APPEND entry (prefix and body)."""
+    return _entry(_APPEND_C.build({"seq": seq, "key": key, "record": record}))
+
+
+def encode_release(seq: int) -> bytes:
+    """One whole RELEASE entry (prefix and body)."""
+    return _entry(_RELEASE_C.build({"seq": seq}))
+
+
+def _append_size(record: bytes) -> int:
+    return ENTRY_PREFIX_SIZE + APPEND_FIXED_SIZE + len(record)
+
+
+class _TornEntry(RecordError):
+    """The file ends inside an entry."""
+
+
+def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, bytes, int]:
+    """Decode the entry at ``offset``: ``(kind, seq, key, record, end offset)``.
+
+    ``key`` and ``record`` are 0 and ``b""`` for a RELEASE. Raises :class:`RecordError` (or its
+    subclass :class:`_TornEntry`) saying what is wrong.
+    """
+    available = len(data) - offset
+    if available < ENTRY_PREFIX_SIZE:
+        raise _TornEntry(f"torn tail: the file ends {available} bytes into an entry's "
+                         f"{ENTRY_PREFIX_SIZE}-byte length and crc")
+    prefix = _PREFIX_C.parse(data[offset:offset + ENTRY_PREFIX_SIZE])
+    length = prefix.length
+    if not _RELEASE_BODY_SIZE <= length <= MAX_ENTRY_LENGTH:
+        raise RecordError(f"absurd entry length {length} (must be {_RELEASE_BODY_SIZE}.."
+                          f"{MAX_ENTRY_LENGTH})")
+    end = offset + ENTRY_PREFIX_SIZE + length
+    if end > len(data):
+        raise _TornEntry(f"torn tail: the entry needs {ENTRY_PREFIX_SIZE + length} bytes, the "
+                         f"file has {available} left")
+    body = data[offset + ENTRY_PREFIX_SIZE:end]
+    crc = zlib.crc32(body)
+    if crc != prefix.crc:
+        raise RecordError(f"bad checksum: crc32 {prefix.crc:#010x} stored, {crc:#010x} computed "
+                          f"over {length} bytes")
+    kind = body[0]
+    if kind == KIND_APPEND:
+        if length < APPEND_FIXED_SIZE:
+            raise RecordError(f"APPEND entry of length {length} is shorter than its "
+                              f"{APPEND_FIXED_SIZE}-byte fixed part")
+        c = _APPEND_C.parse(body)
+        if c.record_length != length - APPEND_FIXED_SIZE:
+            raise RecordError(f"APPEND entry of length {length} says its record is "
+                              f"{c.record_length} bytes (expected {length - APPEND_FIXED_SIZE})")
+        return kind, c.seq, c.key, bytes(c.record), end
+    if kind == KIND_RELEASE:
+        if length != _RELEASE_BODY_SIZE:
+            raise RecordError(f"RELEASE entry of length {length} (must be {_RELEASE_BODY_SIZE})")
+        return kind, _RELEASE_C.parse(body).seq, 0, b"", end
+    raise RecordError(f"unknown entry kind {kind}")
+
+
+# --------------------------------------------------------------------------------------------
+# The journal
+# --------------------------------------------------------------------------------------------
+
+
+class JournalError(RQPError):
+    """The journal cannot be opened or used, or an operation on it failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """A live message: appended and not released."""
+
+    seq: int       #: journal sequence number
+    key: int       #: the RQP unique message key given to the message
+    record: bytes  #: the transmission record exactly as taken from the queue
+
+
+def _utc_stamp() -> str:
+    ns = time.time_ns()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
+
+
+def _unused_path(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``... whichever does not exist yet."""
+    candidate, n = base, 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 1 << 24), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+class Journal:
+    """The durable journal of SURE messages of one sending MCA (see the module docstring).
+
+    Opening it recovers the file: :attr:`recovered` holds the live entries found (in seq order)
+    and :attr:`problems` what recovery had to repair. Use it as a context manager or call
+    :meth:`close`.
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str = "sender", *, fsync: bool = True,
+                 compact_min_bytes: int = 4 << 20, compact_ratio: float = 0.5) -> None:
+        self.directory = Path(directory)
+        self.name = name
+        self.path = self.directory / f"{name}.journal"
+        self.tmp_path = self.directory / f"{name}.journal.tmp"
+        self.lock_path = self.directory / f"{name}.journal.lock"
+        self.compact_min_bytes = compact_min_bytes
+        self.compact_ratio = compact_ratio
+        self.recovered: list[JournalEntry] = []
+        self.problems: list[str] = []
+        self._fsync = fsync
+        self._cond = threading.Condition(threading.Lock())
+        self._live: dict[int, tuple[int, bytes]] = {}  # seq -> (key, record), in seq order
+        self._live_bytes = 0
+        self._size = 0         # bytes of valid data in the current file = where the next write goes
+        self._next_seq = 1
+        self._fd = -1
+        self._retired: list[int] = []  # descriptors of replaced files still used by a syncer
+        self._syncers = 0
+        self._failed: str | None = None
+        self._closed = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        try:
+            self._open()
+        except BaseException:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            os.close(self._lock_fd)
+            self._closed = True
+            raise
+        self.recovered = [JournalEntry(s, k, r) for s, (k, r) in self._live.items()]
+
+    # --- opening ---------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JournalError(f"journal {self.path} is in use (another Journal holds "
+                               f"{self.lock_path})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _report(self, text: str) -> None:
+        self.problems.append(f"{self.path}: {text}")
+
+    def _open(self) -> None:
+        if self.tmp_path.exists() or self.tmp_path.is_symlink():
+            size = self.tmp_path.lstat().st_size
+            self.tmp_path.unlink()
+            self._report(f"leftover temp file {self.tmp_path.name} ({size} bytes) from an "
+                         f"unfinished compaction or creation removed; it is never used")
+            self._fsync_dir()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._create(1)
+            return
+        self._fd = fd
+        data = _read_all(fd)
+        version = data[4] if len(data) > 4 else None
+        try:
+            header = _HEADER_C.parse(data[:FILE_HEADER_SIZE]) if len(data) >= FILE_HEADER_SIZE \
+                else None
+        except construct.ConstructError:
+            header = None
+        if header is not None and header.version != JOURNAL_VERSION:
+            raise JournalError(f"journal {self.path} has version {header.version}; this program "
+                               f"reads version {JOURNAL_VERSION} (left untouched)")
+        if header is None:
+            self._fd = -1
+            os.close(fd)
+            aside = _unused_path(self.directory / f"{self.name}.journal.corrupt-{_utc_stamp()}")
+            os.rename(self.path, aside)
+            what = (f"{len(data)} bytes, shorter than the {FILE_HEADER_SIZE}-byte header"
+                    if len(data) < FILE_HEADER_SIZE else
+                    f"bad header {data[:FILE_HEADER_SIZE].hex()} (magic {data[:4]!r}, version "
+                    f"{version}, expected magic {JOURNAL_MAGIC!r} and zero reserved bytes)")
+            self._report(f"not a journal: {what}; moved aside to {aside.name} (not overwritten) "
+                         f"and a new, empty journal started: messages in it are NOT replayed")
+            self._create(1)
+            return
+        self._replay(data, header.base_seq)
+
+    def _replay(self, data: bytes, base_seq: int) -> None:
+        live = self._live
+        max_seq = 0
+        offset = FILE_HEADER_SIZE
+        bad: str | None = None
+        while offset < len(data):
+            try:
+                kind, seq, key, record, end = _decode_entry(data, offset)
+            except RecordError as exc:
+                bad = str(exc)
+                break
+            if kind == KIND_APPEND:
+                if seq in live:
+                    raise JournalError(f"journal {self.path} is inconsistent: seq {seq} appended "
+                                       f"again at offset {offset} while still live (file left "
+                                       f"untouched; move it aside to start without it)")
+                if seq <= max_seq or seq < base_seq:
+                    self._report(f"APPEND of seq {seq} at offset {offset} is out of order "
+                                 f"(largest seq before it {max_seq}, base_seq {base_seq}); kept")
+                live[seq] = (key, record)
+                self._live_bytes += _append_size(record)
+            else:
+                # A RELEASE of a seq that is not live is the high-water mark of a compaction.
+                if seq in live:
+                    self._live_bytes -= _append_size(live.pop(seq)[1])
+            max_seq = max(max_seq, seq)
+            offset = end
+        self._size = offset
+        if bad is not None:
+            self._discard_tail(data, offset, bad)
+        if len(live) > 1 and list(live) != sorted(live):
+            self._live = dict(sorted(live.items()))
+        self._next_seq = max(base_seq, max_seq + 1, 1)
+
+    def _discard_tail(self, data: bytes, offset: int, reason: str) -> None:
+        """Save ``data[offset:]`` to a side file, then cut the journal at ``offset``."""
+        tail = data[offset:]
+        side = _unused_path(self.directory / f"{self.name}.journal.discarded-{_utc_stamp()}")
+        fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _pwrite_all(fd, tail, 0)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._fsync_dir()
+        os.ftruncate(self._fd, offset)
+        if self._fsync:
+            os.fsync(self._fd)
+        self._report(f"{reason} at offset {offset}; the {len(tail)} bytes from offset {offset} "
+                     f"to the end were discarded (entries after a damaged one cannot be found "
+                     f"safely; copy saved in {side.name}) and the file truncated to {offset} bytes")
+
+    def _create(self, base_seq: int) -> None:
+        header = encode_header(base_seq)
+        self._fd = self._write_new_file(header)
+        self._size = len(header)
+        self._next_seq = base_seq
+        self._fsync_dir()
+
+    def _write_new_file(self, data: bytes) -> int:
+        """Write ``data`` to the temp file, fsync it, rename it over the journal; its fd."""
+        fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _pwrite_all(fd, data, 0)
+            if self._fsync:
+                os.fsync(fd)
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp_path)
+            raise
+        return fd
+
+    def _fsync_dir(self) -> None:
+        if not self._fsync:
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise JournalError(f"journal {self.path} is closed")
+        if self._failed is not None:
+            raise JournalError(f"journal {self.path} is unusable: {self._failed}")
+
+    @property
+    def live_count(self) -> int:
+        """Number of live entries."""
+        with self._cond:
+            return len(self._live)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes the live APPEND entries take in the file (what a compaction would keep)."""
+        with self._cond:
+            return self._live_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the journal file (header included)."""
+        with self._cond:
+            return self._size
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next appended entry will get."""
+        with self._cond:
+            return self._next_seq
+
+    @property
+    def failed(self) -> str | None:
+        """Why the journal became unusable (a failed fsync), or None."""
+        return self._failed
+
+    def live_entries(self) -> list[JournalEntry]:
+        """The live entries now, in seq order."""
+        with self._cond:
+            return [JournalEntry(s, k, r) for s, (k, r) in self._live.items()]
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data`` at the end of the valid data (lock held); on failure cut it back."""
+        start = self._size
+        try:
+            _pwrite_all(self._fd, data, start)
+        except BaseException as exc:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError as exc2:
+                self._failed = (f"a write failed ({exc!r}) and cutting the file back to {start} "
+                                f"bytes failed too ({exc2!r})")
+            if isinstance(exc, OSError):
+                raise JournalError(f"writing to journal {self.path} failed: {exc}") from exc
+            raise
+        self._size = start + len(data)
+
+    def _sync(self, fd: int) -> None:
+        """fsync ``fd`` outside the lock; the caller counted itself in ``_syncers`` under it."""
+        try:
+            if self._fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            with self._cond:
+                # A retired descriptor belongs to a file replaced by a compaction that ran after
+                # our write and fsynced everything live in the new file: the error is moot.
+                if fd not in self._retired:
+                    self._failed = f"fsync failed: {exc}"
+                    raise JournalError(f"fsync of journal {self.path} failed: {exc}; the journal "
+                                       f"is now unusable") from exc
+        finally:
+            with self._cond:
+                self._syncers -= 1
+                if not self._syncers:
+                    for old in self._retired:
+                        os.close(old)
+                    self._retired.clear()
+                    self._cond.notify_all()
+
+    def append(self, entries: Iterable[tuple[int, bytes]]) -> list[int]:
+        """Append one APPEND per ``(key, record)`` and make them all durable with one fsync.
+
+        Returns their seqs. When it returns, the entries survive a crash of the machine.
+        Raises :class:`JournalError` if the write or the fsync fails (after a failed write
+        nothing was appended; after a failed fsync the journal is unusable), ``ValueError`` or
+        ``TypeError`` for a bad key or record.
+        """
+        items: list[tuple[int, bytes]] = []
+        for key, record in entries:
+            if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key <= UINT64_MAX:
+                raise ValueError(f"key must be an integer in 0..{UINT64_MAX}, got {key!r}")
+            if not isinstance(record, (bytes, bytearray, memoryview)):
+                raise TypeError(f"record must be bytes, got {type(record).__name__}")
+            record = bytes(record)
+            if len(record) > MAX_RECORD_SIZE:
+                raise ValueError(f"record of {len(record)} bytes is over the journal's limit of "
+                                 f"{MAX_RECORD_SIZE}")
+            items.append((key, record))
+        if not items:
+            return []
+        with self._cond:
+            self._check_usable()
+            first = self._next_seq
+            if first + len(items) - 1 > UINT64_MAX:
+                raise JournalError(f"journal {self.path} has run out of sequence numbers")
+            seqs = list(range(first, first + len(items)))
+            self._write(b"".join(encode_append(seq, key, record)
+                                 for seq, (key, record) in zip(seqs, items)))
+            self._next_seq = first + len(items)
+            for seq, (key, record) in zip(seqs, items):
+                self._live[seq] = (key, record)
+                self._live_bytes += _append_size(record)
+            fd = self._fd
+            self._syncers += 1
+        self._sync(fd)
+        return seqs
+
+    def release(self, seqs: Iterable[int]) -> None:
+        """Write a RELEASE for every given seq that is live; others are ignored (so releasing
+        twice is harmless). Not fsynced: see the module docstring. Raises
+        :class:`JournalError` if the write fails (then nothing was released)."""
+        wanted = list(seqs)
+        with self._cond:
+            self._check_usable()
+            todo = [seq for seq in dict.fromkeys(wanted) if seq in self._live]
+            if not todo:
+                return
+            self._write(b"".join(encode_release(seq) for seq in todo))
+            for seq in todo:
+                self._live_bytes -= _append_size(self._live.pop(seq)[1])
+
+    def flush(self, fsync: bool = True) -> None:
+        """Make everything written so far durable (releases included).
+
+        Writes are never buffered in this process, so there is nothing to do without ``fsync``.
+        """
+        if not fsync:
+            with self._cond:
+                self._check_usable()
+            return
+        with self._cond:
+            self._check_usable()
+            fd = self._fd
+            self._syncers += 1
+        self._sync(fd)
+
+    # --- compaction ------------------------------------------------------------------------
+
+    def _should_compact(self) -> bool:
+        return (self._size >= self.compact_min_bytes
+                and self._live_bytes < self.compact_ratio * self._size)
+
+    def maybe_compact(self) -> bool:
+        """Compact if the file is at least ``compact_min_bytes`` and less than
+        ``compact_ratio`` of it is live. Returns whether it compacted."""
+        with self._cond:
+            self._check_usable()
+            if not self._should_compact():
+                return False
+            self._compact_locked()
+            return True
+
+    def compact(self) -> None:
+        """Rewrite the journal with only the live entries (see the module docstring).
+
+        The lock is held throughout (appends and releases wait; the work is proportional to
+        the live data). If it fails before the rename, the journal is unchanged and usable.
+        """
+        with self._cond:
+            self._check_usable()
+            self._compact_locked()
+
+    def _compact_locked(self) -> None:
+        live = list(self._live.items())
+        base_seq = live[0][0] if live else self._next_seq
+        parts = [encode_header(base_seq)]
+        parts.extend(encode_append(seq, key, record) for seq, (key, record) in live)
+        high = self._next_seq - 1
+        if live and high > live[-1][0]:
+            parts.append(encode_release(high))  # high-water mark: seqs never repeat
+        data = b"".join(parts)
+        try:
+            fd = self._write_new_file(data)
+        except OSError as exc:
+            raise JournalError(f"compaction of journal {self.path} failed: {exc}; the journal "
+                               f"is unchanged") from exc
+        old, self._fd, self._size = self._fd, fd, len(data)
+        if self._syncers:
+            self._retired.append(old)
+        else:
+            os.close(old)
+        try:
+            self._fsync_dir()
+        except OSError as exc:
+            self._failed = f"fsync of the directory after compaction failed: {exc}"
+            raise JournalError(f"compaction of journal {self.path}: {self._failed}") from exc
+
+    # --- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """fsync (making releases durable) and close. Waits for an fsync in progress."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            while self._syncers:
+                self._cond.wait()
+            error: OSError | None = None
+            try:
+                if self._fsync and self._failed is None and self._fd >= 0:
+                    os.fsync(self._fd)
+            except OSError as exc:
+                error = exc
+            finally:
+                for fd in (self._fd, *self._retired, self._lock_fd):
+                    if fd >= 0:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                self._fd = -1
+                self._retired.clear()
+            if error is not None:
+                raise JournalError(f"fsync of journal {self.path} at close failed: {error}")
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._failed else "open"
+        return (f"<Journal {str(self.path)!r} {state} live={len(self._live)} "
+                f"size={self._size} next_seq={self._next_seq}>")

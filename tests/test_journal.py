@@ -1,0 +1,660 @@
+"""rqp.journal: the sending MCA's durable journal of SURE messages (real files in tmp_path)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rqp.errors import RQPError
+from rqp.journal import (
+    APPEND_FIXED_SIZE,
+    ENTRY_PREFIX_SIZE,
+    FILE_HEADER_SIZE,
+    MAX_ENTRY_LENGTH,
+    RELEASE_ENTRY_SIZE,
+    Journal,
+    JournalEntry,
+    JournalError,
+    encode_append,
+    encode_header,
+    encode_release,
+)
+
+
+def live(j: Journal) -> dict[int, tuple[int, bytes]]:
+    return {e.seq: (e.key, e.record) for e in j.live_entries()}
+
+
+def recovered(j: Journal) -> dict[int, tuple[int, bytes]]:
+    return {e.seq: (e.key, e.record) for e in j.recovered}
+
+
+def side_files(directory: Path, kind: str) -> list[Path]:
+    return sorted(directory.glob(f"*.journal.{kind}-*"))
+
+
+# --------------------------------------------------------------------------------------------
+# Format
+# --------------------------------------------------------------------------------------------
+
+
+def test_format_vectors():
+    assert encode_header(1) == b"RQPJ" + b"\x01" + b"\0\0\0" + (1).to_bytes(8, "big")
+    body = b"\x01" + (5).to_bytes(8, "big") + (0x1122334455667788).to_bytes(8, "big") \
+        + (3).to_bytes(4, "big") + b"abc"
+    assert encode_append(5, 0x1122334455667788, b"abc") == \
+        len(body).to_bytes(4, "big") + zlib.crc32(body).to_bytes(4, "big") + body
+    assert len(body) == APPEND_FIXED_SIZE + 3
+    body = b"\x02" + (9).to_bytes(8, "big")
+    assert encode_release(9) == b"\0\0\0\x09" + zlib.crc32(body).to_bytes(4, "big") + body
+    assert RELEASE_ENTRY_SIZE == 17 and FILE_HEADER_SIZE == 16 and ENTRY_PREFIX_SIZE == 8
+
+
+def test_new_journal_file(tmp_path):
+    with Journal(tmp_path, "x") as j:
+        assert j.recovered == [] and j.problems == []
+        assert j.file_bytes == FILE_HEADER_SIZE and j.live_count == 0 and j.live_bytes == 0
+    assert (tmp_path / "x.journal").read_bytes() == encode_header(1)
+    assert not (tmp_path / "x.journal.tmp").exists()
+    assert issubclass(JournalError, RQPError)
+
+
+def test_file_is_exactly_the_entries(tmp_path):
+    with Journal(tmp_path) as j:
+        assert j.append([(7, b"rec1"), (8, b"")]) == [1, 2]
+        j.release([1])
+        assert j.file_bytes == (tmp_path / "sender.journal").stat().st_size
+    assert (tmp_path / "sender.journal").read_bytes() == (
+        encode_header(1) + encode_append(1, 7, b"rec1") + encode_append(2, 8, b"")
+        + encode_release(1))
+
+
+# --------------------------------------------------------------------------------------------
+# Round trip
+# --------------------------------------------------------------------------------------------
+
+
+def test_append_release_reopen(tmp_path):
+    with Journal(tmp_path) as j:
+        seqs = j.append([(100, b"a"), (101, b"bb"), (102, b"ccc")])
+        assert seqs == [1, 2, 3]
+        j.release([2])
+        j.release([2, 99])  # twice, and an unknown seq: both ignored
+        assert j.live_count == 2
+        assert j.append([(103, b"d")]) == [4]
+    with Journal(tmp_path) as j:
+        assert j.problems == []
+        assert j.recovered == [JournalEntry(1, 100, b"a"), JournalEntry(3, 102, b"ccc"),
+                               JournalEntry(4, 103, b"d")]
+        assert j.append([(104, b"e")]) == [5]
+        j.release([1, 3, 4, 5])
+    with Journal(tmp_path) as j:
+        assert j.recovered == []
+        assert j.append([(105, b"f")]) == [6]  # released seqs are never given again
+
+
+def test_live_bytes_and_counts(tmp_path):
+    with Journal(tmp_path) as j:
+        j.append([(1, b"x" * 10), (2, b"y" * 20)])
+        assert j.live_bytes == 2 * (ENTRY_PREFIX_SIZE + APPEND_FIXED_SIZE) + 30
+        j.release([1])
+        assert j.live_bytes == ENTRY_PREFIX_SIZE + APPEND_FIXED_SIZE + 20
+        assert j.live_count == 1
+        assert j.file_bytes == FILE_HEADER_SIZE + 2 * 29 + 30 + RELEASE_ENTRY_SIZE
+
+
+def test_bad_arguments(tmp_path):
+    with Journal(tmp_path, fsync=False) as j:
+        with pytest.raises(ValueError):
+            j.append([(-1, b"")])
+        with pytest.raises(ValueError):
+            j.append([(1 << 64, b"")])
+        with pytest.raises(TypeError):
+            j.append([(1, "text")])
+        assert j.append([]) == []
+        assert j.file_bytes == FILE_HEADER_SIZE
+    with pytest.raises(JournalError, match="closed"):
+        j.append([(1, b"")])
+
+
+def test_second_journal_on_same_file_is_refused(tmp_path):
+    with Journal(tmp_path, "s"):
+        with pytest.raises(JournalError, match="in use"):
+            Journal(tmp_path, "s")
+        Journal(tmp_path, "other").close()
+    Journal(tmp_path, "s").close()
+
+
+# --------------------------------------------------------------------------------------------
+# Group commit
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    calls = []
+    real = os.fsync
+
+    def counting(fd):
+        calls.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    return calls
+
+
+def test_group_commit_one_fsync(tmp_path, fsyncs):
+    j = Journal(tmp_path)
+    fsyncs.clear()
+    seqs = j.append([(k, b"r%d" % k) for k in range(100)])
+    assert len(seqs) == 100 and len(fsyncs) == 1
+    fsyncs.clear()
+    j.release(seqs[:50])
+    j.release(seqs[50:60])
+    assert fsyncs == []
+    j.flush()
+    assert len(fsyncs) == 1
+    j.flush(fsync=False)
+    assert len(fsyncs) == 1
+    j.close()
+
+
+def test_fsync_false_never_fsyncs(tmp_path, fsyncs):
+    with Journal(tmp_path, fsync=False) as j:
+        j.append([(1, b"a")])
+        j.release([1])
+        j.compact()
+    assert fsyncs == []
+
+
+# --------------------------------------------------------------------------------------------
+# Recovery: torn tails and corruption
+# --------------------------------------------------------------------------------------------
+
+
+def _three_entries(directory: Path) -> tuple[bytes, list[int]]:
+    """A journal with APPEND 1, APPEND 2, RELEASE 1, APPEND 3; its bytes and entry offsets."""
+    with Journal(directory, fsync=False) as j:
+        j.append([(11, b"first")])
+        j.append([(12, b"second!")])
+        j.release([1])
+        j.append([(13, b"3")])
+    data = (directory / "sender.journal").read_bytes()
+    offsets = [FILE_HEADER_SIZE]
+    for size in (29 + 5, 29 + 7, RELEASE_ENTRY_SIZE, 29 + 1):
+        offsets.append(offsets[-1] + size)
+    assert offsets[-1] == len(data)
+    return data, offsets
+
+
+def _expected_live_at(cut: int, offsets: list[int]) -> dict[int, tuple[int, bytes]]:
+    """The live set of the _three_entries journal cut at ``cut`` bytes."""
+    complete = sum(1 for end in offsets[1:] if end <= cut)
+    state = {}
+    steps = [("a", 1, 11, b"first"), ("a", 2, 12, b"second!"), ("r", 1), ("a", 3, 13, b"3")]
+    for step in steps[:complete]:
+        if step[0] == "a":
+            state[step[1]] = (step[2], step[3])
+        else:
+            state.pop(step[1])
+    return state
+
+
+def test_torn_tail_every_length(tmp_path):
+    data, offsets = _three_entries(tmp_path / "orig")
+    # Every cut inside the last entry, and inside the last two entries (the RELEASE and APPEND 3).
+    for cut in range(offsets[-3], len(data)):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / "sender.journal").write_bytes(data[:cut])
+        good_end = max(o for o in offsets if o <= cut)
+        with Journal(d, fsync=False) as j:
+            assert recovered(j) == _expected_live_at(cut, offsets), cut
+            if cut == good_end:
+                assert j.problems == []
+            else:
+                assert len(j.problems) == 1 and "torn tail" in j.problems[0], j.problems
+                assert f"offset {good_end}" in j.problems[0]
+                saved = side_files(d, "discarded")
+                assert len(saved) == 1 and saved[0].read_bytes() == data[good_end:cut]
+            assert (d / "sender.journal").stat().st_size == good_end == j.file_bytes
+            # Appends after recovery follow valid data and survive another reopen.
+            seq = j.append([(99, b"after")])[0]
+            assert seq > 2
+            expected = {**_expected_live_at(cut, offsets), seq: (99, b"after")}
+        with Journal(d, fsync=False) as j:
+            assert j.problems == []
+            assert recovered(j) == expected
+
+
+@pytest.mark.parametrize("damage", ["crc", "kind", "length", "record_length", "huge"])
+def test_damaged_middle_entry(tmp_path, damage):
+    data, offsets = _three_entries(tmp_path)
+    middle = offsets[1]  # APPEND 2
+    entry = bytearray(data[middle:offsets[2]])
+    if damage == "crc":
+        entry[-1] ^= 0x40  # a bit flip in the record
+    elif damage == "kind":
+        entry[8] = 7
+        entry[4:8] = zlib.crc32(entry[8:]).to_bytes(4, "big")
+    elif damage == "length":
+        entry[0:4] = (3).to_bytes(4, "big")
+    elif damage == "record_length":
+        entry[25:29] = (99).to_bytes(4, "big")
+        entry[4:8] = zlib.crc32(entry[8:]).to_bytes(4, "big")
+    else:
+        entry[0:4] = (MAX_ENTRY_LENGTH + 1).to_bytes(4, "big")
+    damaged = data[:middle] + bytes(entry) + data[offsets[2]:]
+    (tmp_path / "sender.journal").write_bytes(damaged)
+    with Journal(tmp_path) as j:
+        # Entries before the damaged one are kept; it and everything after it are discarded.
+        assert j.recovered == [JournalEntry(1, 11, b"first")]
+        assert len(j.problems) == 1 and f"offset {middle}" in j.problems[0]
+        word = {"crc": "checksum", "kind": "unknown entry kind", "length": "absurd",
+                "record_length": "record", "huge": "absurd"}[damage]
+        assert word in j.problems[0]
+        assert (tmp_path / "sender.journal").read_bytes() == data[:middle]
+        saved = side_files(tmp_path, "discarded")
+        assert len(saved) == 1 and saved[0].read_bytes() == damaged[middle:]
+        assert j.append([(14, b"new")]) == [2]
+    with Journal(tmp_path) as j:
+        assert j.problems == []
+        assert recovered(j) == {1: (11, b"first"), 2: (14, b"new")}
+
+
+def test_duplicate_live_seq_refuses_to_open(tmp_path):
+    data = encode_header(1) + encode_append(1, 5, b"a") + encode_append(1, 6, b"b")
+    (tmp_path / "sender.journal").write_bytes(data)
+    with pytest.raises(JournalError, match="seq 1 appended again"):
+        Journal(tmp_path)
+    assert (tmp_path / "sender.journal").read_bytes() == data
+    with pytest.raises(JournalError, match="appended again"):  # not "in use": lock let go
+        Journal(tmp_path)
+
+
+def test_out_of_order_append_is_kept_and_reported(tmp_path):
+    (tmp_path / "sender.journal").write_bytes(
+        encode_header(1) + encode_append(5, 50, b"a") + encode_append(3, 30, b"b"))
+    with Journal(tmp_path) as j:
+        assert [e.seq for e in j.recovered] == [3, 5]
+        assert len(j.problems) == 1 and "out of order" in j.problems[0]
+        assert j.append([(1, b"")]) == [6]
+
+
+# --------------------------------------------------------------------------------------------
+# Bad header
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", [b"", b"RQP", b"garbage, not a journal at all",
+                                     b"RQPJ\x01\x00\x00\x01" + bytes(8)])
+def test_bad_header_moved_aside(tmp_path, content):
+    (tmp_path / "sender.journal").write_bytes(content)
+    with Journal(tmp_path) as j:
+        assert j.recovered == []
+        assert len(j.problems) == 1 and "moved aside" in j.problems[0]
+        aside = side_files(tmp_path, "corrupt")
+        assert len(aside) == 1 and aside[0].read_bytes() == content
+        assert aside[0].name in j.problems[0]
+        j.append([(1, b"x")])
+    with Journal(tmp_path) as j:
+        assert recovered(j) == {1: (1, b"x")} and j.problems == []
+    (tmp_path / "sender.journal").write_bytes(content)
+    Journal(tmp_path).close()
+    assert len(side_files(tmp_path, "corrupt")) == 2  # a second one does not overwrite the first
+
+
+def test_other_version_is_refused_untouched(tmp_path):
+    content = b"RQPJ\x02\x00\x00\x00" + (1).to_bytes(8, "big") + b"future entries"
+    (tmp_path / "sender.journal").write_bytes(content)
+    with pytest.raises(JournalError, match="version 2"):
+        Journal(tmp_path)
+    assert (tmp_path / "sender.journal").read_bytes() == content
+    assert list(tmp_path.glob("*corrupt*")) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Compaction
+# --------------------------------------------------------------------------------------------
+
+
+def test_compaction(tmp_path):
+    j = Journal(tmp_path, fsync=False, compact_min_bytes=10_000, compact_ratio=0.5)
+    model = {}
+    for batch in range(50):
+        items = [(batch * 100 + i, os.urandom(40)) for i in range(20)]
+        seqs = j.append(items)
+        model.update(zip(seqs, items))
+        done = [s for s in seqs if s % 7]
+        j.release(done)
+        for s in done:
+            del model[s]
+    last = j.next_seq - 1
+    assert last not in model  # the largest seq was released: the high-water mark must keep it
+    before = j.file_bytes
+    assert j.live_bytes / before < 0.5
+    assert j.maybe_compact() is True
+    assert j.file_bytes < before / 3
+    assert live(j) == model
+    assert (tmp_path / "sender.journal").stat().st_size == j.file_bytes
+    assert not (tmp_path / "sender.journal.tmp").exists()
+    assert j.maybe_compact() is False  # mostly live now
+    assert j.append([(1, b"z")]) == [last + 1]
+    model[last + 1] = (1, b"z")
+    j.close()
+    with Journal(tmp_path, fsync=False) as j:
+        assert j.problems == []
+        assert recovered(j) == model
+        assert j.next_seq == last + 2
+        # All released, compact: an empty journal that still knows the next seq.
+        j.release(list(model))
+        j.compact()
+        assert j.file_bytes == FILE_HEADER_SIZE
+    with Journal(tmp_path, fsync=False) as j:
+        assert j.recovered == [] and j.next_seq == last + 2
+
+
+def test_compaction_keeps_seq_after_released_high(tmp_path):
+    with Journal(tmp_path) as j:
+        j.append([(1, b"keep"), (2, b"go"), (3, b"go")])
+        j.release([2, 3])
+        j.compact()
+    assert (tmp_path / "sender.journal").read_bytes() == (
+        encode_header(1) + encode_append(1, 1, b"keep") + encode_release(3))
+    with Journal(tmp_path) as j:
+        assert recovered(j) == {1: (1, b"keep")}
+        assert j.append([(4, b"")]) == [4]
+
+
+def test_maybe_compact_thresholds(tmp_path):
+    with Journal(tmp_path, fsync=False, compact_min_bytes=1000, compact_ratio=0.5) as j:
+        seqs = j.append([(i, b"x" * 10) for i in range(10)])  # 16 + 390 bytes: too small
+        j.release(seqs)
+        assert j.maybe_compact() is False
+        seqs = j.append([(i, b"x" * 10) for i in range(30)])
+        assert j.maybe_compact() is False  # big enough, but mostly live
+        j.release(seqs[:25])
+        assert j.maybe_compact() is True
+        assert j.live_count == 5
+
+
+def test_leftover_tmp_is_removed(tmp_path):
+    with Journal(tmp_path) as j:
+        j.append([(1, b"one"), (2, b"two")])
+        j.release([1])
+    original = (tmp_path / "sender.journal").read_bytes()
+    # A half-written compaction, and then one that is a complete (but unrenamed) journal.
+    for tmp_content in (encode_header(2) + encode_append(2, 2, b"tw"),
+                        encode_header(5) + encode_append(5, 9, b"other")):
+        (tmp_path / "sender.journal.tmp").write_bytes(tmp_content)
+        with Journal(tmp_path) as j:
+            assert recovered(j) == {2: (2, b"two")}
+            assert len(j.problems) == 1 and "leftover temp file" in j.problems[0]
+        assert not (tmp_path / "sender.journal.tmp").exists()
+        assert (tmp_path / "sender.journal").read_bytes() == original
+    # A leftover tmp and no journal: a new creation crashed before its rename.
+    (tmp_path / "sender.journal").unlink()
+    (tmp_path / "sender.journal.tmp").write_bytes(encode_header(1)[:5])
+    with Journal(tmp_path) as j:
+        assert j.recovered == [] and len(j.problems) == 1
+
+
+def _compact_in_child(directory: Path, point: str) -> int:
+    """Fork; the child opens the journal and compacts, dying with os._exit(17) at ``point``."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            j = Journal(directory)
+            real_replace, real_fsync = os.replace, os.fsync
+
+            def die():
+                os._exit(17)
+
+            if point == "before_rename":
+                os.replace = lambda src, dst: die()
+            elif point == "after_rename":
+                def replace(src, dst):
+                    real_replace(src, dst)
+                    die()
+                os.replace = replace
+            elif point == "before_tmp_fsync":
+                os.fsync = lambda fd: die()
+            elif point == "before_dir_fsync":
+                def fsync(fd):
+                    if Path(f"/proc/self/fd/{fd}").resolve() == directory.resolve():
+                        die()
+                    real_fsync(fd)
+                os.fsync = fsync
+            j.compact()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("point", ["before_tmp_fsync", "before_rename", "after_rename",
+                                   "before_dir_fsync", "completed"])
+def test_kill_during_compaction(tmp_path, point):
+    with Journal(tmp_path) as j:
+        seqs = j.append([(i, b"m%03d" % i) for i in range(200)])
+        j.release(seqs[::2] + [seqs[-1]])
+        model = live(j)
+        old_size = j.file_bytes
+        next_seq = j.next_seq
+    assert _compact_in_child(tmp_path, point) == (0 if point == "completed" else 17)
+    with Journal(tmp_path) as j:
+        assert recovered(j) == model
+        assert j.next_seq == next_seq
+        renamed = point in ("after_rename", "before_dir_fsync", "completed")
+        assert (j.file_bytes < old_size) == renamed
+        assert not (tmp_path / "sender.journal.tmp").exists()
+        assert bool(j.problems) == (point in ("before_tmp_fsync", "before_rename"))
+        assert j.append([(1, b"after")]) == [next_seq]
+
+
+# --------------------------------------------------------------------------------------------
+# Failures while running
+# --------------------------------------------------------------------------------------------
+
+
+def test_failed_write_is_undone(tmp_path, monkeypatch):
+    j = Journal(tmp_path)
+    j.append([(1, b"kept")])
+    size = j.file_bytes
+    real_pwrite = os.pwrite
+    calls = []
+
+    def short_then_enospc(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) == 1:  # the first write is short, the next one fails
+            return real_pwrite(fd, bytes(data[:5]), offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", short_then_enospc)
+    with pytest.raises(JournalError, match="No space"):
+        j.append([(2, b"lost")])
+    assert (tmp_path / "sender.journal").stat().st_size == size
+    calls.clear()
+    with pytest.raises(JournalError, match="No space"):
+        j.release([1])
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert j.file_bytes == size == (tmp_path / "sender.journal").stat().st_size
+    assert live(j) == {1: (1, b"kept")} and j.failed is None
+    assert j.append([(3, b"ok")]) == [2]
+    j.close()
+    with Journal(tmp_path) as j:
+        assert j.problems == [] and recovered(j) == {1: (1, b"kept"), 2: (3, b"ok")}
+
+
+def test_failed_fsync_makes_journal_unusable(tmp_path, monkeypatch):
+    j = Journal(tmp_path)
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(JournalError, match="fsync"):
+        j.append([(1, b"x")])
+    assert j.failed
+    for op in (lambda: j.append([(2, b"")]), lambda: j.release([1]), j.compact, j.flush):
+        with pytest.raises(JournalError, match="unusable"):
+            op()
+    j.close()
+    monkeypatch.undo()
+    with Journal(tmp_path) as j:  # reopening recovers what is on disk
+        assert recovered(j) == {1: (1, b"x")}
+
+
+# --------------------------------------------------------------------------------------------
+# Threads
+# --------------------------------------------------------------------------------------------
+
+
+def test_fsync_outside_lock_with_release_and_compaction(tmp_path, monkeypatch):
+    """While append's fsync is blocked, releases and a compaction go on; the old descriptor
+    stays open until that fsync is done."""
+    j = Journal(tmp_path)
+    first = j.append([(1, b"a"), (2, b"b")])
+    in_fsync, go_on = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+    blocked_fds = []
+
+    def slow_fsync(fd):
+        if threading.current_thread().name == "appender":
+            blocked_fds.append(fd)
+            in_fsync.set()
+            assert go_on.wait(5)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    result = []
+    t = threading.Thread(target=lambda: result.append(j.append([(3, b"c")])), name="appender")
+    t.start()
+    assert in_fsync.wait(5)
+    j.release(first[:1])  # not held up by the fsync in progress
+    j.compact()
+    os.fstat(blocked_fds[0])  # the replaced file's descriptor is still open for that fsync
+    go_on.set()
+    t.join(5)
+    assert result == [[3]]
+    with pytest.raises(OSError):
+        os.fstat(blocked_fds[0])  # closed by the last syncer
+    assert live(j) == {2: (2, b"b"), 3: (3, b"c")}
+    j.close()
+    with Journal(tmp_path) as j:
+        assert recovered(j) == {2: (2, b"b"), 3: (3, b"c")}
+
+
+def test_append_and_release_from_two_threads(tmp_path):
+    j = Journal(tmp_path, fsync=True, compact_min_bytes=20_000, compact_ratio=0.5)
+    handed: queue.Queue = queue.Queue()
+    kept = {}
+    compactions = []
+    errors = []
+
+    def guarded(target):
+        def run():
+            try:
+                target()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+                handed.put(None)
+        return run
+
+    def appender():
+        for batch in range(150):
+            items = [(batch * 10 + i, b"%d-%d" % (batch, i) * 3) for i in range(10)]
+            seqs = j.append(items)
+            for seq, item in zip(seqs, items):
+                handed.put((seq, item))
+        handed.put(None)
+
+    def releaser():
+        while (got := handed.get()) is not None:
+            seq, item = got
+            if item[0] % 9 == 0:
+                kept[seq] = item
+            else:
+                j.release([seq])
+            compactions.append(j.maybe_compact())
+
+    threads = [threading.Thread(target=guarded(appender)),
+               threading.Thread(target=guarded(releaser))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert any(compactions)
+    assert live(j) == kept and len(kept) == 167
+    j.close()
+    with Journal(tmp_path) as j:
+        assert j.problems == [] and recovered(j) == kept
+        assert j.next_seq == 1501
+
+
+# --------------------------------------------------------------------------------------------
+# Property: random operations against a model
+# --------------------------------------------------------------------------------------------
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.lists(
+            st.tuples(st.integers(0, 2**64 - 1), st.binary(max_size=40)), min_size=1, max_size=5)),
+        st.tuples(st.just("release"), st.lists(st.integers(0, 30), max_size=4)),
+        st.tuples(st.just("compact"), st.none()),
+        st.tuples(st.just("reopen"), st.none()),
+        st.tuples(st.just("torn_reopen"), st.integers(1, 60)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops)
+def test_random_operations_match_model(ops):
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        model: dict[int, tuple[int, bytes]] = {}
+        last_seq = 0
+        j = Journal(directory, fsync=False)
+        try:
+            for op, arg in ops:
+                if op == "append":
+                    seqs = j.append(arg)
+                    assert seqs == list(range(last_seq + 1, last_seq + 1 + len(arg)))
+                    last_seq = seqs[-1]
+                    model.update(zip(seqs, arg))
+                elif op == "release":
+                    live_seqs = sorted(model)
+                    chosen = [live_seqs[i % len(live_seqs)] for i in arg] if live_seqs else []
+                    chosen += [last_seq + 100]  # never appended: ignored
+                    j.release(chosen)
+                    for seq in chosen:
+                        model.pop(seq, None)
+                elif op == "compact":
+                    j.compact()
+                else:
+                    j.close()
+                    if op == "torn_reopen":  # a crash in the middle of an unfinished append
+                        torn = encode_append(last_seq + 1, 1, b"never acknowledged" * 3)
+                        with open(directory / "sender.journal", "ab") as f:
+                            f.write(torn[:arg])
+                    j = Journal(directory, fsync=False)
+                    assert recovered(j) == model
+                    assert bool(j.problems) == (op == "torn_reopen")
+                    assert j.next_seq == last_seq + 1
+                assert live(j) == model
+        finally:
+            j.close()
