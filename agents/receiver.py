@@ -31,6 +31,10 @@ from rqp.service import host_name, notify, setup_logging, watchdog_interval
 log = logging.getLogger("rqp.receiver")
 
 READ_SIZE = 1 << 16
+#: Answers are written (and the de-duplication window committed, one fsync) at least every
+#: this many requests. It bounds the duplicate window: a receiving MCA killed between putting
+#: messages and committing their keys puts at most this many per connection again.
+ANSWER_BATCH = 64
 #: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
 NOTICE_MEMORY = 100_000
 
@@ -138,10 +142,12 @@ class Receiver:
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         answers.append(await self._handle(conn, request, peer_host))
+                        if len(answers) >= ANSWER_BATCH:
+                            self._answer(writer, answers)
+                            answers = []
                 finally:  # whatever happens next, what was answered is sent, in order
                     if answers:
-                        self.dedup.commit()  # one fsync for the batch, before any DELIVERED_YES
-                        writer.write(b"".join(answers))
+                        self._answer(writer, answers)
                 await writer.drain()
                 if request is CLOSED:
                     log.info("connection from %s closed", _peer(peer))
@@ -158,6 +164,11 @@ class Receiver:
         finally:
             writer.close()
             self._connections.discard(task)
+
+    def _answer(self, writer: asyncio.StreamWriter, answers: list[bytes]) -> None:
+        """Write a batch of answers once the SURE keys it confirms are durable (one fsync)."""
+        self.dedup.commit()
+        writer.write(b"".join(answers))
 
     async def _handle(self, conn: ReceiverConnection, request, peer: str) -> bytes:
         if isinstance(request, Ask):

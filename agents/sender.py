@@ -39,8 +39,10 @@ from rqp.service import (
 
 log = logging.getLogger("rqp.sender")
 
-#: At most this many messages are held in memory; the rest wait in the transmission queue.
-MAX_HELD = 10_000
+#: Messages held in memory per frame the window lets be in flight; the rest wait in the
+#: transmission queue (where, unlike in memory, UNSURE ones survive a crash of the sender).
+HELD_PER_WINDOW_FRAME = 16
+MIN_HELD = 256
 #: Records taken in one go by the reader thread once the first one has arrived.
 READ_BATCH = 256
 #: A graceful stop waits at most this long for the answers of frames in flight.
@@ -134,7 +136,8 @@ class Sender:
         self._links: dict[object, _Link] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._budget = _Budget(MAX_HELD)
+        self._budget = _Budget(max(MIN_HELD, HELD_PER_WINDOW_FRAME * config.window
+                                   * len(config.hosts)))
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
@@ -236,22 +239,27 @@ class Sender:
         entries = self.journal.recovered
         if not entries:
             return
+        # A kill between journaling a batch and taking all of it off the queue leaves some of
+        # its records in both. They are within the first READ_BATCH records of the queue, maybe
+        # mixed with UNSURE ones of the same batch (never journaled, never handed on): take
+        # the batch off; the journaled ones are sent from the journal, the others as new.
         journaled = {entry.record for entry in entries}
-        removed = 0
-        # A crash between journaling a batch and taking it off the queue leaves those records
-        # in both: they are taken off now (they are in the journal).
-        while (head := self.transmission_queue.peek(0)) is not None and head[0] in journaled:
-            self.transmission_queue.get(block=False)
-            removed += 1
+        head = self._copy_batch(READ_BATCH)
+        last = max((i for i, data in enumerate(head) if data in journaled), default=-1)
+        leftovers = [data for data in head[:last + 1] if data not in journaled]
+        if last >= 0:
+            self._take_off(head[:last + 1])
         now = self.loop.time()
-        self._budget.force(len(entries))
+        self._budget.force(len(entries) + len(leftovers))
         for entry in entries:
             record = TransmissionRecord.from_bytes(entry.record)
             self.core.submit(record.message_type, record.queue_key, record.payload, now,
                              origin=_Taken(record, entry.seq), key=entry.key)
         log.info("journal: %d SURE message(s) to send again first%s", len(entries),
-                 f" ({removed} also still on the transmission queue, taken off)" if removed
-                 else "")
+                 f" ({last + 1 - len(leftovers)} of them also still on the transmission queue, "
+                 "taken off)" if last >= 0 else "")
+        if leftovers:
+            self._on_records(self._journal(leftovers))
         self._run_actions()
 
     def _read(self) -> None:
@@ -293,29 +301,35 @@ class Sender:
             batch.append(item[0])
         return batch
 
-    def _journal_and_take(self, batch: list[bytes]) -> list[tuple]:
+    def _journal(self, batch: list[bytes]) -> list[list]:
+        """Parse, give keys, journal the SURE records (one fsync): [data, record, key, seq]."""
         items, sure = [], []
         for data in batch:
             try:
                 record = TransmissionRecord.from_bytes(data)
             except RecordError as exc:
-                items.append((data, exc, 0))
+                items.append([data, exc, 0, None])
                 continue
             key = self.keys()
             if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
-                sure.append((len(items), key, data))
-            items.append((data, record, key))
-        seqs = self.journal.append([(key, data) for _, key, data in sure])  # one fsync
-        taken = [list(item) + [None] for item in items]
-        for (index, _, _), seq in zip(sure, seqs):
-            taken[index][3] = seq
+                sure.append(len(items))
+            items.append([data, record, key, None])
+        seqs = self.journal.append([(items[i][2], items[i][0]) for i in sure])
+        for i, seq in zip(sure, seqs):
+            items[i][3] = seq
+        return items
+
+    def _take_off(self, batch: list[bytes]) -> None:
         queue = self.transmission_queue
-        for data in batch:  # now, and only now, off the queue (nobody else takes from it)
-            got = queue.get(block=False)
-            if got != data:
+        for data in batch:  # nobody else takes from it, so these are the records copied
+            if queue.get(block=False) != data:
                 log.error("the transmission queue %s has another reader: a record taken off "
-                          "it was not the one journaled", format_key(queue.key))
-        return taken
+                          "it was not the one copied", format_key(queue.key))
+
+    def _journal_and_take(self, batch: list[bytes]) -> list[list]:
+        items = self._journal(batch)
+        self._take_off(batch)  # now, and only now, off the queue
+        return items
 
     def _queue_trouble(self, exc: QueueError) -> None:
         if isinstance(exc, QueueNotFound):
