@@ -181,3 +181,40 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
         host.stop(proc)
     report.seconds = time.monotonic() - started
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """scripts/chaos: longer runs of every scenario over more seeds, one table."""
+    import argparse
+    from tests.testbed import Testbed
+
+    parser = argparse.ArgumentParser(prog="chaos", description=main.__doc__)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--seeds", default="1,2,3,4,5")
+    parser.add_argument("--sure", type=int, default=50_000)
+    parser.add_argument("--unsure", type=int, default=10_000)
+    parser.add_argument("--faults", type=int, default=8)
+    args = parser.parse_args(argv)
+    print(Report.HEADER, flush=True)
+    bad = 0
+    for scenario in args.scenarios.split(","):
+        for seed in map(int, args.seeds.split(",")):
+            with Testbed(name_prefix="chaos") as bed:
+                try:
+                    report = run(bed, scenario, seed, sure=args.sure, unsure=args.unsure,
+                                 faults=args.faults, timeout=900)
+                except AssertionError as exc:
+                    print(f"{scenario:15} {seed:>5} | FAILED: {exc}".splitlines()[0], flush=True)
+                    bad += 1
+                    continue
+            print(report.row(), flush=True)
+            window = 64 * len(report.faults) if scenario == "kill-receiver" else 0
+            if (report.sure_lost or report.sure_out_of_order or report.unsure_duplicated
+                    or report.sure_duplicated > window):
+                bad += 1
+    print(f"{bad} run(s) broke a promise" if bad else "every SURE promise held")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

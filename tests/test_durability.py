@@ -1,0 +1,110 @@
+"""SURE durability at the edges: sendMessage(sync=True), a lost kernel queue (what a reboot
+does), the retry budget, unique keys across restarts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rqp import SURE_MSG
+from tests.agents import (
+    dead_letters, log_lines, make_queue, receive, start_receiver, start_sender, write_rqprc,
+)
+from tests.testbed import wait_for
+
+Q1 = 0x52510001
+
+SYNC_SEND = r"""
+import json, sys, time, rqp, sysv_ipc
+rqprc, count = sys.argv[1], int(sys.argv[2])
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+for i in range(count):
+    rqp.sendMessage(h, f"s{i}".encode(), rqp.SURE_MSG, sync=True, timeout=20)
+depth = sysv_ipc.MessageQueue(0x52510000).current_messages
+try:
+    rqp.sendMessage(h, b"x", rqp.UNSURE_MSG, sync=True)
+    refused = None
+except rqp.RQPError as e:
+    refused = str(e)
+print(json.dumps([depth, refused]))
+"""
+
+
+def test_sync_send_returns_once_journaled_and_survives_losing_the_kernel_queues(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    receiver = start_receiver(b)  # b has no Q1 yet: the messages wait in a's sending MCA
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc)
+    depth, refused = json.loads(a.python(SYNC_SEND, str(rqprc), "20", timeout=120))
+    assert depth == 0  # every record left the kernel queue before sendMessage returned
+    assert "sync=True is for SURE messages" in refused
+    # what a reboot does: the process dies and the kernel's queues are gone
+    a.kill(sender)
+    a.python("import sysv_ipc\nfor k in (0x52510000, 0x5251DEAD):\n"
+             "    sysv_ipc.MessageQueue(k).remove()")
+    make_queue(b, Q1)
+    again = start_sender(a, rqprc)
+    assert receive(b, Q1, 20) == [f"s{i}" for i in range(20)]
+    assert "20 SURE message(s) to send again first" in log_lines(a, again, "journal:")[0]
+    assert receiver.poll() is None
+
+
+def test_sync_send_times_out_when_no_sending_mca_takes_it(testbed):
+    a = testbed.add_host("a")
+    rqprc = write_rqprc(a, [a])
+    out = a.python(r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+try:
+    rqp.sendMessage(h, b"x", rqp.SURE_MSG, sync=True, timeout=0.3)
+except rqp.RQPError as e:
+    print(e)
+""", str(rqprc))
+    assert "has not journaled the message within 0.3s" in out and "position 0" in out
+
+
+def test_retry_budget_turns_a_sure_message_into_a_dead_letter(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)  # never has the queue
+    rqprc = write_rqprc(a, [b], retry_max_attempts=3)
+    sender = start_sender(a, rqprc)
+    a.python(r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+rqp.sendMessage(h, b"give up on me", rqp.SURE_MSG)
+""", str(rqprc))
+    [dl] = wait_for(lambda: dead_letters(a), timeout=30, message="no dead letter")
+    assert dl["reason"] == "RETRY_BUDGET_EXHAUSTED" and dl["payload"] == "give up on me"
+    assert dl["type"] == SURE_MSG and dl["key"] and "no host offers queue" in dl["detail"]
+    sender.send_signal(15)
+    assert sender.wait(30) == 0
+    # released from the journal once dead-lettered: a restart sends nothing again
+    again = start_sender(a, rqprc)
+    assert not log_lines(a, again, "journal:")
+
+
+def test_keys_stay_unique_across_restarts(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    fake = b.popen([sys.executable, str(Path(__file__).with_name("fake_receiver.py")),
+                    f"{b.address}:7460",
+                    str(b.workdir / "mode")])
+    wait_for(lambda: "listening" in b.output(fake), timeout=20, message="fake receiver")
+    rqprc = write_rqprc(a, [b])
+    send = r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+for i in range(5):
+    rqp.sendMessage(h, b"k", rqp.UNSURE_MSG)
+"""
+    for _ in range(3):
+        sender = start_sender(a, rqprc)
+        before = b.output(fake).count("MESSAGE")
+        a.python(send, str(rqprc))
+        wait_for(lambda: b.output(fake).count("MESSAGE") == before + 5, timeout=20,
+                 message="not sent")
+        a.kill(sender)
+    keys = [json.loads(line)["key"] for line in b.output(fake).splitlines()
+            if '"MESSAGE"' in line]
+    assert len(keys) == 15 and len(set(keys)) == 15
+    assert len({k >> 32 for k in keys}) == 3  # one incarnation per start
