@@ -14,9 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tests.agents import (
-    PORT, dead_letters, make_queue, start_receiver, start_sender, write_rqprc,
-)
+from tests.agents import dead_letters, make_queue, start_receiver, start_sender, write_rqprc
 from tests.testbed import wait_for
 
 Q1 = 0x52510001
@@ -129,7 +127,7 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
                         retry_backoff_initial="0.05s", retry_backoff_max="0.5s")
     sender = start_sender(a, rqprc, log_level="INFO")
     consumer = b.popen([sys.executable, "-c", CONSUMER])
-    producer = a.popen([sys.executable, "-c", PRODUCER, str(rqprc), str(seed), str(sure),
+    a.popen([sys.executable, "-c", PRODUCER, str(rqprc), str(seed), str(sure),
                         str(unsure)])
 
     def delivered() -> int:
