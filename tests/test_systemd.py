@@ -1,0 +1,170 @@
+"""systemd: the install script, the units (systemd-analyze verify, the strongest check that can
+run without systemd as PID 1), and the agents' sd_notify protocol under a fake NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agents import write_rqprc
+from tests.testbed import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+UNITS = sorted(p.name for p in (REPO / "systemd").iterdir() if p.suffix in (".service", ".timer"))
+
+
+def install(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "install"), "--root", str(root), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=sys.executable))
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A scratch root the install script has installed into (once for this module)."""
+    root = tmp_path_factory.mktemp("root")
+    done = install(root)
+    assert done.returncode == 0, done.stderr
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_dry_run_changes_nothing_and_says_everything(tmp_path):
+    root = tmp_path / "root"
+    out = install(root, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert not root.exists()
+    for what in ("groupadd", "useradd", "-m venv", "pip install", "/etc/rqp/rqprc",
+                 "/etc/rqp/receiver.yaml", "60-rqp-ipc.conf", *UNITS):
+        assert what in out.stdout, what
+
+
+def test_install_lays_out_user_directories_configs_and_units(scratch):
+    passwd = (scratch / "etc/passwd").read_text()
+    assert "rqp:x:" in passwd and ":/usr/sbin/nologin" in passwd
+    uid = int(passwd.split("rqp:x:")[1].split(":")[0])
+    assert uid < 1000  # a system user: logind's RemoveIPC= never touches its queues
+    assert (scratch / "var/lib/rqp").stat().st_mode & 0o777 == 0o770
+    assert (scratch / "etc/rqp").stat().st_mode & 0o777 == 0o750
+    assert (scratch / "etc/rqp/rqprc").read_text() == \
+        (REPO / "config/rqprc.example.yaml").read_text()
+    for unit in UNITS:
+        assert (scratch / "etc/systemd/system" / unit).read_bytes() == \
+            (REPO / "systemd" / unit).read_bytes()
+    for command in ("rqp-sender", "rqp-receiver"):
+        assert os.access(scratch / "opt/rqp/venv/bin" / command, os.X_OK)
+
+
+def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
+    rqprc = scratch / "etc/rqp/rqprc"
+    rqprc.write_text("hosts: [mine.example.org]\n")
+    again = install(scratch)
+    assert again.returncode == 0, again.stderr
+    assert "keeping" in again.stdout and "creating" not in again.stdout
+    assert rqprc.read_text() == "hosts: [mine.example.org]\n"
+    assert (scratch / "etc/passwd").read_text().count("rqp:x:") == 1
+
+
+def verify(root: Path, *units: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemd-analyze", "verify", f"--root={root}",
+                           *[f"/etc/systemd/system/{u}" for u in units]],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def verifiable(scratch):
+    """The scratch root plus what verify needs of the system: its units and /bin/kill."""
+    assert shutil.which("systemd-analyze"), "systemd-analyze is missing (Debian: systemd)"
+    target = scratch / "usr/lib/systemd/system"
+    if not target.exists():
+        shutil.copytree("/lib/systemd/system", target, symlinks=True)
+    (scratch / "bin").mkdir(exist_ok=True)
+    shutil.copy2("/bin/kill", scratch / "bin/kill")
+    # the drain's command comes with the dead-letter tools; a stand-in if it is not there yet
+    drain = scratch / "opt/rqp/venv/bin/rqp-dlq-drain"
+    if not drain.exists():
+        drain.write_text("#!/bin/sh\n")
+        drain.chmod(0o755)
+    return scratch
+
+
+def test_every_unit_verifies_cleanly(verifiable):
+    result = verify(verifiable, *UNITS)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_verify_does_catch_a_broken_unit(verifiable):
+    good = (REPO / "systemd/rqp-receiver.service").read_text()
+    broken = verifiable / "etc/systemd/system/rqp-broken.service"
+    broken.write_text(good.replace("WatchdogSec=", "WatchdogSecs="))
+    try:
+        result = verify(verifiable, "rqp-broken.service")
+    finally:
+        broken.unlink()
+    assert "Unknown key 'WatchdogSecs'" in result.stderr
+
+
+def test_units_say_why_not_dynamic_user_or_private_ipc():
+    for unit in ("rqp-receiver.service", "rqp-sender.service"):
+        text = (REPO / "systemd" / unit).read_text()
+        assert "Type=notify" in text and "ExecReload=/bin/kill -HUP $MAINPID" in text
+        assert "Restart=on-failure" in text and "User=rqp" in text
+        assert "Not DynamicUser=" in text and "Not PrivateIPC=" in text
+        assert "\nDynamicUser=" not in text and "\nPrivateIPC=" not in text
+        assert "SystemCallFilter=@system-service" in text
+
+
+# --- sd_notify -------------------------------------------------------------------------------
+
+class FakeSystemd:
+    """A NOTIFY_SOCKET that records the datagrams a daemon sends."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.path = path
+        self.messages: list[str] = []
+
+    def poll(self) -> list[str]:
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                return self.messages
+
+    def has(self, text: str) -> int:
+        return sum(text in m for m in self.poll())
+
+    def env(self) -> dict:
+        return dict(os.environ, NOTIFY_SOCKET=str(self.path), WATCHDOG_USEC="200000")
+
+
+@pytest.mark.parametrize("agent", ["receiver", "sender"])
+def test_agents_speak_sd_notify(testbed, tmp_path, agent):
+    host = testbed.add_host("a")
+    fake = FakeSystemd(tmp_path / "notify")
+    if agent == "receiver":
+        argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{host.address}:7460",
+                "--state-dir", str(host.workdir / "state")]
+    else:
+        argv = [sys.executable, "-m", "rqp_agents.sender", "--rqprc",
+                str(write_rqprc(host, [host]))]
+    proc = host.popen(argv, env=fake.env())
+    wait_for(lambda: fake.has("READY=1"), timeout=20, message=f"{agent}: no READY=1")
+    wait_for(lambda: fake.has("WATCHDOG=1") >= 3, timeout=20,
+             message=f"{agent}: no watchdog pings (WatchdogSec= half-interval)")
+    assert not fake.has("STOPPING=1")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert fake.has("STOPPING=1") == 1
+    ready = next(i for i, m in enumerate(fake.messages) if "READY=1" in m)
+    stopping = next(i for i, m in enumerate(fake.messages) if "STOPPING=1" in m)
+    assert ready < stopping
