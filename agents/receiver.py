@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -18,12 +20,13 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
+from rqp.control import Metric, default_socket, render, serve_control, serve_metrics
 from rqp.dedup import DedupWindow, window_path
 from rqp.constants import DEFAULT_MTYPE
 from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, QueuePermissionDenied
 from rqp.events import OversizedMessage
 from rqp.frames import CLOSED, NEED_DATA
-from rqp.queues import LocalQueue, format_key, kernel_limits, write_access
+from rqp.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
 from rqp.receiver_core import Ask, ReceiverConnection, Refuse, queue_key_problem
 from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, fit_dead_letter
 from rqp.service import host_name, notify, setup_logging, watchdog_interval
@@ -68,6 +71,15 @@ class Receiver:
         self._server: asyncio.base_events.Server | None = None
         self._stopping = asyncio.Event()
         self.put_budget = config.put_retry_count * config.put_retry_interval
+        self.started = time.time()
+        self.control_path = Path(config.control_socket) if config.control_socket else \
+            default_socket(state, "receiver")
+        self._servers: list = []
+        self._reloading = False
+        self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
+        self.by_queue: dict[tuple[int, str], int] = collections.Counter()
+        self.bytes_by_queue: dict[int, int] = collections.Counter()
+        self.dead_letter_reasons = collections.Counter()
         self.stats = {"connections": 0, "messages": 0, "dead_letters": 0, "asks": 0,
                       "repeats": 0}
 
@@ -80,10 +92,16 @@ class Receiver:
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
         log.info("listening on %s; DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
-        notify("READY=1\nSTATUS=listening")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        self._servers.append(await serve_control(self.control_path, self._control))
+        if self.config.metrics_listen:
+            m = self.config.metrics_listen
+            self._servers.append(await serve_metrics(m.host, m.port, self.metrics))
+            log.info("metrics on http://%s/metrics", m)
+        notify("READY=1\nSTATUS=listening")
         watchdog = watchdog_interval()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
         expiry = asyncio.create_task(self._expire_dedup())
@@ -101,6 +119,9 @@ class Receiver:
         if pinger:
             pinger.cancel()
         expiry.cancel()
+        for server in self._servers:
+            server.close()
+        self.control_path.unlink(missing_ok=True)
         self.dedup.close()
         log.info("stopped: %s", self.stats)
 
@@ -111,6 +132,106 @@ class Receiver:
         log.info("%s: no new connections; answering what is in flight",
                  signal.Signals(sig).name)
         self._stopping.set()
+
+    # --- reload, status, metrics ---------------------------------------------------------------
+
+    def _on_hup(self) -> None:
+        if self._reloading:
+            return  # a SIGHUP during a reload is coalesced into it
+        self._reloading = True
+        asyncio.get_running_loop().call_soon(self._reload)
+
+    def _reload(self) -> None:
+        """SIGHUP: read the config again (offered queues, retries, sizes); connections stay.
+        A bad file is refused and the running config kept."""
+        self._reloading = False
+        notify("RELOADING=1")
+        try:
+            if self.config.source is None:
+                raise RQPError("started without --config: nothing to reload")
+            new = load_receiver_config(self.config.source)
+            new = dataclasses.replace(new, listen=self.config.listen,
+                                      state_dir=self.config.state_dir)  # command-line values
+            if new.dead_letter_queue != self.config.dead_letter_queue:
+                raise RQPError("dead_letter_queue cannot change while running: restart the "
+                               "receiving MCA for that")
+        except RQPError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+        else:
+            self.config = new
+            self.max_message_size = new.max_message_size or self.msgmax
+            self.put_budget = new.put_retry_count * new.put_retry_interval
+            log.info("reloaded %s", new.source)
+        notify("READY=1")
+
+    async def _control(self, request: dict) -> dict:
+        command = request.get("command")
+        if command == "status":
+            return self.status()
+        if command == "metrics":
+            return {"text": self.metrics()}
+        return {"error": f"unknown command {command!r} (status, metrics)"}
+
+    def offered_queues(self) -> list[dict]:
+        out = []
+        for q in list_queues():
+            if q.key == self.config.dead_letter_queue:
+                continue
+            out.append({"queue": format_key(q.key), "queue_key": q.key,
+                        "name": self.config.queue_name(q.key), "depth": q.messages,
+                        "bytes": q.bytes, "mode": f"{q.mode:03o}",
+                        "offered": self.offers(q.key)})
+        return out
+
+    def _dlq_depth(self) -> int | None:
+        try:
+            return self.dead_letter_queue.depth
+        except RQPError:
+            return None
+
+    def status(self) -> dict:
+        return {
+            "agent": "receiver", "pid": os.getpid(), "host": self.host,
+            "started_at": self.started, "uptime": time.time() - self.started,
+            "source": self.config.source, "listen": str(self.config.listen),
+            "max_message_size": self.max_message_size,
+            "dead_letter_queue": format_key(self.config.dead_letter_queue),
+            "dead_letter_queue_depth": self._dlq_depth(),
+            "dedup_window_keys": len(self.dedup),
+            "connections": sorted(self._peers.values(), key=lambda p: p["since"]),
+            "queues": self.offered_queues(), "stats": dict(self.stats),
+            "dead_letters": dict(self.dead_letter_reasons), "now": time.time(),
+        }
+
+    def metrics(self) -> str:
+        m = {name: Metric(name, kind, text) for name, kind, text in (
+            ("rqp_receiver_messages_total", "counter", "MESSAGE frames, by queue and outcome"),
+            ("rqp_receiver_bytes_total", "counter", "payload bytes put, by queue"),
+            ("rqp_receiver_asks_total", "counter", "QUEUE_ASK frames answered"),
+            ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
+            ("rqp_receiver_connections_total", "counter", "connections accepted"),
+            ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
+            ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
+            ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
+            ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
+            ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+        for (key, outcome), count in sorted(self.by_queue.items()):
+            m["rqp_receiver_messages_total"].add(count, queue=format_key(key), outcome=outcome)
+        for key, count in sorted(self.bytes_by_queue.items()):
+            m["rqp_receiver_bytes_total"].add(count, queue=format_key(key))
+        m["rqp_receiver_asks_total"].add(self.stats["asks"])
+        m["rqp_receiver_connections"].add(len(self._peers))
+        m["rqp_receiver_connections_total"].add(self.stats["connections"])
+        for reason, count in sorted(self.dead_letter_reasons.items()):
+            m["rqp_dead_letters_total"].add(count, reason=reason)
+        depth = self._dlq_depth()
+        if depth is not None:
+            m["rqp_dead_letter_queue_depth"].add(depth)
+        for q in self.offered_queues():
+            m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
+            m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
+        m["rqp_up_seconds"].add(round(time.time() - self.started, 3))
+        return render(list(m.values()))
 
     async def _expire_dedup(self) -> None:
         while True:
@@ -128,6 +249,8 @@ class Receiver:
         peer = writer.get_extra_info("peername")
         peer_host = peer[0] if peer else "?"
         self.stats["connections"] += 1
+        self._peers[task] = info = {"peer": _peer(peer), "since": time.time(), "messages": 0,
+                                    "dead_letters": 0, "asks": 0}
         log.info("connection from %s", _peer(peer))
         conn = ReceiverConnection(max_message_size=self.max_message_size)
         try:
@@ -141,7 +264,7 @@ class Receiver:
                 answers = []
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
-                        answers.append(await self._handle(conn, request, peer_host))
+                        answers.append(await self._handle(conn, request, peer_host, info))
                         if len(answers) >= ANSWER_BATCH:
                             self._answer(writer, answers)
                             answers = []
@@ -164,15 +287,17 @@ class Receiver:
         finally:
             writer.close()
             self._connections.discard(task)
+            self._peers.pop(task, None)
 
     def _answer(self, writer: asyncio.StreamWriter, answers: list[bytes]) -> None:
         """Write a batch of answers once the SURE keys it confirms are durable (one fsync)."""
         self.dedup.commit()
         writer.write(b"".join(answers))
 
-    async def _handle(self, conn: ReceiverConnection, request, peer: str) -> bytes:
+    async def _handle(self, conn: ReceiverConnection, request, peer: str, info: dict) -> bytes:
         if isinstance(request, Ask):
             self.stats["asks"] += 1
+            info["asks"] += 1
             offered = self.offers(request.queue_key)
             log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
                       "QUEUE_YES" if offered else "QUEUE_NO")
@@ -180,6 +305,7 @@ class Receiver:
         if isinstance(request, Refuse):
             if request.dead_letter:
                 await self._dead_letter(request.message, request.reason, request.detail, peer)
+                info["dead_letters"] += 1
             return conn.answer_put(request, False)
         message = request.message
         if message.message_type != SURE_MSG:
@@ -190,6 +316,7 @@ class Receiver:
                 await self._putting[key].wait()
             if self.dedup.seen(key):
                 self.stats["repeats"] += 1
+                self.by_queue[(message.queue_key, "repeat")] += 1
                 log.info("repeat of SURE message key=%#018x for queue %s from %s: answered "
                          "without putting it again", key, format_key(message.queue_key), peer)
                 return conn.answer_put(request, True)
@@ -203,8 +330,13 @@ class Receiver:
                 done.set()
         if reason is None:
             self.stats["messages"] += 1
+            info["messages"] += 1
+            self.by_queue[(message.queue_key, "put")] += 1
+            self.bytes_by_queue[message.queue_key] += len(message.message)
             return conn.answer_put(request, True)
         await self._dead_letter(message, reason, detail, peer)
+        info["dead_letters"] += 1
+        self.by_queue[(message.queue_key, "dead_lettered")] += 1
         return conn.answer_put(request, False)
 
     # --- decisions that need the system -------------------------------------------------------
@@ -303,6 +435,7 @@ class Receiver:
                       message.key, format_key(message.queue_key), reason.name, exc)
             raise DeadLetterUnavailable(str(exc)) from exc
         self.stats["dead_letters"] += 1
+        self.dead_letter_reasons[reason.name] += 1
         if sure:
             self._noticed[message.key] = None
             if len(self._noticed) > NOTICE_MEMORY:
@@ -337,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.state_dir:
             changes["state_dir"] = args.state_dir
         if changes:
-            import dataclasses
             config = dataclasses.replace(config, **changes)
         receiver = Receiver(config)
         asyncio.run(receiver.run())

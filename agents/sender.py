@@ -17,17 +17,20 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.config import SenderConfig, load_sender_config
+from rqp.control import Metric, default_socket, render, serve_control, serve_metrics
 from rqp.journal import Journal
 from rqp.errors import QueueError, QueueFull, QueueNotFound, RecordError
 from rqp.queues import LocalQueue, format_key, kernel_limits
+from rqp.sender_core import ROUTE_STATES
 from rqp.receiver_core import queue_key_problem
 from rqp.records import (
-    AgentKind, DeadLetterRecord, ReasonCode, TransmissionRecord, UNKNOWN_MESSAGE_TYPE,
-    fit_dead_letter,
+    AgentKind, DeadLetterRecord, ReasonCode, TransmissionFlags, TransmissionRecord,
+    UNKNOWN_MESSAGE_TYPE, fit_dead_letter,
 )
 from rqp.sender_core import (
     Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore, Settings,
@@ -143,6 +146,12 @@ class Sender:
         self._stopping: asyncio.Event | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
         self.stats = collections.Counter()
+        self.dead_letter_reasons = collections.Counter()
+        self.started = time.time()
+        self.control_path = Path(config.control_socket) if config.control_socket else \
+            default_socket(self.state_dir, self.name)
+        self._servers: list = []
+        self._reloading = False
 
     # --- running ------------------------------------------------------------------------------
 
@@ -151,6 +160,12 @@ class Sender:
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._on_signal, sig)
+        self.loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        self._servers.append(await serve_control(self.control_path, self._control))
+        if self.config.metrics_listen:
+            m = self.config.metrics_listen
+            self._servers.append(await serve_metrics(m.host, m.port, self.metrics))
+            log.info("metrics on http://%s/metrics", m)
         signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
         self._replay()
         self._reader = threading.Thread(target=self._read, name="xmit-reader", daemon=True)
@@ -175,6 +190,111 @@ class Sender:
         log.info("%s: taking no new records; waiting up to %gs for answers in flight",
                  signal.Signals(sig).name, STOP_GRACE)
         self._stopping.set()
+
+    # --- reload, status, metrics ---------------------------------------------------------------
+
+    def _on_hup(self) -> None:
+        if self._reloading:
+            return  # a SIGHUP during a reload is coalesced into it
+        self._reloading = True
+        self.loop.call_soon(self._reload)
+
+    def _reload(self) -> None:
+        """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
+        and frames in flight are kept. A bad file is refused and the running config kept."""
+        self._reloading = False
+        notify("RELOADING=1")
+        try:
+            new = load_sender_config(self.config.source)
+            fixed = [k for k in ("transmission_queue", "dead_letter_queue", "state_dir")
+                     if getattr(new, k) != getattr(self.config, k)]
+            if fixed:
+                raise RQPError(f"{', '.join(fixed)} cannot change while running: restart "
+                               "the sending MCA for that")
+            self.core.update_settings(Settings.from_config(new), self.loop.time())
+        except RQPError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+        else:
+            self.config = new
+            log.info("reloaded %s: hosts %s", new.source, ", ".join(map(str, new.hosts)))
+            self._run_actions()
+        notify("READY=1")
+
+    def _depth(self, queue: LocalQueue) -> int | None:
+        try:
+            return queue.depth
+        except RQPError:
+            return None
+
+    async def _control(self, request: dict) -> dict:
+        command = request.get("command")
+        if command == "status":
+            return self.status()
+        if command == "metrics":
+            return {"text": self.metrics()}
+        return {"error": f"unknown command {command!r} (status, metrics)"}
+
+    def status(self) -> dict:
+        routes = self.core.route_status()
+        for route in routes:
+            route["queue"] = format_key(route["queue_key"])
+            route["name"] = self.config.queue_name(route["queue_key"])
+        return {
+            "agent": "sender", "pid": os.getpid(), "host": self.host,
+            "started_at": self.started, "uptime": time.time() - self.started,
+            "source": self.config.source,
+            "transmission_queue": format_key(self.config.transmission_queue),
+            "transmission_queue_depth": self._depth(self.transmission_queue),
+            "dead_letter_queue": format_key(self.config.dead_letter_queue),
+            "dead_letter_queue_depth": self._depth(self.dead_letter_queue),
+            "journal_depth": self.journal.live_count, "held": self.core.held,
+            "in_flight": self.core.in_flight, "incarnation": f"{self.keys.incarnation:08x}",
+            "hosts": [{"host": str(h), "connection": self.core.link_state(h).value}
+                      for h in self.config.hosts],
+            "routes": routes, "stats": dict(self.stats),
+            "dead_letters": dict(self.dead_letter_reasons),
+            "now": time.time(), "clock": self.loop.time(),
+        }
+
+    def metrics(self) -> str:
+        routes = self.core.route_status()
+        m = {name: Metric(name, kind, text) for name, kind, text in (
+            ("rqp_sender_messages_total", "counter", "MESSAGE frames sent, by queue"),
+            ("rqp_sender_bytes_total", "counter", "payload bytes sent, by queue"),
+            ("rqp_sender_outcomes_total", "counter", "messages finished, by queue and outcome"),
+            ("rqp_sender_errors_total", "counter", "unconfirmed attempts, by queue"),
+            ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
+            ("rqp_sender_error_counter", "gauge", "the UNSURE error counter of the route"),
+            ("rqp_sender_in_flight", "gauge", "messages sent and not answered, by queue"),
+            ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
+            ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
+            ("rqp_journal_depth", "gauge", "SURE messages in the journal"),
+            ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
+            ("rqp_transmission_queue_depth", "gauge", "records on the transmission queue"),
+            ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+        for r in routes:
+            q = {"queue": format_key(r["queue_key"]), "name": self.config.queue_name(
+                r["queue_key"]) or "", "peer": r["peer"] or ""}
+            m["rqp_sender_messages_total"].add(r["sent"], **q)
+            m["rqp_sender_bytes_total"].add(r["sent_bytes"], **q)
+            for outcome in ("delivered", "lost", "dead_lettered"):
+                m["rqp_sender_outcomes_total"].add(r[outcome], outcome=outcome, **q)
+            m["rqp_sender_errors_total"].add(r["errors"], **q)
+            m["rqp_sender_route_changes_total"].add(r["route_changes"], **q)
+            m["rqp_sender_error_counter"].add(r["error_counter"], **q)
+            m["rqp_sender_in_flight"].add(r["in_flight"], **q)
+            for state in ROUTE_STATES:  # every route in every state, not only the healthy ones
+                m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
+        for reason, count in sorted(self.dead_letter_reasons.items()):
+            m["rqp_dead_letters_total"].add(count, reason=reason)
+        m["rqp_journal_depth"].add(self.journal.live_count)
+        for name, queue in (("rqp_dead_letter_queue_depth", self.dead_letter_queue),
+                            ("rqp_transmission_queue_depth", self.transmission_queue)):
+            depth = self._depth(queue)
+            if depth is not None:
+                m[name].add(depth)
+        m["rqp_up_seconds"].add(round(time.time() - self.started, 3))
+        return render(list(m.values()))
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -202,6 +322,9 @@ class Sender:
         back = [m for m in self.core.drain_pending() if m.message_type != SURE_MSG]
         if back:
             await self._put_back(back, deadline=self.loop.time() + STOP_GRACE)
+        for server in self._servers:
+            server.close()
+        self.control_path.unlink(missing_ok=True)
         self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
         self._release_journaled()
         self.journal.close()
@@ -311,6 +434,8 @@ class Sender:
                 items.append([data, exc, 0, None])
                 continue
             key = self.keys()
+            if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence:
+                key = record.sequence  # a replayed dead letter keeps its original key
             if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
                 sure.append(len(items))
             items.append([data, record, key, None])
@@ -490,6 +615,7 @@ class Sender:
     def _put_dead_letter(self, record: DeadLetterRecord, seq: int | None = None) -> None:
         """Onto DEAD.LETTER.Q; a journaled message is released once the record is there."""
         self.stats["dead_lettered"] += 1
+        self.dead_letter_reasons[getattr(record.reason, "name", str(record.reason))] += 1
         if record.encoded_size() > self.msgmax:
             spill = self.state_dir / "spill"
             spill.mkdir(exist_ok=True)

@@ -122,6 +122,8 @@ SENDER_KEYS: tuple[str, ...] = (
     "retry_max_attempts",
     "retry_max_age",
     "window",
+    "control_socket",
+    "metrics_listen",
 )
 RECEIVER_KEYS: tuple[str, ...] = (
     "listen",
@@ -135,6 +137,8 @@ RECEIVER_KEYS: tuple[str, ...] = (
     "host_name",
     "dedup_window_keys",
     "dedup_window_age",
+    "control_socket",
+    "metrics_listen",
 )
 _OFFER_KEYS = ("allow", "deny")
 
@@ -366,6 +370,22 @@ def _parse_listen(value: object) -> HostAddress:
         raise _BadValue(value, _LISTEN_EXPECTED) from None
 
 
+_METRICS_EXPECTED = "expected 'host:port' or ':port' (loopback), e.g. ':9746' or '127.0.0.1:9746'"
+
+
+def _parse_metrics_listen(value: object) -> HostAddress:
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.startswith(":") and not text.startswith("::"):
+        text = "127.0.0.1" + text  # metrics stay on loopback unless told otherwise
+    try:
+        address = parse_host(text, 0)
+    except _BadValue:
+        raise _BadValue(value, _METRICS_EXPECTED) from None
+    if not address.port:
+        raise _BadValue(value, _METRICS_EXPECTED)
+    return address
+
+
 _SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib)?", re.IGNORECASE)
 _SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _SIZE_EXPECTED = (
@@ -485,6 +505,10 @@ class SenderConfig:
     #: SURE retry budget; None (the default) = retry forever, as the spec says.
     retry_max_attempts: int | None = None
     retry_max_age: float | None = None
+    #: None: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/sender-<queue>.sock.
+    control_socket: str | None = None
+    #: None: no HTTP metrics endpoint (rqpctl metrics still works).
+    metrics_listen: HostAddress | None = None
     source: str | None = None
 
     @property
@@ -524,6 +548,10 @@ class ReceiverConfig:
     #: SURE message keys remembered to answer repeats without putting them again (0: off).
     dedup_window_keys: int = DEFAULT_DEDUP_WINDOW_KEYS
     dedup_window_age: float = DEFAULT_DEDUP_WINDOW_AGE
+    #: None: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/receiver.sock.
+    control_socket: str | None = None
+    #: None: no HTTP metrics endpoint (rqpctl metrics still works).
+    metrics_listen: HostAddress | None = None
     source: str | None = None
 
     @property
@@ -647,6 +675,17 @@ class _Fields:
 
         return self.get("state_dir", parse, None) or default_state_dir(self.env, home=self.home)
 
+    def path_value(self, key: str) -> str | None:
+        """An optional path, relative to the config file's directory."""
+        base = os.path.dirname(os.path.abspath(self.file)) if self.file else os.getcwd()
+
+        def parse(value: object) -> str:
+            if not isinstance(value, str) or not value.strip() or "\0" in value:
+                raise _BadValue(value, "expected a path, e.g. /run/rqp/sender.sock")
+            return os.path.normpath(os.path.join(base, os.path.expanduser(value.strip())))
+
+        return self.get(key, parse, None)
+
     def queues(self) -> Mapping[str, int]:
         value = self.data.get("queues")
         if value is None:
@@ -724,6 +763,8 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
         retry_max_attempts=f.get("retry_max_attempts", _parse_attempts, None),
         retry_max_age=f.get("retry_max_age", parse_duration, None),
+        control_socket=f.path_value("control_socket"),
+        metrics_listen=f.get("metrics_listen", _parse_metrics_listen, None),
         source=f.file,
     )
 
@@ -761,6 +802,8 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         dedup_window_keys=f.get("dedup_window_keys", _parse_key_count,
                                 DEFAULT_DEDUP_WINDOW_KEYS),
         dedup_window_age=f.get("dedup_window_age", parse_duration, DEFAULT_DEDUP_WINDOW_AGE),
+        control_socket=f.path_value("control_socket"),
+        metrics_listen=f.get("metrics_listen", _parse_metrics_listen, None),
         source=f.file,
     )
 

@@ -687,3 +687,33 @@ def may_write(key: int, *, euid: int | None = None, egid: int | None = None,
               groups: list[int] | tuple[int, ...] | None = None) -> bool:
     """True if the queue exists and the identity (default: this process) may write to it."""
     return write_access(key, euid=euid, egid=egid, groups=groups).writable
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """One line of ``/proc/sysvipc/msg``: a queue of this IPC namespace."""
+
+    key: int
+    id: int
+    mode: int
+    bytes: int
+    messages: int
+    uid: int
+    gid: int
+
+
+def list_queues(proc: str = "/proc/sysvipc/msg") -> list[QueueInfo]:
+    """Every System V message queue of this IPC namespace (what ``ipcs -q`` shows)."""
+    out = []
+    with open(proc) as f:
+        header = f.readline().split()
+        col = {name: i for i, name in enumerate(header)}
+        for line in f:
+            v = line.split()
+            if len(v) < len(header):
+                continue
+            out.append(QueueInfo(key=int(v[col["key"]]) & 0xFFFFFFFF, id=int(v[col["msqid"]]),
+                                 mode=int(v[col["perms"]], 8) & 0o777,
+                                 bytes=int(v[col["cbytes"]]), messages=int(v[col["qnum"]]),
+                                 uid=int(v[col["uid"]]), gid=int(v[col["gid"]])))
+    return sorted(out, key=lambda q: q.key)

@@ -40,6 +40,7 @@ from .records import ReasonCode
 __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
     "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
+    "RouteInfo", "ROUTE_STATES",
 ]
 
 
@@ -220,6 +221,29 @@ class Note:
     key: int | None = None
 
 
+@dataclass(slots=True)
+class RouteInfo:
+    """What ``rqpctl status`` and the metrics show of one queue key."""
+
+    queue_key: int
+    sent: int = 0
+    sent_bytes: int = 0
+    delivered: int = 0
+    lost: int = 0
+    dead_lettered: int = 0
+    errors: int = 0  # unconfirmed attempts, all time
+    route_changes: int = 0
+    last_error: str = ""
+    last_error_at: float | None = None
+    last_message_at: float | None = None
+    last_event: str = "new"
+    since: float = 0.0
+
+
+#: Every state a route can be in, in words (the metrics export each, 1 for the current one).
+ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle")
+
+
 # --- internal bookkeeping --------------------------------------------------------------------
 
 class LinkState(enum.Enum):
@@ -256,7 +280,7 @@ class _Lane:
     queue_key: int
     pending: deque = field(default_factory=deque)  # Outgoing not yet sent, by seq
     inflight: int = 0
-    ask_index: int | None = None  # which host is being asked, while asking
+    asking: object = None  # the host being asked, while asking
     retry_at: float = 0.0
 
 
@@ -275,6 +299,7 @@ class SenderCore:
         self._actions: list = []
         self._seq = 0
         self._now = 0.0
+        self.info: dict[int, RouteInfo] = {}
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -331,6 +356,7 @@ class SenderCore:
         lane = self._lanes.get(queue_key)
         if lane is None:
             lane = self._lanes[queue_key] = _Lane(queue_key)
+            self._info(queue_key)
         lane.pending.append(msg)
         self._pump(lane)
         return msg
@@ -405,7 +431,7 @@ class SenderCore:
     def _pump(self, lane: _Lane) -> None:
         """Move the head of ``lane`` on as far as it can go now."""
         while lane.pending:
-            if lane.ask_index is not None:
+            if lane.asking is not None:
                 return
             head = lane.pending[0]
             if self._budget_spent(head):
@@ -438,6 +464,10 @@ class SenderCore:
         msg.attempts += 1
         msg.host = link.host
         lane.inflight += 1
+        info = self._info(msg.queue_key)
+        info.sent += 1
+        info.sent_bytes += len(msg.payload)
+        info.last_message_at = self._now
         data = encode_message(msg.message_type, msg.key, msg.queue_key, msg.payload)
         self._push(link, _Frame(lane, msg, self.settings.confirm_timeout, 0.0), data)
         self._fire(msg, T.SENT)
@@ -458,7 +488,7 @@ class SenderCore:
             if link.state is LinkState.DOWN and link.retry_at > self._now:
                 index += 1  # unreachable for now: as good as a time-out, ask the next host
                 continue
-            lane.ask_index = index
+            lane.asking = link.host
             if link.state is LinkState.UP and len(link.outstanding) < self.settings.window:
                 self._push(link, _Frame(lane, None, self.settings.ask_timeout, 0.0),
                            encode(QueueAsk(queue_key=lane.queue_key)))
@@ -468,7 +498,7 @@ class SenderCore:
         self._no_route(lane)
 
     def _no_route(self, lane: _Lane) -> None:
-        lane.ask_index = None
+        lane.asking = None
         hosts = ", ".join(map(str, self.settings.hosts))
         self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"asked {hosts}")
         while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
@@ -520,10 +550,10 @@ class SenderCore:
         self._wake(link)
 
     def _ask_answered(self, link: _Link, lane: _Lane, yes: bool, why: str) -> None:
-        if lane.ask_index is None or self.settings.hosts[lane.ask_index] != link.host:
+        if lane.asking != link.host:
             raise LocalProtocolError(f"answer to an ask not pending for {link.host}")
         if yes:
-            lane.ask_index = None
+            lane.asking = None
             self.routes[lane.queue_key] = link.host
             self.errors.pop((link.host, lane.queue_key), None)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
@@ -531,14 +561,38 @@ class SenderCore:
         else:
             if lane.pending:
                 self._fire(lane.pending[0], T.QUEUE_NO_OR_TIMEOUT)
-                self._ask(lane, lane.ask_index + 1)
-            else:  # pragma: no cover - a lane asks only for a pending message
-                lane.ask_index = None
+                self._ask(lane, self._next_index(link.host))
+            else:  # the messages were taken out meanwhile (a graceful stop)
+                lane.asking = None
+
+    def _next_index(self, host) -> int:
+        """Where asking goes on after ``host``: the host after it in ``.rqprc`` (the end of
+        the list, if a reload removed it, so the round ends there)."""
+        hosts = self.settings.hosts
+        return hosts.index(host) + 1 if host in hosts else len(hosts)
+
+    def update_settings(self, settings: Settings, now: float) -> None:
+        """A reloaded ``.rqprc``: new hosts and timeouts from now on. Connections and frames in
+        flight are kept; routes to hosts no longer listed are dropped."""
+        if not settings.hosts:
+            raise LocalProtocolError("a sending MCA needs at least one host to ask")
+        self._now = now
+        removed = set(self.settings.hosts) - set(settings.hosts)
+        self.settings = settings
+        for host in settings.hosts:
+            if host not in self._links:
+                self._links[host] = _Link(host)
+        for key, host in list(self.routes.items()):
+            if host in removed:
+                self._drop_route(key, host, "host removed from .rqprc")
+        for lane in list(self._lanes.values()):
+            self._pump(lane)
 
     def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         lane.inflight -= 1
         self.errors.pop((link.host, lane.queue_key), None)
         self._fire(msg, T.DELIVERED)
+        self._info(msg.queue_key).delivered += 1
         self._actions.append(Delivered(msg, link.host))
         self._pump(lane)
         self._forget_if_idle(lane)
@@ -547,6 +601,11 @@ class SenderCore:
         lane.inflight -= 1
         msg.last_error = f"{why} from {link.host}"
         key = lane.queue_key
+        info = self._info(key)
+        info.errors += 1
+        info.last_error, info.last_error_at = msg.last_error, self._now
+        if msg.message_type == UNSURE_MSG:
+            info.lost += 1
         if msg.message_type == UNSURE_MSG:
             self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
             count = self.errors.get((link.host, key), 0) + 1
@@ -599,9 +658,10 @@ class SenderCore:
         while link.waiting and len(link.outstanding) < self.settings.window:
             lane = next(iter(link.waiting))
             del link.waiting[lane]
-            if lane.ask_index is not None and self.settings.hosts[lane.ask_index] == link.host:
-                lane.ask_index = None  # the ask could not be sent yet: send it now
-                self._ask(lane, self.settings.hosts.index(link.host))
+            if lane.asking == link.host:
+                lane.asking = None  # the ask could not be sent yet: send it now
+                hosts = self.settings.hosts
+                self._ask(lane, hosts.index(link.host) if link.host in hosts else len(hosts))
             else:
                 self._pump(lane)
 
@@ -628,7 +688,7 @@ class SenderCore:
         for lane in waiting:
             if lane in link.waiting or lane.queue_key not in self._lanes:
                 continue
-            if lane.ask_index is not None and self.settings.hosts[lane.ask_index] == link.host:
+            if lane.asking == link.host:
                 self._ask_answered(link, lane, False, why)
             elif lane.pending and self.routes.get(lane.queue_key) == link.host:
                 self._route_unreachable(link, lane, why)
@@ -658,17 +718,59 @@ class SenderCore:
     # --- endings ------------------------------------------------------------------------------
 
     def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str) -> None:
+        if msg.queue_key in self.info or not queue_key_problem(msg.queue_key):
+            self._info(msg.queue_key).dead_lettered += 1
         self._actions.append(DeadLetter(msg, reason, detail))
         self._fire(msg, T.DEAD_LETTERED)
 
     def _forget_if_idle(self, lane: _Lane) -> None:
-        if not lane.pending and not lane.inflight and lane.ask_index is None:
+        if not lane.pending and not lane.inflight and lane.asking is None:
             self._lanes.pop(lane.queue_key, None)
             for link in self._links.values():
                 link.waiting.pop(lane, None)
 
     def _note(self, kind: NoteKind, queue_key, host, detail: str = "", key=None) -> None:
         self._actions.append(Note(kind, queue_key, host, detail, key))
+        if queue_key is not None and kind is not NoteKind.ERROR_COUNTED:
+            info = self._info(queue_key)
+            if kind in (NoteKind.ROUTE_FOUND, NoteKind.ROUTE_DROPPED):
+                info.route_changes += 1
+            if info.last_event != kind.value:
+                info.last_event, info.since = kind.value, self._now
+
+    def _info(self, queue_key: int) -> RouteInfo:
+        info = self.info.get(queue_key)
+        if info is None:
+            info = self.info[queue_key] = RouteInfo(queue_key, since=self._now)
+        return info
+
+    def route_status(self) -> list[dict]:
+        """Every queue key this sending MCA has handled: its route and its state in words."""
+        out = []
+        for key in sorted(self.info):
+            info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
+            if lane is not None and lane.asking is not None:
+                state = "asking"
+            elif lane is not None and lane.pending and lane.retry_at > self._now:
+                state = "retrying"
+            elif host is not None:
+                state = "running" if self._links[host].state is LinkState.UP else "connecting"
+            elif info.last_event == NoteKind.NO_ROUTE.value:
+                state = "no route"
+            else:
+                state = "idle"
+            out.append({
+                "queue_key": key, "peer": None if host is None else str(host), "state": state,
+                "since": info.since, "sent": info.sent, "sent_bytes": info.sent_bytes,
+                "delivered": info.delivered, "lost": info.lost,
+                "dead_lettered": info.dead_lettered, "errors": info.errors,
+                "error_counter": self.errors.get((host, key), 0) if host is not None else 0,
+                "in_flight": lane.inflight if lane is not None else 0,
+                "waiting": len(lane.pending) if lane is not None else 0,
+                "route_changes": info.route_changes, "last_error": info.last_error,
+                "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
+            })
+        return out
 
     def drain_pending(self) -> list[Outgoing]:
         """Take out every message not in flight, in the order taken (for a graceful stop)."""

@@ -384,3 +384,39 @@ def test_transition_table_matches_the_seed_diagram():
         t: s for t, s in TRANSITIONS[MsgState.WAITING_FOR_CONFIRMATION].items()}
     for final in (MsgState.DELIVERED, MsgState.LOST, MsgState.DEAD_LETTERED):
         assert TRANSITIONS[final] == {}
+
+
+def test_route_status_in_words():
+    h = Harness(hosts=("b",))
+    h.submit(Q1, SURE_MSG, b"abc")
+    h.sent()
+    assert [r["state"] for r in h.core.route_status()] == ["asking"]
+    h.answer("b", YES)
+    h.sent()
+    [r] = h.core.route_status()
+    assert (r["state"], r["peer"], r["in_flight"], r["sent"], r["sent_bytes"]) == \
+        ("running", "b", 1, 1, 3)
+    h.answer("b", ERR)  # SURE: route dropped, retried at once (asks again)
+    h.sent()
+    h.answer("b", NO)  # second failure: back-off
+    [r] = h.core.route_status()
+    assert r["state"] == "retrying" and r["errors"] == 1 and "DELIVERED_ERROR" in r["last_error"]
+    assert r["route_changes"] == 2 and r["since"] == h.now
+    h.submit(Q2, UNSURE_MSG)
+    h.serve({})
+    assert {x["queue_key"]: x["state"] for x in h.core.route_status()}[Q2] == "no route"
+
+
+def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_flight():
+    h = Harness(hosts=("b", "c"))
+    h.submit(Q1, UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()  # a MESSAGE in flight on b
+    h.core.update_settings(Settings(hosts=("c", "d")), h.now)
+    assert h.core.routes == {} and h.of(Note)[-1].kind is NoteKind.ROUTE_DROPPED
+    h.answer("b", OK)  # the frame in flight on b is still answered and counted
+    assert len(h.of(Delivered)) == 1
+    h.submit(Q1, UNSURE_MSG)
+    assert h.serve({"d": {Q1}})[:2] == [("c", QueueAsk(queue_key=Q1)),
+                                        ("d", QueueAsk(queue_key=Q1))]
