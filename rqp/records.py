@@ -20,11 +20,16 @@ offset  size  field            meaning
                                agent validates it so that a bad value is dead-lettered with
                                ``BAD_MESSAGE_TYPE`` instead of being unreadable.
 6       2     flags            bit 0 = SYNC (the producer waits for a journal
-                               acknowledgement; reserved for later). Other bits are 0.
+                               acknowledgement; reserved for later). bit 1 = REPLAY_KEY:
+                               ``sequence`` holds the message's original RQP key (a dead
+                               letter put back by ``rqpctl dlq replay``); the sending MCA
+                               sends it with that key instead of a new one, so the receiving
+                               MCA recognises a repeat. Other bits are 0.
 8       8     queue_key        destination queue key: the ``key_t`` in the low 32 bits;
                                0 (``IPC_PRIVATE``) means "none".
 16      4     producer_pid     pid of the producing process (0 if unknown)
-20      8     sequence         per-producer sequence number (0 if unused)
+20      8     sequence         per-producer sequence number (0 if unused); with
+                               REPLAY_KEY, the message key to send it with
 28      8     enqueued_ns      unix time in nanoseconds when the record was made
 36      n     payload          the application's message: every remaining byte of the
                                System V message (n = message length - 36, may be 0)
@@ -296,6 +301,7 @@ class TransmissionFlags(enum.IntFlag):
     """Bits of a transmission record's ``flags``."""
 
     SYNC = 1 << 0
+    REPLAY_KEY = 1 << 1  # ``sequence`` is the RQP message key to send it with
 
 
 class DeadLetterFlags(enum.IntFlag):

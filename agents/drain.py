@@ -1,0 +1,309 @@
+"""rqp-dlq-drain: move dead letters from DEAD.LETTER.Q into an archive of JSON Lines files.
+
+Usage::
+
+    rqp-dlq-drain --archive DIR [--queue KEY_OR_NAME] [--rqprc FILE]
+                  [--once | --interval SECONDS] [--batch N] [--max-file-records N]
+
+The archive format is described in :mod:`rqp.archive`. Each record is archived exactly once,
+whatever moment the drain is killed at:
+
+1. **copy** up to ``--batch`` records off the queue with ``msgrcv(MSG_COPY)`` (nothing taken);
+2. **note** the names of the file(s) about to be written in ``{archive}/.state/{host}.last``
+   (``"done": false``), atomically;
+3. **write** them in ``{archive}/.incoming/``, fsync, rename into ``{archive}/``, fsync the
+   directory (at most ``--max-file-records`` rows per file);
+4. **take** the records off the queue (``msgrcv`` without ``MSG_COPY``), checking that each one
+   taken is the one copied;
+5. mark the state ``"done": true``.
+
+Killed before 3 completes: the records are still on the queue, the next run archives them (a
+half-written file in ``.incoming`` is removed at start). Killed between 3 and 5: the records are
+both archived and still (some of them) at the head of the queue; at start, and before each
+batch, a drain whose state is not ``done`` takes off the head of the queue every record whose
+``id`` is in the file(s) the state names, without writing them again. Because the state is
+written *before* the rename, a file that reached the archive is always named by it. So: no
+record lost, none archived twice. Nothing else may take records from ``DEAD.LETTER.Q`` meanwhile
+(only put them: agents append at the tail, the drain works at the head). A lock
+(``{archive}/.state/{host}.lock``) keeps a second drain of the same host out of the archive.
+
+Records that are not dead-letter records are archived as ``MALFORMED`` (raw bytes kept), never
+dropped. ``--once`` drains until the queue is empty and exits 0; otherwise the drain polls every
+``--interval`` seconds until SIGTERM or SIGINT (it finishes the batch in hand, exits 0; a second
+signal exits at once, which is safe too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+from rqp.archive import (
+    ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
+    read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
+)
+from rqp.config import SenderConfig, parse_queue_key
+from rqp.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
+from rqp.errors import ConfigError, QueueError, QueueNotFound, RQPError
+from rqp.queues import LocalQueue, QueueEmpty, format_key
+from rqp.service import host_name, setup_logging
+
+log = logging.getLogger("rqp.drain")
+
+DEFAULT_BATCH = 10_000
+DEFAULT_INTERVAL = 5.0
+
+
+class Drain:
+    """Moves records from one queue into one archive directory (see the module doc)."""
+
+    def __init__(self, archive: str | os.PathLike, queue_key: int, *, host: str | None = None,
+                 queue_names: Mapping[str, int] | None = None, batch: int = DEFAULT_BATCH,
+                 max_file_records: int | None = None, out=print) -> None:
+        self.archive = Path(archive)
+        self.queue_key = queue_key
+        self.host = host or host_name()
+        self.queue_names = queue_names
+        self.batch = batch
+        self.max_file_records = max_file_records or batch
+        self.writer = ArchiveWriter(self.archive, host=self.host)
+        self.queue: LocalQueue | None = None
+        self.out = out
+
+    def _open(self) -> LocalQueue | None:
+        if self.queue is None:
+            try:
+                self.queue = LocalQueue.open(self.queue_key)
+            except QueueNotFound:
+                return None
+        return self.queue
+
+    def _state(self, files: list[str], done: bool) -> None:
+        write_drain_state(self.archive, self.host, DrainState(tuple(files), self.queue_key, done))
+
+    # -- the two halves of a batch -----------------------------------------------------------
+
+    def recover(self) -> int:
+        """Take off the head of the queue the records the last batch archived but did not take
+        off (killed in between). Returns how many."""
+        state = read_drain_state(self.archive, self.host)
+        if state is None or state.done:
+            return 0
+        if state.queue != self.queue_key:
+            raise ArchiveError(
+                f"the last batch of host {self.host} into {self.archive} came from queue "
+                f"{format_key(state.queue)} and was not finished: run the drain for that queue "
+                f"first (--queue {format_key(state.queue)})")
+        queue = self._open()
+        taken = 0
+        if queue is not None:
+            ids = archived_ids([self.archive / name for name in state.files])
+            extras = []
+            while ids and (item := queue.peek(0)) is not None and record_id(item[0]) in ids:
+                got = queue.get(block=False)
+                taken += 1
+                if got != item[0]:
+                    extras.append(self._mismatch(got))
+            self._save_extras(extras)
+        if taken:
+            log.info("took %d record(s) off %s that the last batch had archived in %s but not "
+                     "taken off (it was stopped in between)", taken, format_key(self.queue_key),
+                     ", ".join(state.files))
+        self._state(list(state.files), True)
+        return taken
+
+    def _copy(self, queue: LocalQueue) -> list[bytes]:
+        batch = []
+        while len(batch) < self.batch and (item := queue.peek(len(batch))) is not None:
+            batch.append(item[0])
+        return batch
+
+    def _mismatch(self, got: bytes) -> bytes:
+        log.error("queue %s has another reader: a record taken off it was not the one copied; "
+                  "archiving it at once", format_key(self.queue_key))
+        return got
+
+    def _save_extras(self, extras: list[bytes]) -> None:
+        """Records taken that were not archived (another reader interfered): archive them now,
+        they are no longer on the queue."""
+        if extras:
+            rows = [record_to_row(raw, archived_by=self.host, queue_names=self.queue_names)
+                    for raw in extras]
+            path = self.writer.write(rows)
+            self.out(f"drained {len(rows)} record(s) into {path}")
+
+    def _take_off(self, queue: LocalQueue, batch: list[bytes]) -> None:
+        expected = collections.Counter(batch)
+        extras = []
+        for _ in batch:
+            try:
+                got = queue.get(block=False)
+            except QueueEmpty:
+                log.error("queue %s has another reader: it took records the drain had copied "
+                          "(they are archived)", format_key(self.queue_key))
+                break
+            if expected[got] > 0:
+                expected[got] -= 1
+            else:
+                extras.append(self._mismatch(got))
+        self._save_extras(extras)
+
+    def run_batch(self) -> list[tuple[Path, int]] | None:
+        """One batch: copy, write (fsync, rename), take off. None if the queue is empty."""
+        self.recover()
+        queue = self._open()
+        if queue is None:
+            return None
+        batch = self._copy(queue)
+        if not batch:
+            return None
+        rows = [record_to_row(raw, archived_by=self.host, queue_names=self.queue_names)
+                for raw in batch]
+        step = self.max_file_records
+        chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
+        names = [self.writer.next_name() for _ in chunks]
+        self._state(names, False)  # before the rename: a visible file is always named here
+        written = [(self.writer.write(chunk, name), len(chunk))
+                   for chunk, name in zip(chunks, names)]
+        self._take_off(queue, batch)
+        self._state(names, True)
+        return written
+
+    def run_until_empty(self, stop: threading.Event | None = None) -> int:
+        """Batches until the queue is empty (or ``stop`` is set); returns records archived."""
+        total = 0
+        while stop is None or not stop.is_set():
+            try:
+                written = self.run_batch()
+            except QueueNotFound:
+                self.queue = None  # removed (and maybe created again): open it next time
+                raise
+            if written is None:
+                break
+            for path, count in written:
+                total += count
+                self.out(f"drained {count} record(s) into {path}")
+        return total
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def resolve_queue(value: str | None, config: SenderConfig | None) -> int:
+    if value is None:
+        return config.dead_letter_queue if config else DEFAULT_DEAD_LETTER_QUEUE
+    if config is not None:
+        return config.resolve_queue(value)
+    return parse_queue_key(value, {DEAD_LETTER_QUEUE_NAME: DEFAULT_DEAD_LETTER_QUEUE})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rqp-dlq-drain", description=__doc__.splitlines()[0],
+        epilog="Each record is archived exactly once even if the drain is killed at any "
+        "moment; see the README, section 'Dead-letter archive'.")
+    parser.add_argument("--archive", metavar="DIR", required=True,
+                        help="archive directory (created if missing)")
+    parser.add_argument("--queue", metavar="KEY_OR_NAME",
+                        help="queue to drain (default: the .rqprc's dead_letter_queue, else "
+                        "0x5251DEAD)")
+    parser.add_argument("--rqprc", metavar="FILE",
+                        help="the .rqprc (queue names, dead_letter_queue); default: $RQPRC, "
+                        "./.rqprc, ~/.rqprc, /etc/rqp/rqprc if one exists")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="drain until empty, then exit")
+    mode.add_argument("--interval", metavar="SECONDS", type=_positive_float,
+                      default=DEFAULT_INTERVAL,
+                      help=f"wait between polls (default {DEFAULT_INTERVAL:g})")
+    parser.add_argument("--batch", metavar="N", type=_positive_int, default=DEFAULT_BATCH,
+                        help=f"records copied per batch (default {DEFAULT_BATCH})")
+    parser.add_argument("--max-file-records", metavar="N", type=_positive_int,
+                        help="rows per archive file at most (default: --batch)")
+    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging(args.log_level, "rqp.drain")
+    stop = threading.Event()
+
+    def on_signal(sig, _frame):
+        if stop.is_set():
+            os._exit(0)  # safe at any moment: see the module doc
+        log.info("%s: stopping after the batch in hand", signal.Signals(sig).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    out = lambda text: print(text, flush=True)  # noqa: E731
+    try:
+        config = load_optional_rqprc(args.rqprc)
+        queue_key = resolve_queue(args.queue, config)
+        archive = Path(args.archive)
+        archive.mkdir(parents=True, exist_ok=True)
+        host = host_name()
+        drain = Drain(archive, queue_key, host=host,
+                      queue_names=config.queues if config else None, batch=args.batch,
+                      max_file_records=args.max_file_records, out=out)
+        lock = archive / ".state" / f"{safe_host(host)}.lock"
+        with lock_file(lock, f"an rqp-dlq-drain of host {host} into {archive}"):
+            for leftover in drain.writer.clean_incoming():
+                log.info("removed %s, left half-written by a drain that was stopped", leftover)
+            if args.once:
+                total = drain.run_until_empty(stop)
+                if total == 0:
+                    out(f"drained 0 record(s): queue {format_key(queue_key)} is empty"
+                        + ("" if LocalQueue.exists(queue_key) else " (it does not exist)"))
+                return 0
+            log.info("draining queue %s into %s every %gs", format_key(queue_key), archive,
+                     args.interval)
+            while not stop.is_set():
+                try:
+                    drain.run_until_empty(stop)
+                except QueueNotFound:
+                    pass  # removed meanwhile: nothing to drain until it is created again
+                except (QueueError, ArchiveError, OSError) as exc:
+                    log.error("%s (records stay on the queue; trying again in %gs)", exc,
+                              args.interval)
+                stop.wait(args.interval)
+            log.info("stopped")
+            return 0
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except (RQPError, OSError) as exc:
+        log.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""rqp-dlq-drain on a simulated host: everything archived exactly once, whenever it is killed."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from rqp import UNSURE_MSG
+from rqp.archive import (
+    archive_files, read_archive, read_drain_state, record_id, row_raw_bytes,
+)
+from rqp.records import AgentKind, DeadLetterRecord, ReasonCode
+from tests.agents import DLQ, send, start_receiver, start_sender, write_rqprc
+from tests.testbed import wait_for
+
+Q1 = 0x52510001
+DRAIN = [sys.executable, "-m", "rqp_agents.drain"]
+
+PUT = r"""
+import sys
+from rqp.queues import LocalQueue
+q = LocalQueue.create(int(sys.argv[1]))
+with open(sys.argv[2]) as f:
+    for line in f:
+        q.put(bytes.fromhex(line.strip()), block=False)
+"""
+
+CONTENTS = r"""
+import json, sys
+from rqp.queues import LocalQueue
+key = int(sys.argv[1])
+if not LocalQueue.exists(key):
+    print("null")
+else:
+    q, out, i = LocalQueue.open(key), [], 0
+    while (item := q.peek(i)) is not None:
+        out.append(item[0].hex())
+        i += 1
+    print(json.dumps(out))
+"""
+
+# Runs the drain in a process that dies (os._exit, like a kill -9: no clean-up) at a point.
+CRASH = r"""
+import os, sys
+import rqp.archive as archive
+from rqp.queues import LocalQueue
+from rqp_agents import drain
+point, argv = sys.argv[1], sys.argv[2:]
+if point.startswith("before-rename"):          # before-rename:N = die at the N-th rename
+    limit, calls = int(point.split(":")[1]), [0]
+    publish = archive._publish
+    def dying_publish(tmp, final):
+        calls[0] += 1
+        if calls[0] == limit:
+            os._exit(9)
+        publish(tmp, final)
+    archive._publish = dying_publish
+elif point == "after-rename":                  # every file renamed, nothing taken off
+    drain.Drain._take_off = lambda *a: os._exit(9)
+elif point.startswith("mid-take-off"):         # mid-take-off:N = die after N records taken
+    limit, calls = int(point.split(":")[1]), [0]
+    get = LocalQueue.get
+    def dying_get(self, **kw):
+        if calls[0] == limit:
+            os._exit(9)
+        calls[0] += 1
+        return get(self, **kw)
+    LocalQueue.get = dying_get
+sys.exit(drain.main(argv))
+"""
+
+
+def make_records(n: int, malformed_at: int | None = None) -> list[bytes]:
+    reasons = list(ReasonCode)
+    out = []
+    for i in range(n):
+        out.append(DeadLetterRecord(
+            reason=reasons[i % len(reasons)], message_type=i % 2, agent=AgentKind.RECEIVER,
+            queue_key=Q1 + i % 3, message_key=(0xABC << 32) | i, attempts=i % 5,
+            host="h", source_host="src", destination_host="dst:7460", detail=f"record {i}",
+            payload=bytes([i % 256]) + f"payload {i} é".encode()).to_bytes())
+        if i == malformed_at:
+            out.append(b"RQDL\x01 this is no dead-letter record \xff\x00")
+    return out
+
+
+def put(host, records: list[bytes], key: int = DLQ) -> None:
+    path = host.workdir / "records.hex"
+    path.write_text("".join(r.hex() + "\n" for r in records))
+    host.python(PUT, str(key), str(path))
+
+
+def contents(host, key: int = DLQ) -> list[bytes] | None:
+    out = json.loads(host.python(CONTENTS, str(key)))
+    return None if out is None else [bytes.fromhex(x) for x in out]
+
+
+def drain(host, archive: Path, *args: str, check: bool = True):
+    if "--rqprc" not in args:  # never whatever /etc/rqp/rqprc this machine may have
+        args = ("--rqprc", str(host.rqprc), *args)
+    return host.run([*DRAIN, "--archive", str(archive), "--once", *args], check=check)
+
+
+@pytest.fixture
+def host(testbed):
+    h = testbed.add_host("a")
+    h.sysctl("kernel.msgmnb", 1 << 20)  # room for many records on DEAD.LETTER.Q
+    h.archive = h.workdir / "archive"
+    h.rqprc = write_rqprc(h, [h])
+    return h
+
+
+def assert_archived_once(archive: Path, records: list[bytes]) -> list[dict]:
+    rows = list(read_archive(archive))
+    assert collections.Counter(r["id"] for r in rows) == \
+        collections.Counter(record_id(r) for r in records)
+    assert [row_raw_bytes(r) for r in rows] == records  # the order of the queue, too
+    assert list((archive / ".incoming").iterdir()) == []
+    return rows
+
+
+def test_once_drains_everything_and_keeps_a_malformed_record(host):
+    records = make_records(700, malformed_at=350)
+    put(host, records)
+    rqprc = write_rqprc(host, [host], queues={"PROD_THE_SCHED_COMMON": Q1})
+    out = drain(host, host.archive, "--rqprc", str(rqprc), "--batch", "300",
+                "--max-file-records", "128").stdout
+    counts = [int(n) for n in re.findall(r"^drained (\d+) record\(s\) into \S+$", out, re.M)]
+    assert sum(counts) == 701 and max(counts) == 128 and len(counts) == len(
+        archive_files(host.archive)) == 7  # batches of 300, 300, 101: 3 + 3 + 1 files
+    rows = assert_archived_once(host.archive, records)
+    assert contents(host) == []
+    malformed = rows[351]
+    assert malformed["reason"] == "MALFORMED" and malformed["reason_code"] == -1
+    assert "not a dead-letter record" in malformed["detail"]
+    assert row_raw_bytes(malformed) == records[351]
+    first = rows[0]
+    assert first["reason"] == "NO_QUEUE_KEY" and first["agent"] == "receiver"
+    assert first["queue_name"] == "PROD_THE_SCHED_COMMON" and rows[1]["queue_name"] is None
+    assert first["message_key"] == f"0x{0xABC << 32:016x}" and first["message_type"] == "SURE"
+    assert first["detail"] == "record 0" and first["destination_host"] == "dst:7460"
+    state = read_drain_state(host.archive, rows[0]["archived_by"])
+    assert state.done and state.queue == DLQ
+    # nothing more to do
+    again = drain(host, host.archive).stdout
+    assert again.startswith("drained 0 record(s)") and len(archive_files(host.archive)) == 7
+
+
+@pytest.mark.parametrize("point, archived_before_restart", [
+    ("before-rename:1", 0),    # the first file of a batch written, not renamed
+    ("before-rename:3", 100),  # two files of three renamed
+    ("after-rename", 120),     # the whole batch archived, nothing taken off
+    ("mid-take-off:50", 120),  # the whole batch archived, 50 records taken off
+])
+def test_killed_at_any_point_then_rerun_archives_each_record_exactly_once(
+        host, point, archived_before_restart):
+    records = make_records(300)
+    put(host, records)
+    args = ["--archive", str(host.archive), "--rqprc", str(host.rqprc), "--once", "--batch", "120",
+            "--max-file-records", "50"]
+    crashed = host.run([sys.executable, "-c", CRASH, point, *args], check=False)
+    assert crashed.returncode == 9, crashed.stderr
+    assert len(list(read_archive(host.archive))) == archived_before_restart
+    half_written = list((host.archive / ".incoming").iterdir())
+    assert len(half_written) == (1 if point.startswith("before-rename") else 0)
+    [state_file] = (host.archive / ".state").glob("*.last")
+    assert json.loads(state_file.read_text())["done"] is False
+    taken = int(point.split(":")[1]) if point.startswith("mid") else 0
+    assert contents(host) == records[taken:]  # nothing lost yet
+    out = drain(host, host.archive, "--batch", "120", "--max-file-records", "50").stdout
+    assert sum(map(int, re.findall(r"drained (\d+)", out))) == 300 - archived_before_restart
+    assert_archived_once(host.archive, records)
+    assert contents(host) == []
+
+
+def test_continuous_mode_keeps_draining_and_stops_on_sigterm(host):
+    proc = host.popen([*DRAIN, "--archive", str(host.archive), "--rqprc", str(host.rqprc),
+                       "--interval", "0.1"])
+    wait_for(lambda: "draining queue" in host.output(proc, "stderr"), timeout=20,
+             message="the drain did not start")
+    first, second = make_records(10), make_records(15)[10:]
+    put(host, first)
+    wait_for(lambda: len(list(read_archive(host.archive))) == 10, timeout=20,
+             message="the first records were not drained")
+    put(host, second)
+    wait_for(lambda: len(list(read_archive(host.archive))) == 15, timeout=20,
+             message="the later records were not drained")
+    # a second drain of this host into the same archive is refused while this one runs
+    other = drain(host, host.archive, check=False)
+    assert other.returncode == 1 and "already runs" in other.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert "stopped" in host.output(proc, "stderr")
+    assert_archived_once(host.archive, first + second)
+    assert contents(host) == []
+
+
+DEPTH = r"""
+import sys, sysv_ipc
+try:
+    print(sysv_ipc.MessageQueue(int(sys.argv[1])).current_messages)
+except sysv_ipc.ExistentialError:
+    print(0)
+"""
+
+
+def test_a_real_dead_letter_from_the_sending_mca_is_archived(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)  # b has no queue 0x52510001: nobody offers it
+    rqprc = write_rqprc(a, [b], queues={"PROD_THE_SCHED_COMMON": Q1})
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["lost cause"], UNSURE_MSG)
+    wait_for(lambda: int(a.python(DEPTH, str(DLQ))) == 1, timeout=20,
+             message="no dead letter on a")
+    archive = a.workdir / "archive"
+    out = drain(a, archive, "--rqprc", str(rqprc)).stdout
+    assert out.startswith("drained 1 record(s) into ")
+    [row] = read_archive(archive)
+    assert row["reason"] == "NO_ROUTE" and row["agent"] == "sender"
+    assert row["queue_key"] == Q1 and row["queue_name"] == "PROD_THE_SCHED_COMMON"
+    assert row["message_type"] == "UNSURE" and row["message_key"] != f"0x{0:016x}"
+    assert base64.b64decode(row["payload_b64"]) == b"lost cause"
+    assert DeadLetterRecord.from_bytes(row_raw_bytes(row)).payload == b"lost cause"
+    assert b.address in row["detail"]
+    assert int(a.python(DEPTH, str(DLQ))) == 0

@@ -1,0 +1,400 @@
+"""rqpctl dlq replay: the rules table, the replay engine, and a real replay through the sending
+MCA to a receiving MCA (and to tests/fake_receiver.py, which shows the message keys)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import rqp.config
+from rqp import ctl
+from rqp.archive import (
+    ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, record_to_row,
+    write_drain_state,
+)
+from rqp.config import sender_config_from_mapping
+from rqp.errors import ConfigError, RQPError
+from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode
+from rqp.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
+from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
+from tests.testbed import wait_for
+
+Q1, Q2, Q3, Q4 = 0x52510001, 0x52510002, 0x52510003, 0x52510004
+NOW = 1_700_000_000 * 10**9
+CONFIG = sender_config_from_mapping({"hosts": ["localhost"],
+                                     "queues": {"PROD_THE_SCHED_COMMON": Q1,
+                                                "PROD_THE_SPARE_COMMON": Q2}})
+
+
+def row(reason=ReasonCode.NO_ROUTE, *, queue_key=Q1, key=0, payload=b"payload", age=0.0,
+        mtype=1, host="h1", source="src1", destination="dst1:7460", flags=0, spill="",
+        original_length=None) -> dict:
+    record = DeadLetterRecord(
+        reason=reason, queue_key=queue_key, message_key=key or (0xD00D << 32 | id(payload) % 997),
+        payload=payload, timestamp_ns=NOW - int(age * 1e9), message_type=mtype,
+        agent=AgentKind.RECEIVER, host=host, source_host=source, destination_host=destination,
+        flags=flags, spill_path=spill, original_length=original_length)
+    return record_to_row(record.to_bytes(), archived_by="drainer")
+
+
+def rules_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# The rules table
+
+
+@pytest.mark.parametrize("text, message", [
+    ("rules:\n  - reason: NO_ROUTE\n    action: retry\n  - reasn: NO_ROUTE\n    action: keep\n",
+     r"rules.yaml: rules\[1\]: unknown key 'reasn' \(did you mean 'reason'\?\); known keys: "
+     r"reason, queue, .* \(line 4\)"),
+    ("rules:\n  - reason: NO_ROUT\n    action: retry\n",
+     r"rules.yaml: rules\[0\]: key 'reason': bad value 'NO_ROUT': expected a reason name: .*"
+     r"\(did you mean 'NO_ROUTE'\?\) \(line 2\)"),
+    ("rules:\n  - action: retyr\n",
+     r"rules\[0\]: key 'action': bad value 'retyr': expected one of retry, forward, discard, "
+     r"keep \(did you mean 'retry'\?\) \(line 2\)"),
+    ("rules:\n  - reason: NO_ROUTE\n", r"rules\[0\]: key 'action' is required"),
+    ("rules:\n  - action: forward\n", r"rules\[0\]: action 'forward' needs key 'to'"),
+    ("rules:\n  - action: retry\n    to: 0x52510002\n",
+     r"rules\[0\]: key 'to': .*only for action 'forward'"),
+    ("rules:\n  - action: keep\n  - older_than: soon\n    action: keep\n",
+     r"rules\[1\]: key 'older_than': bad value 'soon': expected a duration.*\(line 3\)"),
+    ("rules:\n  - older_than: 2h\n    newer_than: 1h\n    action: keep\n",
+     r"rules\[0\]: key 'newer_than': .*no record is both older than 2h and newer than 1h"),
+    ("rules:\n  - queue: PROD_THE_SCHED_COMON\n    action: retry\n",
+     r"rules\[0\]: key 'queue': bad value 'PROD_THE_SCHED_COMON': expected a queue key or a queue name "
+     r"defined under 'queues' \(did you mean 'PROD_THE_SCHED_COMMON'\?\)"),
+    ("rules:\n  - queue: [0x52510001, 0]\n    action: retry\n",
+     r"rules\[0\]: key 'queue': bad value '0'"),
+    ("rules:\n  - message_type: SUER\n    action: keep\n",
+     r"key 'message_type': bad value 'SUER': expected SURE, UNSURE or UNKNOWN "
+     r"\(did you mean 'SURE'\?\)"),
+    ("rulez: []\n", r"rules.yaml: unknown key 'rulez' \(did you mean 'rules'\?\)"),
+    ("- action: keep\n", r"rules.yaml: expected a mapping with the key 'rules'"),
+    ("{}\n", r"rules.yaml: key 'rules' is required"),
+    ("rules: {action: keep}\n", r"rules.yaml: rules: bad value .*expected a list of rules"),
+    ("rules:\n  - keep\n", r"rules\[0\]: bad value 'keep': expected a mapping with an 'action'"),
+    ("rules:\n  - action: keep\n  action: retry\n", r"invalid YAML"),
+])
+def test_rule_errors_name_the_file_the_rule_and_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_rules(rules_file(tmp_path, text), config=CONFIG)
+
+
+def test_a_queue_name_needs_an_rqprc_and_resolves_with_one(tmp_path):
+    path = rules_file(tmp_path, "rules:\n  - queue: PROD_THE_SCHED_COMMON\n    action: forward\n"
+                                "    to: PROD_THE_SPARE_COMMON\n")
+    with pytest.raises(ConfigError, match=r"rules\[0\]: key 'queue': .*needs a \.rqprc"):
+        load_rules(path)
+    [rule] = load_rules(path, config=CONFIG)
+    assert rule.queues == {Q1} and rule.to == Q2 and rule.action == "forward"
+
+
+def test_the_first_matching_rule_wins_and_no_match_keeps(tmp_path):
+    rules = load_rules(rules_file(tmp_path, """
+rules:
+  - reason: MALFORMED
+    action: discard
+  - reason: [no_route, "RETRY_*"]      # names are case-insensitive, wildcards allowed
+    queue: [PROD_THE_SCHED_COMMON, 0x52510003]
+    message_type: SURE
+    action: retry
+  - host: "web-*"                      # host, source_host or destination_host (without :port)
+    action: forward
+    to: 0x52510002
+  - older_than: 1h
+    newer_than: 1d
+    action: discard
+  - reason: NO_ROUTE
+    action: keep
+  - action: retry
+"""), config=CONFIG)
+    cases = [
+        (record_to_row(b"junk", archived_by="x"), "discard", 0),
+        (row(ReasonCode.NO_ROUTE, mtype=0), "retry", 1),
+        (row(ReasonCode.RETRY_BUDGET_EXHAUSTED, mtype=0, queue_key=Q3), "retry", 1),
+        (row(ReasonCode.NO_ROUTE, mtype=0, queue_key=Q4), "keep", 4),  # not rule 1: queue
+        (row(ReasonCode.NO_ROUTE, mtype=1, host="WEB-7"), "forward", 2),  # not rule 1: type
+        (row(ReasonCode.QUEUE_FULL, source="web-1"), "forward", 2),
+        (row(ReasonCode.QUEUE_FULL, destination="web-2:7460"), "forward", 2),
+        (row(ReasonCode.QUEUE_FULL, destination="[::1]:7460", age=7200), "discard", 3),
+        (row(ReasonCode.QUEUE_FULL, age=90000), "retry", 5),  # older than a day
+        (row(ReasonCode.NO_ROUTE, age=60), "keep", 4),
+    ]
+    for r, action, index in cases:
+        decision = decide(rules, r, NOW)
+        assert (decision.action, decision.rule.index) == (action, index), r
+    assert decide(rules[:1], row(), NOW).action == "keep" and decide([], row(), NOW).rule is None
+
+
+# --------------------------------------------------------------------------------------------
+# The replay engine, with a fake sending path (no queues)
+
+
+class FakeSend:
+    """Records what would be sent; checks that the row is still archived while it is sent."""
+
+    def __init__(self, archive: Path, fail: set[bytes] = frozenset()) -> None:
+        self.archive = archive
+        self.fail = fail
+        self.calls: list[tuple[int, bytes, int]] = []
+        self.times: list[float] = []
+
+    def __call__(self, queue_key: int, payload: bytes, replay_key: int) -> None:
+        self.times.append(time.monotonic())
+        assert self.archive_has(payload)  # never removed before it is confirmed
+        if payload in self.fail:
+            raise RQPError(f"cannot send {payload!r}")
+        self.calls.append((queue_key, payload, replay_key))
+
+    def archive_has(self, payload: bytes) -> bool:
+        return any(base64.b64decode(r["payload_b64"]) in (payload, payload[:4])
+                   for r in read_archive(self.archive))
+
+
+def write_archive(directory: Path, *files: list[dict]) -> list[Path]:
+    writer = ArchiveWriter(directory, host="drainer")
+    return [writer.write(rows) for rows in files]
+
+
+def payloads(directory: Path) -> list[bytes]:
+    return [base64.b64decode(r["payload_b64"]) for r in read_archive(directory)]
+
+
+def replay(directory: Path, text: str, send=None, **kw) -> tuple[Replayer, list[str]]:
+    rules = rules_from_data(__import__("yaml").safe_load(text), config=CONFIG)
+    lines: list[str] = []
+    replayer = Replayer(directory, rules, send=send, out=lines.append, config=CONFIG,
+                        now_ns=NOW, **kw)
+    replayer.run()
+    return replayer, lines
+
+
+RULES = """
+rules:
+  - reason: NO_ROUTE
+    action: retry
+  - reason: QUEUE_FULL
+    action: forward
+    to: PROD_THE_SPARE_COMMON
+  - reason: UNKNOWN_QUEUE
+    action: discard
+"""
+
+
+def test_rows_leave_the_archive_only_when_confirmed_or_discarded(tmp_path):
+    archive = tmp_path / "archive"
+    spill = tmp_path / "full.payload"
+    spill.write_bytes(b"longer payload, spilled")
+    f1, f2, f3 = write_archive(
+        archive,
+        [row(key=0x11, payload=b"retry me"), row(ReasonCode.UNKNOWN_QUEUE, payload=b"drop"),
+         row(ReasonCode.NOT_AUTHORIZED, payload=b"keep me"),
+         row(key=0x22, payload=b"send fails")],
+        [row(ReasonCode.UNKNOWN_QUEUE, payload=b"drop too")],
+        [row(ReasonCode.QUEUE_FULL, queue_key=Q4, key=0x33, payload=b"forward me"),
+         row(key=0x44, payload=b"head", flags=DeadLetterFlags.HEADER_ONLY),
+         row(key=0x55, payload=b"long", flags=DeadLetterFlags.TRUNCATED, spill=str(spill),
+             original_length=23),
+         row(key=0x66, payload=b"lost", flags=DeadLetterFlags.TRUNCATED,
+             spill=str(tmp_path / "missing.payload"), original_length=99),
+         record_to_row(b"not a record", archived_by="drainer")],
+    )
+    send = FakeSend(archive, fail={b"send fails"})
+    replayer, lines = replay(archive, RULES + "  - reason: MALFORMED\n    action: retry\n", send)
+    assert send.calls == [(Q1, b"retry me", 0x11), (Q2, b"forward me", 0),
+                          (Q1, b"longer payload, spilled", 0x55)]
+    assert dict(replayer.counts) == {"replayed": 2, "forwarded": 1, "discarded": 2, "kept": 1,
+                                     "failed": 4}
+    assert replayer.summary() == "replayed 2, forwarded 1, discarded 2, kept 1, failed 4"
+    assert archive_files(archive) == [f1, f3]  # f2 had nothing left
+    assert payloads(archive) == [b"keep me", b"send fails", b"head", b"lost", b"not a record"]
+    failures = [line for line in lines if line.startswith("failed")]
+    assert "cannot send b'send fails'" in failures[0]
+    assert "header only: the payload was never read" in failures[1]
+    assert f"spill file {tmp_path / 'missing.payload'} cannot be read here" in failures[2]
+    assert "MALFORMED record holds no message" in failures[3]
+    assert any(line.startswith("forwarded") and "-> 0x52510002 (PROD_THE_SPARE_COMMON)" in line
+               for line in lines)
+    assert list((archive / ".incoming").iterdir()) == []
+
+
+def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x11), row(ReasonCode.QUEUE_FULL),
+                            row(ReasonCode.UNKNOWN_QUEUE), row(ReasonCode.NOT_AUTHORIZED),
+                            row(flags=DeadLetterFlags.HEADER_ONLY)])
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in archive.rglob("*")
+              if p.is_file()}
+    rules = rules_file(tmp_path, RULES)
+    rqprc = tmp_path / "rqprc"
+    rqprc.write_text("hosts: [localhost]\nqueues: {PROD_THE_SPARE_COMMON: 0x52510002}\n")
+    out = subprocess.run([sys.executable, "-m", "rqp.ctl", "dlq", "replay", "--archive",
+                          str(archive), "--rules", str(rules), "--rqprc", str(rqprc),
+                          "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:5]] == [
+        ["would", "retry"], ["would", "forward"], ["would", "discard"], ["would", "keep"],
+        ["would", "fail"]]
+    assert lines[5] == ("dry run, nothing changed: would have replayed 1, forwarded 1, "
+                        "discarded 1, kept 1, failed 1")
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in archive.rglob("*")
+             if p.is_file()}
+    assert after == before and not (archive / ".state").exists()
+
+
+def test_retry_without_an_rqprc_is_refused_before_anything_is_touched(tmp_path, monkeypatch,
+                                                                       capsys):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row()])
+    rules = rules_file(tmp_path, "rules:\n  - reason: NO_ROUTE\n    action: retry\n")
+    monkeypatch.setattr(rqp.config, "SYSTEM_RQPRC", tmp_path / "no-system-rqprc")
+    monkeypatch.delenv("RQPRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in archive.rglob("*"))
+    assert ctl.main(["dlq", "replay", "--archive", str(archive), "--rules", str(rules)]) == 2
+    assert "retry and forward put messages on the transmission queue of a .rqprc: give " \
+        "--rqprc" in capsys.readouterr().err
+    assert sorted(p.name for p in archive.rglob("*")) == before
+
+
+def test_duplicates_held_batches_and_the_limit(tmp_path):
+    archive = tmp_path / "archive"
+    same = row(key=0x11, payload=b"twice")
+    f1, f2, f3 = write_archive(archive, [same], [same, row(ReasonCode.UNKNOWN_QUEUE)],
+                               [row(key=0x22, payload=b"not yet taken off")])
+    # the drain wrote f3 and was stopped before taking its records off DEAD.LETTER.Q
+    write_drain_state(archive, "drainer", DrainState((f3.name,), 0x5251DEAD, False))
+    send = FakeSend(archive)
+    replayer, lines = replay(archive, RULES, send)
+    assert send.calls == [(Q1, b"twice", 0x11)]  # a duplicate is sent once
+    assert replayer.counts["discarded"] == 2 and replayer.counts["kept"] == 1
+    assert any("a duplicate of a row already handled" in line for line in lines)
+    assert any("run rqp-dlq-drain first" in line for line in lines)
+    assert archive_files(archive) == [f3]
+    write_drain_state(archive, "drainer", DrainState((f3.name,), 0x5251DEAD, True))
+    write_archive(archive, *[[row(ReasonCode.UNKNOWN_QUEUE, payload=bytes([i]))]
+                             for i in range(5)])
+    replayer, _ = replay(archive, RULES, FakeSend(archive), limit=3)
+    assert replayer.acted == 3 and "stopped at --limit 3" in replayer.summary()
+    assert len(archive_files(archive)) == 3
+
+
+def test_the_rate_limit_is_a_lower_bound_on_the_time(tmp_path):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=i + 1, payload=bytes([i])) for i in range(6)])
+    send = FakeSend(archive)
+    replayer, _ = replay(archive, RULES, send, rate=20.0)
+    assert replayer.counts["replayed"] == 6
+    assert send.times[-1] - send.times[0] >= 5 / 20.0
+
+
+def test_token_bucket_spaces_takes_by_the_rate():
+    now = [100.0]
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    bucket = TokenBucket(4.0, clock=lambda: now[0], sleep=sleep)
+    for _ in range(9):
+        bucket.take()
+    assert now[0] - 100.0 == pytest.approx(8 / 4.0)
+    now[0] += 10  # idle for a while: still at most one at once (burst 1)
+    bucket.take()
+    bucket.take()
+    assert slept[-1] == pytest.approx(0.25)
+
+
+# --------------------------------------------------------------------------------------------
+# For real: a sending MCA, a receiving MCA, and the fake receiver that shows keys
+
+FAKE = str(Path(__file__).with_name("fake_receiver.py"))
+REPLAY = [sys.executable, "-m", "rqp.ctl", "dlq", "replay"]
+DEPTH = r"""
+import sys, sysv_ipc
+try:
+    print(sysv_ipc.MessageQueue(int(sys.argv[1])).current_messages)
+except sysv_ipc.ExistentialError:
+    print(-1)
+"""
+
+
+def test_replay_through_the_real_sending_path(testbed):
+    a, b, c = testbed.add_host("a"), testbed.add_host("b"), testbed.add_host("c")
+    receiver = start_receiver(b)
+    make_queue(b, Q1)
+    make_queue(b, Q2)
+    fake = c.popen([sys.executable, FAKE, f"{c.address}:{PORT}", str(c.workdir / "mode")])
+    wait_for(lambda: "listening" in c.output(fake), timeout=20, message="fake receiver")
+    # b serves Q1 and Q2; Q3 only the fake receiver on c says it has
+    rqprc = write_rqprc(a, [b, c], queues={"PROD_THE_SCHED_COMMON": Q1,
+                                           "PROD_THE_SPARE_COMMON": Q2})
+    start_sender(a, rqprc)
+    archive = a.workdir / "archive"
+    spill = a.workdir / "spilled.payload"
+    spill.write_bytes(b"big-payload-in-full")
+    k1, k2 = 0x1234_5678_0000_0001, 0x1234_5678_0000_0002
+    first = row(key=k1, payload=b"first", mtype=1)
+    write_archive(archive, [
+        first,
+        row(ReasonCode.RETRY_BUDGET_EXHAUSTED, queue_key=Q3, key=k2, payload=b"to the fake",
+            mtype=0),
+        row(ReasonCode.QUEUE_FULL, queue_key=Q4, key=0x77, payload=b"forwarded"),
+        row(ReasonCode.UNKNOWN_QUEUE, payload=b"discarded"),
+        row(ReasonCode.NOT_AUTHORIZED, payload=b"kept"),
+        row(key=0x88, payload=b"big-", flags=DeadLetterFlags.TRUNCATED,
+            spill=str(a.workdir / "gone.payload"), original_length=19),
+        row(key=0x99, payload=b"big-", flags=DeadLetterFlags.TRUNCATED, spill=str(spill),
+            original_length=19),
+    ])
+    rules = rules_file(a.workdir, """
+rules:
+  - reason: [NO_ROUTE, "RETRY_BUDGET_*"]
+    action: retry
+  - reason: QUEUE_FULL
+    queue: 0x52510004
+    action: forward
+    to: PROD_THE_SPARE_COMMON
+  - reason: UNKNOWN_QUEUE
+    action: discard
+""")
+    args = ["--archive", str(archive), "--rules", str(rules), "--rqprc", str(rqprc)]
+    done = a.run([*REPLAY, *args], check=False, timeout=90)
+    assert done.returncode == 1, done.stdout + done.stderr  # one record could not be put back
+    assert done.stdout.splitlines()[-1] == \
+        "replayed 3, forwarded 1, discarded 1, kept 1, failed 1"
+    assert "gone.payload cannot be read here" in done.stdout
+    # in the original queue, in order; the forwarded one in the other queue
+    assert receive(b, Q1, 2) == ["first", "big-payload-in-full"]
+    assert receive(b, Q2, 1) == ["forwarded"]
+    # with the ORIGINAL key, as SURE
+    frames = [json.loads(line) for line in c.output(fake).splitlines()]
+    [message] = [f for f in frames if f.get("frame") == "MESSAGE"]
+    assert (message["key"], message["queue_key"], message["body"], message["type"]) == \
+        (k2, Q3, "to the fake", 0)
+    # only the kept and the failed rows are left
+    assert sorted(base64.b64decode(r["payload_b64"]) for r in read_archive(archive)) == \
+        [b"big-", b"kept"]
+    # The same dead letter replayed again keeps its key, so the receiving MCA recognises the
+    # repeat and does not put it a second time.
+    write_archive(archive, [first])
+    again = a.run([*REPLAY, *args], check=False, timeout=90)
+    assert "replayed 1," in again.stdout.splitlines()[-1]
+    wait_for(lambda: f"repeat of SURE message key={k1:#018x}" in b.output(receiver, "stderr"),
+             timeout=20, message="the receiver did not see the repeat")
+    assert int(b.python(DEPTH, str(Q1))) == 0
+    assert archived_ids(archive) == {r["id"] for r in read_archive(archive)}
