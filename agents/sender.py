@@ -236,9 +236,13 @@ class Sender:
 
     def status(self) -> dict:
         routes = self.core.route_status()
+        to_wall = time.time() - self.loop.time()  # the core's times are the loop's clock
         for route in routes:
             route["queue"] = format_key(route["queue_key"])
             route["name"] = self.config.queue_name(route["queue_key"])
+            for field in ("since", "last_error_at", "last_message_at"):
+                if route[field] is not None:
+                    route[field] += to_wall
         return {
             "agent": "sender", "pid": os.getpid(), "host": self.host,
             "started_at": self.started, "uptime": time.time() - self.started,
@@ -252,8 +256,7 @@ class Sender:
             "hosts": [{"host": str(h), "connection": self.core.link_state(h).value}
                       for h in self.config.hosts],
             "routes": routes, "stats": dict(self.stats),
-            "dead_letters": dict(self.dead_letter_reasons),
-            "now": time.time(), "clock": self.loop.time(),
+            "dead_letters": dict(self.dead_letter_reasons), "now": time.time(),
         }
 
     def metrics(self) -> str:

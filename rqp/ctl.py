@@ -6,6 +6,9 @@
 done), 1 if one did, 2 for a usage or configuration error.
 
 ``rqpctl dlq list --archive DIR [--limit N]``: a short table of the archive (:mod:`rqp.archive`).
+
+``rqpctl status | metrics | queues | send | receive``: the running agents and the local queues
+(:mod:`rqp.ctl_agents`, which lists the exit codes).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import sys
 import threading
 from pathlib import Path
 
+from .ctl_agents import add_commands
 from .archive import ArchiveError, archive_files, load_optional_rqprc, read_archive_file
+from .control import ControlError
 from .errors import ConfigError, RQPError
 from .replay import (
     DEFAULT_RATE, NotConfirmed, Replayer, TransmissionPutter, load_rules,
@@ -160,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", metavar="N", type=_positive_int, default=100,
                          help="rows shown at most (default 100; 0 = all)")
     listing.set_defaults(run=_list)
+    add_commands(groups)
     return parser
 
 
@@ -171,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rqpctl: {exc}", file=sys.stderr)
         return 2
+    except ControlError as exc:
+        print(f"rqpctl: {exc}", file=sys.stderr)
+        return 3
     except (ArchiveError, RQPError, OSError) as exc:
         print(f"rqpctl: {exc}", file=sys.stderr)
         return 1

@@ -513,6 +513,7 @@ class SenderCore:
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
             head.last_error = f"no host offers queue {lane.queue_key:#x}"
+            self._error(lane.queue_key, head.last_error)
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
         else:
@@ -601,9 +602,8 @@ class SenderCore:
         lane.inflight -= 1
         msg.last_error = f"{why} from {link.host}"
         key = lane.queue_key
-        info = self._info(key)
+        info = self._error(key, msg.last_error)
         info.errors += 1
-        info.last_error, info.last_error_at = msg.last_error, self._now
         if msg.message_type == UNSURE_MSG:
             info.lost += 1
         if msg.message_type == UNSURE_MSG:
@@ -700,6 +700,7 @@ class SenderCore:
         head = lane.pending[0]
         key = lane.queue_key
         head.last_error = f"{link.host}: {why}"
+        self._error(key, head.last_error)
         if head.message_type == SURE_MSG:
             self._drop_route(key, link.host, f"SURE message waiting and {why}")
         else:
@@ -737,6 +738,11 @@ class SenderCore:
                 info.route_changes += 1
             if info.last_event != kind.value:
                 info.last_event, info.since = kind.value, self._now
+
+    def _error(self, queue_key: int, text: str) -> RouteInfo:
+        info = self._info(queue_key)
+        info.last_error, info.last_error_at = text, self._now
+        return info
 
     def _info(self, queue_key: int) -> RouteInfo:
         info = self.info.get(queue_key)

@@ -1,0 +1,246 @@
+"""rqpctl commands that talk to the running agents and the local queues.
+
+``rqpctl status [--json]``, ``rqpctl metrics``, ``rqpctl queues``, ``rqpctl send``,
+``rqpctl receive``. Exit status (for scripts): 0 = fine; 1 = an error; 2 = a usage or
+configuration error; 3 = an agent asked for is not running; 4 = it runs, but a route is not
+healthy (retrying, no route, connecting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import (
+    ConfigError, ReceiverConfig, find_rqprc, load_receiver_config, load_sender_config,
+    parse_queue_key,
+)
+from .control import ControlError, default_socket, request
+from .queues import QueueEmpty, format_key, list_queues
+
+EXIT_NOT_RUNNING = 3
+EXIT_UNHEALTHY = 4
+UNHEALTHY = ("retrying", "no route", "connecting")
+SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
+
+
+def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
+    if configured:
+        return [Path(configured)]
+    return [Path(runtime), default_socket(state_dir, name)]
+
+
+def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
+    config = load_sender_config(find_rqprc(rqprc))
+    name = f"sender-{config.transmission_queue:08x}"
+    return name, _candidates(config.control_socket, "/run/rqp/sender/control.sock",
+                             config.state_dir, name)
+
+
+def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
+    if path is None and SYSTEM_RECEIVER_CONFIG.exists():
+        path = str(SYSTEM_RECEIVER_CONFIG)
+    config = load_receiver_config(path) if path else ReceiverConfig()
+    return "receiver", _candidates(config.control_socket, "/run/rqp/receiver/control.sock",
+                                   config.state_dir, "receiver")
+
+
+def ask(candidates: list[Path], command: str) -> dict:
+    """The first candidate socket that answers; ControlError naming them all if none does."""
+    errors = []
+    for path in candidates:
+        try:
+            return request(path, command)
+        except ControlError as exc:
+            errors.append(str(exc))
+    raise ControlError("; ".join(dict.fromkeys(errors)))
+
+
+def _targets(args) -> list[tuple[str, list[Path]]]:
+    if args.socket:
+        return [(path, [Path(path)]) for path in args.socket]
+    out = []
+    if args.agent in ("all", "sender"):
+        try:
+            out.append(sender_socket(args.rqprc))
+        except ConfigError:
+            if args.agent == "sender" or args.rqprc:
+                raise  # no .rqprc on a receiving-only host is fine for "all"
+    if args.agent in ("all", "receiver"):
+        out.append(receiver_socket(args.receiver_config))
+    return out
+
+
+def _ago(then: float | None, now: float) -> str:
+    """How long ago, shortly: 42s, 5m03s, 2h05m, 3d04h."""
+    if then is None:
+        return "-"
+    s = int(max(now - then, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _print_sender(st: dict) -> None:
+    now = st["now"]
+    print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
+          f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
+          f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
+          f"({st['dead_letter_queue_depth']}), in flight {st['in_flight']}")
+    print("  hosts: " + ", ".join(f"{h['host']} {h['connection']}" for h in st["hosts"]))
+    if not st["routes"]:
+        print("  no messages sent yet")
+        return
+    print(f"  {'queue':34} {'peer':22} {'state':10} {'for':>7} {'sent':>8} {'bytes':>10} "
+          f"{'flight':>6} {'errors':>6} {'counter':>7} {'last msg':>8}  last error")
+    for r in st["routes"]:
+        queue = r["queue"] + (f" {r['name']}" if r["name"] else "")
+        print(f"  {queue[:34]:34} {(r['peer'] or '-')[:22]:22} {r['state']:10} "
+              f"{_ago(r['since'], now):>7} {r['sent']:>8} {r['sent_bytes']:>10} "
+              f"{r['in_flight']:>6} {r['errors']:>6} {r['error_counter']:>7} "
+              f"{_ago(r['last_message_at'], now):>8}  {r['last_error'] or '-'}")
+
+
+def _print_receiver(st: dict) -> None:
+    now = st["now"]
+    print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
+          f"listening {st['listen']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
+          f"({st['dead_letter_queue_depth']}), {len(st['connections'])} connection(s), "
+          f"{st['stats'].get('messages', 0)} message(s) put")
+    for c in st["connections"]:
+        print(f"  from {c['peer']:24} for {_ago(c['since'], now):>7}: {c['messages']} put, "
+              f"{c['dead_letters']} dead-lettered, {c['asks']} asks")
+    offered = [q for q in st["queues"] if q["offered"]]
+    print("  offers: " + (", ".join(q["queue"] + (f" {q['name']}" if q["name"] else "")
+                                    for q in offered) or "nothing (no writable queue)"))
+
+
+def status(args) -> int:
+    code, answers = 0, {}
+    for name, candidates in _targets(args):
+        try:
+            answers[name] = st = ask(candidates, "status")
+        except ControlError as exc:
+            answers[name] = {"agent": name, "running": False, "error": str(exc)}
+            code = max(code, EXIT_NOT_RUNNING)
+            if not args.json:
+                print(f"{name}: not running: {exc}")
+            continue
+        if any(r["state"] in UNHEALTHY for r in st.get("routes", ())):
+            code = max(code, EXIT_UNHEALTHY) if code != EXIT_NOT_RUNNING else code
+        if not args.json:
+            (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
+    if args.json:
+        print(json.dumps(answers, indent=2, default=str))
+    return code
+
+
+def metrics(args) -> int:
+    code = 0
+    for name, candidates in _targets(args):
+        try:
+            print(ask(candidates, "metrics")["text"], end="")
+        except ControlError as exc:
+            print(f"# {name}: not running: {exc}")
+            code = EXIT_NOT_RUNNING
+    return code
+
+
+def queues(args) -> int:
+    offered = {}
+    try:
+        _, candidates = receiver_socket(args.receiver_config)
+        offered = {q["queue_key"]: q["offered"] for q in ask(candidates, "status")["queues"]}
+        note = ""
+    except ControlError:
+        note = " (receiver not running: 'offered' unknown)"
+    print(f"{'queue':12} {'messages':>9} {'bytes':>9} {'mode':>5} {'uid':>6} {'gid':>6} "
+          f"offered{note}")
+    for q in list_queues():
+        print(f"{format_key(q.key):12} {q.messages:>9} {q.bytes:>9} {q.mode:>5o} {q.uid:>6} "
+              f"{q.gid:>6} {({True: 'yes', False: 'no'}).get(offered.get(q.key), '?')}")
+    return 0
+
+
+def send(args) -> int:
+    import rqp
+    from .service import sender_serving
+    config = load_sender_config(find_rqprc(args.rqprc))
+    handle = rqp.openConnection(args.queue, rqprc=args.rqprc, start_sender=False)
+    data = args.message.encode() if args.message is not None else os.read(0, 1 << 20)
+    kind = rqp.UNSURE_MSG if args.unsure else rqp.SURE_MSG
+    rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout)
+    rqp.closeConnection(handle)
+    print(f"put {len(data)} bytes for {args.queue} on the transmission queue"
+          + (" (journaled by the sending MCA)" if args.sync else ""))
+    if not sender_serving(config.transmission_queue):
+        print("warning: no sending MCA serves the transmission queue now; it waits there")
+        return EXIT_NOT_RUNNING
+    return 0
+
+
+def receive(args) -> int:
+    import rqp
+    try:  # a key needs no .rqprc; a name does
+        queue = parse_queue_key(args.queue)
+    except ConfigError:
+        queue = args.queue
+    for n in range(args.count):
+        try:
+            data = rqp.receiveMessage(queue, timeout=args.timeout, rqprc=args.rqprc)
+        except QueueEmpty:
+            print(f"no message within {args.timeout:g}s")
+            return 1 if n == 0 else 0
+        text = data.decode("utf-8", "replace")
+        printable = text.isprintable() and "\ufffd" not in text
+        print(text if printable else data.hex(" "))
+    return 0
+
+
+def add_commands(groups) -> None:
+    def targets(p):
+        p.add_argument("--agent", choices=("all", "sender", "receiver"), default="all")
+        p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
+        p.add_argument("--receiver-config", metavar="FILE",
+                       help=f"the receiver's config (default {SYSTEM_RECEIVER_CONFIG} if it "
+                       "exists, else the defaults)")
+        p.add_argument("--socket", metavar="PATH", action="append",
+                       help="ask the agent on this control socket (repeatable)")
+
+    p = groups.add_parser("status", help="routes, connections and queues of the running "
+                          "agents", description="Exit 0 fine, 3 an agent is not running, 4 a "
+                          "route is not healthy.")
+    targets(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=status)
+    p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
+    targets(p)
+    p.set_defaults(run=metrics)
+    p = groups.add_parser("queues", help="this host's System V queues, and whether the "
+                          "receiver offers them")
+    p.add_argument("--receiver-config", metavar="FILE")
+    p.set_defaults(run=queues)
+    p = groups.add_parser("send", help="send one message (an operator's quick test)")
+    p.add_argument("queue", help="queue key or name from .rqprc")
+    p.add_argument("message", nargs="?", help="the text (default: standard input)")
+    p.add_argument("--unsure", action="store_true", help="UNSURE instead of SURE")
+    p.add_argument("--sync", action="store_true", help="wait until the sending MCA "
+                   "journaled it")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--rqprc", metavar="FILE")
+    p.set_defaults(run=send)
+    p = groups.add_parser("receive", help="take messages from a local queue")
+    p.add_argument("queue", help="queue key or name from .rqprc")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--rqprc", metavar="FILE")
+    p.set_defaults(run=receive)
+
+
+__all__ = ["add_commands", "status", "metrics", "queues", "send", "receive",
+           "EXIT_NOT_RUNNING", "EXIT_UNHEALTHY"]

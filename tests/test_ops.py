@@ -1,0 +1,161 @@
+"""Operating the agents: rqpctl status / metrics / queues / send / receive, the Prometheus
+endpoint, and SIGHUP reload, on simulated hosts with a route that works and one that breaks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import pytest
+
+from tests.agents import (
+    PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
+)
+from tests.testbed import wait_for
+
+Q1, Q2 = 0x52510001, 0x52510002
+RQPCTL = [sys.executable, "-m", "rqp.ctl"]
+
+
+def rqpctl(host, *args, check=False):
+    return host.run([*RQPCTL, *args], check=check, timeout=60)
+
+
+def receiver_config(host, extra: str = "") -> str:
+    return (f"control_socket: {host.workdir}/receiver.sock\nmetrics_listen: ':9747'\n"
+            f"queues:\n  PROD_THE_SCHED_COMMON: {Q1:#x}\n{extra}")
+
+
+@pytest.fixture
+def site(testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    receiver = start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], queues={"PROD_THE_SCHED_COMMON": Q1},
+                        metrics_listen=":9746")
+    sender = start_sender(a, rqprc)
+    return a, b, rqprc, sender, receiver
+
+
+def test_status_of_healthy_agents(site):
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["one", "two"])
+    assert receive(b, Q1, 2) == ["one", "two"]
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    st = next(iter(json.loads(out.stdout).values()))
+    [route] = st["routes"]
+    assert (route["queue"], route["name"], route["peer"], route["state"]) == \
+        ("0x52510001", "PROD_THE_SCHED_COMMON", f"{b.address}:{PORT}", "running")
+    assert (route["sent"], route["sent_bytes"], route["delivered"], route["in_flight"]) == \
+        (2, 6, 2, 0)
+    assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
+    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert "PROD_THE_SCHED_COMMON" in text and "running" in text
+    out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
+                 str(b.workdir / "receiver.yaml"), "--json")
+    st = next(iter(json.loads(out.stdout).values()))
+    assert out.returncode == 0 and st["stats"]["messages"] == 2
+    assert [c["peer"].split(":")[0] for c in st["connections"]] == [a.address]
+    assert {q["queue"]: q["offered"] for q in st["queues"]} == {"0x52510001": True}
+
+
+def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["before"])
+    assert receive(b, Q1, 1) == ["before"]
+    b.kill(receiver)
+    send(a, rqprc, Q1, ["stuck"])  # SURE: waits for a route
+    def state():
+        st = next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                          str(rqprc), "--json").stdout).values()))
+        return st["routes"][0]
+    route = wait_for(lambda: (r := state())["state"] in ("retrying", "no route") and r,
+                     timeout=20, message="the broken route never showed")
+    assert route["last_error"] and route["waiting"] == 1
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert out.returncode == 4
+    metrics = a.python("import urllib.request; print(urllib.request.urlopen("
+                       "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
+    lines = metrics.splitlines()
+    states = [l for l in lines if l.startswith("rqp_sender_route_state{")]
+    assert len(states) == 6  # every state of the route, 1 for the one it is in
+    assert sum(float(l.rsplit(" ", 1)[1]) for l in states) == 1
+    assert any(f'state="{route["state"]}"' in l and l.endswith(" 1") for l in states)
+    assert any(l.startswith("rqp_journal_depth ") and l.endswith(" 1") for l in lines)
+    assert "# TYPE rqp_sender_messages_total counter" in lines
+    # the receiver is not running: a clear message and exit 3
+    out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
+                 str(b.workdir / "receiver.yaml"))
+    assert out.returncode == 3 and "not running" in out.stdout
+
+
+def test_receiver_metrics_over_http_and_rqpctl(site):
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["m"])
+    receive(b, Q1, 1)
+    http = b.python("import urllib.request; print(urllib.request.urlopen("
+                    "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    assert 'rqp_receiver_messages_total{outcome="put",queue="0x52510001"} 1' in http
+    assert "rqp_receiver_connections 1" in http
+    via_socket = rqpctl(b, "metrics", "--agent", "receiver", "--receiver-config",
+                        str(b.workdir / "receiver.yaml")).stdout
+    assert "rqp_receiver_connections 1" in via_socket
+    missing = b.python("import urllib.request, urllib.error\ntry:\n    urllib.request."
+                       "urlopen('http://127.0.0.1:9747/nothing', timeout=5)\nexcept urllib."
+                       "error.HTTPError as e:\n    print(e.code)")
+    assert missing.strip() == "404"
+
+
+def test_queues_send_and_receive(site):
+    a, b, rqprc, sender, receiver = site
+    out = rqpctl(b, "queues", "--receiver-config", str(b.workdir / "receiver.yaml"))
+    assert out.returncode == 0
+    row = [l for l in out.stdout.splitlines() if l.startswith("0x52510001")]
+    assert row and row[0].split()[-1] == "yes"
+    out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "hello operator", "--sync", "--rqprc",
+                 str(rqprc))
+    assert out.returncode == 0 and "journaled" in out.stdout
+    out = b.run([*RQPCTL, "receive", "0x52510001", "--timeout", "20"], check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "hello operator"
+
+
+def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
+    a, b, rqprc, sender, receiver = site
+    c = testbed.add_host("c")
+    start_receiver(c)
+    make_queue(c, Q2)
+    send(a, rqprc, Q1, ["x"])
+    assert receive(b, Q1, 1) == ["x"]
+    connected = len(log_lines(a, sender, "connected peer="))
+    good = rqprc.read_text()
+    rqprc.write_text(good.replace("hosts:", f"hosts:\n  - {c.address}:{PORT}"))
+    sender.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(a, sender, "reloaded"), timeout=20, message="no reload")
+    send(a, rqprc, Q2, ["only on c"])
+    assert receive(c, Q2, 1) == ["only on c"]
+    send(a, rqprc, Q1, ["still b"])
+    assert receive(b, Q1, 1) == ["still b"]
+    # the connection to b survived the reload: one new connection only, to c
+    assert len(log_lines(a, sender, "connected peer=")) == connected + 1
+    with_c = rqprc.read_text()
+    api_rqprc = rqprc.with_name("api.yaml")  # the applications keep a good copy
+    api_rqprc.write_text(with_c)
+    rqprc.write_text(with_c + "ask_timout: 1s\n")
+    sender.send_signal(signal.SIGHUP)
+    refused = wait_for(lambda: log_lines(a, sender, "reload refused"), timeout=20,
+                       message="a bad file was not refused")
+    assert "ask_timout" in refused[0] and "did you mean 'ask_timeout'" in refused[0]
+    send(a, api_rqprc, Q2, ["after a refused reload"])
+    assert receive(c, Q2, 1) == ["after a refused reload"]
+
+    # the receiver: stop offering Q1, connections stay
+    (b.workdir / "receiver.yaml").write_text(receiver_config(b, "offer:\n  deny: [0x52510001]\n"))
+    receiver.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(b, receiver, "reloaded"), timeout=20, message="no reload")
+    out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
+                 str(b.workdir / "receiver.yaml"), "--json")
+    st = next(iter(json.loads(out.stdout).values()))
+    assert {q["queue"]: q["offered"] for q in st["queues"]}["0x52510001"] is False
+    assert len(st["connections"]) == 1
