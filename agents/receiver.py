@@ -13,14 +13,13 @@ import collections
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
-from rqp.control import Metric, default_socket, render, serve_control, serve_metrics
+from rqp.control import Metric, default_socket, render
 from rqp.dedup import DedupWindow, window_path
 from rqp.constants import DEFAULT_MTYPE
 from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, QueuePermissionDenied
@@ -29,7 +28,8 @@ from rqp.frames import CLOSED, NEED_DATA
 from rqp.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
 from rqp.receiver_core import Ask, ReceiverConnection, Refuse, queue_key_problem
 from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, fit_dead_letter
-from rqp.service import host_name, notify, setup_logging, watchdog_interval
+from rqp.service import host_name, setup_logging
+from rqp_agents.daemon import Daemon, run_daemon
 
 log = logging.getLogger("rqp.receiver")
 
@@ -46,10 +46,13 @@ class DeadLetterUnavailable(RQPError):
     """Even DEAD.LETTER.Q cannot take the record: the message must stay with its sender."""
 
 
-class Receiver:
+class Receiver(Daemon):
     """The receiving MCA: one asyncio server, one task per connection."""
 
+    stop_note = "no new connections; answering what is in flight"
+
     def __init__(self, config: ReceiverConfig) -> None:
+        super().__init__(log)
         self.config = config
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
@@ -69,13 +72,10 @@ class Receiver:
         self._connections: set[asyncio.Task] = set()
         self._idle: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
-        self._stopping = asyncio.Event()
         self.put_budget = config.put_retry_count * config.put_retry_interval
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
-        self._servers: list = []
-        self._reloading = False
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
@@ -92,21 +92,10 @@ class Receiver:
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
         log.info("listening on %s; DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
-        self._servers.append(await serve_control(self.control_path, self._control))
-        if self.config.metrics_listen:
-            m = self.config.metrics_listen
-            self._servers.append(await serve_metrics(m.host, m.port, self.metrics))
-            log.info("metrics on http://%s/metrics", m)
-        notify("READY=1\nSTATUS=listening")
-        watchdog = watchdog_interval()
-        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        await self.start_service(self.control_path, self.config.metrics_listen)
+        self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
-        await self._stopping.wait()
-        notify("STOPPING=1")
+        await self.wait_for_stop()
         self._server.close()
         await self._server.wait_closed()
         for task in list(self._idle):  # nothing in flight on these
@@ -116,61 +105,28 @@ class Receiver:
             await asyncio.wait(busy, timeout=self.put_budget + 5)
         for task in list(self._connections):
             task.cancel()
-        if pinger:
-            pinger.cancel()
         expiry.cancel()
-        for server in self._servers:
-            server.close()
-        self.control_path.unlink(missing_ok=True)
+        self.stop_service()
         self.dedup.close()
         log.info("stopped: %s", self.stats)
 
-    def _on_signal(self, sig: int) -> None:
-        if self._stopping.is_set():
-            log.warning("second %s: exiting at once", signal.Signals(sig).name)
-            os._exit(0)
-        log.info("%s: no new connections; answering what is in flight",
-                 signal.Signals(sig).name)
-        self._stopping.set()
-
     # --- reload, status, metrics ---------------------------------------------------------------
 
-    def _on_hup(self) -> None:
-        if self._reloading:
-            return  # a SIGHUP during a reload is coalesced into it
-        self._reloading = True
-        asyncio.get_running_loop().call_soon(self._reload)
-
-    def _reload(self) -> None:
+    def reload(self) -> None:
         """SIGHUP: read the config again (offered queues, retries, sizes); connections stay.
         A bad file is refused and the running config kept."""
-        self._reloading = False
-        notify("RELOADING=1")
-        try:
-            if self.config.source is None:
-                raise RQPError("started without --config: nothing to reload")
-            new = load_receiver_config(self.config.source)
-            new = dataclasses.replace(new, listen=self.config.listen,
-                                      state_dir=self.config.state_dir)  # command-line values
-            if new.dead_letter_queue != self.config.dead_letter_queue:
-                raise RQPError("dead_letter_queue cannot change while running: restart the "
-                               "receiving MCA for that")
-        except RQPError as exc:
-            log.error("reload refused, keeping the running configuration: %s", exc)
-        else:
-            self.config = new
-            self.max_message_size = new.max_message_size or self.msgmax
-            self.put_budget = new.put_retry_count * new.put_retry_interval
-            log.info("reloaded %s", new.source)
-        notify("READY=1")
-
-    async def _control(self, request: dict) -> dict:
-        command = request.get("command")
-        if command == "status":
-            return self.status()
-        if command == "metrics":
-            return {"text": self.metrics()}
-        return {"error": f"unknown command {command!r} (status, metrics)"}
+        if self.config.source is None:
+            raise RQPError("started without --config: nothing to reload")
+        new = load_receiver_config(self.config.source)
+        new = dataclasses.replace(new, listen=self.config.listen,
+                                  state_dir=self.config.state_dir)  # command-line values
+        if new.dead_letter_queue != self.config.dead_letter_queue:
+            raise RQPError("dead_letter_queue cannot change while running: restart the "
+                           "receiving MCA for that")
+        self.config = new
+        self.max_message_size = new.max_message_size or self.msgmax
+        self.put_budget = new.put_retry_count * new.put_retry_interval
+        log.info("reloaded %s", new.source)
 
     def offered_queues(self) -> list[dict]:
         out = []
@@ -237,11 +193,6 @@ class Receiver:
         while True:
             await asyncio.sleep(60)
             self.dedup.expire()
-
-    async def _watchdog(self, interval: float) -> None:
-        while True:
-            notify("WATCHDOG=1")
-            await asyncio.sleep(interval)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -461,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
+
+    def build() -> Receiver:
         config = load_receiver_config(args.config)
         changes = {}
         if args.listen:
@@ -469,18 +421,9 @@ def main(argv: list[str] | None = None) -> int:
             changes["listen"] = parse_host(listen, config.listen.port)
         if args.state_dir:
             changes["state_dir"] = args.state_dir
-        if changes:
-            config = dataclasses.replace(config, **changes)
-        receiver = Receiver(config)
-        asyncio.run(receiver.run())
-    except RQPError as exc:
-        log.error("%s", exc)
-        return 1
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    return 0
+        return Receiver(dataclasses.replace(config, **changes))
 
+    return run_daemon(log, build)
 
 if __name__ == "__main__":
     sys.exit(main())

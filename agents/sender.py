@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.config import SenderConfig, load_sender_config
-from rqp.control import Metric, default_socket, render, serve_control, serve_metrics
+from rqp.control import Metric, default_socket, render
 from rqp.journal import Journal
 from rqp.errors import QueueError, QueueFull, QueueNotFound, RecordError
 from rqp.queues import LocalQueue, format_key, kernel_limits
@@ -36,9 +36,9 @@ from rqp.sender_core import (
     Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore, Settings,
 )
 from rqp.service import (
-    Doorbell, KeySource, ServingLock, host_name, notify, setup_logging, watchdog_interval,
-    write_file_atomically,
+    Doorbell, KeySource, ServingLock, host_name, setup_logging, write_file_atomically,
 )
+from rqp_agents.daemon import Daemon, run_daemon
 
 log = logging.getLogger("rqp.sender")
 
@@ -112,8 +112,11 @@ class _Link(asyncio.Protocol):
         self.sender.on_lost(self, exc)
 
 
-class Sender:
+class Sender(Daemon):
+    stop_note = f"taking no new records; waiting up to {STOP_GRACE:g}s for answers in flight"
+
     def __init__(self, config: SenderConfig) -> None:
+        super().__init__(log)
         self.config = config
         self.host = host_name()
         self.state_dir = Path(config.state_dir)
@@ -143,29 +146,18 @@ class Sender:
                                    * len(config.hosts)))
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
-        self._stopping: asyncio.Event | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
         self.stats = collections.Counter()
         self.dead_letter_reasons = collections.Counter()
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(self.state_dir, self.name)
-        self._servers: list = []
-        self._reloading = False
 
     # --- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.loop.add_signal_handler(sig, self._on_signal, sig)
-        self.loop.add_signal_handler(signal.SIGHUP, self._on_hup)
-        self._servers.append(await serve_control(self.control_path, self._control))
-        if self.config.metrics_listen:
-            m = self.config.metrics_listen
-            self._servers.append(await serve_metrics(m.host, m.port, self.metrics))
-            log.info("metrics on http://%s/metrics", m)
+        await self.start_service(self.control_path, self.config.metrics_listen)
         signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
         self._replay()
         self._reader = threading.Thread(target=self._read, name="xmit-reader", daemon=True)
@@ -174,65 +166,31 @@ class Sender:
                  "incarnation %08x", format_key(self.config.transmission_queue),
                  format_key(self.config.dead_letter_queue),
                  ", ".join(map(str, self.config.hosts)), self.keys.incarnation)
-        notify("READY=1\nSTATUS=serving")
-        watchdog = watchdog_interval()
-        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
-        await self._stopping.wait()
-        notify("STOPPING=1")
+        self.ready("serving")
+        await self.wait_for_stop()
         await self._stop()
-        if pinger:
-            pinger.cancel()
-
-    def _on_signal(self, sig: int) -> None:
-        if self._stopping.is_set():
-            log.warning("second %s: exiting at once", signal.Signals(sig).name)
-            os._exit(0)
-        log.info("%s: taking no new records; waiting up to %gs for answers in flight",
-                 signal.Signals(sig).name, STOP_GRACE)
-        self._stopping.set()
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
-    def _on_hup(self) -> None:
-        if self._reloading:
-            return  # a SIGHUP during a reload is coalesced into it
-        self._reloading = True
-        self.loop.call_soon(self._reload)
-
-    def _reload(self) -> None:
+    def reload(self) -> None:
         """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
         and frames in flight are kept. A bad file is refused and the running config kept."""
-        self._reloading = False
-        notify("RELOADING=1")
-        try:
-            new = load_sender_config(self.config.source)
-            fixed = [k for k in ("transmission_queue", "dead_letter_queue", "state_dir")
-                     if getattr(new, k) != getattr(self.config, k)]
-            if fixed:
-                raise RQPError(f"{', '.join(fixed)} cannot change while running: restart "
-                               "the sending MCA for that")
-            self.core.update_settings(Settings.from_config(new), self.loop.time())
-        except RQPError as exc:
-            log.error("reload refused, keeping the running configuration: %s", exc)
-        else:
-            self.config = new
-            log.info("reloaded %s: hosts %s", new.source, ", ".join(map(str, new.hosts)))
-            self._run_actions()
-        notify("READY=1")
+        new = load_sender_config(self.config.source)
+        fixed = [k for k in ("transmission_queue", "dead_letter_queue", "state_dir")
+                 if getattr(new, k) != getattr(self.config, k)]
+        if fixed:
+            raise RQPError(f"{', '.join(fixed)} cannot change while running: restart the "
+                           "sending MCA for that")
+        self.core.update_settings(Settings.from_config(new), self.loop.time())
+        self.config = new
+        log.info("reloaded %s: hosts %s", new.source, ", ".join(map(str, new.hosts)))
+        self._run_actions()
 
     def _depth(self, queue: LocalQueue) -> int | None:
         try:
             return queue.depth
         except RQPError:
             return None
-
-    async def _control(self, request: dict) -> dict:
-        command = request.get("command")
-        if command == "status":
-            return self.status()
-        if command == "metrics":
-            return {"text": self.metrics()}
-        return {"error": f"unknown command {command!r} (status, metrics)"}
 
     def status(self) -> dict:
         routes = self.core.route_status()
@@ -299,11 +257,6 @@ class Sender:
         m["rqp_up_seconds"].add(round(time.time() - self.started, 3))
         return render(list(m.values()))
 
-    async def _watchdog(self, interval: float) -> None:
-        while True:
-            notify("WATCHDOG=1")
-            await asyncio.sleep(interval)
-
     async def _stop(self) -> None:
         self._stop_reading.set()
         while self._reader.is_alive():  # wake it from its waits (semtimedop: EINTR)
@@ -325,9 +278,7 @@ class Sender:
         back = [m for m in self.core.drain_pending() if m.message_type != SURE_MSG]
         if back:
             await self._put_back(back, deadline=self.loop.time() + STOP_GRACE)
-        for server in self._servers:
-            server.close()
-        self.control_path.unlink(missing_ok=True)
+        self.stop_service()
         self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
         self._release_journaled()
         self.journal.close()
@@ -656,18 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        config = load_sender_config(args.rqprc)
-        sender = Sender(config)
-        asyncio.run(sender.run())
-    except RQPError as exc:
-        log.error("%s", exc)
-        return 1
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    return 0
-
+    return run_daemon(log, lambda: Sender(load_sender_config(args.rqprc)))
 
 if __name__ == "__main__":
     sys.exit(main())
