@@ -6,7 +6,7 @@ set -euo pipefail
 
 RQP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RQP_VENV=${RQP_VENV:-$RQP_ROOT/.venv}
-RQP_EXTRAS=${RQP_EXTRAS:-test}
+RQP_EXTRAS=${RQP_EXTRAS:-test,spark}
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
@@ -76,4 +76,5 @@ setup_all() {
     check_java
     check_tool ip iproute2 "the multi-host tests build network namespaces with it"
     check_tool unshare util-linux "the tests run hosts in their own IPC namespaces"
+    check_tool chromium chromium "the report's browser test renders the HTML with it"
 }

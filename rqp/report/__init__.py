@@ -1,0 +1,13 @@
+"""rqp-dlq-report: the dead-letter report, a PySpark job over the drain's archives.
+
+* :mod:`rqp.report.schema`: the archive format (version 1) as an explicit Spark schema;
+* :mod:`rqp.report.analysis`: pure DataFrame -> DataFrame functions (counts, payload sizes,
+  samples, likely recoverable dead letters);
+* :mod:`rqp.report.job`: the ``rqp-dlq-report`` command (also ``spark-submit``-able): reads
+  the archives, writes every table as Parquet and CSV, ``summary.json`` and ``report.html``;
+* :mod:`rqp.report.html`: the self-contained HTML page with inline SVG charts;
+* :mod:`rqp.report.generate`: synthetic archives with realistic skew, for tests and benchmarks;
+* :mod:`rqp.report.bench`: the job's time and records/s at 1, 2 and 5 million dead letters.
+
+Importing this package does not import pyspark; the modules that need it do.
+"""

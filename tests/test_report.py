@@ -1,0 +1,683 @@
+"""The dead-letter report (rqp.report): analysis functions, the job end to end, the HTML page in
+a real headless browser, and the synthetic data generator.
+
+One SparkSession (local[2], 2 shuffle partitions, no UI) serves the whole run. The input is a
+dozen dead letters written out below; every expected table is written out by hand too.
+
+The hand-made archive (times are 2025-03-03, UTC; d02 is archived twice; d00 ties with d03 on
+time and has the smaller id)::
+
+    id   time          host   agent     reason                  queue   type    bytes  source
+    d01  09:05:00.123  hostB  receiver  QUEUE_FULL              0x1001  SURE      100  hostA
+    d02  09:20         hostB  receiver  QUEUE_FULL              0x1001  SURE      300  hostA
+    d03  09:40         hostB  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     50  hostC
+    d04  10:00         hostA  sender    NO_ROUTE                0x3003  UNSURE     20  -
+    d05  10:10         hostB  receiver  QUEUE_FULL              0x1001  SURE      200  hostC
+    d06  10:30         hostC  receiver  NOT_AUTHORIZED          0x4004  SURE       80  hostA
+    d07  10:45         hostA  sender    RETRY_BUDGET_EXHAUSTED  0x1001  SURE      400  - (to hostB)
+    d08  11:00         hostC  receiver  MESSAGE_TOO_BIG         0x4004  SURE   100000  hostA
+    d09  11:15         hostB  receiver  QUEUE_FULL              0x1001  UNSURE    500  hostA
+    d10  11:30         hostB  receiver  UNKNOWN_QUEUE           0x2002  SURE       60  hostA
+    d11  11:50         hostD  api       NO_QUEUE_KEY            0       SURE       10  -
+    d00  09:40         hostB  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     70  hostC
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import datetime as dt
+import gzip
+import html.parser
+import itertools
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from pyspark.testing import assertDataFrameEqual
+
+from rqp.report import analysis, generate, job
+from rqp.report.schema import ARCHIVE_FIELDS, ARCHIVE_SCHEMA, ArchiveSchemaError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The one SparkSession
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def spark():
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("rqp-report-tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# The hand-made dead letters
+# --------------------------------------------------------------------------------------------
+
+_CODES = {"QUEUE_FULL": 22, "UNKNOWN_QUEUE": 20, "NO_ROUTE": 4, "NOT_AUTHORIZED": 21,
+          "RETRY_BUDGET_EXHAUSTED": 5, "MESSAGE_TOO_BIG": 23, "NO_QUEUE_KEY": 1}
+
+
+def dead_letter(id, time, host, agent, reason, queue_key, queue_name, message_type, length,
+                source_host, destination_host, preview, *, timestamp_ns=0,
+                archived_at="2025-03-03T12:00:00Z", archived_by=None) -> dict:
+    """One archive line; the fields not given are the same for every test row."""
+    payload = preview.encode()
+    return {
+        "schema": 1, "id": id, "archived_by": archived_by or f"drain@{host}",
+        "archived_at": archived_at, "host": host, "agent": agent, "reason": reason,
+        "reason_code": _CODES[reason], "queue_key": queue_key,
+        "queue_key_hex": "0x%08x" % queue_key, "queue_name": queue_name,
+        "message_key": "0x%016x" % 7, "message_type": message_type,
+        "timestamp": f"2025-03-03T{time}Z", "timestamp_ns": timestamp_ns, "attempts": 1,
+        "original_length": length, "payload_length": len(payload),
+        "truncated": len(payload) < length, "header_only": False,
+        "source_host": source_host, "destination_host": destination_host,
+        "detail": f"detail of {id}", "spill_path": "",
+        "payload_b64": base64.b64encode(payload).decode(), "payload_preview": preview,
+    }
+
+
+D = dead_letter
+LINES = [
+    D("d01", "09:05:00.123", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 100,
+      "hostA", "", "order 1", timestamp_ns=1740992700123456789),
+    D("d02", "09:20:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
+      "hostA", "", "order 2"),
+    D("d03", "09:40:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 50,
+      "hostC", "", "ghost 3"),
+    D("d04", "10:00:00", "hostA", "sender", "NO_ROUTE", 0x3003, None, "UNSURE", 20,
+      "", "", "ping"),
+    D("d05", "10:10:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 200,
+      "hostC", "", "order 5"),
+    D("d06", "10:30:00", "hostC", "receiver", "NOT_AUTHORIZED", 0x4004, "AUDIT.Q", "SURE", 80,
+      "hostA", "", "audit 6"),
+    D("d07", "10:45:00", "hostA", "sender", "RETRY_BUDGET_EXHAUSTED", 0x1001, None, "SURE", 400,
+      "", "hostB", "order 7"),
+    D("d08", "11:00:00", "hostC", "receiver", "MESSAGE_TOO_BIG", 0x4004, "AUDIT.Q", "SURE",
+      100000, "hostA", "", ""),
+    D("d09", "11:15:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "UNSURE", 500,
+      "hostA", "", "order 9"),
+    D("d10", "11:30:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "SURE", 60,
+      "hostA", "", "ghost 10"),
+    D("d11", "11:50:00", "hostD", "api", "NO_QUEUE_KEY", 0, None, "SURE", 10, "", "", "nokey"),
+    # d02 again: archived a day later by another drain (dropped: the first archiving is kept)
+    D("d02", "09:20:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
+      "hostA", "", "order 2", archived_at="2025-03-04T08:00:00Z", archived_by="drain@hostZ"),
+    D("d00", "09:40:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 70,
+      "hostC", "", "<script>alert(1)</script><b>tie</b> & more"),
+]
+
+
+def T(clock: str) -> dt.datetime:
+    """2025-03-03 at ``clock`` (UTC)."""
+    return dt.datetime.fromisoformat(f"2025-03-03T{clock}+00:00")
+
+
+@pytest.fixture(scope="module")
+def raw(spark):
+    return spark.createDataFrame(LINES, schema=ARCHIVE_SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def dead(raw):
+    return analysis.normalize(raw).cache()
+
+
+COUNT_COLUMNS = "count BIGINT, first_seen TIMESTAMP, last_seen TIMESTAMP"
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis functions
+# --------------------------------------------------------------------------------------------
+
+def test_normalize_derives_columns_and_drops_duplicate_ids(spark, dead):
+    expected = spark.createDataFrame([
+        ("d01", T("09:05:00.123456"), "hostA", "hostB", T("09:00"), 1, "drain@hostB"),
+        ("d02", T("09:20:00"), "hostA", "hostB", T("09:00"), 2, "drain@hostB"),
+        ("d03", T("09:40:00"), "hostC", "hostB", T("09:00"), 1, "drain@hostB"),
+        ("d04", T("10:00:00"), "hostA", "(unknown)", T("10:00"), 1, "drain@hostA"),
+        ("d05", T("10:10:00"), "hostC", "hostB", T("10:00"), 1, "drain@hostB"),
+        ("d06", T("10:30:00"), "hostA", "hostC", T("10:00"), 1, "drain@hostC"),
+        ("d07", T("10:45:00"), "hostA", "hostB", T("10:00"), 1, "drain@hostA"),
+        ("d08", T("11:00:00"), "hostA", "hostC", T("11:00"), 1, "drain@hostC"),
+        ("d09", T("11:15:00"), "hostA", "hostB", T("11:00"), 1, "drain@hostB"),
+        ("d10", T("11:30:00"), "hostA", "hostB", T("11:00"), 1, "drain@hostB"),
+        ("d11", T("11:50:00"), "hostD", "(unknown)", T("11:00"), 1, "drain@hostD"),
+        ("d00", T("09:40:00"), "hostC", "hostB", T("09:00"), 1, "drain@hostB"),
+    ], "id STRING, timestamp TIMESTAMP, source STRING, destination STRING, hour TIMESTAMP, "
+       "copies BIGINT, archived_by STRING")
+    actual = dead.select("id", "timestamp", "source", "destination", "hour", "copies",
+                         "archived_by")
+    assertDataFrameEqual(actual, expected)
+
+
+def test_normalize_keeps_rows_without_id_apart(spark, raw):
+    no_id = raw.where("id = 'd04' or id = 'd11'").withColumn("id", F.lit(None))
+    actual = analysis.normalize(no_id).select("reason", "copies")
+    expected = spark.createDataFrame([("NO_ROUTE", 1), ("NO_QUEUE_KEY", 1)],
+                                     "reason STRING, copies BIGINT")
+    assertDataFrameEqual(actual, expected)
+
+
+def test_counts_by_reason(spark, dead):
+    expected = spark.createDataFrame([
+        ("QUEUE_FULL", 4, T("09:05:00.123456"), T("11:15:00")),
+        ("UNKNOWN_QUEUE", 3, T("09:40:00"), T("11:30:00")),
+        ("NO_ROUTE", 1, T("10:00:00"), T("10:00:00")),
+        ("NOT_AUTHORIZED", 1, T("10:30:00"), T("10:30:00")),
+        ("RETRY_BUDGET_EXHAUSTED", 1, T("10:45:00"), T("10:45:00")),
+        ("MESSAGE_TOO_BIG", 1, T("11:00:00"), T("11:00:00")),
+        ("NO_QUEUE_KEY", 1, T("11:50:00"), T("11:50:00")),
+    ], f"reason STRING, {COUNT_COLUMNS}")
+    assertDataFrameEqual(analysis.counts_by(dead, "reason"), expected)
+
+
+def test_counts_by_queue_with_labels(spark, dead):
+    # d07 has no queue name: the key still makes one row, named from the other records
+    expected = spark.createDataFrame([
+        (0x1001, "0x00001001", "ORDERS.Q", 5, T("09:05:00.123456"), T("11:15:00")),
+        (0x2002, "0x00002002", None, 3, T("09:40:00"), T("11:30:00")),
+        (0x3003, "0x00003003", None, 1, T("10:00:00"), T("10:00:00")),
+        (0x4004, "0x00004004", "AUDIT.Q", 2, T("10:30:00"), T("11:00:00")),
+        (0, "0x00000000", None, 1, T("11:50:00"), T("11:50:00")),
+    ], f"queue_key BIGINT, queue_key_hex STRING, queue_name STRING, {COUNT_COLUMNS}")
+    actual = analysis.counts_by(dead, "queue_key", labels=("queue_key_hex", "queue_name"))
+    assertDataFrameEqual(actual, expected)
+
+
+def test_counts_by_hosts_and_message_type(spark, dead):
+    assertDataFrameEqual(analysis.counts_by(dead, "source"), spark.createDataFrame([
+        ("hostA", 8, T("09:05:00.123456"), T("11:30:00")),
+        ("hostC", 3, T("09:40:00"), T("10:10:00")),
+        ("hostD", 1, T("11:50:00"), T("11:50:00")),
+    ], f"source STRING, {COUNT_COLUMNS}"))
+    assertDataFrameEqual(analysis.counts_by(dead, "destination"), spark.createDataFrame([
+        ("hostB", 8, T("09:05:00.123456"), T("11:30:00")),
+        ("hostC", 2, T("10:30:00"), T("11:00:00")),
+        ("(unknown)", 2, T("10:00:00"), T("11:50:00")),
+    ], f"destination STRING, {COUNT_COLUMNS}"))
+    assertDataFrameEqual(analysis.counts_by(dead, "message_type"), spark.createDataFrame([
+        ("SURE", 8, T("09:05:00.123456"), T("11:50:00")),
+        ("UNSURE", 4, T("09:40:00"), T("11:15:00")),
+    ], f"message_type STRING, {COUNT_COLUMNS}"))
+
+
+def test_counts_by_hour_and_hour_reason(spark, dead):
+    assertDataFrameEqual(analysis.counts_by(dead, "hour"), spark.createDataFrame([
+        (T("09:00"), 4, T("09:05:00.123456"), T("09:40:00")),
+        (T("10:00"), 4, T("10:00:00"), T("10:45:00")),
+        (T("11:00"), 4, T("11:00:00"), T("11:50:00")),
+    ], f"hour TIMESTAMP, {COUNT_COLUMNS}"))
+    assertDataFrameEqual(analysis.counts_by(dead, "hour", "reason"), spark.createDataFrame([
+        (T("09:00"), "QUEUE_FULL", 2, T("09:05:00.123456"), T("09:20:00")),
+        (T("09:00"), "UNKNOWN_QUEUE", 2, T("09:40:00"), T("09:40:00")),
+        (T("10:00"), "NO_ROUTE", 1, T("10:00:00"), T("10:00:00")),
+        (T("10:00"), "QUEUE_FULL", 1, T("10:10:00"), T("10:10:00")),
+        (T("10:00"), "NOT_AUTHORIZED", 1, T("10:30:00"), T("10:30:00")),
+        (T("10:00"), "RETRY_BUDGET_EXHAUSTED", 1, T("10:45:00"), T("10:45:00")),
+        (T("11:00"), "MESSAGE_TOO_BIG", 1, T("11:00:00"), T("11:00:00")),
+        (T("11:00"), "QUEUE_FULL", 1, T("11:15:00"), T("11:15:00")),
+        (T("11:00"), "UNKNOWN_QUEUE", 1, T("11:30:00"), T("11:30:00")),
+        (T("11:00"), "NO_QUEUE_KEY", 1, T("11:50:00"), T("11:50:00")),
+    ], f"hour TIMESTAMP, reason STRING, {COUNT_COLUMNS}"))
+
+
+STATS = "count BIGINT, min BIGINT, max BIGINT, avg DOUBLE, p50 BIGINT, p95 BIGINT"
+
+
+def test_payload_stats_overall_and_per_reason(spark, dead):
+    # sizes: 10 20 50 60 70 80 100 200 300 400 500 100000 (sum 101790)
+    assertDataFrameEqual(analysis.payload_stats(dead), spark.createDataFrame(
+        [(12, 10, 100000, 8482.5, 80, 100000)], STATS))
+    assertDataFrameEqual(analysis.payload_stats(dead, by="reason"), spark.createDataFrame([
+        ("QUEUE_FULL", 4, 100, 500, 275.0, 200, 500),
+        ("UNKNOWN_QUEUE", 3, 50, 70, 60.0, 60, 70),
+        ("NO_ROUTE", 1, 20, 20, 20.0, 20, 20),
+        ("NOT_AUTHORIZED", 1, 80, 80, 80.0, 80, 80),
+        ("RETRY_BUDGET_EXHAUSTED", 1, 400, 400, 400.0, 400, 400),
+        ("MESSAGE_TOO_BIG", 1, 100000, 100000, 100000.0, 100000, 100000),
+        ("NO_QUEUE_KEY", 1, 10, 10, 10.0, 10, 10),
+    ], f"reason STRING, {STATS}"))
+
+
+def test_samples_are_the_earliest_per_group(spark, dead):
+    # UNKNOWN_QUEUE: d03 and d00 are both at 09:40; d00 has the smaller id
+    actual = analysis.samples(dead, "reason").select(
+        "reason", "id", "timestamp", "queue_key_hex", "source", "destination",
+        "payload_preview")
+    expected = spark.createDataFrame([
+        ("QUEUE_FULL", "d01", T("09:05:00.123456"), "0x00001001", "hostA", "hostB", "order 1"),
+        ("UNKNOWN_QUEUE", "d00", T("09:40:00"), "0x00002002", "hostC", "hostB",
+         "<script>alert(1)</script><b>tie</b> & more"),
+        ("NO_ROUTE", "d04", T("10:00:00"), "0x00003003", "hostA", "(unknown)", "ping"),
+        ("NOT_AUTHORIZED", "d06", T("10:30:00"), "0x00004004", "hostA", "hostC", "audit 6"),
+        ("RETRY_BUDGET_EXHAUSTED", "d07", T("10:45:00"), "0x00001001", "hostA", "hostB",
+         "order 7"),
+        ("MESSAGE_TOO_BIG", "d08", T("11:00:00"), "0x00004004", "hostA", "hostC", ""),
+        ("NO_QUEUE_KEY", "d11", T("11:50:00"), "0x00000000", "hostD", "(unknown)", "nokey"),
+    ], "reason STRING, id STRING, timestamp TIMESTAMP, queue_key_hex STRING, source STRING, "
+       "destination STRING, payload_preview STRING")
+    assertDataFrameEqual(actual, expected)
+
+
+RECOVERABLE = "id STRING, reason STRING, evidence STRING, evidence_at TIMESTAMP"
+
+
+def test_likely_recoverable_without_traffic_uses_transient_reasons(spark, dead):
+    actual = analysis.likely_recoverable(dead).select("id", "reason", "evidence", "evidence_at")
+    expected = spark.createDataFrame([
+        ("d01", "QUEUE_FULL", "transient_reason", None),
+        ("d02", "QUEUE_FULL", "transient_reason", None),
+        ("d05", "QUEUE_FULL", "transient_reason", None),
+        ("d09", "QUEUE_FULL", "transient_reason", None),
+        ("d03", "UNKNOWN_QUEUE", "transient_reason", None),
+        ("d10", "UNKNOWN_QUEUE", "transient_reason", None),
+        ("d00", "UNKNOWN_QUEUE", "transient_reason", None),
+        ("d04", "NO_ROUTE", "transient_reason", None),
+    ], RECOVERABLE)
+    assertDataFrameEqual(actual, expected)
+    assert analysis.likely_recoverable(dead).columns == list(analysis.RECOVERABLE_COLUMNS)
+
+
+TRAFFIC = [  # deliveries: queue key as hex or decimal text, ISO time
+    ("0x1001", "2025-03-03T10:00:00Z"),
+    ("4097", "2025-03-03T11:20:00Z"),       # 0x1001 again, the latest delivery
+    ("16388", "2025-03-03T11:40:00Z"),      # 0x4004: after d06 and d08 (too big: left out)
+    ("0x3003", "2025-03-03T09:00:00Z"),     # before d04: no evidence
+    ("not a key", "2025-03-03T12:00:00Z"),  # ignored
+]
+
+
+def test_likely_recoverable_with_traffic_needs_a_later_delivery(spark, dead):
+    traffic = spark.createDataFrame(TRAFFIC, "queue_key STRING, timestamp STRING")
+    actual = analysis.likely_recoverable(dead, traffic).select(
+        "id", "reason", "evidence", "evidence_at")
+    expected = spark.createDataFrame([
+        ("d01", "QUEUE_FULL", "traffic", T("11:20:00")),
+        ("d02", "QUEUE_FULL", "traffic", T("11:20:00")),
+        ("d05", "QUEUE_FULL", "traffic", T("11:20:00")),
+        ("d07", "RETRY_BUDGET_EXHAUSTED", "traffic", T("11:20:00")),
+        ("d09", "QUEUE_FULL", "traffic", T("11:20:00")),
+        ("d06", "NOT_AUTHORIZED", "traffic", T("11:40:00")),
+    ], RECOVERABLE)
+    assertDataFrameEqual(actual, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# The job end to end
+# --------------------------------------------------------------------------------------------
+
+def _write_gz(path: Path, lines: list[str]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory) -> Path:
+    """The hand-made dead letters as a drain would leave them, plus things to ignore."""
+    d = tmp_path_factory.mktemp("archive")
+    as_json = [json.dumps(line) for line in LINES]
+    _write_gz(d / "dlq-0001.jsonl.gz", as_json[0:6])            # d01..d06
+    _write_gz(d / "dlq-0002.jsonl.gz", as_json[6:12])           # d07..d11, d02 again
+    (d / "sub").mkdir()
+    (d / "sub" / "dlq-0003.jsonl").write_text(as_json[12] + "\nthis line is not JSON\n")
+    (d / "notes.txt").write_text("not an archive\n")            # not *.jsonl(.gz)
+    (d / ".dlq-0004.jsonl.gz.tmp").write_text("{half a line")  # a drain's file in progress
+    return d
+
+
+@pytest.fixture(scope="module")
+def traffic_csv(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("traffic") / "deliveries.csv"
+    path.write_text("queue_key,timestamp\n" + "".join(f"{k},{t}\n" for k, t in TRAFFIC))
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(spark, archive, traffic_csv, tmp_path_factory):
+    """Run rqp-dlq-report (in this process, with the test session) once for the tests below."""
+    out = tmp_path_factory.mktemp("report")
+    import contextlib
+    import io
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = job.main(["--input", str(archive), "--output", str(out),
+                           "--traffic", str(traffic_csv)])
+    assert status == 0, stderr.getvalue()
+    return out, stdout.getvalue(), stderr.getvalue()
+
+
+def test_job_writes_every_output(spark, report):
+    out, stdout, stderr = report
+    for table in [t.name for t in job.TABLES]:
+        parquet, csv = out / "parquet" / table, out / "csv" / table
+        assert (parquet / "_SUCCESS").exists(), table
+        assert (csv / "_SUCCESS").exists(), table
+        parts = sorted(csv.glob("part-*.csv"))
+        assert parts, table
+        header = parts[0].read_text().splitlines()[0].split(",")
+        assert header == spark.read.parquet(str(parquet)).columns, table
+    assert (out / "summary.json").exists() and (out / "report.html").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
+    # the small tables are one file each, sorted
+    by_reason = spark.read.parquet(str(out / "parquet" / "by_reason"))
+    assert [(r.reason, r["count"]) for r in by_reason.collect()] == [
+        ("QUEUE_FULL", 4), ("UNKNOWN_QUEUE", 3), ("MESSAGE_TOO_BIG", 1), ("NOT_AUTHORIZED", 1),
+        ("NO_QUEUE_KEY", 1), ("NO_ROUTE", 1), ("RETRY_BUDGET_EXHAUSTED", 1)]
+    csv_lines = next((out / "csv" / "by_reason").glob("part-*.csv")).read_text().splitlines()
+    assert csv_lines[0] == "reason,count,first_seen,last_seen"
+    assert csv_lines[1] == "QUEUE_FULL,4,2025-03-03T09:05:00.123Z,2025-03-03T11:15:00.000Z"
+    recoverable = spark.read.parquet(str(out / "parquet" / "likely_recoverable"))
+    assert sorted(r.id for r in recoverable.collect()) == ["d01", "d02", "d05", "d06", "d07",
+                                                           "d09"]
+
+
+def test_job_summary_totals(report):
+    out, stdout, stderr = report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["archive_schema"] == 1
+    assert summary["totals"] == {
+        "files": 3, "lines": 14, "unreadable_lines": 1, "duplicates_dropped": 1,
+        "dead_letters": 12, "reasons": 7, "queues": 5, "source_hosts": 3,
+        "destination_hosts": 3, "likely_recoverable": 6,
+    }
+    assert summary["first_seen"] == "2025-03-03T09:05:00.123456Z"
+    assert summary["last_seen"] == "2025-03-03T11:50:00.000000Z"
+    assert [(r["reason"], r["count"]) for r in summary["by_reason"]] == [
+        ("QUEUE_FULL", 4), ("UNKNOWN_QUEUE", 3), ("MESSAGE_TOO_BIG", 1), ("NOT_AUTHORIZED", 1),
+        ("NO_QUEUE_KEY", 1), ("NO_ROUTE", 1), ("RETRY_BUDGET_EXHAUSTED", 1)]
+    assert [(q["queue_key_hex"], q["queue_name"], q["count"]) for q in summary["top_queues"]] == [
+        ("0x00001001", "ORDERS.Q", 5), ("0x00002002", None, 3), ("0x00004004", "AUDIT.Q", 2),
+        ("0x00000000", None, 1), ("0x00003003", None, 1)]
+    assert [(h["source"], h["count"]) for h in summary["top_source_hosts"]] == [
+        ("hostA", 8), ("hostC", 3), ("hostD", 1)]
+    assert [(h["destination"], h["count"]) for h in summary["top_destination_hosts"]] == [
+        ("hostB", 8), ("(unknown)", 2), ("hostC", 2)]
+    assert summary["likely_recoverable"]["evidence"] == "traffic"
+    # stdout: the short table by reason; stderr names the file with the unreadable line
+    assert "QUEUE_FULL" in stdout and "TOTAL" in stdout
+    assert [line.split()[:2] for line in stdout.splitlines() if line.startswith("TOTAL")] == [
+        ["TOTAL", "12"]]
+    assert "1 line(s)" in stderr and "dlq-0003.jsonl" in stderr
+
+
+def test_job_rejects_a_schema_2_file_naming_it(spark, archive, tmp_path, capsys):
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    line = dict(LINES[0], schema=2, id="e01")
+    (newer / "dlq-from-the-future.jsonl").write_text(json.dumps(line) + "\n")
+    status = job.main(["--input", str(archive), str(newer / "*.jsonl"),
+                       "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "dlq-from-the-future.jsonl" in err and "schema 2" in err
+    assert "dlq-0001" not in err  # only the offending file is named
+    assert not (tmp_path / "out" / "summary.json").exists()
+    with pytest.raises(ArchiveSchemaError, match="dlq-from-the-future.jsonl"):
+        job.run_report(spark, [str(newer)], str(tmp_path / "out2"))
+
+
+def test_job_input_errors_are_clear(tmp_path, capsys):
+    assert job.main(["--input", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")]) == 2
+    assert "cannot read the input" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert job.main(["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "o")]) == 2
+    assert "no archive files" in capsys.readouterr().err
+
+
+def test_job_uses_the_running_session(spark):
+    session, created = job.get_session(None)
+    assert session is spark and not created
+
+
+def test_drain_missing_is_reported(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "rqp_agents.drain" else real(name, *a))
+    status = job.main(["--drain", "--archive", str(tmp_path), "--output", str(tmp_path / "o")])
+    assert status == 2
+    assert "drain tool is not installed" in capsys.readouterr().err
+
+
+def test_job_file_runs_as_a_script():
+    """spark-submit runs rqp/report/job.py as a file: its directory (with html.py in it) must
+    not hide the standard library."""
+    result = subprocess.run([sys.executable, str(ROOT / "rqp" / "report" / "job.py"), "--help"],
+                            capture_output=True, text=True, timeout=120, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "--input" in result.stdout and "--traffic" in result.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The HTML page in a real browser
+# --------------------------------------------------------------------------------------------
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("chromium is not installed; the report's browser test needs it: "
+                    "apt-get install chromium (or run scripts/test, which installs it)")
+    return path
+
+
+class _Dom(html.parser.HTMLParser):
+    """Counts what the test looks for in the rendered DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.svg: str | None = None
+        self.bars: collections.Counter = collections.Counter()
+        self.series: dict[str, list[str]] = collections.defaultdict(list)
+        self.ids: dict[str, str] = {}
+        self.tags: collections.Counter = collections.Counter()
+        self._text_of: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags[tag] += 1
+        if tag == "svg":
+            self.svg = a.get("id")
+        if self.svg and tag == "rect" and "bar" in (a.get("class") or "").split():
+            self.bars[self.svg] += 1
+        if self.svg and tag == "g" and a.get("class") == "series":
+            self.series[self.svg].append(a.get("data-reason"))
+        if "id" in a and tag in ("dd", "p"):
+            self._text_of = a["id"]
+            self.ids[a["id"]] = ""
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self.svg = None
+        if tag in ("dd", "p"):
+            self._text_of = None
+
+    def handle_data(self, data):
+        if self._text_of:
+            self.ids[self._text_of] += data
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
+    """A tiny PNG decoder (8-bit, not interlaced, no Pillow): width, height and a sample of the
+    pixels (every 4th pixel of every 4th row)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, [], None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = header
+    assert depth == 8 and interlace == 0, header
+    bpp = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    raw = zlib.decompress(b"".join(idat))
+    stride = width * bpp
+    low = int.from_bytes(b"\x7f" * stride, "big")
+    high = int.from_bytes(b"\x80" * stride, "big")
+
+    def add(x: bytes, y: bytes) -> bytes:  # bytewise (x + y) mod 256 of whole rows at once
+        a, b = int.from_bytes(x, "big"), int.from_bytes(y, "big")
+        return (((a & low) + (b & low)) ^ ((a ^ b) & high)).to_bytes(stride, "big")
+
+    rows, prev = [], bytes(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], raw[start + 1:start + 1 + stride]
+        if kind == 2:  # Up
+            line = add(line, prev)
+        elif kind == 1:  # Sub: a running sum per channel
+            out = bytearray(line)
+            for k in range(bpp):
+                out[k::bpp] = bytes(itertools.accumulate(line[k::bpp],
+                                                         lambda s, v: (s + v) & 255))
+            line = bytes(out)
+        elif kind in (3, 4):  # Average, Paeth
+            out = bytearray(line)
+            for i in range(stride):
+                a = out[i - bpp] if i >= bpp else 0
+                b = prev[i]
+                if kind == 3:
+                    out[i] = (out[i] + (a + b) // 2) & 255
+                else:
+                    c = prev[i - bpp] if i >= bpp else 0
+                    p = a + b - c
+                    pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                    out[i] = (out[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) \
+                        & 255
+            line = bytes(out)
+        rows.append(line)
+        prev = line
+    return width, height, [r[i:i + bpp] for r in rows[::4] for i in range(0, stride, bpp * 4)]
+
+
+def test_report_html_renders_in_a_real_browser(report, tmp_path):
+    chromium = _chromium()
+    out, _, _ = report
+    page = (out / "report.html").resolve().as_uri()
+    profile = tmp_path / "profile"
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                          "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = _Dom()
+    parsed.feed(dom.stdout)
+    # over time: 7 reasons (series), 10 (hour, reason) bars
+    assert parsed.series["chart-timeline"] == [
+        "QUEUE_FULL", "UNKNOWN_QUEUE", "MESSAGE_TOO_BIG", "NOT_AUTHORIZED", "NO_QUEUE_KEY",
+        "NO_ROUTE", "RETRY_BUDGET_EXHAUSTED"]
+    assert parsed.bars["chart-timeline"] == 10
+    assert parsed.bars["chart-queues"] == 5
+    assert parsed.bars["chart-source-hosts"] == 3
+    assert parsed.bars["chart-destination-hosts"] == 3
+    assert parsed.ids["total-dead-letters"] == "12"
+    assert parsed.ids["total-duplicates"] == "1"
+    assert parsed.ids["first-seen"] == "2025-03-03 09:05:00Z"
+    assert "traffic" in parsed.ids["recoverable-evidence"]
+    # the samples, the hostile preview shown as text: no script or b element came from it
+    assert "d00" in dom.stdout and "d08" in dom.stdout
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;b&gt;tie&lt;/b&gt; &amp; more" in dom.stdout
+    assert parsed.tags["script"] == 0 and parsed.tags["b"] == 0
+
+    shot = tmp_path / "report.png"
+    result = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                             f"--screenshot={shot}", "--window-size=1200,2000", page],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]
+    width, height, pixels = _png_pixels(shot.read_bytes())
+    assert (width, height) == (1200, 2000)
+    colors = collections.Counter(pixels)
+    assert len(colors) > 20, "the screenshot is (nearly) one colour"
+    background, n = colors.most_common(1)[0]
+    assert n < 0.97 * len(pixels), "the screenshot is (nearly) blank"
+
+
+# --------------------------------------------------------------------------------------------
+# The synthetic data generator
+# --------------------------------------------------------------------------------------------
+
+def _lines(directory: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(directory.glob("*.jsonl.gz"))
+            for line in gzip.open(p, "rt")]
+
+
+def test_generate_is_deterministic(tmp_path):
+    a = generate.generate(3000, str(tmp_path / "a"), seed=7, per_file=1000, processes=2)
+    b = generate.generate(3000, str(tmp_path / "b"), seed=7, per_file=1000, processes=1)
+    c = generate.generate(3000, str(tmp_path / "c"), seed=8, per_file=1000, processes=1)
+    assert [Path(p).name for p in a] == ["dlq-7-00000.jsonl.gz", "dlq-7-00001.jsonl.gz",
+                                         "dlq-7-00002.jsonl.gz"]
+    assert [Path(p).read_bytes() for p in a] == [Path(p).read_bytes() for p in b]
+    assert Path(a[0]).read_bytes() != Path(c[0]).read_bytes()
+
+
+def test_generate_has_realistic_skew(tmp_path):
+    generate.generate(20000, str(tmp_path), seed=3, per_file=10000, processes=2)
+    lines = _lines(tmp_path)
+    assert len(lines) == 20000
+    named = collections.Counter(d["queue_key"] for d in lines if d["queue_name"])
+    counts = sorted(named.values())
+    assert counts[-1] >= 20 * counts[len(counts) // 2], counts[-5:]
+    hosts = sorted(collections.Counter(d["host"] for d in lines).values())
+    assert hosts[-1] >= 5 * hosts[len(hosts) // 2]
+    reasons = collections.Counter(d["reason"] for d in lines)
+    assert 0.32 < reasons["QUEUE_FULL"] / 20000 < 0.38
+    assert 0.22 < reasons["UNKNOWN_QUEUE"] / 20000 < 0.28
+    assert reasons.most_common(3)[2][0] == "NO_ROUTE"
+    by_hour = collections.Counter(d["timestamp"][11:13] for d in lines)
+    assert by_hour["14"] > 3 * by_hour["03"]  # busy afternoons, quiet nights
+    assert len({d["id"] for d in lines}) < 20000  # some ids archived twice
+
+
+def test_generate_writes_schema_valid_rows(spark, tmp_path):
+    generate.generate(2000, str(tmp_path), seed=5, per_file=1000, processes=1)
+    types = {f.name: f.dataType.typeName() for f in ARCHIVE_SCHEMA.fields}
+    python_types = {"integer": int, "long": int, "string": str, "boolean": bool}
+    for d in _lines(tmp_path):
+        assert tuple(d) == ARCHIVE_FIELDS
+        for name, value in d.items():
+            if name == "queue_name" and value is None:
+                continue
+            assert type(value) is python_types[types[name]], (name, value)
+        assert d["schema"] == 1
+        payload = base64.b64decode(d["payload_b64"], validate=True)
+        assert len(payload) == d["payload_length"] <= d["original_length"]
+        assert d["truncated"] == (d["payload_length"] < d["original_length"] and
+                                  not d["header_only"])
+        when = dt.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00"))
+        epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+        assert (when - epoch) // dt.timedelta(microseconds=1) == d["timestamp_ns"] // 1000
+        assert d["queue_key_hex"] == "0x%08x" % d["queue_key"]
+    # and Spark reads every line with the declared schema
+    raw = job.read_archives(spark, [str(tmp_path)])
+    check = job.check_archives(analysis.normalize(job.prepare(raw)), files=2)
+    assert (check.lines, check.unreadable_lines) == (2000, 0)
+    assert check.dead_letters + check.duplicates == 2000 and check.duplicates > 0
