@@ -134,3 +134,28 @@ def run_as():
     if os.geteuid() != 0:
         pytest.fail("changing identity needs root: run the test suite as root")
     return _run_as
+
+
+# --------------------------------------------------------------------------------------------
+# Spark: one local[2] session for the whole test run (tests/test_report.py and the end-to-end
+# dead-letter test). Imported lazily, so tests that do not need Spark do not start a JVM.
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def spark():
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("rqp-report-tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

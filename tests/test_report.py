@@ -39,7 +39,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -49,27 +48,7 @@ from rqp.report.schema import ARCHIVE_FIELDS, ARCHIVE_SCHEMA, ArchiveSchemaError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --------------------------------------------------------------------------------------------
-# The one SparkSession
-# --------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def spark():
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("rqp-report-tests")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-
+# (The one SparkSession, local[2], is the ``spark`` fixture of tests/conftest.py.)
 
 # --------------------------------------------------------------------------------------------
 # The hand-made dead letters
