@@ -2,7 +2,9 @@
 
 Starts a receiving MCA on loopback, sends SURE and UNSURE messages through ``openConnection``
 (which starts the sending MCA), shows them arriving in the destination System V queue,
-provokes a dead letter and shows its reason, then stops both agents and removes its queues.
+provokes dead letters and shows their reasons, drains them into an archive and runs the
+PySpark report on it (``--report-dir``, default ``./rqp-demo-report``), then stops both agents
+and removes its queues.
 Run as root it works in a private IPC namespace (``unshare --ipc``), so it touches none of the
 host's queues; otherwise it uses queue keys that no queue has yet, and removes them.
 """
@@ -85,14 +87,15 @@ def stop(proc: subprocess.Popen | None, pid: int | None = None) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run(workdir: Path) -> int:
+def run(workdir: Path, report_dir: Path) -> int:
     dest, xmit, dlq = unused_key(), unused_key(), unused_key()
     port = free_port()
     (workdir / "state").mkdir()
     receiver_yaml = workdir / "receiver.yaml"
     receiver_yaml.write_text(
         f"listen: 127.0.0.1:{port}\ndead_letter_queue: {dlq:#x}\nstate_dir: state\n"
-        "put_retry_count: 2\nput_retry_interval: 0.2\n")
+        "put_retry_count: 2\nput_retry_interval: 0.2\nmax_message_size: 1000\n"
+        "host_name: demo-receiver\n")
     rqprc = workdir / ".rqprc"
     rqprc.write_text(
         f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
@@ -132,12 +135,32 @@ def run(workdir: Path) -> int:
         rqp.sendMessage(handle, b"for a queue no host has", rqp.UNSURE_MSG)
         rqp.closeConnection(handle)
         say(f"5. sent an UNSURE message to {format_key(nowhere)}, which no host offers")
-        record = DeadLetterRecord.from_bytes(LocalQueue.open(dlq).get(timeout=15))
-        say(f"6. DEAD.LETTER.Q: reason {record.reason.name} ({record.description}); "
-            f"queue {format_key(record.queue_key)}; detail: {record.detail}; "
-            f"payload {record.payload!r}")
-        say("== done: every message arrived; the undeliverable one was dead-lettered with its "
-            "reason")
+        handle = rqp.openConnection(NAME, rqprc=rqprc)
+        rqp.sendMessage(handle, b"x" * 2000, rqp.UNSURE_MSG)
+        rqp.closeConnection(handle)
+        say(f"5. sent an UNSURE message of 2000 bytes to {NAME}, over the receiver's 1000-byte "
+            "max_message_size")
+        dead = LocalQueue.open(dlq)  # the two agents share this host's DEAD.LETTER.Q
+        wait_until("two dead letters", lambda: dead.depth >= 2)
+        for i in range(2):
+            record = DeadLetterRecord.from_bytes(dead.peek(i)[0])  # a look; the drain takes
+            say(f"6. DEAD.LETTER.Q: reason {record.reason.name} ({record.description}); "
+                f"queue {format_key(record.queue_key)}; by the {record.agent.name.lower()}; "
+                f"detail: {record.detail}")
+        archive = workdir / "archive"
+        drained = subprocess.run(
+            [sys.executable, "-m", "rqp_agents.drain", "--once", "--archive", str(archive),
+             "--queue", f"{dlq:#x}", "--rqprc", str(rqprc)], capture_output=True, text=True)
+        if drained.returncode:
+            raise rqp.RQPError(f"rqp-dlq-drain failed: {drained.stderr.strip()}")
+        say(f"7. rqp-dlq-drain: {drained.stdout.strip()}")
+        say(f"8. rqp-dlq-report (PySpark, local mode) into {report_dir}:")
+        from rqp.report import job
+        if job.main(["--input", str(archive), "--output", str(report_dir)]) != 0:
+            raise rqp.RQPError("rqp-dlq-report failed")
+        say(f"   open {report_dir / 'report.html'} in a browser")
+        say("== done: every message arrived; the undeliverable ones were dead-lettered with "
+            "their reasons, archived and reported")
         return 0
     finally:
         stop(None, sender_pid or serving_pid(xmit))
@@ -156,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, RQP_DEMO_ISOLATED="1")
         return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.demo",
                                 *argv], env=env)
+    report_dir = Path(argv[argv.index("--report-dir") + 1] if "--report-dir" in argv
+                      else "rqp-demo-report").resolve()
     workdir = Path(tempfile.mkdtemp(prefix="rqp-demo-"))
     try:
-        return run(workdir)
+        return run(workdir, report_dir)
     except rqp.RQPError as exc:
         print(f"rqp-demo: {exc}", file=sys.stderr)
         for log in ("receiver.log", "state/sender-*.log"):

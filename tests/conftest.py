@@ -145,6 +145,7 @@ def run_as():
 def spark():
     from pyspark.sql import SparkSession
 
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # local mode stays on loopback
     session = (
         SparkSession.builder.master("local[2]")
         .appName("rqp-report-tests")

@@ -520,15 +520,20 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
     """The SparkSession to use and whether this call created it (then the caller stops it)."""
     from pyspark import SparkContext
 
+    if (master or os.environ.get("MASTER") or "local").startswith("local"):
+        # a local run stays on loopback (set before anything here starts the JVM)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     existing = SparkContext._active_spark_context is not None
     # Python workers (if any are started) run this interpreter, the one with the project's
     # packages, unless the operator chose another.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName(PROG).config("spark.sql.session.timeZone", "UTC")
+    builder = (SparkSession.builder.appName(PROG).config("spark.sql.session.timeZone", "UTC")
+               .config("spark.ui.showConsoleProgress", "false"))
     if master:
         builder = builder.master(master)
     elif not existing and not _master_configured():
-        builder = builder.master("local[*]")
+        builder = builder.master(master := "local[*]")
+
     return builder.getOrCreate(), not existing
 
 
