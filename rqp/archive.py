@@ -103,6 +103,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RecordError, RQPError
+from .files import fsync_dir
 from .records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, UNKNOWN_MESSAGE_TYPE
 
 __all__ = [
@@ -305,14 +306,6 @@ def safe_host(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", host) or "_"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _encode_rows(rows: Iterable[Mapping]) -> Iterator[bytes]:
     for row in rows:
         yield json.dumps(row, separators=(",", ":")).encode("ascii") + b"\n"
@@ -335,7 +328,7 @@ def _write_gzip(path: Path, rows: Iterable[Mapping]) -> int:
 def _publish(tmp: Path, final: Path) -> None:
     """Rename a complete, fsynced file into place and make the rename durable."""
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 class ArchiveWriter:
@@ -396,7 +389,7 @@ def rewrite_archive_file(path: str | os.PathLike, rows: Iterable[Mapping]) -> in
     rows = list(rows)
     if not rows:
         path.unlink()
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return 0
     incoming = path.parent / INCOMING
     incoming.mkdir(exist_ok=True)
@@ -404,7 +397,7 @@ def rewrite_archive_file(path: str | os.PathLike, rows: Iterable[Mapping]) -> in
     try:
         count = _write_gzip(tmp, rows)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

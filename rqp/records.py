@@ -118,6 +118,7 @@ from construct import (
 
 from rqp.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
 from rqp.errors import MessageTooBig, RecordError
+from rqp.files import write_file_atomically
 
 __all__ = [
     "AgentKind",
@@ -594,7 +595,7 @@ def fit_dead_letter(record: DeadLetterRecord, limit: int,
             size=header_size, limit=limit,
         )
     if spill_path != record.spill_path:
-        _write_atomically(spill_path, record.payload)
+        write_file_atomically(spill_path, record.payload, mode=0o600)
     return dataclasses.replace(
         record,
         payload=record.payload[: limit - header_size],
@@ -604,28 +605,3 @@ def fit_dead_letter(record: DeadLetterRecord, limit: int,
     )
 
 
-def _write_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that no reader ever sees a partial file."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -12,12 +12,12 @@ import os
 import secrets
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from .errors import RQPError
+from .files import write_file_atomically
 from .queues import format_key
 
 __all__ = [
@@ -38,29 +38,6 @@ def setup_logging(level: str = "INFO", name: str = "rqp") -> None:
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt,
                         stream=sys.stderr, force=True)
-
-
-def write_file_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write elsewhere, fsync, rename into place, fsync the directory: a reader sees the old
-    file or the whole new one, never half of it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class KeySource:

@@ -56,7 +56,6 @@ import datetime as _dt
 import importlib.util
 import json
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -68,6 +67,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from rqp.files import write_file_atomically
 from rqp.report import analysis
 from rqp.report import html as report_html
 from rqp.report.schema import (
@@ -266,22 +266,8 @@ def write_text(spark: SparkSession, path: str, text: str) -> None:
     data = text.encode("utf-8")
     local = _local_path(path)
     if local is not None:
-        directory = os.path.dirname(os.path.abspath(local))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(local) + ".", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, local)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+        write_file_atomically(local, data)
         return
     jvm = spark.sparkContext._jvm
     hadoop_path = jvm.org.apache.hadoop.fs.Path
