@@ -397,10 +397,13 @@ def test_route_status_in_words():
     assert (r["state"], r["peer"], r["in_flight"], r["sent"], r["sent_bytes"]) == \
         ("running", "b", 1, 1, 3)
     h.answer("b", ERR)  # SURE: route dropped, retried at once (asks again)
-    h.sent()
-    h.answer("b", NO)  # second failure: back-off
     [r] = h.core.route_status()
-    assert r["state"] == "retrying" and r["errors"] == 1 and "DELIVERED_ERROR" in r["last_error"]
+    assert r["errors"] == 1 and r["last_error"] == "DELIVERED_ERROR from b"
+    h.sent()
+    h.answer("b", NO)  # second failure: back-off; the last error is now the newer one
+    [r] = h.core.route_status()
+    assert r["state"] == "retrying" and r["errors"] == 1
+    assert r["last_error"] == "no host offers queue 0x52510001"
     assert r["route_changes"] == 2 and r["since"] == h.now
     h.submit(Q2, UNSURE_MSG)
     h.serve({})
