@@ -14,11 +14,11 @@ The bridge lives in a dedicated "switch" network namespace (``<prefix>-<suffix>-
 is ever configured in the root network namespace: no address, no route, no link.  Every name
 carries a random per-Testbed suffix, so parallel runs and leftovers never collide.  Needs root.
 
-Using it from a test module (run from /work/main with ``python -m pytest``; the rootdir and
-/work/main are on sys.path, ``tests`` has no ``__init__.py`` and resolves as a namespace
-package)::
+Using it from a test module (the checkout's root is on sys.path through setup.cfg's
+``pythonpath``; ``tests`` has no ``__init__.py`` and resolves as a namespace package; the
+``testbed`` and ``testbed_factory`` fixtures come from tests/conftest.py)::
 
-    from tests.testbed import Testbed, wait_for, testbed   # noqa: F401  (testbed = the fixture)
+    from tests.testbed import wait_for
 
     def test_something(testbed):
         a, b = testbed.add_host("a"), testbed.add_host("b")
