@@ -45,6 +45,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from rqp.cli import positive_int, positive_seconds
 from rqp.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
@@ -197,26 +198,6 @@ class Drain:
 # Command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
 def resolve_queue(value: str | None, config: SenderConfig | None) -> int:
     if value is None:
         return config.dead_letter_queue if config else DEFAULT_DEAD_LETTER_QUEUE
@@ -240,12 +221,12 @@ def _parser() -> argparse.ArgumentParser:
                         "./.rqprc, ~/.rqprc, /etc/rqp/rqprc if one exists")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="drain until empty, then exit")
-    mode.add_argument("--interval", metavar="SECONDS", type=_positive_float,
+    mode.add_argument("--interval", metavar="SECONDS", type=positive_seconds,
                       default=DEFAULT_INTERVAL,
                       help=f"wait between polls (default {DEFAULT_INTERVAL:g})")
-    parser.add_argument("--batch", metavar="N", type=_positive_int, default=DEFAULT_BATCH,
+    parser.add_argument("--batch", metavar="N", type=positive_int, default=DEFAULT_BATCH,
                         help=f"records copied per batch (default {DEFAULT_BATCH})")
-    parser.add_argument("--max-file-records", metavar="N", type=_positive_int,
+    parser.add_argument("--max-file-records", metavar="N", type=positive_int,
                         help="rows per archive file at most (default: --batch)")
     parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
     return parser

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .ctl_agents import add_commands
 from .archive import ArchiveError, archive_files, load_optional_rqprc, read_archive_file
+from .cli import count, number
 from .control import ControlError
 from .errors import ConfigError, RQPError
 from .replay import (
@@ -29,31 +30,11 @@ from .replay import (
 )
 
 log = logging.getLogger("rqp.ctl")
+rate = number(float, minimum=0, inclusive=False, what="a number of records per second")
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of records per second, "
-                                         f"got {text!r}")
-    return value
 
 
 class _LazyPutter:
@@ -154,15 +135,15 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: $RQPRC, ./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
     replay.add_argument("--dry-run", action="store_true",
                         help="print what would be done to each record; change nothing")
-    replay.add_argument("--rate", metavar="N", type=_rate, default=DEFAULT_RATE,
+    replay.add_argument("--rate", metavar="N", type=rate, default=DEFAULT_RATE,
                         help=f"messages put back per second at most (default {DEFAULT_RATE:g})")
-    replay.add_argument("--limit", metavar="N", type=_positive_int, default=0,
+    replay.add_argument("--limit", metavar="N", type=count, default=0,
                         help="stop after N records were retried, forwarded, discarded or "
                         "failed (kept ones do not count; 0 = no limit)")
     replay.set_defaults(run=_replay)
     listing = commands.add_parser("list", help="a short table of the archive")
     listing.add_argument("--archive", metavar="DIR", required=True)
-    listing.add_argument("--limit", metavar="N", type=_positive_int, default=100,
+    listing.add_argument("--limit", metavar="N", type=count, default=100,
                          help="rows shown at most (default 100; 0 = all)")
     listing.set_defaults(run=_list)
     add_commands(groups)
