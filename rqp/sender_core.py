@@ -28,7 +28,7 @@ import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 from .constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -787,7 +787,3 @@ class SenderCore:
             lane.retry_at = 0.0
             self._forget_if_idle(lane)
         return sorted(out, key=lambda m: m.seq)
-
-    def hosts_with(self, states: Iterable[LinkState]) -> list:
-        wanted = set(states)
-        return [h for h, link in self._links.items() if link.state in wanted]

@@ -251,7 +251,3 @@ def watchdog_interval() -> float | None:
     if not usec or (pid and pid != str(os.getpid())):
         return None
     return int(usec) / 2e6
-
-
-def monotonic() -> float:
-    return time.monotonic()
