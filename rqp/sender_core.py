@@ -270,6 +270,7 @@ class _Link:
     decoder: FrameDecoder | None = None
     failures: int = 0
     retry_at: float = 0.0
+    last_error: str = ""  # why it went down last
     waiting: dict = field(default_factory=dict)  # lanes waiting for it to be up or have room
 
 
@@ -281,6 +282,7 @@ class _Lane:
     pending: deque = field(default_factory=deque)  # Outgoing not yet sent, by seq
     inflight: int = 0
     asking: object = None  # the host being asked, while asking
+    refusals: list = field(default_factory=list)  # why each host of this round said no
     retry_at: float = 0.0
 
 
@@ -383,14 +385,22 @@ class SenderCore:
         link = self._links[host]
         if link.state is not LinkState.UP:
             return  # bytes from a connection we have already given up
+        # Only the frames outstanding now were sent before these bytes came: frames pushed
+        # while they are read (a MESSAGE after the QUEUE_YES in the same packet) are not on the
+        # wire yet, so an answer for them came before its question (spec 5.3). The daemon
+        # carries out every Send before it feeds more bytes.
+        answerable = len(link.outstanding)
         try:
             link.decoder.receive_data(data)
             while (event := link.decoder.next_event()) is not NEED_DATA:
                 if event is CLOSED:
                     self._drop_link(link, "closed by the receiving MCA")
                     return
-                if not link.outstanding:
-                    raise RemoteProtocolError(f"{type(event).__name__} answers nothing")
+                if not answerable:
+                    raise RemoteProtocolError(
+                        f"{type(event).__name__} answers nothing: no frame sent to "
+                        f"{host} is waiting for an answer")
+                answerable -= 1
                 self._answer(link, link.outstanding.popleft(), event)
                 if link.state is not LinkState.UP:
                     return
@@ -479,14 +489,17 @@ class SenderCore:
 
     def _ask(self, lane: _Lane, index: int) -> None:
         """Ask hosts[index] (or the next one that can be reached) for ``lane``'s queue."""
-        head = lane.pending[0]
-        if head.state is S.WAITING_FOR_MESSAGE:
-            self._fire(head, T.NEW_MESSAGE_UNROUTED)
+        self._asked_for(lane.pending[0])
+        if index == 0:
+            lane.refusals = []
         hosts = self.settings.hosts
         while index < len(hosts):
             link = self._links[hosts[index]]
             if link.state is LinkState.DOWN and link.retry_at > self._now:
-                index += 1  # unreachable for now: as good as a time-out, ask the next host
+                # unreachable for now: as good as a time-out, ask the next host
+                lane.refusals.append(f"{link.host}: {link.last_error or 'unreachable'}, next "
+                                     f"connect in {link.retry_at - self._now:.3g}s")
+                index += 1
                 continue
             lane.asking = link.host
             if link.state is LinkState.UP and len(link.outstanding) < self.settings.window:
@@ -497,22 +510,31 @@ class SenderCore:
             return
         self._no_route(lane)
 
+    def _asked_for(self, msg: Outgoing) -> None:
+        """``msg`` is (now) the head of a lane whose queue is being asked for. The answer is
+        about the queue key, so it counts for whichever message heads the lane when it comes
+        (the one asked for may have been dead-lettered or taken out meanwhile)."""
+        if msg.state is S.WAITING_FOR_MESSAGE:
+            self._fire(msg, T.NEW_MESSAGE_UNROUTED)
+
     def _no_route(self, lane: _Lane) -> None:
         lane.asking = None
         hosts = ", ".join(map(str, self.settings.hosts))
-        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"asked {hosts}")
+        why = "; ".join(lane.refusals) or f"asked {hosts}"
+        lane.refusals = []
+        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, why)
         while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
             msg = lane.pending.popleft()
-            if msg.state is S.WAITING_FOR_MESSAGE:
-                self._fire(msg, T.NEW_MESSAGE_UNROUTED)
+            self._asked_for(msg)
             self._fire(msg, T.NO_HOST_LEFT_UNSURE)
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
-                              f"no host offers queue {lane.queue_key:#x} (asked {hosts})")
+                              f"no host offers queue {lane.queue_key:#x} (asked {hosts}: {why})")
         if lane.pending:
             head = lane.pending[0]
+            self._asked_for(head)
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
-            head.last_error = f"no host offers queue {lane.queue_key:#x}"
+            head.last_error = f"no host offers queue {lane.queue_key:#x} ({why})"
             self._error(lane.queue_key, head.last_error)
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
@@ -560,7 +582,9 @@ class SenderCore:
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
             self._pump(lane)
         else:
+            lane.refusals.append(f"{link.host}: {why}")
             if lane.pending:
+                self._asked_for(lane.pending[0])
                 self._fire(lane.pending[0], T.QUEUE_NO_OR_TIMEOUT)
                 self._ask(lane, self._next_index(link.host))
             else:  # the messages were taken out meanwhile (a graceful stop)
@@ -675,6 +699,7 @@ class SenderCore:
 
     def _link_failed(self, link: _Link, why: str) -> None:
         link.failures += 1
+        link.last_error = why
         link.retry_at = self._now + self.settings.reconnect_delay(link.failures)
         self._note(NoteKind.CONNECTION_FAILED, None, link.host, why)
         waiting, link.waiting = list(link.waiting), {}

@@ -403,7 +403,7 @@ def test_route_status_in_words():
     h.answer("b", NO)  # second failure: back-off; the last error is now the newer one
     [r] = h.core.route_status()
     assert r["state"] == "retrying" and r["errors"] == 1
-    assert r["last_error"] == "no host offers queue 0x52510001"
+    assert r["last_error"] == "no host offers queue 0x52510001 (b: QUEUE_NO)"
     assert r["route_changes"] == 2 and r["since"] == h.now
     h.submit(Q2, UNSURE_MSG)
     h.serve({})
@@ -423,3 +423,55 @@ def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_fl
     h.submit(Q1, UNSURE_MSG)
     assert h.serve({"d": {Q1}})[:2] == [("c", QueueAsk(queue_key=Q1)),
                                         ("d", QueueAsk(queue_key=Q1))]
+
+
+def test_unsure_then_sure_to_a_refusing_host_retries_the_sure_one():
+    """Issue 10: UNSURE then SURE for one key, the only host refuses connections. The UNSURE
+    one is dead-lettered at once; the SURE one, never asked for itself, is scheduled for a
+    retry (it used to raise LocalProtocolError and freeze the route for good)."""
+    h = Harness(hosts=("b",))
+    h.submit(Q1, UNSURE_MSG, b"u")
+    h.submit(Q1, SURE_MSG, b"s")
+    assert h.sent(connect=False) == [] and h.of(Connect) == [Connect("b")]
+    h.core.connect_failed("b", "Connection refused", h.now)
+    [dl] = h.of(DeadLetter)
+    assert dl.reason is ReasonCode.NO_ROUTE and dl.message.payload == b"u"
+    assert h.core.held == 1 and h.core.next_deadline() is not None
+    [status] = h.core.route_status()
+    assert status["state"] == "retrying" and "b: cannot connect: Connection refused" in \
+        status["last_error"]
+    assert status["last_error"].startswith("no host offers queue")
+    for _ in range(4):  # b keeps refusing: the SURE message keeps its retry scheduled
+        connects = len(h.of(Connect))
+        h.advance()
+        assert h.sent(connect=False) == []
+        if len(h.of(Connect)) > connects:
+            h.core.connect_failed("b", "Connection refused", h.now)
+        assert h.core.held == 1 and h.core.next_deadline() is not None
+    assert len(h.of(Connect)) >= 3 and len(h.of(DeadLetter)) == 1
+    h.advance()  # a receiver starts on that port
+    frames = h.serve({"b": {Q1}})
+    assert [type(ev) for _, ev in frames] == [QueueAsk, Message]
+    assert [d.message.payload for d in h.of(Delivered)] == [b"s"] and h.core.held == 0
+
+
+@pytest.mark.parametrize("extra", [1, 10])
+def test_an_answer_before_its_question_is_a_protocol_error(extra):
+    """Issue 10: a peer sends QUEUE_YES and DELIVERED_YES in one packet, the second before any
+    MESSAGE was sent. It answers nothing: the connection is closed and nothing is taken as
+    delivered (it used to release SURE messages that were in no queue)."""
+    h = Harness(hosts=("b",))
+    for i in range(5):
+        h.submit(Q1, SURE_MSG, b"%d" % i)
+    h.sent()
+    h.answer("b", YES + OK * extra)
+    h.sent()  # the MESSAGE frames it wrote, on a connection it then gave up
+    assert not h.of(Delivered)
+    [close] = h.of(Close)
+    assert "answers nothing" in close.reason
+    assert h.core.held == 5
+    h.advance()
+    frames = h.serve({"b": {Q1}})
+    assert [ev.message for _, ev in frames if isinstance(ev, Message)] == \
+        [b"%d" % i for i in range(5)]
+    assert [d.message.payload for d in h.of(Delivered)] == [b"%d" % i for i in range(5)]
