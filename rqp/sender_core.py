@@ -32,7 +32,7 @@ from typing import Callable
 
 from .constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
 from .errors import LocalProtocolError, RemoteProtocolError
-from .events import ANSWERS, DeliveredYes, QueueAsk, QueueYes
+from .events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
 from .frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
 from .receiver_core import queue_key_problem
 from .records import ReasonCode
@@ -401,7 +401,10 @@ class SenderCore:
                         f"{type(event).__name__} answers nothing: no frame sent to "
                         f"{host} is waiting for an answer")
                 answerable -= 1
-                self._answer(link, link.outstanding.popleft(), event)
+                frame = link.outstanding[0]
+                self._check_answer(frame, event)  # (a wrong one leaves the frame unanswered)
+                link.outstanding.popleft()
+                self._answer(link, frame, event)
                 if link.state is not LinkState.UP:
                     return
         except RemoteProtocolError as exc:
@@ -560,17 +563,21 @@ class SenderCore:
             nxt.deadline = max(nxt.deadline, self._now + nxt.timeout)
         lane = frame.lane
         if frame.msg is None:
-            if type(event).__name__ not in ("QueueYes", "QueueNo"):
-                raise RemoteProtocolError(f"{type(event).__name__} in answer to QUEUE_ASK")
             self._ask_answered(link, lane, isinstance(event, QueueYes), "QUEUE_NO")
         else:
-            if type(event).__name__ not in ("DeliveredYes", "DeliveredError"):
-                raise RemoteProtocolError(f"{type(event).__name__} in answer to MESSAGE")
             if isinstance(event, DeliveredYes):
                 self._confirmed(link, lane, frame.msg)
             else:
                 self._not_confirmed(link, lane, frame.msg, "DELIVERED_ERROR")
         self._wake(link)
+
+    @staticmethod
+    def _check_answer(frame: _Frame, event) -> None:
+        if frame.msg is None:
+            if not isinstance(event, (QueueYes, QueueNo)):
+                raise RemoteProtocolError(f"{type(event).__name__} in answer to QUEUE_ASK")
+        elif not isinstance(event, (DeliveredYes, DeliveredError)):
+            raise RemoteProtocolError(f"{type(event).__name__} in answer to MESSAGE")
 
     def _ask_answered(self, link: _Link, lane: _Lane, yes: bool, why: str) -> None:
         if lane.asking != link.host:
@@ -581,6 +588,7 @@ class SenderCore:
             self.errors.pop((link.host, lane.queue_key), None)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
             self._pump(lane)
+            self._forget_if_idle(lane)
         else:
             lane.refusals.append(f"{link.host}: {why}")
             if lane.pending:
@@ -682,7 +690,11 @@ class SenderCore:
         while link.waiting and len(link.outstanding) < self.settings.window:
             lane = next(iter(link.waiting))
             del link.waiting[lane]
-            if lane.asking == link.host:
+            if not lane.pending:  # taken out meanwhile (a graceful stop)
+                if lane.asking == link.host:
+                    lane.asking = None
+                self._forget_if_idle(lane)
+            elif lane.asking == link.host:
                 lane.asking = None  # the ask could not be sent yet: send it now
                 hosts = self.settings.hosts
                 self._ask(lane, hosts.index(link.host) if link.host in hosts else len(hosts))
