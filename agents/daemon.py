@@ -7,12 +7,17 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Callable
 
 from rqp import RQPError
 from rqp.control import serve_control, serve_metrics
 from rqp.service import notify, watchdog_interval
+
+#: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
+#: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.
+EXIT_UNEXPECTED = 70
 
 
 class Daemon:
@@ -29,10 +34,14 @@ class Daemon:
         self._servers: list = []
         self._pinger: asyncio.Task | None = None
         self._control_path: Path | None = None
+        #: Set by :meth:`fatal`: the agent stops at once and exits with EXIT_UNEXPECTED.
+        self.failed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start_service(self, control_path: Path, metrics_listen) -> None:
         """Signal handlers, the control socket and (if configured) the metrics endpoint."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._on_loop_error)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
@@ -42,6 +51,50 @@ class Daemon:
             self._servers.append(await serve_metrics(metrics_listen.host, metrics_listen.port,
                                                      self.metrics))
             self.log.info("metrics on http://%s/metrics", metrics_listen)
+
+    # --- unexpected errors: never a half-alive agent ---------------------------------------
+
+    def fatal(self, where: str, exc: BaseException) -> None:
+        """An error nothing expected (a bug, or the system failing under the agent): log it
+        with its traceback and stop at once, exiting with EXIT_UNEXPECTED. The agent's state
+        may be half-changed, so it is not trusted for a graceful stop: systemd restarts the
+        agent, and what was journaled is sent again. Safe to call from any thread."""
+        if self._loop is not None and threading.current_thread() is not threading.main_thread():
+            self._loop.call_soon_threadsafe(self.fatal, where, exc)
+            return
+        if self.failed:
+            self.log.error("and another unexpected error in %s", where, exc_info=exc)
+            return
+        self.failed = True
+        self.log.critical("unexpected error in %s: stopping now with exit status %d, to be "
+                          "restarted (journaled SURE messages are sent again)", where,
+                          EXIT_UNEXPECTED, exc_info=exc)
+        self._stopping.set()
+
+    def spawn(self, coro, where: str) -> asyncio.Task:
+        """A task whose failure stops the agent (instead of a line at garbage collection)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                               or self.fatal(where, t.exception()))
+        return task
+
+    def guarded(self, where: str, function: Callable, *args) -> None:
+        """Call ``function``; an exception stops the agent. For callbacks whose caller would
+        swallow it (asyncio transports drop an OSError raised in ``data_received``)."""
+        try:
+            function(*args)
+        except Exception as exc:  # noqa: BLE001 - anything here is unexpected
+            self.fatal(where, exc)
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        message = context.get("message", "")
+        # Running out of descriptors while accepting is the system's trouble, not ours: the
+        # server goes on accepting once some are free.
+        if exc is None or message.startswith("socket.accept() out of system resource"):
+            loop.default_exception_handler(context)
+            return
+        self.fatal(f"the event loop ({message or 'a callback'})", exc)
 
     def ready(self, status: str) -> None:
         notify(f"READY=1\nSTATUS={status}")
@@ -110,11 +163,21 @@ def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     """Build the agent and run it; exit status 1 with the reason logged if it cannot."""
     try:
         agent = build()
-        asyncio.run(agent.run())
     except RQPError as exc:
         log.error("%s", exc)
         return 1
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    return 0
+    try:
+        asyncio.run(agent.run())
+    except RQPError as exc:
+        log.error("%s", exc)
+        return 1
+    except OSError as exc:  # (binding the listening socket, opening the control socket)
+        log.error("cannot start: %s", exc)
+        return 1
+    except Exception:  # noqa: BLE001 - a bug on the way in or out: say so, with the traceback
+        log.critical("unexpected error: exit status %d", EXIT_UNEXPECTED, exc_info=True)
+        return EXIT_UNEXPECTED
+    return EXIT_UNEXPECTED if agent.failed else 0

@@ -22,7 +22,10 @@ from rqp.config import ReceiverConfig, load_receiver_config, parse_host
 from rqp.control import Metric, default_socket, render
 from rqp.dedup import DedupWindow, window_path
 from rqp.constants import DEFAULT_MTYPE
-from rqp.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound, QueuePermissionDenied
+from rqp.errors import (
+    LocalProtocolError, MessageTooBig, QueueError, QueueFull, QueueNotFound,
+    QueuePermissionDenied,
+)
 from rqp.events import OversizedMessage
 from rqp.frames import CLOSED, NEED_DATA
 from rqp.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
@@ -101,7 +104,7 @@ class Receiver(Daemon):
         for task in list(self._idle):  # nothing in flight on these
             task.cancel()
         busy = self._connections - self._idle
-        if busy:  # answer what was already received, then close
+        if busy and not self.failed:  # answer what was already received, then close
             await asyncio.wait(busy, timeout=self.put_budget + 5)
         for task in list(self._connections):
             task.cancel()
@@ -231,10 +234,14 @@ class Receiver(Daemon):
                     break
         except asyncio.CancelledError:  # stopping while it waited for bytes: nothing in flight
             log.info("closing connection from %s: stopping", _peer(peer))
+        except LocalProtocolError as exc:  # this agent misused its own core: a bug
+            self.fatal(f"the connection from {_peer(peer)}", exc)
         except RQPError as exc:
             log.warning("closing connection from %s: %s", _peer(peer), exc)
         except (ConnectionError, OSError) as exc:
             log.info("connection from %s lost: %s", _peer(peer), exc)
+        except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
+            self.fatal(f"the connection from {_peer(peer)}", exc)
         finally:
             writer.close()
             self._connections.discard(task)

@@ -101,15 +101,16 @@ class _Link(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
 
+    # asyncio drops an OSError raised here without a word: guarded() stops the agent instead.
     def data_received(self, data: bytes) -> None:
-        self.sender.on_data(self, data)
+        self.sender.guarded(f"the connection to {self.host}", self.sender.on_data, self, data)
 
     def eof_received(self):
-        self.sender.on_data(self, b"")
+        self.sender.guarded(f"the connection to {self.host}", self.sender.on_data, self, b"")
         return False
 
     def connection_lost(self, exc) -> None:
-        self.sender.on_lost(self, exc)
+        self.sender.guarded(f"the connection to {self.host}", self.sender.on_lost, self, exc)
 
 
 class Sender(Daemon):
@@ -168,7 +169,10 @@ class Sender(Daemon):
                  ", ".join(map(str, self.config.hosts)), self.keys.incarnation)
         self.ready("serving")
         await self.wait_for_stop()
-        await self._stop()
+        if self.failed:
+            await self._abort()
+        else:
+            await self._stop()
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -257,11 +261,14 @@ class Sender(Daemon):
         m["rqp_up_seconds"].add(round(time.time() - self.started, 3))
         return render(list(m.values()))
 
-    async def _stop(self) -> None:
+    async def _stop_reader(self) -> None:
         self._stop_reading.set()
-        while self._reader.is_alive():  # wake it from its waits (semtimedop: EINTR)
-            signal.pthread_kill(self._reader.ident, signal.SIGUSR1)
+        while self._reader is not None and self._reader.is_alive():
+            signal.pthread_kill(self._reader.ident, signal.SIGUSR1)  # EINTR for its waits
             await asyncio.sleep(0.05)
+
+    async def _stop(self) -> None:
+        await self._stop_reader()
         waited = 0.0
         while self.core.in_flight and waited < STOP_GRACE:
             await asyncio.sleep(0.05)
@@ -284,6 +291,19 @@ class Sender(Daemon):
         self.journal.close()
         self.pid_file.unlink(missing_ok=True)
         log.info("stopped: %s", dict(self.stats))
+
+    async def _abort(self) -> None:
+        """After an unexpected error: nothing the core holds is trusted. SURE messages stay in
+        the journal (sent again at the next start); UNSURE ones held in memory are lost."""
+        await self._stop_reader()
+        for link in self._links.values():
+            link.transport.abort()
+        self._links.clear()
+        self.stop_service()
+        self.journal.close()
+        self.pid_file.unlink(missing_ok=True)
+        log.error("stopped after an unexpected error: %d message(s) held, %d SURE in the "
+                  "journal", self.core.held, self.journal.live_count)
 
     async def _put_back(self, messages: list, deadline: float) -> None:
         """Messages not sent yet go back on the transmission queue (at its end), without
@@ -345,6 +365,12 @@ class Sender(Daemon):
 
         Nothing is taken before it is journaled, so a kill -9 at any moment loses no SURE
         record (what was journaled and not yet taken is recognised at the next start)."""
+        try:
+            self._read_records()
+        except Exception as exc:  # noqa: BLE001 - unexpected: the agent stops
+            self.fatal("the transmission-queue reader thread", exc)
+
+    def _read_records(self) -> None:
         stop = self._stop_reading.is_set
         while not stop():
             room = self._budget.take(READ_BATCH, timeout=0.2)
@@ -479,7 +505,7 @@ class Sender(Daemon):
                 if act.message.origin.seq is not None:
                     self._releases.append(act.message.origin.seq)
             elif kind is Connect:
-                self.loop.create_task(self._connect(act.host))
+                self.spawn(self._connect(act.host), f"connecting to {act.host}")
             elif kind is Close:
                 out.pop(act.host, None)  # frames for a connection being given up
                 link = self._links.pop(act.host, None)
