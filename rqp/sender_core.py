@@ -506,6 +506,9 @@ class SenderCore:
                 continue
             lane.asking = link.host
             if link.state is LinkState.UP and len(link.outstanding) < self.settings.window:
+                # Sent now: if the lane was waiting for room on this link (to send on a route
+                # it has just lost), that wait is over; _wake() must not ask a second time.
+                link.waiting.pop(lane, None)
                 self._push(link, _Frame(lane, None, self.settings.ask_timeout, 0.0),
                            encode(QueueAsk(queue_key=lane.queue_key)))
             else:

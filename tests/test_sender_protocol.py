@@ -475,3 +475,23 @@ def test_an_answer_before_its_question_is_a_protocol_error(extra):
     assert [ev.message for _, ev in frames if isinstance(ev, Message)] == \
         [b"%d" % i for i in range(5)]
     assert [d.message.payload for d in h.of(Delivered)] == [b"%d" % i for i in range(5)]
+
+
+def test_a_lane_waiting_for_room_that_loses_its_route_asks_once():
+    """Found by the stateful test: a lane waiting for room on its route's full connection
+    lost the route and asked on that connection; when room came, it asked a second time, and
+    the second answer raised LocalProtocolError."""
+    h = Harness(hosts=("b",), window=2, error_limit=0)
+    h.submit(Q1, UNSURE_MSG, b"1")
+    h.serve({"b": {Q1, Q2}})
+    h.submit(Q1, UNSURE_MSG, b"2")  # sent on the route
+    h.submit(Q2, UNSURE_MSG, b"3")  # asks: the window (2) is full
+    h.submit(Q1, UNSURE_MSG, b"4")  # waits for room on b
+    assert [type(ev) for _, ev in h.sent()] == [Message, QueueAsk]
+    h.answer("b", ERR, NO)  # "2" not confirmed: over the limit, route dropped; Q2 not offered
+    assert [(type(ev), ev.queue_key) for _, ev in h.sent()] == [(QueueAsk, Q1)]  # once
+    h.answer("b", YES)
+    assert [ev.message for _, ev in h.sent()] == [b"4"]
+    h.answer("b", OK)
+    assert [d.message.payload for d in h.of(Delivered)] == [b"1", b"4"]
+    assert not h.of(Close) and h.core.held == 0

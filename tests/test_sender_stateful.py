@@ -32,7 +32,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -110,11 +110,11 @@ class SenderMachine(RuleBasedStateMachine):
             if kind is Send:
                 peer = self.peers[act.host]
                 assert peer.conn is not None, f"frame sent to {act.host}, which is not connected"
-                for event in FrameDecoder().events(act.data):
-                    if isinstance(event, Message) and event.message_type == UNSURE_MSG:
-                        assert event.message not in self.unsure_sent, \
-                            f"UNSURE message {event.message!r} sent twice"
-                        self.unsure_sent.add(event.message)
+                for frame in FrameDecoder().events(act.data):
+                    if isinstance(frame, Message) and frame.message_type == UNSURE_MSG:
+                        assert frame.message not in self.unsure_sent, \
+                            f"UNSURE message {frame.message!r} sent twice"
+                        self.unsure_sent.add(frame.message)
                     peer.requests += 1
                 peer.conn.receive_data(act.data)
             elif kind is Connect:
@@ -129,6 +129,7 @@ class SenderMachine(RuleBasedStateMachine):
                     f"{act.message} reported delivered, but {act.host} never put key " \
                     f"{act.message.key:#x}"
                 self._end(act.message, "delivered")
+                event("a message delivered")
             elif kind is Lost:
                 assert act.message.message_type == UNSURE_MSG, f"SURE message lost: {act}"
                 self._end(act.message, "lost")
@@ -216,25 +217,44 @@ class SenderMachine(RuleBasedStateMachine):
     def receiver_answers(self, host, limit):
         self._serve(self.peers[host], limit)
 
-    @rule(host=st.sampled_from(HOSTS), data=st.data())
-    def answers_arrive(self, host, data):
+    @rule(connect=st.booleans())
+    def network_round(self, connect):
+        """One round of everything the network does (so that progress does not hang on the
+        finer rules above all being drawn): connects, answers, their delivery."""
+        for host in sorted(self.connecting):
+            if connect:
+                self.connecting.discard(host)
+                self.peers[host].conn = ReceiverConnection(max_message_size=8192)
+                self.core.connected(host, self.now)
+                self._act()
+        for peer in self.peers.values():
+            self._serve(peer, 1 << 30)
+            if peer.conn is not None and peer.to_sender:
+                chunk = bytes(peer.to_sender)
+                peer.to_sender.clear()
+                self._deliver(peer, chunk)
+
+    def _connected(self) -> list[str]:
+        return [h for h in HOSTS if self.peers[h].conn is not None]
+
+    @precondition(lambda self: any(p.to_sender for p in self.peers.values()))
+    @rule(data=st.data())
+    def answers_arrive(self, data):
         """Some of the answers written reach the sender: any cut, even inside a frame."""
-        peer = self.peers[host]
-        if peer.conn is None or not peer.to_sender:
-            return
+        peer = self.peers[data.draw(st.sampled_from(
+            [h for h in HOSTS if self.peers[h].to_sender]), label="host")]
         cut = data.draw(st.integers(1, len(peer.to_sender)))
         chunk = bytes(peer.to_sender[:cut])
         del peer.to_sender[:cut]
         self._deliver(peer, chunk)
 
-    @rule(host=st.sampled_from(HOSTS),
-          how=st.sampled_from(["early", "twice", "wrong kind", "garbage"]),
+    @precondition(lambda self: self._connected())
+    @rule(data=st.data(), how=st.sampled_from(["early", "twice", "wrong kind", "garbage"]),
           extra=st.sampled_from(ANSWER_FRAMES))
-    def receiver_misbehaves(self, host, how, extra):
+    def receiver_misbehaves(self, data, how, extra):
         """Answers a correct sender can tell are wrong, sent with every answer still due."""
+        host = data.draw(st.sampled_from(self._connected()), label="host")
         peer = self.peers[host]
-        if peer.conn is None:
-            return
         if how in ("early", "twice"):
             # Every frame received is answered, so one more answers nothing (an answer before
             # its question, or a second answer to the last one).
@@ -253,12 +273,13 @@ class SenderMachine(RuleBasedStateMachine):
         closes = len(self.closed)
         self._deliver(peer, bytes(peer.to_sender) + extra)
         assert self.closed[closes:] == [host], f"{how} answer from {host} not refused"
+        event(f"a receiver misbehaved ({how}): refused")
 
-    @rule(host=st.sampled_from(HOSTS), eof=st.booleans())
-    def receiver_hangs_up(self, host, eof):
+    @precondition(lambda self: self._connected())
+    @rule(data=st.data(), eof=st.booleans())
+    def receiver_hangs_up(self, data, eof):
+        host = data.draw(st.sampled_from(self._connected()), label="host")
         peer = self.peers[host]
-        if peer.conn is None:
-            return
         if eof:  # what was written arrives, then the end of the stream
             self._deliver(peer, bytes(peer.to_sender))
             if peer.conn is not None:
@@ -295,6 +316,8 @@ class SenderMachine(RuleBasedStateMachine):
         for peer in self.peers.values():
             peer.reachable, peer.offers, peer.puts = True, set(QUEUES), True
         start = self.now
+        if self.core.held:
+            event("healed with messages held")
         for _ in range(10_000):
             if not self.core.held:
                 break
@@ -358,6 +381,6 @@ class SenderMachine(RuleBasedStateMachine):
 #: The suite runs 300 sequences; a longer campaign: RQP_STATEFUL_EXAMPLES=20000 pytest this file.
 EXAMPLES = int(os.environ.get("RQP_STATEFUL_EXAMPLES", "300"))
 SenderMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=60, deadline=None,
+    max_examples=EXAMPLES, stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestSenderMachine = SenderMachine.TestCase
