@@ -465,8 +465,9 @@ class Sender(Daemon):
                 self.loop.create_connection(lambda: _Link(self, host), host.host, host.port),
                 self.config.connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
+            # (asyncio's own text, "Connect call failed (addr)", hides the reason)
             why = "timed out" if isinstance(exc, asyncio.TimeoutError) else (
-                exc.strerror or str(exc))
+                os.strerror(exc.errno) if exc.errno else str(exc))
             self.core.connect_failed(host, why, self.loop.time())
             self._run_actions()
             return

@@ -534,7 +534,7 @@ class SenderCore:
             self._asked_for(msg)
             self._fire(msg, T.NO_HOST_LEFT_UNSURE)
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
-                              f"no host offers queue {lane.queue_key:#x} (asked {hosts}: {why})")
+                              f"no host offers queue {lane.queue_key:#x} ({why})")
         if lane.pending:
             head = lane.pending[0]
             self._asked_for(head)

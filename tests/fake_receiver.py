@@ -10,6 +10,10 @@ as its second argument (default "yes"):
     silent    reads everything, answers nothing
     mute      QUEUE_YES to asks, no answer to messages
     garbage   answers a MESSAGE with an unknown code (09 00)
+    early N   answers an ask with QUEUE_YES and N DELIVERED_YES in one packet (answers before
+              their questions), then nothing more on that connection
+
+It prints {"confirmed": BODY} for each MESSAGE it answers with DELIVERED_YES.
     hold N    answers an ask at once; otherwise answers nothing until N frames are outstanding,
               then answers them all (yes);
               prints {"outstanding": N} so a test can see how big the sender's window was
@@ -44,6 +48,7 @@ def read_exact(conn, n):
 
 def serve(conn, mode_path, lock):
     pending = []
+    early = False
     try:
         while True:
             code = read_exact(conn, 1)[0]
@@ -61,7 +66,11 @@ def serve(conn, mode_path, lock):
             with lock:
                 print(json.dumps(frame), flush=True)
             how = mode(mode_path)
-            if how[0] == "silent":
+            if how[0] == "silent" or early:
+                continue
+            if how[0] == "early" and code == 4:
+                conn.sendall(b"\x05\x00" + b"\x02\x00" * int(how[1]))
+                early = True
                 continue
             if how[0] == "hold":
                 if code == 4 and not pending:
@@ -81,8 +90,12 @@ def serve(conn, mode_path, lock):
                 continue
             elif how[0] == "garbage":
                 conn.sendall(b"\x09\x00")
+            elif how[0] == "error":
+                conn.sendall(b"\x03\x00")
             else:
-                conn.sendall(b"\x03\x00" if how[0] == "error" else b"\x02\x00")
+                conn.sendall(b"\x02\x00")
+                with lock:
+                    print(json.dumps({"confirmed": frame["body"]}), flush=True)
     except (EOFError, OSError):
         pass
     finally:

@@ -162,3 +162,53 @@ def test_a_second_sender_for_the_same_transmission_queue_is_refused(pair):
     assert f"(pid {first.pid}) already serves transmission queue 0x52510000" in \
         a.output(second, "stderr")
     assert first.poll() is None
+
+
+@pytest.mark.parametrize("extra", [1, 10])
+def test_answers_before_their_questions_close_the_connection_and_lose_nothing(pair, extra):
+    """Issue 10: QUEUE_YES and DELIVERED_YES in one packet used to release SURE messages that
+    no receiver had confirmed (1 extra answer: 1 lost; 10: all)."""
+    a, fake = pair
+    fake.set(f"early {extra}")
+    rqprc = write_rqprc(a, [fake.host])
+    sender = start_sender(a, rqprc)
+    bodies = [f"s{i}" for i in range(10)]
+    send(a, rqprc, Q1, bodies, SURE_MSG)
+    wait_for(lambda: log_lines(a, sender, "answers nothing"), timeout=20,
+             message="the early answer was not refused")
+    fake.set("yes")
+    wait_for(lambda: {e["confirmed"] for e in fake.events("confirmed")} == set(bodies),
+             timeout=30, message="not every SURE message was confirmed by the receiver")
+    sender.send_signal(signal.SIGTERM)
+    assert sender.wait(30) == 0
+    assert "'delivered': 10" in log_lines(a, sender, "stopped:")[0]
+    assert not dead_letters(a)
+
+
+def test_unsure_then_sure_to_a_host_refusing_connections_keeps_retrying(testbed):
+    """Issue 10: UNSURE then SURE to the only host, which refuses connections: the UNSURE one
+    is dead-lettered at once, the SURE one retried (the route used to freeze for good), and
+    delivered once a receiver listens there."""
+    from tests.agents import make_queue, receive, start_receiver
+    from tests.test_ops import rqpctl
+
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])  # nothing listens on b yet: connections are refused
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["u"], UNSURE_MSG)
+    send(a, rqprc, Q1, ["s"], SURE_MSG)
+    [dl] = wait_for(lambda: dead_letters(a), timeout=20, message="UNSURE not dead-lettered")
+    assert (dl["reason"], dl["payload"]) == ("NO_ROUTE", "u")
+    assert "Connection refused" in dl["detail"]
+
+    def route():
+        out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+        return next(iter(json.loads(out.stdout).values()))["routes"][0]
+    r = wait_for(lambda: (r := route())["state"] == "retrying" and r, timeout=20,
+                 message="the route does not show it is retrying")
+    assert "Connection refused" in r["last_error"] and r["waiting"] == 1
+    start_receiver(b)
+    assert receive(b, Q1, 1) == ["s"]
+    assert "Task exception" not in a.output(sender, "stderr")
+    assert sender.poll() is None

@@ -188,7 +188,7 @@ def test_no_host_says_yes_unsure_dead_letter_sure_waits():
                                         ("c", QueueAsk(queue_key=Q1))]
     [dl] = h.of(DeadLetter)
     assert dl.reason is ReasonCode.NO_ROUTE and dl.message.payload == b"u"
-    assert "asked b, c" in dl.detail
+    assert "(b: QUEUE_NO; c: QUEUE_NO)" in dl.detail  # why each host said no
     assert dl.message.state is MsgState.DEAD_LETTERED
 
     h.submit(Q2, SURE_MSG, b"s")
