@@ -113,11 +113,12 @@ class ReceiverConnection:
     Requests come out in order and must be answered in that order, one at a time: answers carry
     no key, so the sender matches them by order (spec 5.2).
 
-    Order of SURE messages (decision, see README): once a SURE ``MESSAGE`` for a queue key is
-    answered ``DELIVERED_ERROR``, later SURE messages for that key on this connection are refused
-    without being put (and without a dead letter: the sender still holds them) until the sender
-    asks for that queue again with ``QUEUE_ASK``, which it does before re-sending (spec 2). So a
-    message the sender will retry is never overtaken by the ones it had pipelined behind it.
+    Order (decision, see README): once a SURE ``MESSAGE`` for a queue key is answered
+    ``DELIVERED_ERROR``, later messages for that key on this connection are refused without
+    being put until the sender asks for that queue again with ``QUEUE_ASK``, which it does
+    before re-sending (spec 2): SURE ones without a dead letter (the sender still holds them),
+    UNSURE ones dead-lettered (the sender does not send them again). So a message the sender
+    will retry is never overtaken by the ones it had pipelined behind it (spec 5.8).
     """
 
     def __init__(self, *, max_message_size: int, hard_cap: int = HARD_MESSAGE_CAP) -> None:
@@ -154,10 +155,17 @@ class ReceiverConnection:
         problem = queue_key_problem(event.queue_key)
         if problem:
             return Refuse(event, ReasonCode.INVALID_QUEUE_KEY, problem)
-        if event.message_type == SURE_MSG and event.queue_key in self._held_keys:
+        if event.queue_key in self._held_keys:
+            if event.message_type == SURE_MSG:  # the sender keeps it and sends it again
+                return Refuse(event, ReasonCode.PUT_FAILED,
+                              "held back: an earlier SURE message for this queue was refused "
+                              "and the sender has not asked for the queue again",
+                              dead_letter=False)
+            # An UNSURE one is not sent again: it is dead-lettered, not silently dropped.
             return Refuse(event, ReasonCode.PUT_FAILED,
-                          "held back: an earlier SURE message for this queue was refused and "
-                          "the sender has not asked for the queue again", dead_letter=False)
+                          "held back to keep the order: an earlier SURE message for this queue "
+                          "was refused on this connection and not sent again yet; putting this "
+                          "one would overtake it")
         return Put(event)
 
     def _fire(self, outcome: Outcome) -> None:

@@ -91,7 +91,7 @@ def test_oversized_message_refused_with_header_and_stream_goes_on():
     assert conn.next_request() == Ask(Q1)
 
 
-def test_sure_messages_behind_a_refused_one_are_held_until_asked_again():
+def test_messages_behind_a_refused_sure_one_are_held_until_asked_again():
     conn = ReceiverConnection(max_message_size=100)
     conn.receive_data(msg(key=1) + msg(key=2) + msg(key=3, message_type=UNSURE_MSG)
                       + msg(key=4, queue_key=Q1 + 1) + ask() + msg(key=2))
@@ -100,9 +100,12 @@ def test_sure_messages_behind_a_refused_one_are_held_until_asked_again():
     held = conn.next_request()
     assert isinstance(held, Refuse) and not held.dead_letter and held.message.key == 2
     conn.answer_put(held, False)
-    unsure = conn.next_request()  # UNSURE messages are not held: they may be lost anyway
-    assert isinstance(unsure, Put)
-    conn.answer_put(unsure, True)
+    # UNSURE ones are held too (putting one would overtake the SURE retry, spec 5.8), and
+    # dead-lettered: the sender will not send them again.
+    unsure = conn.next_request()
+    assert isinstance(unsure, Refuse) and unsure.dead_letter and unsure.message.key == 3
+    assert unsure.reason is ReasonCode.PUT_FAILED and "keep the order" in unsure.detail
+    conn.answer_put(unsure, False)
     other = conn.next_request()  # other queue keys are not held
     assert isinstance(other, Put)
     conn.answer_put(other, True)

@@ -9,8 +9,9 @@ the core must have handed out:
 * requests come out exactly when their bytes are in, in the order sent, one at a time;
 * each is answered exactly once, in order, with the frame the spec says (QUEUE_YES only for an
   offered valid key; DELIVERED_YES only for a message put);
-* after a SURE message is refused, later SURE messages for that queue key are held back (not
-  put, not dead-lettered) until the sender asks for the queue again;
+* after a SURE message is refused, later messages for that queue key are held back (not put;
+  SURE ones not dead-lettered, UNSURE ones dead-lettered) until the sender asks for the queue
+  again;
 * misuse (a second request before the answer, the wrong answer method) is refused without
   changing anything; garbage is a protocol error, and the connection stays failed.
 """
@@ -168,8 +169,9 @@ class ReceiverMachine(RuleBasedStateMachine):
         elif not valid:
             assert isinstance(got, Refuse) and got.reason is ReasonCode.INVALID_QUEUE_KEY
             assert got.dead_letter
-        elif expected.message_type == SURE_MSG and expected.queue_key in self.held:
-            assert isinstance(got, Refuse) and not got.dead_letter, got
+        elif expected.queue_key in self.held:  # SURE: the sender keeps it; UNSURE: dead letter
+            assert isinstance(got, Refuse) and got.reason is ReasonCode.PUT_FAILED, got
+            assert got.dead_letter == (expected.message_type == UNSURE_MSG), got
         else:
             assert isinstance(got, Put), got
             assert got.message.message == b"p" * expected.length
