@@ -53,27 +53,40 @@ if not __package__:
 
 import argparse
 import datetime as _dt
+import glob
 import importlib.util
 import json
+import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
-from pyspark import StorageLevel
-from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from rqp.files import write_file_atomically
-from rqp.report import analysis
 from rqp.report import html as report_html
 from rqp.report.schema import (
-    ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
+    ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN,
     ArchiveSchemaError,
 )
+
+try:  # PySpark is an extra (pip install 'rqp[spark]'): --help and the checks need none of it
+    from pyspark import StorageLevel
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import functions as F
+
+    from rqp.report import analysis
+    from rqp.report.schema import READ_SCHEMA
+except ImportError as _exc:
+    if not (_exc.name or "").startswith("pyspark"):
+        raise
+    _NO_PYSPARK: ImportError | None = _exc
+else:
+    _NO_PYSPARK = None
 
 __all__ = ["TABLES", "ReportError", "ArchiveSchemaError", "read_archives", "prepare",
            "check_archives", "run_report", "run_drain", "main"]
@@ -552,11 +565,58 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _local_path(path: str) -> str | None:
+    """``path`` as a local file name, or None for a Hadoop URI (hdfs://, s3a://, ...)."""
+    parsed = urlparse(path)
+    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # (a Windows drive letter)
+        return parsed.path if parsed.scheme == "file" else path
+    return None
+
+
+def check_local_inputs(inputs: Sequence[str]) -> None:
+    """Before Spark starts (seconds): local inputs that do not exist, or that hold no archive
+    file at all, are an error naming them. URIs are left to Spark."""
+    local = [_local_path(p) for p in inputs]
+    if any(p is None for p in local):
+        return
+    found = False
+    for path in local:
+        if glob.has_magic(path):
+            matches = glob.glob(path)
+        elif not os.path.exists(path):
+            raise ReportError(f"cannot read the input: {path} does not exist")
+        else:
+            matches = [path]
+        for match in matches:
+            if os.path.isfile(match) or any(
+                    not any(part.startswith(".") for part in f.relative_to(match).parts)
+                    for pattern in ("*.jsonl", "*.jsonl.gz")
+                    for f in Path(match).rglob(pattern)):
+                found = True
+    if not found:
+        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
+                          "no dead letters to report")
+
+
+def check_spark_installed() -> None:
+    if _NO_PYSPARK is not None:
+        raise ReportError(
+            f"the report runs on PySpark, which is not installed here ({_NO_PYSPARK}): "
+            "pip install 'rqp[spark]' into the environment rqp is installed in, and a Java "
+            "17 runtime (Debian: apt-get install openjdk-17-jre-headless)")
+    if not os.environ.get("JAVA_HOME") and shutil.which("java") is None:
+        raise ReportError(
+            "Spark needs a Java runtime and none was found (no java on PATH, no JAVA_HOME): "
+            "install Java 17 (Debian: apt-get install openjdk-17-jre-headless)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.drain:
             run_drain(args.archive)
+        check_local_inputs(args.input)
+        check_spark_installed()
         spark, created = get_session(args.master)
         try:
             run_report(spark, args.input, args.output, traffic=args.traffic)

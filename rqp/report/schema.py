@@ -14,10 +14,6 @@ is the exact instant when it is there.
 
 from __future__ import annotations
 
-from pyspark.sql.types import (
-    BooleanType, IntegerType, LongType, StringType, StructField, StructType,
-)
-
 __all__ = [
     "ARCHIVE_FIELDS",
     "ARCHIVE_FILE_GLOB",
@@ -40,43 +36,60 @@ ARCHIVE_FILE_GLOB = "*.{jsonl,jsonl.gz}"
 #: Spark puts a line that is not a JSON object here (and nulls in every other column).
 CORRUPT_RECORD_COLUMN = "_corrupt_record"
 
-ARCHIVE_SCHEMA = StructType(
-    [
-        StructField("schema", IntegerType()),
-        StructField("id", StringType()),
-        StructField("archived_by", StringType()),
-        StructField("archived_at", StringType()),
-        StructField("host", StringType()),
-        StructField("agent", StringType()),
-        StructField("reason", StringType()),
-        StructField("reason_code", IntegerType()),
-        StructField("queue_key", LongType()),
-        StructField("queue_key_hex", StringType()),
-        StructField("queue_name", StringType()),
-        StructField("message_key", StringType()),
-        StructField("message_type", StringType()),
-        StructField("timestamp", StringType()),
-        StructField("timestamp_ns", LongType()),
-        StructField("attempts", IntegerType()),
-        StructField("original_length", LongType()),
-        StructField("payload_length", LongType()),
-        StructField("truncated", BooleanType()),
-        StructField("header_only", BooleanType()),
-        StructField("source_host", StringType()),
-        StructField("destination_host", StringType()),
-        StructField("detail", StringType()),
-        StructField("spill_path", StringType()),
-        StructField("payload_b64", StringType()),
-        StructField("payload_preview", StringType()),
-    ]
+#: Every field of a version-1 line, with its Spark type: declared once, as plain names, so that
+#: this module imports without PySpark (``rqp-dlq-report --help`` and its checks need none).
+_FIELDS: tuple[tuple[str, str], ...] = (
+    ("schema", "integer"),
+    ("id", "string"),
+    ("archived_by", "string"),
+    ("archived_at", "string"),
+    ("host", "string"),
+    ("agent", "string"),
+    ("reason", "string"),
+    ("reason_code", "integer"),
+    ("queue_key", "long"),
+    ("queue_key_hex", "string"),
+    ("queue_name", "string"),
+    ("message_key", "string"),
+    ("message_type", "string"),
+    ("timestamp", "string"),
+    ("timestamp_ns", "long"),
+    ("attempts", "integer"),
+    ("original_length", "long"),
+    ("payload_length", "long"),
+    ("truncated", "boolean"),
+    ("header_only", "boolean"),
+    ("source_host", "string"),
+    ("destination_host", "string"),
+    ("detail", "string"),
+    ("spill_path", "string"),
+    ("payload_b64", "string"),
+    ("payload_preview", "string"),
 )
 
-ARCHIVE_FIELDS: tuple[str, ...] = tuple(ARCHIVE_SCHEMA.fieldNames())
+ARCHIVE_FIELDS: tuple[str, ...] = tuple(name for name, _ in _FIELDS)
 
-#: What the reader is given: the archive schema plus the column for unreadable lines.
-READ_SCHEMA = StructType(
-    [*ARCHIVE_SCHEMA.fields, StructField(CORRUPT_RECORD_COLUMN, StringType())]
-)
+
+def _spark_schemas() -> dict:
+    from pyspark.sql.types import (
+        BooleanType, IntegerType, LongType, StringType, StructField, StructType,
+    )
+
+    types = {"boolean": BooleanType, "integer": IntegerType, "long": LongType,
+              "string": StringType}
+    archive = StructType([StructField(name, types[kind]()) for name, kind in _FIELDS])
+    # What the reader is given: the archive schema plus the column for unreadable lines.
+    read = StructType([*archive.fields, StructField(CORRUPT_RECORD_COLUMN, StringType())])
+    return {"ARCHIVE_SCHEMA": archive, "READ_SCHEMA": read}
+
+
+def __getattr__(name: str):
+    """``ARCHIVE_SCHEMA`` and ``READ_SCHEMA`` (Spark ``StructType``s), built on first use."""
+    if name in ("ARCHIVE_SCHEMA", "READ_SCHEMA"):
+        globals().update(_spark_schemas())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The reasons the agents and the drain write (readers must accept others too).
 REASONS: tuple[str, ...] = (
