@@ -11,6 +11,7 @@ host's queues; otherwise it uses queue keys that no queue has yet, and removes t
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import shutil
@@ -175,12 +176,16 @@ def run(workdir: Path, report_dir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="rqp-demo", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--report-dir", metavar="DIR", default="rqp-demo-report",
+                        help="where the dead-letter report goes (default: ./rqp-demo-report)")
+    args = parser.parse_args(argv)  # (--help ends here, before anything is started)
     if os.geteuid() == 0 and not os.environ.get("RQP_DEMO_ISOLATED") and shutil.which("unshare"):
         env = dict(os.environ, RQP_DEMO_ISOLATED="1")
         return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.demo",
                                 *argv], env=env)
-    report_dir = Path(argv[argv.index("--report-dir") + 1] if "--report-dir" in argv
-                      else "rqp-demo-report").resolve()
+    report_dir = Path(args.report_dir).resolve()
     workdir = Path(tempfile.mkdtemp(prefix="rqp-demo-"))
     try:
         return run(workdir, report_dir)
