@@ -1,7 +1,9 @@
 # shellcheck shell=bash
 # Sourced by scripts/test and scripts/demo: makes .venv in the checkout, installs the project
-# and its dependencies into it, and checks the system tools the project needs (Java for Spark,
-# iproute2 and util-linux for the multi-host tests). Idempotent: a second run only checks.
+# and its dependencies into it, and checks the system tools the project needs: setup_demo for
+# the main job (Java for Spark, util-linux), setup_test for the tests as well (iproute2,
+# chromium, man-db, systemd). What apt and pip print goes to out/setup.log.
+# Idempotent: a second run only checks.
 set -euo pipefail
 
 RQP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -10,6 +12,18 @@ RQP_EXTRAS=${RQP_EXTRAS:-test,spark}
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# What apt and pip print goes to a log, not the terminal: the steps are what a user reads.
+RQP_SETUP_LOG=${RQP_SETUP_LOG:-$RQP_ROOT/out/setup.log}
+mkdir -p "$(dirname "$RQP_SETUP_LOG")"
+logged() {  # logged COMMAND... : run it with its output in the log; on failure show the end
+    printf '\n$ %s\n' "$*" >> "$RQP_SETUP_LOG"
+    if "$@" >> "$RQP_SETUP_LOG" 2>&1; then return 0; fi
+    local status=$?
+    printf '[setup] failed: %s (exit %s); the end of %s:\n' "$*" "$status" "$RQP_SETUP_LOG" >&2
+    tail -n 20 "$RQP_SETUP_LOG" | sed 's/^/    /' >&2
+    return "$status"
+}
 
 as_root() {
     if [ "$(id -u)" = 0 ]; then "$@"
@@ -22,10 +36,11 @@ apt_install() {  # apt_install PACKAGE... : install Debian packages when we can,
     command -v apt-get >/dev/null 2>&1 || return 1
     say "installing Debian packages: $*"
     if [ -z "${RQP_APT_UPDATED:-}" ]; then
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || return 1
+        logged as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q || return 1
         RQP_APT_UPDATED=1
     fi
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
+    logged as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        --no-install-recommends "$@"
 }
 
 find_python() {
@@ -65,16 +80,27 @@ setup_venv() {
     want="$(cat "$RQP_ROOT/setup.cfg" "$RQP_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $RQP_EXTRAS"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         say "installing the project and its dependencies into $RQP_VENV"
-        "$RQP_VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
-        "$RQP_VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$RQP_ROOT[$RQP_EXTRAS]" >&2
+        logged "$RQP_VENV/bin/python" -m pip install --disable-pip-version-check --upgrade pip ||
+            die "could not upgrade pip in $RQP_VENV (log: $RQP_SETUP_LOG)"
+        logged "$RQP_VENV/bin/python" -m pip install --disable-pip-version-check \
+            -e "$RQP_ROOT[$RQP_EXTRAS]" ||
+            die "could not install the project into $RQP_VENV (log: $RQP_SETUP_LOG)"
         printf '%s\n' "$want" > "$stamp"
     fi
 }
 
-setup_all() {
+setup_demo() {  # what the main job needs: the project, Java for Spark, unshare
+    say "setting up (details in $RQP_SETUP_LOG)"
     setup_venv
     check_java
+    check_tool unshare util-linux "the demo runs in its own IPC namespace"
+}
+
+setup_test() {  # and what the tests need besides
+    setup_demo
     check_tool ip iproute2 "the multi-host tests build network namespaces with it"
-    check_tool unshare util-linux "the tests run hosts in their own IPC namespaces"
     check_tool chromium chromium "the report's browser test renders the HTML with it"
+    # systemd-analyze verify looks up each unit's Documentation=man: page with man(1).
+    check_tool man man-db "the unit test runs systemd-analyze verify, which calls man"
+    check_tool systemd-analyze systemd "the unit test verifies the systemd units with it"
 }
