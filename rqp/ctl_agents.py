@@ -171,7 +171,9 @@ def send(args) -> int:
     import rqp
     from .service import sender_serving
     config = load_sender_config(find_rqprc(args.rqprc))
-    handle = rqp.openConnection(args.queue, rqprc=args.rqprc, start_sender=False)
+    # As an application's openConnection() does: a sending MCA is started if none serves the
+    # transmission queue (--no-start: only put the message there).
+    handle = rqp.openConnection(args.queue, rqprc=args.rqprc, start_sender=not args.no_start)
     data = args.message.encode() if args.message is not None else os.read(0, 1 << 20)
     kind = rqp.UNSURE_MSG if args.unsure else rqp.SURE_MSG
     rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout)
@@ -233,6 +235,8 @@ def add_commands(groups) -> None:
                    "journaled it")
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--rqprc", metavar="FILE")
+    p.add_argument("--no-start", action="store_true", help="do not start a sending MCA if "
+                   "none runs (the message then waits on the transmission queue; exit 3)")
     p.set_defaults(run=send)
     p = groups.add_parser("receive", help="take messages from a local queue")
     p.add_argument("queue", help="queue key or name from .rqprc")

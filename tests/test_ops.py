@@ -159,3 +159,18 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     st = next(iter(json.loads(out.stdout).values()))
     assert {q["queue"]: q["offered"] for q in st["queues"]}["0x52510001"] is False
     assert len(st["connections"]) == 1
+
+
+def test_rqpctl_send_starts_a_sending_mca_as_the_api_does(testbed):
+    """Issue 10: rqpctl send only warned that nothing served the transmission queue, while
+    openConnection starts a sending MCA. Now both start one; --no-start only puts."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], queues={"PROD_THE_SCHED_COMMON": Q1})
+    out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "waited", "--no-start", "--rqprc",
+                 str(rqprc))
+    assert out.returncode == 3 and "it waits there" in out.stdout, out.stdout + out.stderr
+    out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "started", "--sync", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and "warning" not in out.stdout, out.stdout + out.stderr
+    assert receive(b, Q1, 2) == ["waited", "started"]
