@@ -228,6 +228,17 @@ _KEY_EXPECTED = (
 )
 
 
+def _resolve_queue(config, name_or_key: object) -> int:
+    """A queue an application or an operator names: a public ConfigError that says which
+    file's names were looked in (the internal _BadValue is for the loaders)."""
+    try:
+        return parse_queue_key(name_or_key, {**config.queues, **config.builtin_queues})
+    except _BadValue as exc:
+        where = config.source or "the configuration"
+        raise ConfigError(f"{where}: unknown queue {_show(name_or_key)}: {exc.expected}") \
+            from None
+
+
 def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> int:
     """A System V ``key_t`` as an unsigned 32-bit int; a string in ``names`` gives its key.
 
@@ -521,7 +532,7 @@ class SenderConfig:
 
     def resolve_queue(self, name_or_key: object) -> int:
         """The key of a configured or built-in queue name, or a queue key given as such."""
-        return parse_queue_key(name_or_key, {**self.queues, **self.builtin_queues})
+        return _resolve_queue(self, name_or_key)
 
     def queue_name(self, key: int) -> str | None:
         """The first name configured for ``key``, else its built-in name, else None."""
@@ -561,7 +572,7 @@ class ReceiverConfig:
 
     def resolve_queue(self, name_or_key: object) -> int:
         """The key of a configured queue name or ``DEAD.LETTER.Q``, or a queue key given as such."""
-        return parse_queue_key(name_or_key, {**self.queues, **self.builtin_queues})
+        return _resolve_queue(self, name_or_key)
 
     def queue_name(self, key: int) -> str | None:
         """The first name configured for ``key``, else its built-in name, else None."""
