@@ -45,7 +45,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from rqp.cli import positive_int, positive_seconds
+from rqp.cli import add_log_level, positive_int, positive_seconds
 from rqp.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
@@ -228,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"records copied per batch (default {DEFAULT_BATCH})")
     parser.add_argument("--max-file-records", metavar="N", type=positive_int,
                         help="rows per archive file at most (default: --batch)")
-    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    add_log_level(parser)
     return parser
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
+from rqp.cli import add_log_level
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
 from rqp.control import Metric, default_socket, render
 from rqp.dedup import DedupWindow, window_path
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                         "documented defaults)")
     parser.add_argument("--listen", metavar="HOST:PORT", help="overrides the config's listen")
     parser.add_argument("--state-dir", metavar="DIR", help="overrides the config's state_dir")
-    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    add_log_level(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
 

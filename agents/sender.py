@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
+from rqp.cli import add_log_level
 from rqp.config import SenderConfig, load_sender_config
 from rqp.control import Metric, default_socket, render
 from rqp.journal import Journal
@@ -631,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rqprc", metavar="FILE",
                         help="the .rqprc to use (default: $RQPRC, ./.rqprc, ~/.rqprc, "
                         "/etc/rqp/rqprc)")
-    parser.add_argument("--log-level", default=os.environ.get("RQP_LOG_LEVEL", "INFO"))
+    add_log_level(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     return run_daemon(log, lambda: Sender(load_sender_config(args.rqprc)))
