@@ -819,9 +819,26 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
     )
 
 
+#: The key scripts/install puts at the top of the configs it lays down: an agent refuses a
+#: file that still has it (a template shows every key; the operator sets what this host needs).
+TEMPLATE_KEY = "rqp_template"
+
+
+def _refuse_template(data: object, file: str | None, lines: Mapping[str, int],
+                     what: str) -> None:
+    if isinstance(data, dict) and TEMPLATE_KEY in data:
+        line = f" (line {lines[TEMPLATE_KEY]})" if TEMPLATE_KEY in lines else ""
+        raise ConfigError(
+            f"{file or _NO_FILE}: this is the template scripts/install put here, not a "
+            f"configuration yet: {what}, then delete the line '{TEMPLATE_KEY}: ...'{line}",
+            path=file, key=TEMPLATE_KEY)
+
+
 def _sender(
     data: object, file: str | None, lines: Mapping[str, int], env: Env, home: _PathArg
 ) -> SenderConfig:
+    _refuse_template(data, file, lines, "set 'hosts' (the receiving MCAs this host sends "
+                     "to, asked in order) and whatever else this host needs")
     if data is None:
         name = file or _NO_FILE
         message = f"{name}: the file is empty; key 'hosts' is required: {_HOSTS_EXPECTED}"
@@ -832,6 +849,8 @@ def _sender(
 def _receiver(
     data: object, file: str | None, lines: Mapping[str, int], env: Env, home: _PathArg
 ) -> ReceiverConfig:
+    _refuse_template(data, file, lines, "set 'listen' and 'offer' (which queues remote "
+                     "senders may put into) for this host")
     env = os.environ if env is None else env
     return _build_receiver(_Fields({} if data is None else data, file, lines, env, home))
 

@@ -53,8 +53,14 @@ def test_install_lays_out_user_directories_configs_and_units(scratch):
     assert uid < 1000  # a system user: logind's RemoveIPC= never touches its queues
     assert (scratch / "var/lib/rqp").stat().st_mode & 0o777 == 0o770
     assert (scratch / "etc/rqp").stat().st_mode & 0o777 == 0o750
-    assert (scratch / "etc/rqp/rqprc").read_text() == \
-        (REPO / "config/rqprc.example.yaml").read_text()
+    for name, example in (("rqprc", "rqprc.example.yaml"),
+                          ("receiver.yaml", "receiver.example.yaml")):
+        installed = (scratch / "etc/rqp" / name).read_text()
+        assert "\nrqp_template: " in installed  # a template the agents refuse
+        settings = [line for line in (REPO / "config" / example).read_text().splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+        assert settings and all(f"#{line}" in installed or f"# {line}" in installed
+                                for line in settings)  # every setting shown, commented out
     for unit in UNITS:
         assert (scratch / "etc/systemd/system" / unit).read_bytes() == \
             (REPO / "systemd" / unit).read_bytes()
@@ -64,12 +70,16 @@ def test_install_lays_out_user_directories_configs_and_units(scratch):
 
 def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
     rqprc = scratch / "etc/rqp/rqprc"
+    template = rqprc.read_text()
     rqprc.write_text("hosts: [mine.example.org]\n")
-    again = install(scratch)
-    assert again.returncode == 0, again.stderr
-    assert "keeping" in again.stdout and "creating" not in again.stdout
-    assert rqprc.read_text() == "hosts: [mine.example.org]\n"
-    assert (scratch / "etc/passwd").read_text().count("rqp:x:") == 1
+    try:
+        again = install(scratch)
+        assert again.returncode == 0, again.stderr
+        assert "keeping" in again.stdout and "creating" not in again.stdout
+        assert rqprc.read_text() == "hosts: [mine.example.org]\n"
+        assert (scratch / "etc/passwd").read_text().count("rqp:x:") == 1
+    finally:  # (the module's other tests look at the template)
+        rqprc.write_text(template)
 
 
 def verify(root: Path, *units: str) -> subprocess.CompletedProcess:
@@ -168,3 +178,59 @@ def test_agents_speak_sd_notify(testbed, tmp_path, agent):
     ready = next(i for i, m in enumerate(fake.messages) if "READY=1" in m)
     stopping = next(i for i, m in enumerate(fake.messages) if "STOPPING=1" in m)
     assert ready < stopping
+
+
+def _agent(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_agents_refuse_the_installed_templates_until_filled_in(scratch, tmp_path):
+    """Issue 10: the examples were installed as the live configs, and the sender retried
+    invented hosts for ever. The templates are refused, naming the file and the keys."""
+    rqprc, receiver = scratch / "etc/rqp/rqprc", scratch / "etc/rqp/receiver.yaml"
+    out = _agent(["rqp_agents.sender", "--rqprc", str(rqprc)])
+    assert out.returncode == 1
+    assert f"{rqprc}: this is the template scripts/install put here" in out.stderr, out.stderr
+    assert "'hosts'" in out.stderr and "delete the line 'rqp_template: ...' (line 4)" \
+        in out.stderr
+    out = _agent(["rqp_agents.receiver", "--config", str(receiver), "--listen",
+                  "127.0.0.1:0", "--state-dir", str(tmp_path)])
+    assert out.returncode == 1 and f"{receiver}: this is the template" in out.stderr
+    assert "'offer'" in out.stderr
+    # Filled in: the marker deleted and the keys this host needs set.
+    from rqp.config import load_receiver_config, load_sender_config
+    filled = tmp_path / "rqprc"
+    filled.write_text(rqprc.read_text().replace('rqp_template: "delete this line once the '
+                                                'file is filled in"\n', "")
+                      + "hosts: [receiver.example.net]\n")
+    assert [str(h) for h in load_sender_config(filled).hosts] == ["receiver.example.net:7460"]
+    filled = tmp_path / "receiver.yaml"
+    filled.write_text("\n".join(line for line in receiver.read_text().splitlines()
+                                if not line.startswith("rqp_template:")))
+    assert load_receiver_config(filled).source == str(filled)
+
+
+def test_root_stages_the_tree_with_the_target_hosts_paths(scratch):
+    """Issue 10: --root DIR wrote #! lines into DIR, so the staged tree could not be packaged.
+    Nothing under DIR names DIR; the venv runs once it is where the target host has it."""
+    venv = scratch / "opt/rqp/venv"
+    named = subprocess.run(["grep", "-rlI", "--", str(scratch), str(scratch / "opt"),
+                            str(scratch / "etc")], capture_output=True, text=True)
+    assert named.stdout == "", f"files that name the staging root:\n{named.stdout}"
+    assert (venv / "bin/rqp-sender").read_text().splitlines()[0] == \
+        "#!/opt/rqp/venv/bin/python"
+    assert "/opt/rqp/venv" in (venv / "pyvenv.cfg").read_text() or \
+        "command" not in (venv / "pyvenv.cfg").read_text()
+    made = not Path("/opt/rqp").exists()
+    if made:
+        Path("/opt/rqp").mkdir(parents=True)
+    try:
+        out = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             'mount --bind "$1" /opt/rqp && /opt/rqp/venv/bin/rqp-sender --help', "sh",
+             str(scratch / "opt/rqp")], capture_output=True, text=True, timeout=60)
+    finally:
+        if made:
+            Path("/opt/rqp").rmdir()
+    assert out.returncode == 0 and out.stdout.startswith("usage: rqp-sender"), out.stderr
