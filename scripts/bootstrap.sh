@@ -6,6 +6,13 @@
 # Idempotent: a second run only checks.
 set -euo pipefail
 
+# --help (or -h) of the script that sources this: its header, and nothing set up or run.
+case "${1:-}" in
+    -h|--help)
+        sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+        exit 0 ;;
+esac
+
 RQP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RQP_VENV=${RQP_VENV:-$RQP_ROOT/.venv}
 RQP_EXTRAS=${RQP_EXTRAS:-test,spark}

@@ -113,3 +113,13 @@ def test_report_without_pyspark_says_what_to_install(installed, tmp_path):
     assert out.returncode == 2, out.stderr
     assert "pip install 'rqp[spark]'" in out.stderr and "Java" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("script", ["demo", "test", "bench", "chaos", "report-bench",
+                                    "install"])
+def test_every_script_answers_help_without_setting_anything_up(script, tmp_path):
+    venv, log = tmp_path / "venv", tmp_path / "setup.log"
+    out = _run(["bash", str(ROOT / "scripts" / script), "--help"], cwd=tmp_path,
+               env={"PATH": "/usr/bin:/bin", "RQP_VENV": str(venv), "RQP_SETUP_LOG": str(log)})
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    assert not venv.exists() and not log.exists() and list(tmp_path.iterdir()) == []
