@@ -160,16 +160,10 @@ class Daemon:
 
 
 def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
-    """Build the agent and run it; exit status 1 with the reason logged if it cannot."""
+    """Build the agent and run it; exit status 1 with the reason logged if it cannot, 70
+    (EXIT_UNEXPECTED) after an unexpected error."""
     try:
         agent = build()
-    except RQPError as exc:
-        log.error("%s", exc)
-        return 1
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    try:
         asyncio.run(agent.run())
     except RQPError as exc:
         log.error("%s", exc)
