@@ -25,8 +25,9 @@ RQP_SETUP_LOG=${RQP_SETUP_LOG:-$RQP_ROOT/out/setup.log}
 mkdir -p "$(dirname "$RQP_SETUP_LOG")"
 logged() {  # logged COMMAND... : run it with its output in the log; on failure show the end
     printf '\n$ %s\n' "$*" >> "$RQP_SETUP_LOG"
-    if "$@" >> "$RQP_SETUP_LOG" 2>&1; then return 0; fi
-    local status=$?
+    local status=0
+    "$@" >> "$RQP_SETUP_LOG" 2>&1 || status=$?
+    [ "$status" != 0 ] || return 0
     printf '[setup] failed: %s (exit %s); the end of %s:\n' "$*" "$status" "$RQP_SETUP_LOG" >&2
     tail -n 20 "$RQP_SETUP_LOG" | sed 's/^/    /' >&2
     return "$status"

@@ -568,9 +568,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _local_path(path: str) -> str | None:
     """``path`` as a local file name, or None for a Hadoop URI (hdfs://, s3a://, ...)."""
     parsed = urlparse(path)
-    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # (a Windows drive letter)
-        return parsed.path if parsed.scheme == "file" else path
-    return None
+    if parsed.scheme == "file":
+        return parsed.path
+    return path if parsed.scheme == "" else None
 
 
 def check_local_inputs(inputs: Sequence[str]) -> None:
