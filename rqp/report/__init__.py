@@ -3,11 +3,14 @@
 * :mod:`rqp.report.schema`: the archive format (version 1) as an explicit Spark schema;
 * :mod:`rqp.report.analysis`: pure DataFrame -> DataFrame functions (counts, payload sizes,
   samples, likely recoverable dead letters);
-* :mod:`rqp.report.job`: the ``rqp-dlq-report`` command (also ``spark-submit``-able): reads
-  the archives, writes every table as Parquet and CSV, ``summary.json`` and ``report.html``;
+* :mod:`rqp.report.job`: the ``rqp-dlq-report`` command (also ``spark-submit``-able): its
+  options and the checks that need no Spark (the inputs, PySpark and Java installed);
+* :mod:`rqp.report.compute`: the job's Spark half: reads the archives, writes every table as
+  Parquet and CSV, ``summary.json`` and ``report.html``;
 * :mod:`rqp.report.html`: the self-contained HTML page with inline SVG charts;
 * :mod:`rqp.report.generate`: synthetic archives with realistic skew, for tests and benchmarks;
 * :mod:`rqp.report.bench`: the job's time and records/s at 1, 2 and 5 million dead letters.
 
-Importing this package does not import pyspark; the modules that need it do.
+Importing this package does not import pyspark, nor does the command before it computes a
+report; the modules that need it (compute, analysis, bench) do.
 """

@@ -8,7 +8,7 @@
    writes, the first 10 are the 2 million, and so on: one generation serves every size;
 2. starts one SparkSession (``local[2]`` by default, ``spark.driver.memory`` 4g) and runs the
    job once on a small archive to warm the JVM up (not counted);
-3. runs the full job (:func:`rqp.report.job.run_report`: read, check, dedupe, every table as
+3. runs the full job (:func:`rqp.report.compute.run_report`: read, check, dedupe, every table as
    Parquet and CSV, summary.json, report.html) on each size, and prints the wall time, the
    archive lines per second and the growth ratio time(largest) / time(smallest): with
    linear scaling it equals the size ratio (5.0 for 5M / 1M), below it fixed costs weigh;
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         # 2. one session, warmed up
         from pyspark.sql import SparkSession
 
-        from rqp.report import job
+        from rqp.report import compute
 
         t0 = time.monotonic()
         spark = (
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         spark.sparkContext.setLogLevel("ERROR")
         start_seconds = time.monotonic() - t0
         t0 = time.monotonic()
-        job.run_report(spark, warm, os.path.join(tmp, "out-warm-up"), out=io.StringIO(),
+        compute.run_report(spark, warm, os.path.join(tmp, "out-warm-up"), out=io.StringIO(),
                        err=io.StringIO())
         warm_seconds = time.monotonic() - t0
         print(f"Spark {spark.version} on {args.master}, driver memory {args.driver_memory}: "
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = min(size, len(inputs) * PER_FILE)
             out = os.path.join(tmp, f"out-{size}")
             t0 = time.monotonic()
-            summary = job.run_report(spark, inputs, out, out=io.StringIO(), err=io.StringIO())
+            summary = compute.run_report(spark, inputs, out, out=io.StringIO(), err=io.StringIO())
             seconds = time.monotonic() - t0
             if summary["totals"]["lines"] != lines:
                 raise RuntimeError(f"read {summary['totals']['lines']} lines, expected {lines}")

@@ -36,6 +36,11 @@ received a delivery later; without it the dead letters with a transient reason. 
 ``--drain`` first runs the drain tool once (``python -m rqp_agents.drain --once --archive
 DIR``), so that the report includes what is on ``DEAD.LETTER.Q`` now; with ``--archive`` and
 no ``--input`` the archive directory is the input.
+
+The command itself needs no PySpark: ``--help``, the options and the local inputs are checked
+first, and only then is the Spark half (:mod:`rqp.report.compute`) imported. Without PySpark
+(the ``spark`` extra) or Java the command says what to install; an archive with no files in it
+is reported without starting Spark.
 """
 
 from __future__ import annotations
@@ -52,219 +57,34 @@ if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 
 import argparse
-import datetime as _dt
 import glob
+import importlib
 import importlib.util
-import json
 import shutil
 import subprocess
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
+from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 
-from rqp.files import write_file_atomically
-from rqp.report import html as report_html
-from rqp.report.schema import (
-    ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN,
-    ArchiveSchemaError,
-)
-
-try:  # PySpark is an extra (pip install 'rqp[spark]'): --help and the checks need none of it
-    from pyspark import StorageLevel
-    from pyspark.errors import AnalysisException
-    from pyspark.sql import DataFrame, SparkSession
-    from pyspark.sql import functions as F
-
-    from rqp.report import analysis
-    from rqp.report.schema import READ_SCHEMA
-except ImportError as _exc:
-    if not (_exc.name or "").startswith("pyspark"):
-        raise
-    _NO_PYSPARK: ImportError | None = _exc
-else:
-    _NO_PYSPARK = None
-
-__all__ = ["TABLES", "ReportError", "ArchiveSchemaError", "read_archives", "prepare",
-           "check_archives", "run_report", "run_drain", "main"]
+__all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
+           "check_local_output", "load_compute", "run_drain", "parse_args", "main"]
 
 PROG = "rqp-dlq-report"
-FILE_COLUMN = "_file"
-#: Archive columns the report never looks at (the payload itself is by far the largest: not
-#: even parsed, as Spark reads only the columns a query uses).
-UNUSED_COLUMNS = ("payload_b64", "reason_code", "message_key", "payload_length", "truncated",
-                  "header_only", "spill_path")
-#: Columns the tables need after normalize (what is kept in memory).
-DEAD_COLUMNS = (
-    "id", "timestamp", "hour", "host", "agent", "reason", "queue_key", "queue_key_hex",
-    "queue_name", "message_type", "attempts", "original_length", "source", "destination",
-    "detail", "payload_preview",
-)
-TOP = 15  # rows of the "top" charts and lists
+
+#: What to install, said wherever PySpark or Java is missing.
+SPARK_EXTRA = "pip install 'rqp[spark]'"
+JAVA = "a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless)"
 
 
 class ReportError(Exception):
     """A problem the user can fix (bad input, missing tool): printed without a traceback."""
 
 
-@dataclass(frozen=True)
-class Table:
-    name: str
-    build: Callable[[DataFrame, DataFrame | None], DataFrame]
-    order: Callable[[], list] | None  # the sort of the written rows
-    small: bool = True  # written as one file
-
-
-def _payload_stats_table(dead: DataFrame, _traffic) -> DataFrame:
-    overall = analysis.payload_stats(dead).withColumn("reason", F.lit("(all)"))
-    per_reason = analysis.payload_stats(dead, by="reason")
-    return overall.unionByName(per_reason).select(
-        "reason", "count", "min", "max", "avg", "p50", "p95")
-
-
-def _order(*cols: str) -> Callable[[], list]:
-    """A sort of the written rows: column names, "-name" for descending."""
-    return lambda: [F.desc(c[1:]) if c.startswith("-") else F.col(c) for c in cols]
-
-
-def _all_first() -> list:
-    return [F.when(F.col("reason") == "(all)", 0).otherwise(1), F.desc("count"), F.col("reason")]
-
-
-#: Every table the job writes, in order.
-TABLES: tuple[Table, ...] = (
-    Table("by_reason", lambda d, t: analysis.counts_by(d, "reason"), _order("-count", "reason")),
-    Table("by_queue",
-          lambda d, t: analysis.counts_by(d, "queue_key", labels=("queue_key_hex", "queue_name")),
-          _order("-count", "queue_key")),
-    Table("by_source_host", lambda d, t: analysis.counts_by(d, "source"),
-          _order("-count", "source")),
-    Table("by_destination_host", lambda d, t: analysis.counts_by(d, "destination"),
-          _order("-count", "destination")),
-    Table("by_message_type", lambda d, t: analysis.counts_by(d, "message_type"),
-          _order("-count", "message_type")),
-    Table("by_hour", lambda d, t: analysis.counts_by(d, "hour"), _order("hour")),
-    Table("by_hour_reason", lambda d, t: analysis.counts_by(d, "hour", "reason"),
-          _order("hour", "reason")),
-    Table("payload_stats", _payload_stats_table, _all_first),
-    Table("samples", lambda d, t: analysis.samples(d, "reason"), _order("reason")),
-    Table("likely_recoverable", lambda d, t: analysis.likely_recoverable(d, t), None,
-          small=False),
-)
-
-
-# ------------------------------------------------------------------------------------------
-# Reading and checking
-# ------------------------------------------------------------------------------------------
-
-def read_archives(spark: SparkSession, inputs: Sequence[str]) -> DataFrame:
-    """The archive lines of ``inputs`` with the declared schema, the corrupt-record column and
-    ``_file`` (the file each line came from)."""
-    reader = (
-        spark.read.schema(READ_SCHEMA)
-        .option("mode", "PERMISSIVE")
-        .option("columnNameOfCorruptRecord", CORRUPT_RECORD_COLUMN)
-        .option("pathGlobFilter", ARCHIVE_FILE_GLOB)
-        .option("recursiveFileLookup", "true")
-    )
-    try:
-        df = reader.json(list(inputs))
-    except AnalysisException as exc:
-        raise ReportError(f"cannot read the input: {_first_line(exc)}") from None
-    return df.select("*", F.col("_metadata.file_path").alias(FILE_COLUMN))
-
-
-@dataclass(frozen=True)
-class ArchiveCheck:
-    files: int
-    lines: int
-    dead_letters: int
-    duplicates: int
-    unreadable_lines: int
-    unreadable_files: tuple[tuple[str, int], ...]
-
-
-def prepare(raw: DataFrame) -> DataFrame:
-    """The columns the report uses, plus what :func:`check_archives` needs: ``_valid`` (a
-    readable line of schema 1), and for the other lines ``_file``, ``_schema`` and
-    ``_unreadable``. Lines that are not valid get no id, so that normalize keeps every one of
-    them apart from the dead letters."""
-    corrupt = F.col(CORRUPT_RECORD_COLUMN).isNotNull()
-    valid = ~corrupt & F.coalesce(F.col("schema") == ARCHIVE_SCHEMA_VERSION, F.lit(False))
-    used = [c for c in ARCHIVE_FIELDS if c not in UNUSED_COLUMNS and c != "schema"]
-    return raw.select(
-        *[(F.when(valid, F.col("id")) if c == "id" else F.col(c)).alias(c) for c in used],
-        valid.alias("_valid"),
-        F.when(~valid, F.col(FILE_COLUMN)).alias(FILE_COLUMN),
-        F.when(~valid, F.col("schema")).alias("_schema"),
-        corrupt.alias("_unreadable"),
-    )
-
-
-def check_archives(rows: DataFrame, files: int) -> ArchiveCheck:
-    """Count what :func:`prepare` and normalize made of the archive lines; raise
-    :class:`ArchiveSchemaError` naming every file with a line whose ``schema`` is not
-    :data:`ARCHIVE_SCHEMA_VERSION`."""
-    wrong = ~F.col("_valid") & ~F.col("_unreadable")
-    per_file = (
-        rows.groupBy(FILE_COLUMN)  # null for every valid line: one group for them all
-        .agg(F.count(F.lit(1)).alias("rows"),
-             F.sum("copies").alias("lines"),
-             F.count_if("_unreadable").alias("unreadable"),
-             F.count_if(wrong).alias("wrong"),
-             F.array_sort(F.collect_set(F.when(wrong, F.coalesce(
-                 F.col("_schema").cast("string"), F.lit("missing"))))).alias("versions"))
-        .orderBy(FILE_COLUMN)
-        .collect()
-    )
-    bad = [r for r in per_file if r["wrong"]]
-    if bad:
-        shown = "\n".join(
-            f"  {r[FILE_COLUMN]}: {r['wrong']} line(s) with schema {', '.join(r['versions'])}"
-            for r in bad[:20])
-        more = f"\n  ... and {len(bad) - 20} more files" if len(bad) > 20 else ""
-        raise ArchiveSchemaError(
-            f"not a version-{ARCHIVE_SCHEMA_VERSION} dead-letter archive (this report reads "
-            f"archive schema {ARCHIVE_SCHEMA_VERSION} only):\n{shown}{more}")
-    valid = [r for r in per_file if r[FILE_COLUMN] is None]
-    dead_letters = valid[0]["rows"] if valid else 0
-    valid_lines = valid[0]["lines"] if valid else 0
-    return ArchiveCheck(
-        files=files,
-        lines=sum(r["lines"] for r in per_file),
-        dead_letters=dead_letters,
-        duplicates=valid_lines - dead_letters,
-        unreadable_lines=sum(r["unreadable"] for r in per_file),
-        unreadable_files=tuple((r[FILE_COLUMN], r["unreadable"]) for r in per_file
-                               if r["unreadable"]),
-    )
-
-
-def read_traffic(spark: SparkSession, path: str) -> DataFrame:
-    """Deliveries (``queue_key``, ``timestamp``) from CSV with a header (``*.csv``,
-    ``*.csv.gz``) or JSON Lines (anything else)."""
-    schema = "queue_key STRING, timestamp STRING"
-    try:
-        if path.lower().rstrip("/").endswith((".csv", ".csv.gz")):
-            return spark.read.schema(schema).option("header", "true").csv(path)
-        return spark.read.schema(schema).json(path)
-    except AnalysisException as exc:
-        raise ReportError(f"cannot read --traffic {path}: {_first_line(exc)}") from None
-
-
-# ------------------------------------------------------------------------------------------
-# Writing
-# ------------------------------------------------------------------------------------------
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def _local_path(path: str) -> str | None:
-    """The local file system path of ``path``, or None for another file system's URI."""
+def local_path(path: str) -> str | None:
+    """The local file system path of ``path``, or None for another file system's URI
+    (``hdfs://``, ``s3a://``, ...)."""
     parsed = urlparse(path)
     if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or C:\...)
         return path
@@ -273,211 +93,71 @@ def _local_path(path: str) -> str | None:
     return None
 
 
-def write_text(spark: SparkSession, path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old
-    file or the new one, never half of one (on HDFS-like stores: as atomic as their rename)."""
-    data = text.encode("utf-8")
-    local = _local_path(path)
-    if local is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
-        write_file_atomically(local, data)
+# ------------------------------------------------------------------------------------------
+# Checks that need no Spark
+# ------------------------------------------------------------------------------------------
+
+def check_local_inputs(inputs: Sequence[str]) -> None:
+    """Before Spark starts (seconds): local inputs that do not exist, or that hold no archive
+    file at all (an empty archive), are an error naming them. URIs are left to Spark."""
+    local = [local_path(p) for p in inputs]
+    if any(p is None for p in local):
         return
-    jvm = spark.sparkContext._jvm
-    hadoop_path = jvm.org.apache.hadoop.fs.Path
-    final = hadoop_path(path)
-    fs = final.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    tmp = hadoop_path(final.getParent(), f".{final.getName()}.{uuid.uuid4().hex}.tmp")
-    out = fs.create(tmp, True)
+    found = False
+    for path in local:
+        if glob.has_magic(path):
+            matches = glob.glob(path)
+        elif not os.path.exists(path):
+            raise ReportError(f"cannot read the input: {path} does not exist")
+        else:
+            matches = [path]
+        for match in matches:
+            if os.path.isfile(match) or any(
+                    not any(part.startswith(".") for part in f.relative_to(match).parts)
+                    for pattern in ("*.jsonl", "*.jsonl.gz")
+                    for f in Path(match).rglob(pattern)):
+                found = True
+    if not found:
+        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
+                          "the archive is empty, there are no dead letters to report (Spark "
+                          "was not started, nothing was written)")
+
+
+def load_compute():
+    """The Spark half of the report (:mod:`rqp.report.compute`), once PySpark imports and a
+    Java runtime is there; else a :class:`ReportError` that says what to install."""
     try:
-        out.write(bytearray(data))
-    finally:
-        out.close()
-    if fs.exists(final):
-        fs.delete(final, False)
-    if not fs.rename(tmp, final):
-        fs.delete(tmp, False)
-        raise ReportError(f"could not rename {tmp} to {path}")
+        compute = importlib.import_module("rqp.report.compute")
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in ("pyspark", "py4j"):
+            raise
+        raise ReportError(
+            f"the report runs on PySpark (3.5 or later), which cannot be imported here ({exc}): "
+            f"{SPARK_EXTRA} into the environment rqp is installed in ({sys.prefix}), and "
+            f"install {JAVA}") from None
+    home = os.environ.get("JAVA_HOME")
+    if home and not os.access(os.path.join(home, "bin", "java"), os.X_OK):
+        raise ReportError(f"Spark runs $JAVA_HOME/bin/java, and JAVA_HOME={home} has none: set "
+                          f"JAVA_HOME to a Java installation, or unset it and install {JAVA}")
+    if not home and shutil.which("java") is None:
+        raise ReportError(
+            "Spark needs a Java runtime and none was found (no java on PATH, no JAVA_HOME): "
+            f"install {JAVA}")
+    return compute
 
 
-def write_table(spark: SparkSession, table: Table, df: DataFrame, output: str) -> DataFrame:
-    """Write ``df`` as Parquet, then the Parquet as CSV; return the written Parquet."""
-    parquet = _join(output, "parquet", table.name)
-    csv = _join(output, "csv", table.name)
-    if table.small:  # one sorted file (no range-partitioning job for a few rows)
-        df = df.coalesce(1)
-        if table.order is not None:
-            df = df.sortWithinPartitions(*table.order())
-    elif table.order is not None:
-        df = df.orderBy(*table.order())
-    df.write.mode("overwrite").parquet(parquet)
-    written = spark.read.parquet(parquet)
-    out = written.coalesce(1) if table.small else written
-    out.write.mode("overwrite").option("header", "true").csv(csv)
-    return written
-
-
-# ------------------------------------------------------------------------------------------
-# The job
-# ------------------------------------------------------------------------------------------
-
-def _iso(value) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:  # pyspark gives local wall-clock times
-            value = value.astimezone()
-        return value.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    return str(value)
-
-
-def _plain(row) -> dict:
-    return {k: (_iso(v) if isinstance(v, _dt.datetime) else v)
-            for k, v in row.asDict(recursive=True).items()}
-
-
-def _timeline(by_hour_reason: DataFrame, first, last) -> report_html.Timeline:
-    """Dead letters per time bucket and reason, buckets as wide as needed for <= 200 bars."""
-    if first is None:
-        return report_html.Timeline(bucket_hours=1, rows=())
-    span_hours = int((last - first).total_seconds() // 3600) + 1
-    width = next((w for w in (1, 2, 3, 6, 12, 24, 48, 168, 336, 720, 1440, 8760)
-                  if span_hours / w <= 200), 8760 * ((span_hours // (8760 * 200)) + 1))
-    seconds = F.unix_seconds("hour")
-    bucket = F.timestamp_seconds(seconds - F.pmod(seconds, F.lit(width * 3600)))
-    rows = (
-        by_hour_reason.where(F.col("hour").isNotNull())
-        .groupBy(bucket.alias("bucket"), "reason")
-        .agg(F.sum("count").alias("count"))
-        .orderBy("bucket", "reason")
-        .collect()
-    )
-    return report_html.Timeline(
-        bucket_hours=width,
-        rows=tuple((_iso(r["bucket"]), r["reason"], int(r["count"])) for r in rows))
-
-
-def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
-               traffic: str | None = None, out=None, err=None) -> dict:
-    """Read, check and analyse the archives; write every output; return the summary. The
-    table by reason goes to ``out`` (stdout), warnings to ``err`` (stderr)."""
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
-    started = time.monotonic()
-    spark.conf.set("spark.sql.session.timeZone", "UTC")
-    # Let adaptive execution size the cached dead letters' partitions like any shuffle output.
-    spark.conf.set("spark.sql.optimizer.canChangeCachedPlanOutputPartitioning", "true")
-    traffic_df = read_traffic(spark, traffic) if traffic else None  # fail early if unreadable
-    raw = read_archives(spark, inputs)
-    files = len(raw.inputFiles())
-    if not files:
-        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}")
-    # The one pass over the archives: parse, drop duplicate ids, keep the result in memory
-    # (spilling to disk if need be) for every table.
-    rows = analysis.normalize(prepare(raw)).select(
-        *DEAD_COLUMNS, "copies", "_valid", FILE_COLUMN, "_schema", "_unreadable")
-    rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        check = check_archives(rows, files)
-        if check.unreadable_lines:
-            err.write(f"{PROG}: warning: {check.unreadable_lines} line(s) are not dead-letter "
-                      f"records of schema {ARCHIVE_SCHEMA_VERSION}; left out:\n")
-            for name, n in check.unreadable_files[:20]:
-                err.write(f"  {name}: {n}\n")
-        dead = rows.where(F.col("_valid")).select(*DEAD_COLUMNS)
-        unique = check.dead_letters
-        written: dict[str, DataFrame] = {}
-        for table in TABLES:
-            written[table.name] = write_table(
-                spark, table, table.build(dead, traffic_df), output)
-    finally:
-        rows.unpersist()
-
-    # From here on only the written aggregates are read (small), never the dead letters.
-    reason_rows = written["by_reason"].orderBy(F.desc("count"), "reason").collect()
-    by_reason = [_plain(r) for r in reason_rows]
-    first = min((r["first_seen"] for r in reason_rows if r["first_seen"] is not None),
-                default=None)
-    last = max((r["last_seen"] for r in reason_rows if r["last_seen"] is not None),
-               default=None)
-
-    def top(name: str, key: str) -> list[dict]:
-        return [_plain(r) for r in written[name].orderBy(F.desc("count"), key).limit(TOP)
-                .collect()]
-
-    recoverable = written["likely_recoverable"]
-    recoverable_by_reason = [
-        _plain(r) for r in recoverable.groupBy("reason", "evidence")
-        .agg(F.count(F.lit(1)).alias("count")).orderBy(F.desc("count"), "reason").collect()]
-    payload = [_plain(r) for r in written["payload_stats"].orderBy(*_all_first()).collect()]
-    for r in by_reason:
-        r["share"] = round(r["count"] / unique, 6) if unique else 0.0
-    summary = {
-        "report": PROG,
-        "archive_schema": ARCHIVE_SCHEMA_VERSION,
-        "generated_at": _iso(_dt.datetime.now(_dt.timezone.utc)),
-        "inputs": list(inputs),
-        "traffic": traffic,
-        "spark": {"version": spark.version, "master": spark.sparkContext.master},
-        "totals": {
-            "files": check.files,
-            "lines": check.lines,
-            "unreadable_lines": check.unreadable_lines,
-            "duplicates_dropped": check.duplicates,
-            "dead_letters": unique,
-            "reasons": len(by_reason),
-            "queues": written["by_queue"].count(),
-            "source_hosts": written["by_source_host"].count(),
-            "destination_hosts": written["by_destination_host"].count(),
-            "likely_recoverable": sum(r["count"] for r in recoverable_by_reason),
-        },
-        "first_seen": _iso(first),
-        "last_seen": _iso(last),
-        "by_reason": by_reason,
-        "by_message_type": top("by_message_type", "message_type"),
-        "top_queues": top("by_queue", "queue_key"),
-        "top_source_hosts": top("by_source_host", "source"),
-        "top_destination_hosts": top("by_destination_host", "destination"),
-        "payload_stats": payload,
-        "likely_recoverable": {
-            "evidence": "traffic" if traffic else "transient_reason",
-            "by_reason": recoverable_by_reason,
-        },
-        "outputs": {t.name: {"parquet": _join(output, "parquet", t.name),
-                             "csv": _join(output, "csv", t.name)} for t in TABLES},
-    }
-    samples = [_plain(r) for r in written["samples"].orderBy("reason").collect()]
-    timeline = _timeline(written["by_hour_reason"], first, last)
-    summary["elapsed_seconds"] = round(time.monotonic() - started, 3)
-    write_text(spark, _join(output, "summary.json"),
-               json.dumps(summary, indent=2, sort_keys=False) + "\n")
-    write_text(spark, _join(output, "report.html"),
-               report_html.render(summary, timeline, samples))
-    out.write(format_reason_table(summary))
-    out.write(f"outputs under {output}: report.html, summary.json, parquet/, csv/\n")
-    out.flush()
-    return summary
-
-
-def format_reason_table(summary: dict) -> str:
-    """The short table for stdout: dead letters by reason."""
-    totals = summary["totals"]
-    rows = [(r["reason"] or "(none)", f"{r['count']:,}", f"{100 * r['share']:.1f}%")
-            for r in summary["by_reason"]]
-    rows.append(("TOTAL", f"{totals['dead_letters']:,}", "100.0%" if totals["dead_letters"]
-                 else "-"))
-    w0 = max(len("reason"), *(len(r[0]) for r in rows))
-    w1 = max(len("dead letters"), *(len(r[1]) for r in rows))
-    lines = [f"{'reason':<{w0}}  {'dead letters':>{w1}}  {'share':>6}",
-             f"{'-' * w0}  {'-' * w1}  {'-' * 6}"]
-    for i, (a, b, c) in enumerate(rows):
-        if i == len(rows) - 1:
-            lines.append(f"{'-' * w0}  {'-' * w1}  {'-' * 6}")
-        lines.append(f"{a:<{w0}}  {b:>{w1}}  {c:>6}")
-    extra = (f"{totals['lines']:,} lines in {totals['files']} files; "
-             f"{totals['duplicates_dropped']:,} duplicate ids dropped; "
-             f"{totals['unreadable_lines']:,} unreadable lines; "
-             f"first {summary['first_seen'] or '-'}, last {summary['last_seen'] or '-'}")
-    return "\n".join(lines) + "\n" + extra + "\n"
+def check_local_output(output: str) -> None:
+    """Before Spark starts: a local ``--output`` must be a directory, or creatable as one."""
+    path = local_path(output)
+    if path is None:
+        return
+    target = Path(path).absolute()
+    while not target.exists():
+        target = target.parent
+    if not target.is_dir():
+        raise ReportError(f"--output {output}: {target} is not a directory")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ReportError(f"--output {output}: no permission to write in {target}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -499,41 +179,6 @@ def run_drain(archive: str) -> None:
     status = subprocess.run(cmd).returncode
     if status != 0:
         raise ReportError(f"--drain: {' '.join(cmd)} failed (exit status {status})")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _master_configured() -> bool:
-    """Does Spark's own configuration name a master (spark-submit --master, spark.master in
-    spark-defaults.conf, MASTER)? Starts the JVM (or joins spark-submit's) to find out."""
-    from pyspark import SparkConf, SparkContext
-
-    SparkContext._ensure_initialized()
-    return SparkConf().contains("spark.master")
-
-
-def get_session(master: str | None) -> tuple[SparkSession, bool]:
-    """The SparkSession to use and whether this call created it (then the caller stops it)."""
-    from pyspark import SparkContext
-
-    if (master or os.environ.get("MASTER") or "local").startswith("local"):
-        # a local run stays on loopback (set before anything here starts the JVM)
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    existing = SparkContext._active_spark_context is not None
-    # Python workers (if any are started) run this interpreter, the one with the project's
-    # packages, unless the operator chose another.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (SparkSession.builder.appName(PROG).config("spark.sql.session.timeZone", "UTC")
-               .config("spark.ui.showConsoleProgress", "false"))
-    if master:
-        builder = builder.master(master)
-    elif not existing and not _master_configured():
-        builder = builder.master(master := "local[*]")
-
-    return builder.getOrCreate(), not existing
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -565,61 +210,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _local_path(path: str) -> str | None:
-    """``path`` as a local file name, or None for a Hadoop URI (hdfs://, s3a://, ...)."""
-    parsed = urlparse(path)
-    if parsed.scheme == "file":
-        return parsed.path
-    return path if parsed.scheme == "" else None
-
-
-def check_local_inputs(inputs: Sequence[str]) -> None:
-    """Before Spark starts (seconds): local inputs that do not exist, or that hold no archive
-    file at all, are an error naming them. URIs are left to Spark."""
-    local = [_local_path(p) for p in inputs]
-    if any(p is None for p in local):
-        return
-    found = False
-    for path in local:
-        if glob.has_magic(path):
-            matches = glob.glob(path)
-        elif not os.path.exists(path):
-            raise ReportError(f"cannot read the input: {path} does not exist")
-        else:
-            matches = [path]
-        for match in matches:
-            if os.path.isfile(match) or any(
-                    not any(part.startswith(".") for part in f.relative_to(match).parts)
-                    for pattern in ("*.jsonl", "*.jsonl.gz")
-                    for f in Path(match).rglob(pattern)):
-                found = True
-    if not found:
-        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
-                          "no dead letters to report")
-
-
-def check_spark_installed() -> None:
-    if _NO_PYSPARK is not None:
-        raise ReportError(
-            f"the report runs on PySpark, which is not installed here ({_NO_PYSPARK}): "
-            "pip install 'rqp[spark]' into the environment rqp is installed in, and a Java "
-            "17 runtime (Debian: apt-get install openjdk-17-jre-headless)")
-    if not os.environ.get("JAVA_HOME") and shutil.which("java") is None:
-        raise ReportError(
-            "Spark needs a Java runtime and none was found (no java on PATH, no JAVA_HOME): "
-            "install Java 17 (Debian: apt-get install openjdk-17-jre-headless)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
     try:
         if args.drain:
             run_drain(args.archive)
         check_local_inputs(args.input)
-        check_spark_installed()
-        spark, created = get_session(args.master)
+        check_local_output(args.output)
+        compute = load_compute()
+        spark, created = compute.get_session(args.master)
         try:
-            run_report(spark, args.input, args.output, traffic=args.traffic)
+            compute.run_report(spark, args.input, args.output, traffic=args.traffic)
         finally:
             if created:
                 spark.stop()
@@ -629,5 +230,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+#: The Spark half's names that callers reach through this module (``job.run_report``).
+_COMPUTE_NAMES = frozenset({"TABLES", "read_archives", "prepare", "check_archives",
+                            "run_report", "get_session"})
+
+
+def __getattr__(name: str):
+    """The Spark half's names (``job.run_report``, ``job.TABLES``, ...), imported on first use
+    so that importing this module never imports PySpark."""
+    if name in _COMPUTE_NAMES:
+        return getattr(importlib.import_module("rqp.report.compute"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a file (spark-submit rqp/report/job.py): run the package's own module, so that the
+    # Spark half raises the very ReportError that main catches (not a second copy of it).
+    from rqp.report.job import main as _main
+
+    sys.exit(_main())
