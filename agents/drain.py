@@ -50,7 +50,7 @@ from rqp.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
 )
-from rqp.config import SenderConfig, parse_queue_key
+from rqp.config import QUEUE_NAME_RE, SenderConfig, parse_queue_key
 from rqp.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
 from rqp.errors import ConfigError, QueueError, QueueNotFound, RQPError
 from rqp.queues import LocalQueue, QueueEmpty, format_key
@@ -199,11 +199,18 @@ class Drain:
 
 
 def resolve_queue(value: str | None, config: SenderConfig | None) -> int:
+    """The queue of ``--queue`` (a key, or a name of the .rqprc), else the .rqprc's
+    ``dead_letter_queue``, else the default ``DEAD.LETTER.Q``."""
     if value is None:
         return config.dead_letter_queue if config else DEFAULT_DEAD_LETTER_QUEUE
-    if config is not None:
-        return config.resolve_queue(value)
-    return parse_queue_key(value, {DEAD_LETTER_QUEUE_NAME: DEFAULT_DEAD_LETTER_QUEUE})
+    try:
+        if config is not None:
+            return config.resolve_queue(value)
+        return parse_queue_key(value, {DEAD_LETTER_QUEUE_NAME: DEFAULT_DEAD_LETTER_QUEUE})
+    except ConfigError as exc:
+        hint = " (no .rqprc was found to look names up in: give --rqprc, or the queue's key)" \
+            if config is None and QUEUE_NAME_RE.fullmatch(value.strip()) else ""
+        raise ConfigError(f"--queue: {exc}{hint}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -250,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_optional_rqprc(args.rqprc)
         queue_key = resolve_queue(args.queue, config)
         archive = Path(args.archive)
-        archive.mkdir(parents=True, exist_ok=True)
+        try:
+            archive.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--archive {archive}: cannot create the directory: "
+                              f"{exc.strerror or exc}") from None
         host = host_name()
         drain = Drain(archive, queue_key, host=host,
                       queue_names=config.queues if config else None, batch=args.batch,

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
-from rqp.cli import add_log_level
+from rqp.cli import add_log_level, listen_address
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
 from rqp.control import Metric, default_socket, render
 from rqp.dedup import DedupWindow, window_path
@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rqp-receiver", description=__doc__.splitlines()[0])
     parser.add_argument("--config", metavar="FILE", help="receiver YAML config (default: none; "
                         "documented defaults)")
-    parser.add_argument("--listen", metavar="HOST:PORT", help="overrides the config's listen")
+    parser.add_argument("--listen", metavar="HOST:PORT", type=listen_address,
+                        help="overrides the config's listen (':PORT': every address)")
     parser.add_argument("--state-dir", metavar="DIR", help="overrides the config's state_dir")
     add_log_level(parser)
     args = parser.parse_args(argv)
@@ -425,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_receiver_config(args.config)
         changes = {}
         if args.listen:
-            listen = args.listen if not args.listen.startswith(":") else "0.0.0.0" + args.listen
-            changes["listen"] = parse_host(listen, config.listen.port)
+            changes["listen"] = parse_host(args.listen, config.listen.port)
         if args.state_dir:
             changes["state_dir"] = args.state_dir
         return Receiver(dataclasses.replace(config, **changes))

@@ -285,9 +285,12 @@ def row_to_record(row: Mapping) -> DeadLetterRecord:
             spill_path=row["spill_path"],
             payload=_decode_payload(row),
         )
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise ArchiveError(f"row {row.get('id')} is not a schema-1 dead-letter row: "
-                           f"{type(exc).__name__}: {exc}") from None
+    except KeyError as exc:
+        raise ArchiveError(f"row {row.get('id')} is not a schema-1 dead-letter row: it has no "
+                           f"key {exc.args[0]!r}") from None
+    except (ValueError, TypeError, AttributeError) as exc:  # a value of the wrong kind
+        raise ArchiveError(f"row {row.get('id')} is not a schema-1 dead-letter row: a bad "
+                           f"value ({exc})") from None
 
 
 def row_raw_bytes(row: Mapping) -> bytes:

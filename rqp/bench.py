@@ -901,8 +901,9 @@ class Bench:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="rqp-bench", description="End-to-end messages/s and latency of the RQP agents on "
-        "loopback, beside a minimal raw struct+sockets pipeline (the ceiling).")
+        prog="python -m rqp.bench",  # (scripts/bench runs it; there is no rqp-bench command)
+        description="End-to-end messages/s and latency of the RQP agents on loopback, beside a "
+        "minimal raw struct+sockets pipeline (the ceiling).")
     parser.add_argument("--messages", type=int, metavar="N",
                         help="messages per throughput case (default: "
                         + ", ".join(f"{n} for {size_label(s)}" for s, n in DEFAULT_MESSAGES.items())

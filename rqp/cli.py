@@ -25,21 +25,43 @@ def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a
 positive_int = number(int, minimum=1, what="a whole number")
 count = number(int, minimum=0, what="a whole number")
 positive_seconds = number(float, minimum=0, inclusive=False, what="a number of seconds")
+seconds = number(float, minimum=0, what="a number of seconds")
+
+def listen_address(text: str) -> str:
+    """An argparse type: ``HOST:PORT``, ``HOST``, ``[v6]:PORT`` or ``:PORT`` (all addresses),
+    checked now and given back as text (a missing port is the configuration's)."""
+    from .config import BadValueError, parse_host
+
+    full = "0.0.0.0" + text if text.startswith(":") else text
+    try:
+        parse_host(full)
+    except BadValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: {exc.expected}") from None
+    return full
+
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVEL_ENV = "RQP_LOG_LEVEL"
+
+
+class _FromEnvironment(str):
+    """A default taken from the environment, so that an error about it can say so."""
 
 
 def log_level(text: str) -> str:
     """An argparse type: one of :data:`LOG_LEVELS`, any case (``verbose`` is refused, not
     silently taken as INFO)."""
     if text.lower() not in LOG_LEVELS:
+        where = f" (from ${LOG_LEVEL_ENV})" if isinstance(text, _FromEnvironment) else ""
         raise argparse.ArgumentTypeError(
-            f"unknown log level {text!r}: use one of {', '.join(LOG_LEVELS)}")
+            f"unknown log level {str(text)!r}{where}: use one of {', '.join(LOG_LEVELS)}")
     return text.upper()
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:
-    """``--log-level``, default ``$RQP_LOG_LEVEL`` or info: the same option for every agent."""
+    """``--log-level``, default ``$RQP_LOG_LEVEL`` or info: the same option for every agent.
+    A bad ``$RQP_LOG_LEVEL`` is refused like a bad ``--log-level``, naming the variable
+    (argparse checks a string default with the option's type after the command line)."""
     parser.add_argument("--log-level", type=log_level, metavar="LEVEL",
-                        default=os.environ.get("RQP_LOG_LEVEL", "info"),
-                        help=f"{', '.join(LOG_LEVELS)} (default: $RQP_LOG_LEVEL, else info)")
+                        default=_FromEnvironment(os.environ.get(LOG_LEVEL_ENV, "info")),
+                        help=f"{', '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_ENV}, else info)")

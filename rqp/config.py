@@ -60,6 +60,7 @@ __all__ = [
     "RQPRC_SEARCH_ORDER",
     "SENDER_KEYS",
     "SYSTEM_RQPRC",
+    "BadValueError",
     "HostAddress",
     "ReceiverConfig",
     "SenderConfig",
@@ -154,8 +155,10 @@ _BOOL_NOTE = " (YAML reads yes/no/on/off/true/false as booleans)"
 # Errors
 
 
-class _BadValue(ConfigError, ValueError):
-    """One value is wrong. The loaders prefix the file and the key to the message."""
+class BadValueError(ConfigError, ValueError):
+    """One value is wrong (what the ``parse_*`` functions raise). The loaders prefix the file
+    and the key to the message. Public, like every exception that can reach a user: its name
+    shows in tracebacks (issue 10: ``rqp.config._BadValue`` did)."""
 
     def __init__(self, value: object, expected: str):
         if isinstance(value, bool):
@@ -204,9 +207,9 @@ def parse_duration(value: object) -> float:
     """Seconds from a positive number, or a string: ``'500ms'``, ``'2s'``, ``'3m'``, ``'1h'``."""
     seconds = _duration_seconds(value)
     if seconds is None or not (math.isfinite(seconds) and seconds > 0):
-        raise _BadValue(value, _DURATION_EXPECTED)
+        raise BadValueError(value, _DURATION_EXPECTED)
     if seconds > MAX_DURATION:
-        raise _BadValue(value, f"expected a duration of at most {MAX_DURATION:.0f} s (a year)")
+        raise BadValueError(value, f"expected a duration of at most {MAX_DURATION:.0f} s (a year)")
     return seconds
 
 
@@ -230,10 +233,10 @@ _KEY_EXPECTED = (
 
 def _resolve_queue(config, name_or_key: object) -> int:
     """A queue an application or an operator names: a public ConfigError that says which
-    file's names were looked in (the internal _BadValue is for the loaders)."""
+    file's names were looked in (BadValueError alone would not name the file)."""
     try:
         return parse_queue_key(name_or_key, {**config.queues, **config.builtin_queues})
-    except _BadValue as exc:
+    except BadValueError as exc:
         where = config.source or "the configuration"
         raise ConfigError(f"{where}: unknown queue {_show(name_or_key)}: {exc.expected}") \
             from None
@@ -247,7 +250,7 @@ def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> in
     """
     expected = _KEY_EXPECTED + (", or a configured queue name" if names is not None else "")
     if isinstance(value, bool):
-        raise _BadValue(value, expected)
+        raise BadValueError(value, expected)
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
@@ -256,17 +259,17 @@ def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> in
             return names[text]
         if QUEUE_NAME_RE.fullmatch(text):
             if names is None:
-                raise _BadValue(value, _KEY_EXPECTED + "; a queue name cannot be used here")
+                raise BadValueError(value, _KEY_EXPECTED + "; a queue name cannot be used here")
             known = sorted(names)
             listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if len(known) > 20 else "")
-            raise _BadValue(
+            raise BadValueError(
                 value,
                 "expected a queue key or a queue name defined under 'queues'"
                 f"{_did_you_mean(text, known)}; known names: {listed}",
             )
         match = _KEY_RE.fullmatch(text) if len(text) <= 40 else None
         if match is None:
-            raise _BadValue(value, expected)
+            raise BadValueError(value, expected)
         sign, hex_digits, octal_digits, decimal_digits = match.groups()
         if hex_digits is not None:
             number = int(hex_digits, 16)
@@ -277,11 +280,12 @@ def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> in
         if sign == "-":
             number = -number
     else:
-        raise _BadValue(value, expected)
+        raise BadValueError(value, expected)
     if number == IPC_PRIVATE:
-        raise _BadValue(value, "expected a key other than 0 (0 is IPC_PRIVATE: it names no queue)")
+        raise BadValueError(value,
+                            "expected a key other than 0 (0 is IPC_PRIVATE: it names no queue)")
     if not -(1 << 31) <= number <= KEY_T_MAX:
-        raise _BadValue(value, expected)
+        raise BadValueError(value, expected)
     return number & KEY_T_MAX
 
 
@@ -344,7 +348,7 @@ def parse_host(value: object, default_port: int = DEFAULT_PORT) -> HostAddress:
     """
     if not isinstance(value, str):
         quote = isinstance(value, (int, list))  # YAML took 1:2:3 for a number, [::1] for a list
-        raise _BadValue(value, _HOST_EXPECTED + (" (quote IPv6 addresses in YAML)" * quote))
+        raise BadValueError(value, _HOST_EXPECTED + (" (quote IPv6 addresses in YAML)" * quote))
     text = value.strip()
     host: str | None
     port: int | None = default_port
@@ -361,7 +365,7 @@ def parse_host(value: object, default_port: int = DEFAULT_PORT) -> HostAddress:
     else:
         host = _hostname_or_ipv4(text)
     if host is None or port is None:
-        raise _BadValue(value, _HOST_EXPECTED)
+        raise BadValueError(value, _HOST_EXPECTED)
     return HostAddress(host, port)
 
 
@@ -377,8 +381,8 @@ def _parse_listen(value: object) -> HostAddress:
         text = DEFAULT_LISTEN_HOST + text  # ':port' means every interface
     try:
         return parse_host(text, DEFAULT_PORT)
-    except _BadValue:
-        raise _BadValue(value, _LISTEN_EXPECTED) from None
+    except BadValueError:
+        raise BadValueError(value, _LISTEN_EXPECTED) from None
 
 
 _METRICS_EXPECTED = "expected 'host:port' or ':port' (loopback), e.g. ':9746' or '127.0.0.1:9746'"
@@ -390,10 +394,10 @@ def _parse_metrics_listen(value: object) -> HostAddress:
         text = "127.0.0.1" + text  # metrics stay on loopback unless told otherwise
     try:
         address = parse_host(text, 0)
-    except _BadValue:
-        raise _BadValue(value, _METRICS_EXPECTED) from None
+    except BadValueError:
+        raise BadValueError(value, _METRICS_EXPECTED) from None
     if not address.port:
-        raise _BadValue(value, _METRICS_EXPECTED)
+        raise BadValueError(value, _METRICS_EXPECTED)
     return address
 
 
@@ -414,7 +418,7 @@ def parse_size(value: object) -> int:
         if len(match[1]) < 20:
             size = int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
     if not 1 <= size <= HARD_MESSAGE_CAP:
-        raise _BadValue(value, _SIZE_EXPECTED)
+        raise BadValueError(value, _SIZE_EXPECTED)
     return size
 
 
@@ -424,9 +428,9 @@ def _int_parser(low: int, high: int | None, what: str) -> Callable[[object], int
 
     def parse(value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _BadValue(value, expected)
+            raise BadValueError(value, expected)
         if value < low or (high is not None and value > high):
-            raise _BadValue(value, expected)
+            raise BadValueError(value, expected)
         return value
 
     return parse
@@ -444,7 +448,7 @@ _HOST_NAME_RE = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
 
 def _parse_host_name(value: object) -> str:
     if not isinstance(value, str) or not _HOST_NAME_RE.fullmatch(value):
-        raise _BadValue(value, "expected a host name: 1 to 255 characters without spaces")
+        raise BadValueError(value, "expected a host name: 1 to 255 characters without spaces")
     return value
 
 
@@ -640,12 +644,12 @@ class _Fields:
         raise ConfigError(message, path=self.file, key=key)
 
     def bad(self, key: str, value: object, expected: str) -> NoReturn:
-        self.fail(key, str(_BadValue(value, expected)))
+        self.fail(key, str(BadValueError(value, expected)))
 
     def parse(self, key: str, value: object, parser: Callable[[object], T]) -> T:
         try:
             return parser(value)
-        except _BadValue as exc:
+        except BadValueError as exc:
             self.fail(key, str(exc))
 
     def get(self, key: str, parser: Callable[[object], T], default: T) -> T:
@@ -678,7 +682,7 @@ class _Fields:
 
         def parse(value: object) -> str:
             if not isinstance(value, str) or not value.strip() or "\0" in value:
-                raise _BadValue(value, _STATE_DIR_EXPECTED)
+                raise BadValueError(value, _STATE_DIR_EXPECTED)
             path = value.strip()
             if path == "~" or path.startswith("~/"):
                 path = _home_dir(self.env, self.home) + path[1:]
@@ -692,7 +696,7 @@ class _Fields:
 
         def parse(value: object) -> str:
             if not isinstance(value, str) or not value.strip() or "\0" in value:
-                raise _BadValue(value, "expected a path, e.g. /run/rqp/sender.sock")
+                raise BadValueError(value, "expected a path, e.g. /run/rqp/sender.sock")
             return os.path.normpath(os.path.join(base, os.path.expanduser(value.strip())))
 
         return self.get(key, parse, None)

@@ -8,13 +8,15 @@ healthy (retrying, no route, connecting).
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
+import sys
 from pathlib import Path
 
+from .cli import positive_int, seconds
 from .config import (
-    ConfigError, ReceiverConfig, find_rqprc, load_receiver_config, load_sender_config,
-    parse_queue_key,
+    QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
+    load_sender_config, parse_queue_key,
 )
 from .control import ControlError, default_socket, request
 from .queues import QueueEmpty, format_key, list_queues
@@ -169,32 +171,56 @@ def queues(args) -> int:
 
 def send(args) -> int:
     import rqp
-    from .service import sender_serving
-    config = load_sender_config(find_rqprc(args.rqprc))
-    # As an application's openConnection() does: a sending MCA is started if none serves the
-    # transmission queue (--no-start: only put the message there).
-    handle = rqp.openConnection(args.queue, rqprc=args.rqprc, start_sender=not args.no_start)
-    data = args.message.encode() if args.message is not None else os.read(0, 1 << 20)
+    from .api import ensure_sender
+    from .service import sender_serving, serving_pid
+    path = find_rqprc(args.rqprc)
+    config = load_sender_config(path)
+    queue_key = config.resolve_queue(args.queue)  # an unknown name: an error, nothing started
+    xmit = config.transmission_queue
+    # What an application's openConnection() does: start a sending MCA if none serves the
+    # transmission queue, exactly one however many start at once (--no-start: only put).
+    started = not args.no_start and ensure_sender(config, path.resolve())
+    if started:
+        print(f"started a sending MCA (pid {serving_pid(xmit)}) for transmission queue "
+              f"{format_key(xmit)}; its log: {Path(config.state_dir) / f'sender-{xmit:08x}.log'}")
+    handle = rqp.openConnection(queue_key, rqprc=path, start_sender=False)
+    data = args.message.encode() if args.message is not None else sys.stdin.buffer.read()
     kind = rqp.UNSURE_MSG if args.unsure else rqp.SURE_MSG
-    rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout)
-    rqp.closeConnection(handle)
+    try:
+        rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout)
+    finally:
+        rqp.closeConnection(handle)
     print(f"put {len(data)} bytes for {args.queue} on the transmission queue"
           + (" (journaled by the sending MCA)" if args.sync else ""))
-    if not sender_serving(config.transmission_queue):
-        print("warning: no sending MCA serves the transmission queue now; it waits there")
+    if not sender_serving(xmit):
+        print("warning: no sending MCA serves the transmission queue now; it waits there"
+              + (" (--no-start)" if args.no_start else ""))
         return EXIT_NOT_RUNNING
     return 0
 
 
+def queue_argument(text: str) -> str | int:
+    """An argparse type: a queue name (looked up in .rqprc later), or a queue key checked now,
+    so that a bad key is not mistaken for a name (and reported as "no .rqprc found")."""
+    if QUEUE_NAME_RE.fullmatch(text.strip()):
+        return text.strip()
+    try:
+        return parse_queue_key(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or a queue name from .rqprc)") from None
+
+
 def receive(args) -> int:
     import rqp
-    try:  # a key needs no .rqprc; a name does
-        queue = parse_queue_key(args.queue)
-    except ConfigError:
-        queue = args.queue
+    if isinstance(args.queue, str):  # a name: looked up in .rqprc
+        try:
+            find_rqprc(args.rqprc)
+        except ConfigError as exc:
+            raise ConfigError(f"queue {args.queue!r} is a name, looked up in a .rqprc (or give "
+                              f"its key): {exc}") from None
     for n in range(args.count):
         try:
-            data = rqp.receiveMessage(queue, timeout=args.timeout, rqprc=args.rqprc)
+            data = rqp.receiveMessage(args.queue, timeout=args.timeout, rqprc=args.rqprc)
         except QueueEmpty:
             print(f"no message within {args.timeout:g}s")
             return 1 if n == 0 else 0
@@ -233,16 +259,21 @@ def add_commands(groups) -> None:
     p.add_argument("--unsure", action="store_true", help="UNSURE instead of SURE")
     p.add_argument("--sync", action="store_true", help="wait until the sending MCA "
                    "journaled it")
-    p.add_argument("--timeout", type=float, default=None)
-    p.add_argument("--rqprc", metavar="FILE")
+    p.add_argument("--timeout", type=seconds, metavar="SECONDS", default=None,
+                   help="wait at most this long for room on a full transmission queue (and, "
+                   "with --sync, for the journal; default 30)")
+    p.add_argument("--rqprc", metavar="FILE", help="the .rqprc to use (default: $RQPRC, "
+                   "./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
     p.add_argument("--no-start", action="store_true", help="do not start a sending MCA if "
                    "none runs (the message then waits on the transmission queue; exit 3)")
     p.set_defaults(run=send)
     p = groups.add_parser("receive", help="take messages from a local queue")
-    p.add_argument("queue", help="queue key or name from .rqprc")
-    p.add_argument("--count", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--rqprc", metavar="FILE")
+    p.add_argument("queue", type=queue_argument, help="queue key or name from .rqprc")
+    p.add_argument("--count", type=positive_int, metavar="N", default=1,
+                   help="messages to take (default 1)")
+    p.add_argument("--timeout", type=seconds, metavar="SECONDS", default=5.0,
+                   help="wait at most this long for each message (default 5)")
+    p.add_argument("--rqprc", metavar="FILE", help="where queue names are looked up")
     p.set_defaults(run=receive)
 
 

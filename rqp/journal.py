@@ -243,24 +243,26 @@ def encode_release(seq: int) -> bytes:
     return _entry(_RELEASE_C.build({"seq": seq}))
 
 
+def _describe(exc: BaseException) -> str:
+    """An error for a message: an OSError's text ("[Errno 28] No space left on device"), else
+    what it is (KeyboardInterrupt has no text of its own)."""
+    return str(exc) if isinstance(exc, OSError) else repr(exc)
+
+
 def _append_size(record: bytes) -> int:
     return ENTRY_PREFIX_SIZE + APPEND_FIXED_SIZE + len(record)
-
-
-class _TornEntry(RecordError):
-    """The file ends inside an entry."""
 
 
 def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, bytes, int]:
     """Decode the entry at ``offset``: ``(kind, seq, key, record, end offset)``.
 
-    ``key`` and ``record`` are 0 and ``b""`` for a RELEASE. Raises :class:`RecordError` (or its
-    subclass :class:`_TornEntry`) saying what is wrong.
+    ``key`` and ``record`` are 0 and ``b""`` for a RELEASE. Raises :class:`RecordError` saying
+    what is wrong (a torn tail: the file ends inside an entry; or a bad entry).
     """
     available = len(data) - offset
     if available < ENTRY_PREFIX_SIZE:
-        raise _TornEntry(f"torn tail: the file ends {available} bytes into an entry's "
-                         f"{ENTRY_PREFIX_SIZE}-byte length and crc")
+        raise RecordError(f"torn tail: the file ends {available} bytes into an entry's "
+                          f"{ENTRY_PREFIX_SIZE}-byte length and crc")
     prefix = _PREFIX_C.parse(data[offset:offset + ENTRY_PREFIX_SIZE])
     length = prefix.length
     if not _RELEASE_BODY_SIZE <= length <= MAX_ENTRY_LENGTH:
@@ -268,8 +270,8 @@ def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, bytes, int]:
                           f"{MAX_ENTRY_LENGTH})")
     end = offset + ENTRY_PREFIX_SIZE + length
     if end > len(data):
-        raise _TornEntry(f"torn tail: the entry needs {ENTRY_PREFIX_SIZE + length} bytes, the "
-                         f"file has {available} left")
+        raise RecordError(f"torn tail: the entry needs {ENTRY_PREFIX_SIZE + length} bytes, "
+                          f"the file has {available} left")
     body = data[offset + ENTRY_PREFIX_SIZE:end]
     crc = zlib.crc32(body)
     if crc != prefix.crc:
@@ -580,8 +582,8 @@ class Journal:
             try:
                 os.ftruncate(self._fd, start)
             except OSError as exc2:
-                self._failed = (f"a write failed ({exc!r}) and cutting the file back to {start} "
-                                f"bytes failed too ({exc2!r})")
+                self._failed = (f"a write failed ({_describe(exc)}) and cutting the file back "
+                                f"to {start} bytes failed too ({_describe(exc2)})")
             if isinstance(exc, OSError):
                 raise JournalError(f"writing to journal {self.path} failed: {exc}") from exc
             raise

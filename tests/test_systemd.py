@@ -195,7 +195,7 @@ def test_agents_refuse_the_installed_templates_until_filled_in(scratch, tmp_path
     assert "'hosts'" in out.stderr and "delete the line 'rqp_template: ...' (line 4)" \
         in out.stderr
     out = _agent(["rqp_agents.receiver", "--config", str(receiver), "--listen",
-                  "127.0.0.1:0", "--state-dir", str(tmp_path)])
+                  "127.0.0.1:7460", "--state-dir", str(tmp_path)])
     assert out.returncode == 1 and f"{receiver}: this is the template" in out.stderr
     assert "'offer'" in out.stderr
     # Filled in: the marker deleted and the keys this host needs set.

@@ -1,0 +1,56 @@
+"""Bad command lines and environments are refused before anything starts, with a message that
+names what is wrong (issue 10's sweep for the same kind of defect: a bad $RQP_LOG_LEVEL was
+taken silently, a bad --listen was found only after the config was read, a queue key typo was
+reported as "no .rqprc found")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(module: str, *args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("RQPRC", "RQP_LOG_LEVEL")}
+    environ.update(HOME=str(cwd), **(env or {}))
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("module", ["rqp_agents.sender", "rqp_agents.receiver",
+                                    "rqp_agents.drain"])
+def test_a_bad_log_level_in_the_environment_is_named(module, tmp_path):
+    out = run(module, cwd=tmp_path, env={"RQP_LOG_LEVEL": "verbose"})
+    assert out.returncode == 2, out.stderr
+    assert "unknown log level 'verbose' (from $RQP_LOG_LEVEL)" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was set up
+
+
+def test_a_bad_listen_address_is_refused_as_an_argument(tmp_path):
+    out = run("rqp_agents.receiver", "--listen", "127.0.0.1:99999", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "argument --listen: bad value '127.0.0.1:99999'" in out.stderr, out.stderr
+
+
+def test_rqpctl_receive_tells_a_bad_key_from_a_name(tmp_path):
+    out = run("rqp.ctl", "receive", "0x1234567890", cwd=tmp_path)
+    assert out.returncode == 2 and "argument queue:" in out.stderr, out.stderr
+    assert "(or a queue name from .rqprc)" in out.stderr
+    out = run("rqp.ctl", "receive", "PROD_THE_SCHED_COMMON", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "queue 'PROD_THE_SCHED_COMMON' is a name, looked up in a .rqprc" in out.stderr, \
+        out.stderr
+
+
+def test_report_output_onto_a_file_is_refused_before_spark(tmp_path):
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    (archive / "a.jsonl").write_text("{}\n")
+    (tmp_path / "taken").write_text("a file, not a directory\n")
+    out = run("rqp.report.job", "--input", str(archive), "--output",
+              str(tmp_path / "taken" / "report"), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--output {tmp_path / 'taken' / 'report'}: {tmp_path / 'taken'} is not a directory" \
+        in out.stderr
