@@ -1,20 +1,27 @@
 """RQP, the Remote Queues Protocol: System V message queues carried between hosts over TCP.
 
-The protocol core (:mod:`rqp.frames`, :mod:`rqp.events`) does no I/O; the agents and the
-application API wrap it.
+The layers (ARCHITECTURE.md): :mod:`rqp.protocol` (frames, records, reasons, both state
+machines; no I/O), :mod:`rqp.system` (System V queues, files, sockets, services),
+:mod:`rqp.storage` (the log store, journal, dedup window, dead-letter archive), :mod:`rqp.config`
+and :mod:`rqp.api` (the C-style API), then the agents (:mod:`rqp_agents`), the tools
+(:mod:`rqp.tools`) and the report (:mod:`rqp.report`).
+
+Importing ``rqp`` loads only the protocol's constants and errors; the API (and with it
+``sysv_ipc``) is imported the first time one of its names is used.
 """
 
-from .constants import (
+from rqp.protocol.constants import (
     DELIVERED_ERROR, DELIVERED_YES, ERROR_LIMIT, MESSAGE, QUEUE_ASK, QUEUE_NO, QUEUE_YES, SURE_MSG,
     UNSURE_MSG, MessageCode, MessageType,
 )
-from .errors import (
+from rqp.protocol.errors import (
     ConfigError, LocalProtocolError, MessageTooBig, ProtocolError, QueueError, QueueFull,
     QueueNotFound, QueuePermissionDenied, RecordError, RemoteProtocolError, RQPError,
 )
-from .api import (
-    AgentStartError, HandleError, closeConnection, openConnection, receiveMessage, sendMessage,
-)
+
+#: The API's names, imported from :mod:`rqp.api` on first use (PEP 562).
+_API = ("AgentStartError", "HandleError", "openConnection", "sendMessage", "closeConnection",
+        "receiveMessage")
 
 __version__ = "0.1.0"
 
@@ -26,3 +33,15 @@ __all__ = [
     "RecordError", "HandleError", "AgentStartError",
     "openConnection", "sendMessage", "closeConnection", "receiveMessage",
 ]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from rqp import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

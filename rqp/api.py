@@ -1,11 +1,11 @@
 """The application API, C style: ``openConnection`` / ``sendMessage`` / ``closeConnection``.
 
 An application's message goes onto the local transmission queue as a transmission record
-(:mod:`rqp.records`); the sending MCA takes it from there. The first ``openConnection`` on a
+(:mod:`rqp.protocol.records`); the sending MCA takes it from there. The first ``openConnection`` on a
 host starts a sending MCA if none serves the transmission queue yet (spec 2).
 
 A local consumer needs nothing of ours: a message arrives in the destination System V queue as
-the application's bytes, with ``mtype`` 1 (:data:`rqp.constants.DEFAULT_MTYPE`), so
+the application's bytes, with ``mtype`` 1 (:data:`rqp.protocol.constants.DEFAULT_MTYPE`), so
 ``msgrcv(id, buf, size, 0, 0)`` in C reads it. :func:`receiveMessage` is that, in Python.
 """
 
@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import SenderConfig, find_rqprc, load_sender_config
-from .constants import SURE_MSG, UNSURE_MSG
-from .errors import MessageTooBig, RQPError
-from .queues import LocalQueue, QueueEmpty, format_key, max_payload
-from .records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
-from .service import Doorbell, sender_serving, spawn_lock
+from rqp.config import SenderConfig, find_rqprc, load_sender_config
+from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.protocol.errors import MessageTooBig, RQPError
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
+from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
+from rqp.system.service import Doorbell, sender_serving, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "ensure_sender", "HandleError", "AgentStartError", "QueueEmpty"]
@@ -61,7 +61,7 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None) -> bool:
     """Start a sending MCA for ``config``'s transmission queue unless one serves it already.
 
     Returns True if this call started one. Two processes calling at the same moment start
-    exactly one: starting is serialised by a semaphore (see :mod:`rqp.service`).
+    exactly one: starting is serialised by a semaphore (see :mod:`rqp.system.service`).
     """
     xmit = config.transmission_queue
     if sender_serving(xmit):
@@ -210,7 +210,7 @@ def receiveMessage(queue, timeout: float | None = None, *,
                    rqprc: str | os.PathLike | None = None) -> bytes:
     """Take the next message from a local queue (a key, or a name from ``.rqprc``).
 
-    Blocks until one arrives, or raises :class:`rqp.queues.QueueEmpty` after ``timeout``.
+    Blocks until one arrives, or raises :class:`rqp.system.queues.QueueEmpty` after ``timeout``.
     """
     if isinstance(queue, int):
         key = queue

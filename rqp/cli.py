@@ -30,7 +30,7 @@ seconds = number(float, minimum=0, what="a number of seconds")
 def listen_address(text: str) -> str:
     """An argparse type: ``HOST:PORT``, ``HOST``, ``[v6]:PORT`` or ``:PORT`` (all addresses),
     checked now and given back as text (a missing port is the configuration's)."""
-    from .config import BadValueError, parse_host
+    from rqp.config import BadValueError, parse_host
 
     full = "0.0.0.0" + text if text.startswith(":") else text
     try:

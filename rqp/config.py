@@ -1,7 +1,7 @@
 """Configuration: the sender's ``.rqprc`` and the receiver's YAML file.
 
 All validation happens here. The agents get frozen, fully checked :class:`SenderConfig` and
-:class:`ReceiverConfig` objects; every problem raises :class:`~rqp.errors.ConfigError` with a
+:class:`ReceiverConfig` objects; every problem raises :class:`~rqp.protocol.errors.ConfigError` with a
 message naming the file, the key, the bad value and what was expected, e.g.::
 
     /home/u/.rqprc: key 'ask_timeout': bad value '-1': expected a positive duration in seconds
@@ -28,7 +28,7 @@ from typing import NoReturn, TypeVar
 
 import yaml
 
-from rqp.constants import (
+from rqp.protocol.constants import (
     DEAD_LETTER_QUEUE_NAME,
     DEFAULT_DEAD_LETTER_QUEUE,
     DEFAULT_PORT,
@@ -39,7 +39,8 @@ from rqp.constants import (
     KEY_T_MAX,
     TRANSMISSION_QUEUE_NAME,
 )
-from rqp.errors import ConfigError
+from rqp.protocol.errors import ConfigError
+from rqp.protocol.keys import normalize_key, queue_key_problem
 
 __all__ = [
     "DEFAULT_ASK_TIMEOUT",
@@ -281,12 +282,13 @@ def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> in
             number = -number
     else:
         raise BadValueError(value, expected)
+    number = normalize_key(number)
     if number == IPC_PRIVATE:
         raise BadValueError(value,
                             "expected a key other than 0 (0 is IPC_PRIVATE: it names no queue)")
-    if not -(1 << 31) <= number <= KEY_T_MAX:
+    if queue_key_problem(number):
         raise BadValueError(value, expected)
-    return number & KEY_T_MAX
+    return number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,8 +493,7 @@ def _no_names() -> Mapping[str, int]:
 
 
 def _queue_name(names: Mapping[str, int], builtins: Mapping[str, int], key: int) -> str | None:
-    if -(1 << 31) <= key < 0:
-        key &= KEY_T_MAX
+    key = normalize_key(key)
     for table in (names, builtins):
         for name, value in table.items():
             if value == key:
@@ -583,7 +584,12 @@ class ReceiverConfig:
         return _queue_name(self.queues, self.builtin_queues, key)
 
     def offers(self, key: int) -> bool:
-        """Whether the allow and deny lists let this receiver offer queue ``key``."""
+        """Whether this receiver's configuration offers queue ``key`` to senders: the one
+        decision (the agent adds only whether the queue exists and may be written). A key that
+        names no queue, the dead-letter queue and what the allow and deny lists exclude are
+        not offered."""
+        if queue_key_problem(key) or key == self.dead_letter_queue:
+            return False
         if self.offer_allow is not None and key not in self.offer_allow:
             return False
         return key not in self.offer_deny

@@ -113,7 +113,7 @@ def receive(host, key: int, count: int, timeout: float = 30.0) -> list[str]:
 
 DEAD_LETTERS = r"""
 import json, sys, sysv_ipc
-from rqp.records import DeadLetterRecord
+from rqp.protocol.records import DeadLetterRecord
 out = []
 try:
     q = sysv_ipc.MessageQueue(int(sys.argv[1]), max_message_size=1 << 16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.testbed import testbed, testbed_factory  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
-# System V queue fixtures (rqp.queues / rqp.records tests): real kernel queues with random
+# System V queue fixtures (rqp.system.queues / rqp.protocol.records tests): real kernel queues with random
 # keys, every one removed at teardown even when the test fails; a runner for code that must
 # run as an unprivileged user.
 # --------------------------------------------------------------------------------------------
@@ -54,8 +54,8 @@ class _QueueFactory:
 
     def __call__(self, mode: int = 0o600, high_key: bool = False):
         """Create a new queue (IPC_CREX) with a random key (above 0x7fffffff if ``high_key``)
-        and return it as an rqp.queues.LocalQueue."""
-        from rqp.queues import LocalQueue
+        and return it as an rqp.system.queues.LocalQueue."""
+        from rqp.system.queues import LocalQueue
 
         while True:
             k = _random_key(high_key)

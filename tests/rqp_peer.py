@@ -14,7 +14,7 @@ Two halves in one file:
       assert peer.recv("c1", 4)["data"] == QUEUE_YES + DELIVERED_YES
 
 Frames are packed here with :mod:`struct` straight from the spec's layout (not with
-:mod:`rqp.frames`), so the daemon is checked against the wire format, not against its own
+:mod:`rqp.protocol.frames`), so the daemon is checked against the wire format, not against its own
 codec. Bytes travel through JSON as hex. Every socket operation has a deadline.
 """
 
@@ -283,8 +283,8 @@ class PeerProcess:
         return out
 
     def op_dead_letters(self, key: int = 0x5251DEAD) -> list[dict]:
-        """Drain DEAD.LETTER.Q and decode each record with rqp.records.DeadLetterRecord."""
-        from rqp.records import DeadLetterRecord
+        """Drain DEAD.LETTER.Q and decode each record with rqp.protocol.records.DeadLetterRecord."""
+        from rqp.protocol.records import DeadLetterRecord
 
         out = []
         for item in self.op_drain(key):

@@ -54,11 +54,11 @@ def hosts(testbed):
 
 
 @pytest.mark.parametrize("target, where, receiver_up", [
-    pytest.param("rqp.sender_core:SenderCore.connected", "connecting to", True,
+    pytest.param("rqp.protocol.sender:SenderCore.connected", "connecting to", True,
                  id="task"),
-    pytest.param("rqp.sender_core:SenderCore.data_received", "the connection to", True,
+    pytest.param("rqp.protocol.sender:SenderCore.data_received", "the connection to", True,
                  id="protocol-callback"),
-    pytest.param("rqp.sender_core:SenderCore.tick", "the event loop (Exception in callback",
+    pytest.param("rqp.protocol.sender:SenderCore.tick", "the event loop (Exception in callback",
                  False, id="timer"),
     pytest.param("rqp_agents.sender:Sender._journal_and_take",
                  "the transmission-queue reader thread", True, id="reader-thread"),
@@ -86,7 +86,7 @@ def test_receiver_stops_on_an_unexpected_error_and_the_sure_message_waits_for_it
         hosts):
     a, b = hosts
     state = str(b.workdir / "receiver-state")
-    faulty = _faulty(b, "rqp.receiver_core:ReceiverConnection.answer_ask", "receiver",
+    faulty = _faulty(b, "rqp.protocol.receiver:ReceiverConnection.answer_ask", "receiver",
                      "--listen", f"{b.address}:{PORT}", "--state-dir", state)
     wait_for(lambda: "listening on" in b.output(faulty, "stderr") or faulty.poll() is not None,
              timeout=20, message="faulty receiver did not start")

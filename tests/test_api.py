@@ -34,7 +34,7 @@ def run(host, code: str, *args, timeout: float = 60):
 
 def test_open_starts_the_sending_mca_and_a_message_goes_through_by_name(host):
     out = run(host, """
-from rqp.service import serving_pid
+from rqp.system.service import serving_pid
 before = serving_pid(0x52510000)
 h = rqp.openConnection("PROD_THE_SCHED_COMMON", rqprc=rqprc)
 rqp.sendMessage(h, b"\\x00binary\\xff", rqp.SURE_MSG)
@@ -73,7 +73,7 @@ def start(_):
     return ensure_sender(load_sender_config(rqprc), rqprc)
 with mp.get_context("fork").Pool(6) as pool:
     started = pool.map(start, range(6))
-from rqp.service import serving_pid
+from rqp.system.service import serving_pid
 print(json.dumps([started, serving_pid(0x52510000)]))
 """)
     started, pid = out
@@ -97,7 +97,7 @@ def senders_on(host) -> list[int]:
 def test_an_already_running_sending_mca_is_used(host):
     sender = start_sender(host, host.rqprc)
     out = run(host, """
-from rqp.service import serving_pid
+from rqp.system.service import serving_pid
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 rqp.sendMessage(h, b"via the running one", rqp.SURE_MSG)
 print(json.dumps([serving_pid(0x52510000), rqp.receiveMessage(0x52510001, timeout=20).decode()]))
@@ -107,7 +107,7 @@ print(json.dumps([serving_pid(0x52510000), rqp.receiveMessage(0x52510001, timeou
 
 def test_errors_say_what_to_do(host):
     out = run(host, """
-from rqp.queues import max_payload
+from rqp.system.queues import max_payload
 res = {}
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 try:

@@ -1,4 +1,4 @@
-"""The dead-letter archive format (rqp.archive): rows, previews, the atomic writer."""
+"""The dead-letter archive format (rqp.storage.archive): rows, previews, the atomic writer."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import stat
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import rqp.archive as archive
-from rqp.archive import (
+import rqp.storage.archive as archive
+from rqp.protocol.errors import RecordError
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
+from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, ArchiveWriter, archive_files, archived_ids, payload_preview,
     read_archive, record_id, record_to_row, rewrite_archive_file, row_raw_bytes, row_to_record,
 )
-from rqp.errors import RecordError
-from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode
 
 SPEC_KEYS = [
     "schema", "id", "archived_by", "archived_at", "host", "agent", "reason", "reason_code",

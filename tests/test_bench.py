@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rqp import bench
-from rqp.bench import PAYLOAD_HEAD, BenchError, filler
+from rqp.tools import bench
+from rqp.tools.bench import PAYLOAD_HEAD, BenchError, filler
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -21,7 +21,7 @@ CASES = ("SURE 100 B", "UNSURE 100 B", "SURE 4 KiB", "UNSURE 4 KiB")
 def test_quick_run_prints_the_table(tmp_path):
     python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
     figures = tmp_path / "figures.json"
-    proc = subprocess.run([str(python), "-m", "rqp.bench", "--quick", "--json", str(figures)],
+    proc = subprocess.run([str(python), "-m", "rqp.tools.bench", "--quick", "--json", str(figures)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     lines = proc.stdout.splitlines()

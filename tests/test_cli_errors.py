@@ -35,10 +35,10 @@ def test_a_bad_listen_address_is_refused_as_an_argument(tmp_path):
 
 
 def test_rqpctl_receive_tells_a_bad_key_from_a_name(tmp_path):
-    out = run("rqp.ctl", "receive", "0x1234567890", cwd=tmp_path)
+    out = run("rqp.tools.ctl", "receive", "0x1234567890", cwd=tmp_path)
     assert out.returncode == 2 and "argument queue:" in out.stderr, out.stderr
     assert "(or a queue name from .rqprc)" in out.stderr
-    out = run("rqp.ctl", "receive", "PROD_THE_SCHED_COMMON", cwd=tmp_path)
+    out = run("rqp.tools.ctl", "receive", "PROD_THE_SCHED_COMMON", cwd=tmp_path)
     assert out.returncode != 0
     assert "queue 'PROD_THE_SCHED_COMMON' is a name, looked up in a .rqprc" in out.stderr, \
         out.stderr

@@ -30,13 +30,13 @@ from rqp.config import (
     receiver_config_from_mapping,
     sender_config_from_mapping,
 )
-from rqp.constants import (
+from rqp.protocol.constants import (
     DEFAULT_DEAD_LETTER_QUEUE,
     DEFAULT_PORT,
     DEFAULT_TRANSMISSION_QUEUE,
     HARD_MESSAGE_CAP,
 )
-from rqp.errors import ConfigError
+from rqp.protocol.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 SENDER_EXAMPLES = sorted(CONFIG_DIR.glob("*rqprc*.yaml"))
@@ -270,7 +270,8 @@ def test_receiver_defaults(tmp_path: Path) -> None:
         assert cfg.max_message_size is None
         assert (cfg.put_retry_count, cfg.put_retry_interval) == (10, 1.0)
         assert cfg.host_name is None
-        assert cfg.offers(1) and cfg.offers(DEFAULT_DEAD_LETTER_QUEUE)
+        assert cfg.offers(1) and not cfg.offers(0) and not cfg.offers(1 << 32)
+        assert not cfg.offers(DEFAULT_DEAD_LETTER_QUEUE)  # never: it is where refusals go
     assert load_receiver_config().source is None
 
 
@@ -294,7 +295,7 @@ host_name: rqp1.example.org
     assert cfg.max_message_size == 65536
     assert cfg.offer_allow == {1, 2, 4, 0x99}
     assert [k for k in range(1, 6) if cfg.offers(k)] == [1, 4]
-    assert cfg.offers(0x99)
+    assert not cfg.offers(0x99)  # listed, yet never offered: the dead-letter queue
     assert (cfg.put_retry_count, cfg.put_retry_interval, cfg.host_name) == (0, 0.2, "rqp1.example.org")
     assert cfg.resolve_queue("DEAD.LETTER.Q") == 0x99
     assert cfg.queue_name(2) == "B"

@@ -1,4 +1,4 @@
-"""rqp.dedup: the receiver's de-duplication window, on real files in tmp_path."""
+"""rqp.storage.dedup: the receiver's de-duplication window, on real files in tmp_path."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rqp.constants import UINT64_MAX
-from rqp.dedup import (
+from rqp.protocol.constants import UINT64_MAX
+from rqp.storage.dedup import (
     DEDUP_ENTRY,
     DEDUP_ENTRY_SIZE,
     DEDUP_HEADER,
@@ -171,7 +171,7 @@ def test_crash_of_a_real_process(path):
     """A process that is killed (no close, no atexit) keeps exactly what it committed."""
     script = textwrap.dedent(f"""
         import os
-        from rqp.dedup import DedupWindow
+        from rqp.storage.dedup import DedupWindow
         w = DedupWindow({str(path)!r})
         for k in range(1, 101):
             w.record(k)
@@ -613,7 +613,7 @@ def test_failed_compaction_does_not_fail_the_commit(path, clock, monkeypatch, ca
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "replace", no_rename)
-    with caplog.at_level(logging.WARNING, logger="rqp.dedup"):
+    with caplog.at_level(logging.WARNING, logger="rqp.storage.dedup"):
         w.commit()  # durable; the compaction after it failed and is only logged
     assert "compaction failed" in caplog.text
     assert file_keys(path) == [1, 2, 3]

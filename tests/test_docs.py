@@ -59,7 +59,7 @@ MENTIONS = list(_mentions())
 def _help(command: str) -> str:
     words = command.split()
     if words[0] == "rqpctl":
-        argv = [sys.executable, "-m", "rqp.ctl", *words[1:]]
+        argv = [sys.executable, "-m", "rqp.tools.ctl", *words[1:]]
         if len(words) == 3 and words[1] != "dlq":
             argv = argv[:-1]  # "rqpctl status foo": foo is an argument, not a command
     else:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from rqp import UNSURE_MSG
-from rqp.archive import (
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import AgentKind, DeadLetterRecord
+from rqp.storage.archive import (
     archive_files, read_archive, read_drain_state, record_id, row_raw_bytes,
 )
-from rqp.records import AgentKind, DeadLetterRecord, ReasonCode
 from tests.agents import DLQ, send, start_receiver, start_sender, write_rqprc
 from tests.testbed import wait_for
 
@@ -25,7 +26,7 @@ DRAIN = [sys.executable, "-m", "rqp_agents.drain"]
 
 PUT = r"""
 import sys
-from rqp.queues import LocalQueue
+from rqp.system.queues import LocalQueue
 q = LocalQueue.create(int(sys.argv[1]))
 with open(sys.argv[2]) as f:
     for line in f:
@@ -34,7 +35,7 @@ with open(sys.argv[2]) as f:
 
 CONTENTS = r"""
 import json, sys
-from rqp.queues import LocalQueue
+from rqp.system.queues import LocalQueue
 key = int(sys.argv[1])
 if not LocalQueue.exists(key):
     print("null")
@@ -49,8 +50,8 @@ else:
 # Runs the drain in a process that dies (os._exit, like a kill -9: no clean-up) at a point.
 CRASH = r"""
 import os, sys
-import rqp.archive as archive
-from rqp.queues import LocalQueue
+import rqp.storage.archive as archive
+from rqp.system.queues import LocalQueue
 from rqp_agents import drain
 point, argv = sys.argv[1], sys.argv[2:]
 if point.startswith("before-rename"):          # before-rename:N = die at the N-th rename

@@ -7,13 +7,13 @@ from construct import ConstructError
 from hypothesis import given, settings, strategies as st
 
 import rqp
-from rqp import frames
-from rqp.constants import HARD_MESSAGE_CAP
-from rqp.events import (
+from rqp.protocol import frames
+from rqp.protocol.constants import HARD_MESSAGE_CAP
+from rqp.protocol.events import (
     ANSWERS, REQUESTS, DeliveredError, DeliveredYes, Message, OversizedMessage, QueueAsk, QueueNo,
     QueueYes,
 )
-from rqp.frames import CLOSED, NEED_DATA, FrameDecoder, decode, encode
+from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, decode, encode
 
 # --- the spec's examples, a comment per field ----------------------------------------------
 

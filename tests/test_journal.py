@@ -1,4 +1,4 @@
-"""rqp.journal: the sending MCA's durable journal of SURE messages (real files in tmp_path)."""
+"""rqp.storage.journal: the sending MCA's durable journal of SURE messages (real files in tmp_path)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rqp.errors import RQPError
-from rqp.journal import (
+from rqp.protocol.errors import RQPError
+from rqp.storage.journal import (
     APPEND_FIXED_SIZE,
     ENTRY_PREFIX_SIZE,
     FILE_HEADER_SIZE,

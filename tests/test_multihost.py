@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.events import QueueAsk
-from rqp.frames import MESSAGE_HEADER, encode
+from rqp.protocol.events import QueueAsk
+from rqp.protocol.frames import MESSAGE_HEADER, encode
 from tests.agents import (
     PORT, dead_letters, log_lines, make_queue, receive, send, send_sequence, start_receiver,
     start_sender, write_rqprc,

@@ -15,7 +15,7 @@ from tests.agents import (
 from tests.testbed import wait_for
 
 Q1, Q2 = 0x52510001, 0x52510002
-RQPCTL = [sys.executable, "-m", "rqp.ctl"]
+RQPCTL = [sys.executable, "-m", "rqp.tools.ctl"]
 
 
 def rqpctl(host, *args, check=False):

@@ -1,4 +1,4 @@
-"""rqp.queues against real kernel System V queues (each one removed at teardown)."""
+"""rqp.system.queues against real kernel System V queues (each one removed at teardown)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,22 @@ import time
 import pytest
 import sysv_ipc
 
-from rqp.constants import DEFAULT_MTYPE, KEY_T_MAX
-from rqp.errors import (
+from rqp.protocol.constants import DEFAULT_MTYPE, KEY_T_MAX
+from rqp.protocol.errors import (
     MessageTooBig,
     QueueError,
     QueueFull,
     QueueNotFound,
     QueuePermissionDenied,
 )
-from rqp.queues import (
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import (
+    TRANSMISSION_HEADER_SIZE,
+    DeadLetterRecord,
+    TransmissionRecord,
+)
+from rqp.storage.deadletters import fit_dead_letter
+from rqp.system.queues import (
     AccessStatus,
     InvalidQueueKey,
     LocalQueue,
@@ -32,13 +39,6 @@ from rqp.queues import (
     may_write,
     mode_permits,
     write_access,
-)
-from rqp.records import (
-    TRANSMISSION_HEADER_SIZE,
-    DeadLetterRecord,
-    ReasonCode,
-    TransmissionRecord,
-    fit_dead_letter,
 )
 
 NOBODY = 65534
@@ -433,7 +433,7 @@ def test_receive_buffer_grows_when_msgmax_was_raised_after_open(make_queue):
 # --- peek (MSG_COPY): what lets the sending MCA journal a record before taking it ----------
 
 def test_peek_copies_without_taking(make_queue):
-    from rqp.queues import peek_supported
+    from rqp.system.queues import peek_supported
     assert peek_supported()  # the sending MCA's no-loss take depends on it
     q = make_queue()
     assert q.peek(0) is None

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rqp.events import Message, QueueAsk
-from rqp.frames import encode
-from rqp.records import AgentKind, DeadLetterFlags, ReasonCode
+from rqp.protocol.events import Message, QueueAsk
+from rqp.protocol.frames import encode
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import AgentKind, DeadLetterFlags
 from tests.rqp_peer import (
     DELIVERED_ERROR,
     DELIVERED_YES,
@@ -161,7 +162,7 @@ def check_record(rec: dict, *, reason: ReasonCode, queue_key: int, key: int, mes
 
 
 def test_the_peer_packs_frames_like_the_codec():
-    """The peer's independent packing agrees with rqp.frames (so both sides speak the spec)."""
+    """The peer's independent packing agrees with rqp.protocol.frames (so both sides speak the spec)."""
     assert pack_ask(Q1) == encode(QueueAsk(queue_key=Q1))
     body = bytes(range(256))
     assert pack_message(UNSURE, 2**64 - 1, 2**40, body) == encode(

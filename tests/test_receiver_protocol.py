@@ -6,12 +6,12 @@ import pytest
 
 import rqp
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.events import DeliveredYes, Message, QueueAsk
-from rqp.frames import CLOSED, NEED_DATA, MESSAGE_HEADER, encode
-from rqp.receiver_core import (
+from rqp.protocol.events import DeliveredYes, Message, QueueAsk
+from rqp.protocol.frames import CLOSED, NEED_DATA, MESSAGE_HEADER, encode
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.receiver import (
     ANSWERS, TRANSITIONS, Ask, Outcome, Put, ReceiverConnection, Refuse, State,
 )
-from rqp.records import ReasonCode
 
 Q1 = 0x52510001
 

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.errors import LocalProtocolError, RemoteProtocolError
-from rqp.events import DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
-from rqp.frames import CLOSED, NEED_DATA, encode, encode_message
-from rqp.receiver_core import Ask, Put, ReceiverConnection, Refuse, State
-from rqp.records import ReasonCode
+from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
+from rqp.protocol.events import DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
+from rqp.protocol.frames import CLOSED, NEED_DATA, encode, encode_message
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.receiver import Ask, Put, ReceiverConnection, Refuse, State
 
 LIMIT = 64  # the receiver's max_message_size
 QUEUES = (0x52510001, 0x52510002)  # few keys, so that holding one back is met often

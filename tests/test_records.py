@@ -1,4 +1,4 @@
-"""rqp.records: the transmission record and the dead-letter record."""
+"""rqp.protocol.records: the transmission record and the dead-letter record."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rqp.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
-from rqp.errors import MessageTooBig, RecordError
-from rqp.records import (
+from rqp.protocol.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
+from rqp.protocol.errors import MessageTooBig, RecordError
+from rqp.protocol.reasons import ReasonCode, describe
+from rqp.protocol.records import (
     DEAD_LETTER_FIXED_SIZE,
     DEAD_LETTER_MIN_SIZE,
     DEAD_LETTER_RECORD,
@@ -24,12 +25,10 @@ from rqp.records import (
     AgentKind,
     DeadLetterFlags,
     DeadLetterRecord,
-    ReasonCode,
     TransmissionFlags,
     TransmissionRecord,
-    describe,
-    fit_dead_letter,
 )
+from rqp.storage.deadletters import fit_dead_letter
 
 # --------------------------------------------------------------------------------------------
 # Hand-written vectors

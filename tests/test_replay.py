@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 import rqp.config
-from rqp import ctl
-from rqp.archive import (
+from rqp.config import sender_config_from_mapping
+from rqp.protocol.errors import ConfigError, RQPError
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
+from rqp.storage.archive import (
     ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, record_to_row,
     write_drain_state,
 )
-from rqp.config import sender_config_from_mapping
-from rqp.errors import ConfigError, RQPError
-from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode
-from rqp.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
+from rqp.tools import ctl
+from rqp.tools.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
 from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
 from tests.testbed import wait_for
 
@@ -239,7 +240,7 @@ def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
     rules = rules_file(tmp_path, RULES)
     rqprc = tmp_path / "rqprc"
     rqprc.write_text("hosts: [localhost]\nqueues: {PROD_THE_SPARE_COMMON: 0x52510002}\n")
-    out = subprocess.run([sys.executable, "-m", "rqp.ctl", "dlq", "replay", "--archive",
+    out = subprocess.run([sys.executable, "-m", "rqp.tools.ctl", "dlq", "replay", "--archive",
                           str(archive), "--rules", str(rules), "--rqprc", str(rqprc),
                           "--dry-run"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -323,7 +324,7 @@ def test_token_bucket_spaces_takes_by_the_rate():
 # For real: a sending MCA, a receiving MCA, and the fake receiver that shows keys
 
 FAKE = str(Path(__file__).with_name("fake_receiver.py"))
-REPLAY = [sys.executable, "-m", "rqp.ctl", "dlq", "replay"]
+REPLAY = [sys.executable, "-m", "rqp.tools.ctl", "dlq", "replay"]
 DEPTH = r"""
 import sys, sysv_ipc
 try:

@@ -120,7 +120,7 @@ def test_invalid_transmission_records_are_dead_lettered(pair):
     start_sender(a, rqprc)
     a.python(r"""
 import sysv_ipc
-from rqp.records import TransmissionRecord
+from rqp.protocol.records import TransmissionRecord
 q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
 q.send(b"not a record at all", type=1)
 q.send(TransmissionRecord(message_type=7, queue_key=0x52510001, payload=b"t").to_bytes(), type=1)

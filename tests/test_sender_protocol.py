@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
-from rqp.frames import FrameDecoder, encode
-from rqp.records import ReasonCode
-from rqp.sender_core import (
+from rqp.protocol.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
+from rqp.protocol.frames import FrameDecoder, encode
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.sender import (
     TRANSITIONS, Close, Connect, DeadLetter, Delivered, Lost, MsgState, Note, NoteKind, Send,
     SenderCore, Settings,
 )

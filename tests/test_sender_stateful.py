@@ -1,10 +1,10 @@
 """The sending MCA's core under random interleavings (hypothesis.stateful).
 
-Hypothesis drives a :class:`rqp.sender_core.SenderCore` through any order of: messages taken
+Hypothesis drives a :class:`rqp.protocol.sender.SenderCore` through any order of: messages taken
 (SURE and UNSURE, several queue keys, an invalid key now and then), connections that succeed or
 are refused, receiving MCAs that answer, stay silent, hang up or misbehave, time passing, and
 ``.rqprc`` reloads. The receiving ends are the real receiver core
-(:class:`rqp.receiver_core.ReceiverConnection`) plus a local queue that keeps the first copy of
+(:class:`rqp.protocol.receiver.ReceiverConnection`) plus a local queue that keeps the first copy of
 each key, as the receiving MCA's de-duplication does; a misbehaving peer adds answers before
 their question, answers of the wrong kind, or garbage, always so that a correct sender can tell.
 
@@ -37,11 +37,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.events import DeliveredError, DeliveredYes, Message, QueueNo, QueueYes
-from rqp.frames import FrameDecoder, encode
-from rqp.receiver_core import Ask, Put, ReceiverConnection, Refuse
-from rqp.records import ReasonCode
-from rqp.sender_core import (
+from rqp.protocol.events import DeliveredError, DeliveredYes, Message, QueueNo, QueueYes
+from rqp.protocol.frames import FrameDecoder, encode
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.receiver import Ask, Put, ReceiverConnection, Refuse
+from rqp.protocol.sender import (
     Close, Connect, DeadLetter, Delivered, Lost, Note, Send, SenderCore, Settings,
 )
 

@@ -9,7 +9,7 @@
   Parquet and CSV, ``summary.json`` and ``report.html``;
 * :mod:`rqp.report.html`: the self-contained HTML page with inline SVG charts;
 * :mod:`rqp.report.generate`: synthetic archives with realistic skew, for tests and benchmarks;
-* :mod:`rqp.report.bench`: the job's time and records/s at 1, 2 and 5 million dead letters.
+* :mod:`rqp.tools.report_bench`: the job's time and records/s at 1, 2 and 5 million dead letters.
 
 Importing this package does not import pyspark, nor does the command before it computes a
 report; the modules that need it (compute, analysis, bench) do.

@@ -22,7 +22,6 @@ from pyspark.errors import AnalysisException, PySparkRuntimeError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from rqp.files import write_file_atomically
 from rqp.report import analysis
 from rqp.report import html as report_html
 from rqp.report.job import PROG, ReportError, local_path
@@ -30,6 +29,7 @@ from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
     ArchiveSchemaError,
 )
+from rqp.system.files import write_file_atomically
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",

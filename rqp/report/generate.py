@@ -39,6 +39,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from rqp.protocol import reasons as _reasons
+
 __all__ = [
     "REASON_WEIGHTS",
     "REASON_CODES",
@@ -70,21 +72,9 @@ REASON_WEIGHTS: dict[str, float] = {
     "MALFORMED": 0.2,
 }
 
-#: ``reason_code`` of each reason (rqp.records.ReasonCode; MALFORMED is the drain's own, 0).
-REASON_CODES: dict[str, int] = {
-    "NO_QUEUE_KEY": 1, "BAD_MESSAGE_TYPE": 2, "MALFORMED_RECORD": 3, "NO_ROUTE": 4,
-    "RETRY_BUDGET_EXHAUSTED": 5, "NOT_CONFIRMED": 6, "UNKNOWN_QUEUE": 20, "NOT_AUTHORIZED": 21,
-    "QUEUE_FULL": 22, "MESSAGE_TOO_BIG": 23, "INVALID_QUEUE_KEY": 24, "QUEUE_NOT_OFFERED": 25,
-    "PUT_FAILED": 26, "MALFORMED": 0,
-}
-
-_AGENT = {
-    "QUEUE_FULL": "receiver", "UNKNOWN_QUEUE": "receiver", "NOT_AUTHORIZED": "receiver",
-    "MESSAGE_TOO_BIG": "receiver", "QUEUE_NOT_OFFERED": "receiver", "PUT_FAILED": "receiver",
-    "INVALID_QUEUE_KEY": "receiver", "NO_ROUTE": "sender", "RETRY_BUDGET_EXHAUSTED": "sender",
-    "MALFORMED_RECORD": "sender", "BAD_MESSAGE_TYPE": "api", "NO_QUEUE_KEY": "api",
-    "MALFORMED": "tool",
-}
+#: ``reason_code`` of each reason, and who writes it: from the one table.
+REASON_CODES: dict[str, int] = {r.name: r.code for r in _reasons.REASONS}
+_AGENT = {r.name: r.by for r in _reasons.REASONS}
 
 _DETAIL = {
     "QUEUE_FULL": "msgsnd: errno 11: Resource temporarily unavailable (still full after 5 tries)",

@@ -118,7 +118,7 @@ def _ticks(vmax: int) -> list[int]:
 
 def _reason_description(reason: str | None) -> str:
     try:
-        from rqp.records import ReasonCode
+        from rqp.protocol.reasons import ReasonCode
         return ReasonCode[reason].description
     except (KeyError, ImportError, TypeError):
         if reason == "MALFORMED":

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
+from rqp.protocol.errors import RQPError
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 
 __all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
@@ -78,7 +79,7 @@ SPARK_EXTRA = "pip install 'rqp[spark]'"
 JAVA = "a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless)"
 
 
-class ReportError(Exception):
+class ReportError(RQPError):
     """A problem the user can fix (bad input, missing tool): printed without a traceback."""
 
 

@@ -14,6 +14,9 @@ is the exact instant when it is there.
 
 from __future__ import annotations
 
+from rqp.protocol import reasons as _reasons
+from rqp.protocol.errors import RQPError
+
 __all__ = [
     "ARCHIVE_FIELDS",
     "ARCHIVE_FILE_GLOB",
@@ -91,25 +94,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: The reasons the agents and the drain write (readers must accept others too).
-REASONS: tuple[str, ...] = (
-    "NO_QUEUE_KEY", "BAD_MESSAGE_TYPE", "MALFORMED_RECORD", "NO_ROUTE",
-    "RETRY_BUDGET_EXHAUSTED", "NOT_CONFIRMED", "UNKNOWN_QUEUE", "NOT_AUTHORIZED", "QUEUE_FULL",
-    "MESSAGE_TOO_BIG", "INVALID_QUEUE_KEY", "QUEUE_NOT_OFFERED", "PUT_FAILED", "MALFORMED",
-)
-
-#: Reasons that describe the state of the destination at the time, not the message: sent again
-#: once the cause is fixed (a queue created or offered, a full queue drained, a route added),
-#: the same message would be delivered.
-TRANSIENT_REASONS: tuple[str, ...] = ("QUEUE_FULL", "UNKNOWN_QUEUE", "NO_ROUTE", "QUEUE_NOT_OFFERED")
-
-#: Reasons that are properties of the message itself: sending it again fails again, however
-#: much traffic its queue receives later.
-MESSAGE_INTRINSIC_REASONS: tuple[str, ...] = (
-    "NO_QUEUE_KEY", "BAD_MESSAGE_TYPE", "MALFORMED_RECORD", "MESSAGE_TOO_BIG",
-    "INVALID_QUEUE_KEY", "MALFORMED",
-)
+#: The reasons the agents and the drain write (readers must accept others too), and the
+#: transient and message-intrinsic ones (see :mod:`rqp.protocol.reasons`, the one table).
+REASONS: tuple[str, ...] = tuple(r.name for r in _reasons.REASONS)
+TRANSIENT_REASONS: tuple[str, ...] = _reasons.TRANSIENT
+MESSAGE_INTRINSIC_REASONS: tuple[str, ...] = _reasons.INTRINSIC
 
 
-class ArchiveSchemaError(ValueError):
+class ArchiveSchemaError(RQPError, ValueError):
     """An input file is not a version-1 dead-letter archive (the message names the file)."""

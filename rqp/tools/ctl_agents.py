@@ -13,13 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import positive_int, seconds
-from .config import (
+from rqp.cli import positive_int, seconds
+from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
     load_sender_config, parse_queue_key,
 )
-from .control import ControlError, default_socket, request
-from .queues import QueueEmpty, format_key, list_queues
+from rqp.system.control import ControlError, default_socket, request
+from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
@@ -171,8 +171,8 @@ def queues(args) -> int:
 
 def send(args) -> int:
     import rqp
-    from .api import ensure_sender
-    from .service import sender_serving, serving_pid
+    from rqp.api import ensure_sender
+    from rqp.system.service import sender_serving, serving_pid
     path = find_rqprc(args.rqprc)
     config = load_sender_config(path)
     queue_key = config.resolve_queue(args.queue)  # an unknown name: an error, nothing started

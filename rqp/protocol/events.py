@@ -1,15 +1,15 @@
 """One event class per RQP frame: frozen, keyword-only dataclasses that validate themselves.
 
-Events are what the protocol core works with; :mod:`rqp.frames` turns them into bytes and back.
+Events are what the protocol core works with; :mod:`rqp.protocol.frames` turns them into bytes and back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .constants import MESSAGE, DELIVERED_YES, DELIVERED_ERROR, QUEUE_ASK, QUEUE_YES, QUEUE_NO
-from .constants import SURE_MSG, UNSURE_MSG
-from .errors import LocalProtocolError
+from rqp.protocol.constants import MESSAGE, DELIVERED_YES, DELIVERED_ERROR, QUEUE_ASK, QUEUE_YES, QUEUE_NO
+from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.protocol.errors import LocalProtocolError
 
 __all__ = [
     "Event", "Message", "DeliveredYes", "DeliveredError", "QueueAsk", "QueueYes", "QueueNo",

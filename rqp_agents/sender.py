@@ -2,7 +2,7 @@
 
 Takes records from the local transmission queue, finds which receiving MCA serves each queue
 key by asking the hosts of ``.rqprc``, sends the messages and waits for their confirmations.
-The protocol lives in :mod:`rqp.sender_core`; this module is the I/O around it: a thread that
+The protocol lives in :mod:`rqp.protocol.sender`; this module is the I/O around it: a thread that
 blocks on the transmission queue, an asyncio loop for the connections and the clock.
 """
 
@@ -23,20 +23,21 @@ from pathlib import Path
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level
 from rqp.config import SenderConfig, load_sender_config
-from rqp.control import Metric, default_socket, render
-from rqp.journal import Journal
-from rqp.errors import QueueError, QueueFull, QueueNotFound, RecordError
-from rqp.queues import LocalQueue, format_key, kernel_limits
-from rqp.sender_core import ROUTE_STATES
-from rqp.receiver_core import queue_key_problem
-from rqp.records import (
-    AgentKind, DeadLetterRecord, ReasonCode, TransmissionFlags, TransmissionRecord,
-    UNKNOWN_MESSAGE_TYPE, fit_dead_letter,
+from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError
+from rqp.protocol.keys import queue_key_problem
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.records import (
+    UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord, TransmissionFlags, TransmissionRecord,
 )
-from rqp.sender_core import (
-    Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore, Settings,
+from rqp.protocol.sender import (
+    ROUTE_STATES, Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore,
+    Settings,
 )
-from rqp.service import (
+from rqp.storage.deadletters import DeadLetterWriter
+from rqp.storage.journal import Journal
+from rqp.system.control import Metric, default_socket, render
+from rqp.system.queues import LocalQueue, format_key, kernel_limits
+from rqp.system.service import (
     Doorbell, KeySource, ServingLock, host_name, setup_logging, write_file_atomically,
 )
 from rqp_agents.daemon import Daemon, run_daemon
@@ -125,7 +126,8 @@ class Sender(Daemon):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.msgmax = kernel_limits().msgmax
         # The spec's start: DEAD.LETTER.Q and the transmission queue exist before anything else.
-        self.dead_letter_queue = LocalQueue.create(config.dead_letter_queue)
+        self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
+                                             self.state_dir / "spill", msgmax=self.msgmax)
         self.transmission_queue = LocalQueue.create(config.transmission_queue)
         self.lock = ServingLock(config.transmission_queue)
         self.name = f"sender-{config.transmission_queue:08x}"
@@ -150,7 +152,6 @@ class Sender(Daemon):
         self._reader: threading.Thread | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
         self.stats = collections.Counter()
-        self.dead_letter_reasons = collections.Counter()
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(self.state_dir, self.name)
@@ -213,13 +214,13 @@ class Sender(Daemon):
             "transmission_queue": format_key(self.config.transmission_queue),
             "transmission_queue_depth": self._depth(self.transmission_queue),
             "dead_letter_queue": format_key(self.config.dead_letter_queue),
-            "dead_letter_queue_depth": self._depth(self.dead_letter_queue),
+            "dead_letter_queue_depth": self._depth(self.dead_letters.queue),
             "journal_depth": self.journal.live_count, "held": self.core.held,
             "in_flight": self.core.in_flight, "incarnation": f"{self.keys.incarnation:08x}",
             "hosts": [{"host": str(h), "connection": self.core.link_state(h).value}
                       for h in self.config.hosts],
             "routes": routes, "stats": dict(self.stats),
-            "dead_letters": dict(self.dead_letter_reasons), "now": time.time(),
+            "dead_letters": dict(self.dead_letters.by_reason), "now": time.time(),
         }
 
     def metrics(self) -> str:
@@ -251,10 +252,10 @@ class Sender(Daemon):
             m["rqp_sender_in_flight"].add(r["in_flight"], **q)
             for state in ROUTE_STATES:  # every route in every state, not only the healthy ones
                 m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
-        for reason, count in sorted(self.dead_letter_reasons.items()):
+        for reason, count in sorted(self.dead_letters.by_reason.items()):
             m["rqp_dead_letters_total"].add(count, reason=reason)
         m["rqp_journal_depth"].add(self.journal.live_count)
-        for name, queue in (("rqp_dead_letter_queue_depth", self.dead_letter_queue),
+        for name, queue in (("rqp_dead_letter_queue_depth", self.dead_letters.queue),
                             ("rqp_transmission_queue_depth", self.transmission_queue)):
             depth = self._depth(queue)
             if depth is not None:
@@ -597,30 +598,18 @@ class Sender(Daemon):
     def _put_dead_letter(self, record: DeadLetterRecord, seq: int | None = None) -> None:
         """Onto DEAD.LETTER.Q; a journaled message is released once the record is there."""
         self.stats["dead_lettered"] += 1
-        self.dead_letter_reasons[getattr(record.reason, "name", str(record.reason))] += 1
-        if record.encoded_size() > self.msgmax:
-            spill = self.state_dir / "spill"
-            spill.mkdir(exist_ok=True)
-            record = fit_dead_letter(record, self.msgmax, spill)
-        self._dead_letter_backlog.append((record.to_bytes(), seq))
+        self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
         self._flush_dead_letters()
 
     def _flush_dead_letters(self) -> None:
         while self._dead_letter_backlog:
             data, seq = self._dead_letter_backlog[0]
-            try:
-                self.dead_letter_queue.put(data, block=False)
-            except QueueFull:
+            if not self.dead_letters.try_put(data):
                 log.error("DEAD.LETTER.Q %s is full: %d dead letter(s) held in memory, "
                           "retrying", format_key(self.config.dead_letter_queue),
                           len(self._dead_letter_backlog))
                 self.loop.call_later(0.5, self._flush_dead_letters)
                 return
-            except QueueNotFound:
-                log.error("DEAD.LETTER.Q %s was removed: creating it again",
-                          format_key(self.config.dead_letter_queue))
-                self.dead_letter_queue = LocalQueue.create(self.config.dead_letter_queue)
-                continue
             self._dead_letter_backlog.popleft()
             if seq is not None:
                 self._releases.append(seq)

@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import RQPError
-from .files import write_file_atomically
-from .queues import format_key
+from rqp.protocol.errors import RQPError
+from rqp.system.files import write_file_atomically
+from rqp.system.queues import format_key
 
 __all__ = [
     "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",

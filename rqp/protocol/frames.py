@@ -23,9 +23,9 @@ from construct import (
     len_, this,
 )
 
-from . import constants as c
-from .errors import LocalProtocolError, RemoteProtocolError
-from .events import (
+from rqp.protocol import constants as c
+from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
+from rqp.protocol.events import (
     DeliveredError, DeliveredYes, Event, Message, OversizedMessage, QueueAsk, QueueNo, QueueYes,
 )
 
@@ -171,7 +171,7 @@ class FrameDecoder:
     ``max_message_size`` octets of body is held. A ``MESSAGE`` whose claimed length is over
     ``max_message_size`` is reported as :class:`OversizedMessage` as soon as its header is in,
     and its body is then discarded as it arrives. A claimed length over ``hard_cap``
-    (default :data:`rqp.constants.HARD_MESSAGE_CAP`; ``None`` for no cap) is a protocol error
+    (default :data:`rqp.protocol.constants.HARD_MESSAGE_CAP`; ``None`` for no cap) is a protocol error
     (spec 5.4: no real message is that big).
 
     ``accept`` is the set of message codes this side may receive (``REQUESTS`` for a

@@ -114,7 +114,7 @@ empty window and rewritten.
 there are keys in the window and is larger than ``compact_min_bytes`` (1 MiB), the keys of the
 window are written to a temporary file ``.<name>.<random>.tmp`` in the same directory, which is
 fsynced and renamed over the file, and the directory is fsynced
-(:func:`rqp.service.write_file_atomically`). A crash leaves either the old file or the new one;
+(:func:`rqp.system.service.write_file_atomically`). A crash leaves either the old file or the new one;
 a temporary file found at open is a leftover of such a crash and is deleted, never read.
 Compaction costs O(keys in the window) once per at least as many ``record()`` calls.
 """
@@ -133,9 +133,9 @@ from pathlib import Path
 
 from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Struct
 
-from rqp.constants import UINT64_MAX
-from rqp.errors import RQPError
-from rqp.service import write_file_atomically
+from rqp.protocol.constants import UINT64_MAX
+from rqp.protocol.errors import RQPError
+from rqp.system.service import write_file_atomically
 
 __all__ = [
     "DEDUP_ENTRY",
@@ -150,7 +150,7 @@ __all__ = [
     "window_path",
 ]
 
-log = logging.getLogger("rqp.dedup")
+log = logging.getLogger("rqp.storage.dedup")
 
 DEDUP_MAGIC = b"RQPD"
 DEDUP_VERSION = 1

@@ -1,7 +1,7 @@
 """The dead-letter archive: gzip-compressed JSON Lines files, schema version 1.
 
 ``rqp-dlq-drain`` (:mod:`rqp_agents.drain`) moves dead-letter records off ``DEAD.LETTER.Q``
-into an archive directory; ``rqpctl dlq replay`` (:mod:`rqp.replay`) puts them back with rules;
+into an archive directory; ``rqpctl dlq replay`` (:mod:`rqp.tools.replay`) puts them back with rules;
 analysis jobs (PySpark: ``spark.read.json("ARCHIVE/*.jsonl.gz")``) read the files directly.
 
 Files
@@ -42,7 +42,7 @@ archived_at        string     when, ISO-8601 UTC with microseconds: ``2024-05-01
 host               string     host where it was dead-lettered
 agent              string     ``api``, ``sender``, ``receiver``, ``tool``, or the number as a
                               string if unknown (``"7"``)
-reason             string     :class:`~rqp.records.ReasonCode` name, ``UNKNOWN_<n>`` for a number
+reason             string     :class:`~rqp.protocol.records.ReasonCode` name, ``UNKNOWN_<n>`` for a number
                               this version does not know, ``MALFORMED`` (see below)
 reason_code        int        the number (-1 for ``MALFORMED``)
 queue_key          int        the original queue key (uint64: may be > 2**32-1)
@@ -102,9 +102,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RecordError, RQPError
-from .files import fsync_dir
-from .records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, UNKNOWN_MESSAGE_TYPE
+from rqp.protocol import reasons
+from rqp.protocol.errors import RecordError, RQPError
+from rqp.protocol.records import (
+    UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterFlags, DeadLetterRecord,
+)
+from rqp.system.files import fsync_dir
 
 __all__ = [
     "ArchiveError",
@@ -136,8 +139,9 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-MALFORMED = "MALFORMED"
-MALFORMED_CODE = -1
+#: The reason (and its code) of the row of a record the drain cannot read: from the one table.
+MALFORMED = reasons.MALFORMED.name
+MALFORMED_CODE = reasons.MALFORMED.code
 PREVIEW_BYTES = 64
 ELLIPSIS = "\u2026"
 INCOMING = ".incoming"
@@ -226,7 +230,7 @@ def record_to_row(raw: bytes, *, archived_by: str, queue_names: Mapping[str, int
                    payload_b64=base64.b64encode(raw).decode("ascii"),
                    payload_preview=payload_preview(raw))
         return row
-    reason = r.reason.name if isinstance(r.reason, ReasonCode) else f"UNKNOWN_{int(r.reason)}"
+    reason = reasons.reason_name(r.reason)
     agent = _AGENT_NAMES.get(r.agent, str(int(r.agent)))
     mtype = _TYPE_NAMES.get(r.message_type, f"UNKNOWN_{r.message_type}")
     row.update(
@@ -508,7 +512,7 @@ def all_drain_states(archive_dir: str | os.PathLike) -> dict[str, DrainState]:
 
 
 def write_drain_state(archive_dir: str | os.PathLike, host: str, state: DrainState) -> None:
-    from .service import write_file_atomically
+    from rqp.system.service import write_file_atomically
 
     path = state_path(archive_dir, host)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -539,8 +543,8 @@ def load_optional_rqprc(path: str | os.PathLike | None = None):
     """The ``.rqprc`` given (it must exist and be valid) or found as :func:`rqp.config.find_rqprc`
     finds it; None when none is given, ``$RQPRC`` is not set and none is in the usual places.
     The archive tools need one only for queue names and the sending path."""
-    from .config import find_rqprc, load_sender_config
-    from .errors import ConfigError
+    from rqp.config import find_rqprc, load_sender_config
+    from rqp.protocol.errors import ConfigError
 
     if not path and not os.environ.get("RQPRC"):
         try:

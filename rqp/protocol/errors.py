@@ -1,31 +1,27 @@
 """The exception hierarchy: every error the project raises is an :class:`RQPError`.
 
-Errors say whose fault it was (h11 / h2 style). A :class:`ProtocolError` carries its consequence
-on the wire as class attributes, so the agents never need to guess what to do with one.
+Errors say whose fault it was (h11 / h2 style), and what they mean for a message: an error
+that stops a message from being put carries its dead-letter :attr:`reason` (from the one table,
+:mod:`rqp.protocol.reasons`), so the receiving MCA dead-letters with ``exc.reason`` and answers
+what the table says; a :class:`ProtocolError` always closes the connection (spec 5.3: a byte
+stream cannot be resynchronised).
 """
 
 from __future__ import annotations
 
-import enum
-
-
-class WireAction(enum.Enum):
-    """What a connection does when an error is raised while handling a frame."""
-
-    CLOSE_CONNECTION = "close the connection"
-    DELIVERED_ERROR = "answer DELIVERED_ERROR"
-    QUEUE_NO = "answer QUEUE_NO"
+from rqp.protocol.reasons import ReasonCode
 
 
 class RQPError(Exception):
-    """Base class of every error raised by the ``rqp`` package and the agents."""
+    """Base class of every error raised by the ``rqp`` package, its tools and the agents."""
+
+    #: The dead-letter reason of a message this error stopped (None: not about one message).
+    reason: ReasonCode | None = None
 
 
 class ProtocolError(RQPError):
-    """A frame or a sequence of frames broke the rules of the protocol."""
-
-    #: Spec 5.3: a stream cannot be resynchronised, so the default is to close the connection.
-    wire_action: WireAction = WireAction.CLOSE_CONNECTION
+    """A frame or a sequence of frames broke the rules of the protocol: the connection that
+    carried it is closed."""
 
 
 class LocalProtocolError(ProtocolError):
@@ -48,6 +44,8 @@ class ConfigError(RQPError):
 class QueueError(RQPError):
     """A local System V queue could not be opened, created, read or written."""
 
+    reason = ReasonCode.PUT_FAILED
+
     def __init__(self, message: str, *, queue_key: int | None = None):
         super().__init__(message)
         self.queue_key = queue_key
@@ -56,17 +54,25 @@ class QueueError(RQPError):
 class QueueNotFound(QueueError):
     """No System V queue exists with the given key."""
 
+    reason = ReasonCode.UNKNOWN_QUEUE
+
 
 class QueuePermissionDenied(QueueError):
     """The queue exists but this process may not use it that way."""
+
+    reason = ReasonCode.NOT_AUTHORIZED
 
 
 class QueueFull(QueueError):
     """The queue has no room for the message right now (it may have later)."""
 
+    reason = ReasonCode.QUEUE_FULL
+
 
 class MessageTooBig(RQPError):
     """A message does not fit in one System V message (kernel ``msgmax``) or a configured limit."""
+
+    reason = ReasonCode.MESSAGE_TOO_BIG
 
     def __init__(self, message: str, *, size: int, limit: int):
         super().__init__(message)
@@ -76,3 +82,5 @@ class MessageTooBig(RQPError):
 
 class RecordError(RQPError):
     """A transmission-queue or dead-letter record could not be decoded."""
+
+    reason = ReasonCode.MALFORMED_RECORD

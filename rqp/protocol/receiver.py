@@ -17,17 +17,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .constants import HARD_MESSAGE_CAP, IPC_PRIVATE, KEY_T_MAX, SURE_MSG
-from .errors import LocalProtocolError
-from .events import (
+from rqp.protocol.constants import HARD_MESSAGE_CAP, SURE_MSG
+from rqp.protocol.errors import LocalProtocolError
+from rqp.protocol.events import (
     REQUESTS, DeliveredError, DeliveredYes, Message, OversizedMessage, QueueAsk, QueueNo, QueueYes,
 )
-from .frames import CLOSED, NEED_DATA, FrameDecoder, encode
-from .records import ReasonCode
+from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, encode
+from rqp.protocol.keys import queue_key_problem
+from rqp.protocol.reasons import ReasonCode
 
 __all__ = [
     "State", "Outcome", "TRANSITIONS", "ANSWERS", "ReceiverConnection", "Ask", "Put", "Refuse",
-    "queue_key_problem",
 ]
 
 
@@ -67,15 +67,6 @@ ANSWERS = {
     State.SENDING_QUEUE_YES: QueueYes(), State.SENDING_QUEUE_NO: QueueNo(),
     State.SENDING_DELIVERED_YES: DeliveredYes(), State.SENDING_DELIVERED_ERROR: DeliveredError(),
 }
-
-
-def queue_key_problem(queue_key: int) -> str | None:
-    """Why a uint64 ``queue_key`` names no System V queue (spec 5.5), or None if it may."""
-    if queue_key == IPC_PRIVATE:
-        return "queue_key 0 is IPC_PRIVATE and names no queue"
-    if queue_key > KEY_T_MAX:
-        return f"queue_key {queue_key:#x} does not fit a 32-bit key_t"
-    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ offset  size  field            meaning
 ======  ====  ===============  ==============================================================
 
 The header is :data:`TRANSMISSION_HEADER_SIZE` (36) bytes, so the largest application payload
-is ``msgmax - 36`` bytes (:func:`rqp.queues.max_payload`).
+is ``msgmax - 36`` bytes (:func:`rqp.system.queues.max_payload`).
 
 Dead-letter record
 ==================
@@ -81,11 +81,12 @@ F+4     N     payload            the (possibly truncated) payload; F+4+N = messa
 The strings are UTF-8 without a terminating NUL; their lengths count bytes. With all strings
 empty and no payload a dead-letter record is :data:`DEAD_LETTER_MIN_SIZE` (58) bytes. Strings
 longer than their length field allows are cut at a UTF-8 character boundary when the record is
-made. A record must fit in one System V message (``msgmax``): :func:`fit_dead_letter` cuts the
-payload (flag TRUNCATED) and can spill the whole payload to a file first.
+made. A record must fit in one System V message (``msgmax``):
+:func:`rqp.storage.deadletters.fit_dead_letter` cuts the payload (flag TRUNCATED) and can spill
+the whole payload to a file first.
 
 Decoding untrusted bytes (``from_bytes``) always uses the plain construct parser and raises
-:class:`rqp.errors.RecordError` for anything malformed; the compiled structs (``*_COMPILED``)
+:class:`rqp.protocol.errors.RecordError` for anything malformed; the compiled structs (``*_COMPILED``)
 are used only for building, where the input is our own validated dataclass.
 """
 
@@ -93,8 +94,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
-import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -116,9 +115,9 @@ from construct import (
     this,
 )
 
-from rqp.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
-from rqp.errors import MessageTooBig, RecordError
-from rqp.files import write_file_atomically
+from rqp.protocol.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
+from rqp.protocol.errors import RecordError
+from rqp.protocol.reasons import ReasonCode, describe
 
 __all__ = [
     "AgentKind",
@@ -131,7 +130,6 @@ __all__ = [
     "DEAD_LETTER_VERSION",
     "DeadLetterFlags",
     "DeadLetterRecord",
-    "ReasonCode",
     "TRANSMISSION_HEADER",
     "TRANSMISSION_HEADER_SIZE",
     "TRANSMISSION_MAGIC",
@@ -141,8 +139,6 @@ __all__ = [
     "TransmissionFlags",
     "TransmissionRecord",
     "UNKNOWN_MESSAGE_TYPE",
-    "describe",
-    "fit_dead_letter",
 ]
 
 TRANSMISSION_MAGIC = b"RQPX"
@@ -227,67 +223,6 @@ DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
 # --------------------------------------------------------------------------------------------
 # Enumerations
 # --------------------------------------------------------------------------------------------
-
-_REASON_DESCRIPTIONS: dict[int, str] = {}
-
-
-class ReasonCode(enum.IntEnum):
-    """Why a message was dead-lettered (the ``reason`` field of a dead-letter record)."""
-
-    # Raised on the sending side (API or sending agent), 1..19.
-    NO_QUEUE_KEY = 1
-    BAD_MESSAGE_TYPE = 2
-    MALFORMED_RECORD = 3
-    NO_ROUTE = 4
-    RETRY_BUDGET_EXHAUSTED = 5
-    NOT_CONFIRMED = 6
-    # Raised by the receiving agent, 20..
-    UNKNOWN_QUEUE = 20
-    NOT_AUTHORIZED = 21
-    QUEUE_FULL = 22
-    MESSAGE_TOO_BIG = 23
-    INVALID_QUEUE_KEY = 24
-    QUEUE_NOT_OFFERED = 25
-    PUT_FAILED = 26
-
-    @property
-    def description(self) -> str:
-        """One line saying what the reason means."""
-        return _REASON_DESCRIPTIONS[self.value]
-
-
-_REASON_DESCRIPTIONS.update(
-    {
-        ReasonCode.NO_QUEUE_KEY: "the transmission record has no queue key (0 = IPC_PRIVATE)",
-        ReasonCode.BAD_MESSAGE_TYPE: "the message type is neither SURE_MSG (0) nor UNSURE_MSG (1)",
-        ReasonCode.MALFORMED_RECORD: (
-            "the transmission record is unreadable (bad magic or version, or truncated)"
-        ),
-        ReasonCode.NO_ROUTE: "no host in .rqprc offers the queue (UNSURE message)",
-        ReasonCode.RETRY_BUDGET_EXHAUSTED: "the SURE message's retry budget ran out",
-        ReasonCode.NOT_CONFIRMED: (
-            "reserved: the UNSURE message was not confirmed (recorded only if configured)"
-        ),
-        ReasonCode.UNKNOWN_QUEUE: "the receiving host has no queue with that key",
-        ReasonCode.NOT_AUTHORIZED: "the receiving agent has no write permission on the queue",
-        ReasonCode.QUEUE_FULL: "the destination queue was still full after bounded retry",
-        ReasonCode.MESSAGE_TOO_BIG: (
-            "the message is over the receiver's max_message_size or the queue's limit"
-        ),
-        ReasonCode.INVALID_QUEUE_KEY: "the queue key is above 2**32-1 or is 0 (IPC_PRIVATE)",
-        ReasonCode.QUEUE_NOT_OFFERED: "the receiver's configuration does not offer that queue",
-        ReasonCode.PUT_FAILED: "putting to the queue failed for another reason (see detail)",
-    }
-)
-
-
-def describe(code: int) -> str:
-    """Describe a reason code; unknown numbers (from a newer writer) are described too."""
-    try:
-        return ReasonCode(code).description
-    except ValueError:
-        return f"unknown reason {int(code)}"
-
 
 class AgentKind(enum.IntEnum):
     """Who made a dead-letter record (the ``agent`` field)."""
@@ -517,6 +452,11 @@ class DeadLetterRecord:
     def description(self) -> str:
         return describe(self.reason)
 
+    @staticmethod
+    def peek_reason(data: bytes) -> int:
+        """The ``reason`` of an encoded record (offset 5, uint16) without decoding the rest."""
+        return int.from_bytes(data[5:7], "big")
+
     @classmethod
     def from_transmission(cls, record: TransmissionRecord, *, reason: int, agent: int,
                           **fields) -> "DeadLetterRecord":
@@ -564,44 +504,3 @@ _STRING_LIMITS = {
     "spill_path": _UINT16_MAX,
 }
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeadLetterRecord))
-
-
-def fit_dead_letter(record: DeadLetterRecord, limit: int,
-                    spill_dir: str | os.PathLike | None = None) -> DeadLetterRecord:
-    """Make ``record`` fit in ``limit`` bytes (one System V message: pass the kernel's msgmax).
-
-    If it already fits it is returned unchanged. Otherwise the payload is cut so that the
-    encoded record is exactly ``limit`` bytes and TRUNCATED is set; ``original_length`` keeps
-    the full length. With ``spill_dir``, the FULL payload is first written to
-    ``spill_dir/dl-{timestamp_ns}-{message_key:016x}-{random hex}.payload`` atomically (a temp
-    file in the same directory, fsynced, renamed into place, directory fsynced) and the path is
-    recorded in ``spill_path``. A record that already has a ``spill_path`` is not spilled again.
-
-    Raises :class:`MessageTooBig` if even the record without payload is bigger than ``limit``
-    (nothing is written then), and ``OSError`` if the spill file cannot be written.
-    """
-    size = record.encoded_size()
-    if size <= limit:
-        return record
-    spill_path = record.spill_path
-    if spill_dir is not None and not spill_path:
-        name = f"dl-{record.timestamp_ns}-{record.message_key:016x}-{secrets.token_hex(8)}.payload"
-        spill_path = os.path.join(os.path.abspath(os.fspath(spill_dir)), name)
-    header_size = dataclasses.replace(record, payload=b"", spill_path=spill_path).encoded_size()
-    if header_size > limit:
-        raise MessageTooBig(
-            f"dead-letter record header is {header_size} bytes, over the limit of {limit} "
-            f"bytes even without payload (shorten detail or host names)",
-            size=header_size, limit=limit,
-        )
-    if spill_path != record.spill_path:
-        write_file_atomically(spill_path, record.payload, mode=0o600)
-    return dataclasses.replace(
-        record,
-        payload=record.payload[: limit - header_size],
-        flags=record.flags | DeadLetterFlags.TRUNCATED,
-        original_length=max(record.original_length, len(record.payload)),
-        spill_path=spill_path,
-    )
-
-

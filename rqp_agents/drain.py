@@ -5,7 +5,7 @@ Usage::
     rqp-dlq-drain --archive DIR [--queue KEY_OR_NAME] [--rqprc FILE]
                   [--once | --interval SECONDS] [--batch N] [--max-file-records N]
 
-The archive format is described in :mod:`rqp.archive`. Each record is archived exactly once,
+The archive format is described in :mod:`rqp.storage.archive`. Each record is archived exactly once,
 whatever moment the drain is killed at:
 
 1. **copy** up to ``--batch`` records off the queue with ``msgrcv(MSG_COPY)`` (nothing taken);
@@ -46,15 +46,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rqp.cli import add_log_level, positive_int, positive_seconds
-from rqp.archive import (
+from rqp.config import QUEUE_NAME_RE, SenderConfig, parse_queue_key
+from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
+from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
+from rqp.storage.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
 )
-from rqp.config import QUEUE_NAME_RE, SenderConfig, parse_queue_key
-from rqp.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
-from rqp.errors import ConfigError, QueueError, QueueNotFound, RQPError
-from rqp.queues import LocalQueue, QueueEmpty, format_key
-from rqp.service import host_name, setup_logging
+from rqp.system.queues import LocalQueue, QueueEmpty, format_key
+from rqp.system.service import host_name, setup_logging
 
 log = logging.getLogger("rqp.drain")
 

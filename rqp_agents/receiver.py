@@ -2,7 +2,7 @@
 
 Listens for sending MCAs, answers ``QUEUE_ASK`` with the local queues it may write to and puts
 each ``MESSAGE`` in the local System V queue with that key, or in ``DEAD.LETTER.Q`` with the
-reason. The protocol lives in :mod:`rqp.receiver_core`; this module is the I/O around it.
+reason. The protocol lives in :mod:`rqp.protocol.receiver`; this module is the I/O around it.
 """
 
 from __future__ import annotations
@@ -20,19 +20,20 @@ from pathlib import Path
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level, listen_address
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
-from rqp.control import Metric, default_socket, render
-from rqp.dedup import DedupWindow, window_path
-from rqp.constants import DEFAULT_MTYPE
-from rqp.errors import (
+from rqp.protocol.constants import DEFAULT_MTYPE
+from rqp.protocol.errors import (
     LocalProtocolError, MessageTooBig, QueueError, QueueFull, QueueNotFound,
-    QueuePermissionDenied,
 )
-from rqp.events import OversizedMessage
-from rqp.frames import CLOSED, NEED_DATA
-from rqp.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
-from rqp.receiver_core import Ask, ReceiverConnection, Refuse, queue_key_problem
-from rqp.records import AgentKind, DeadLetterFlags, DeadLetterRecord, ReasonCode, fit_dead_letter
-from rqp.service import host_name, setup_logging
+from rqp.protocol.events import OversizedMessage
+from rqp.protocol.frames import CLOSED, NEED_DATA
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
+from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
+from rqp.storage.deadletters import DeadLetterWriter
+from rqp.storage.dedup import DedupWindow, window_path
+from rqp.system.control import Metric, default_socket, render
+from rqp.system.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
+from rqp.system.service import host_name, setup_logging
 from rqp_agents.daemon import Daemon, run_daemon
 
 log = logging.getLogger("rqp.receiver")
@@ -61,8 +62,8 @@ class Receiver(Daemon):
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
         self.max_message_size = config.max_message_size or self.msgmax
-        self.spill_dir = Path(config.state_dir) / "spill"
-        self.dead_letter_queue = LocalQueue.create(config.dead_letter_queue)
+        self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
+                                             Path(config.state_dir) / "spill", msgmax=self.msgmax)
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         # SURE repeats (same key) are answered without a second put, within this window.
@@ -83,9 +84,7 @@ class Receiver(Daemon):
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
-        self.dead_letter_reasons = collections.Counter()
-        self.stats = {"connections": 0, "messages": 0, "dead_letters": 0, "asks": 0,
-                      "repeats": 0}
+        self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -112,7 +111,7 @@ class Receiver(Daemon):
         expiry.cancel()
         self.stop_service()
         self.dedup.close()
-        log.info("stopped: %s", self.stats)
+        log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -145,7 +144,7 @@ class Receiver(Daemon):
 
     def _dlq_depth(self) -> int | None:
         try:
-            return self.dead_letter_queue.depth
+            return self.dead_letters.queue.depth
         except RQPError:
             return None
 
@@ -159,8 +158,9 @@ class Receiver(Daemon):
             "dead_letter_queue_depth": self._dlq_depth(),
             "dedup_window_keys": len(self.dedup),
             "connections": sorted(self._peers.values(), key=lambda p: p["since"]),
-            "queues": self.offered_queues(), "stats": dict(self.stats),
-            "dead_letters": dict(self.dead_letter_reasons), "now": time.time(),
+            "queues": self.offered_queues(),
+            "stats": {**self.stats, "dead_letters": self.dead_letters.written},
+            "dead_letters": dict(self.dead_letters.by_reason), "now": time.time(),
         }
 
     def metrics(self) -> str:
@@ -182,7 +182,7 @@ class Receiver(Daemon):
         m["rqp_receiver_asks_total"].add(self.stats["asks"])
         m["rqp_receiver_connections"].add(len(self._peers))
         m["rqp_receiver_connections_total"].add(self.stats["connections"])
-        for reason, count in sorted(self.dead_letter_reasons.items()):
+        for reason, count in sorted(self.dead_letters.by_reason.items()):
             m["rqp_dead_letters_total"].add(count, reason=reason)
         depth = self._dlq_depth()
         if depth is not None:
@@ -302,8 +302,7 @@ class Receiver(Daemon):
 
     def offers(self, queue_key: int) -> bool:
         """QUEUE_YES exactly when the queue exists, may be written, and the config allows it."""
-        if (queue_key_problem(queue_key) or not self.config.offers(queue_key)
-                or queue_key == self.config.dead_letter_queue):
+        if not self.config.offers(queue_key):
             return False
         try:
             return write_access(queue_key).writable
@@ -318,53 +317,45 @@ class Receiver(Daemon):
             queue = self._queues[key] = LocalQueue.open(key)
         return queue
 
-    async def _put_retrying(self, queue: LocalQueue, data: bytes, budget: float,
-                            what: str) -> None:
-        """Put without blocking the loop; while the queue is full, try again (waits doubling
-        from 5 ms up to ``put_retry_interval``) until ``budget`` seconds have passed."""
+    async def _put_retrying(self, attempt, budget: float, what: str) -> None:
+        """Put without blocking the loop: ``attempt()`` puts without waiting and says whether it
+        did; while the queue is full, try again (waits doubling from 5 ms up to
+        ``put_retry_interval``) until ``budget`` seconds have passed, then raise QueueFull."""
         deadline = None
         wait = 0.005
-        while True:
-            try:
-                queue.put(data, mtype=DEFAULT_MTYPE, block=False)
-                return
-            except QueueFull:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + budget
-                    log.info("%s full: retrying for up to %gs", what, budget)
-                if now >= deadline:
-                    raise
-                await asyncio.sleep(min(wait, deadline - now))
-                wait = min(wait * 2, self.config.put_retry_interval)
+        while not attempt():
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + budget
+                log.info("%s full: retrying for up to %gs", what, budget)
+            if now >= deadline:
+                raise QueueFull(f"{what} is full")
+            await asyncio.sleep(min(wait, deadline - now))
+            wait = min(wait * 2, self.config.put_retry_interval)
 
     async def _put(self, message) -> tuple[ReasonCode | None, str]:
         """Put the message in its queue; (None, "") or why not."""
         key = message.queue_key
         name = f"queue {format_key(key)}"
-        if not self.config.offers(key) or key == self.config.dead_letter_queue:
+        if not self.config.offers(key):
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
         for fresh in (key not in self._queues, True):
             try:
-                await self._put_retrying(self._queue(key), message.message, self.put_budget,
-                                         f"{name} (key={message.key:#018x})")
+                await self._put_retrying(_putter(self._queue(key), message.message),
+                                         self.put_budget, f"{name} (key={message.key:#018x})")
                 return None, ""
             except QueueNotFound as exc:
                 self._queues.pop(key, None)
                 if fresh:  # not a stale handle of a queue removed and created again
-                    return ReasonCode.UNKNOWN_QUEUE, str(exc)
-            except QueueFull:
-                return ReasonCode.QUEUE_FULL, (
+                    return exc.reason, str(exc)
+            except QueueFull as exc:
+                return exc.reason, (
                     f"{name} still full after {self.put_budget:g}s "
                     f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)")
-            except QueuePermissionDenied as exc:
-                self._queues.pop(key, None)
-                return ReasonCode.NOT_AUTHORIZED, str(exc)
-            except MessageTooBig as exc:
-                return ReasonCode.MESSAGE_TOO_BIG, str(exc)
-            except QueueError as exc:
-                self._queues.pop(key, None)
-                return ReasonCode.PUT_FAILED, str(exc)
+            except (QueueError, MessageTooBig) as exc:  # each error carries its reason
+                if isinstance(exc, QueueError):
+                    self._queues.pop(key, None)
+                return exc.reason, str(exc)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, peer: str) -> None:
@@ -382,10 +373,8 @@ class Receiver(Daemon):
             destination_host=self.host, detail=detail,
             payload=b"" if header_only else message.message)
         try:
-            if record.encoded_size() > self.msgmax:
-                self.spill_dir.mkdir(parents=True, exist_ok=True)
-                record = fit_dead_letter(record, self.msgmax, self.spill_dir)
-            await self._put_retrying(self.dead_letter_queue, record.to_bytes(), 1.0,
+            data = self.dead_letters.encode(record)
+            await self._put_retrying(lambda: self.dead_letters.try_put(data), 1.0,
                                      "DEAD.LETTER.Q")
         except (RQPError, OSError) as exc:
             log.error("DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x "
@@ -393,8 +382,6 @@ class Receiver(Daemon):
                       "sender keeps the message", format_key(self.config.dead_letter_queue),
                       message.key, format_key(message.queue_key), reason.name, exc)
             raise DeadLetterUnavailable(str(exc)) from exc
-        self.stats["dead_letters"] += 1
-        self.dead_letter_reasons[reason.name] += 1
         if sure:
             self._noticed[message.key] = None
             if len(self._noticed) > NOTICE_MEMORY:
@@ -402,6 +389,18 @@ class Receiver(Daemon):
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
                     "SURE" if sure else "UNSURE", peer, detail)
+
+
+def _putter(queue: LocalQueue, data: bytes):
+    """An attempt for :meth:`Receiver._put_retrying`: put ``data`` on ``queue`` now, or say it
+    is full."""
+    def attempt() -> bool:
+        try:
+            queue.put(data, mtype=DEFAULT_MTYPE, block=False)
+        except QueueFull:
+            return False
+        return True
+    return attempt
 
 
 def _peer(peer) -> str:

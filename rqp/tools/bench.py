@@ -51,10 +51,11 @@ from pathlib import Path
 import sysv_ipc
 
 import rqp
-from rqp.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
-from rqp.queues import LocalQueue, format_key, kernel_limits
-from rqp.records import DeadLetterRecord
-from rqp.service import sender_serving
+from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
+from rqp.protocol.errors import RQPError
+from rqp.protocol.records import DeadLetterRecord
+from rqp.system.queues import LocalQueue, format_key, kernel_limits
+from rqp.system.service import sender_serving
 
 #: Set in the environment of the re-executed benchmark (inside its own IPC namespace) to the
 #: IPC namespace it left, so that it can tell that it really is in another one.
@@ -85,7 +86,7 @@ RAW_BATCH = 256
 _PR_SET_PDEATHSIG = 1
 
 
-class BenchError(Exception):
+class BenchError(RQPError):
     """The benchmark could not measure, or a check failed."""
 
 
@@ -901,7 +902,7 @@ class Bench:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m rqp.bench",  # (scripts/bench runs it; there is no rqp-bench command)
+        prog="python -m rqp.tools.bench",  # (scripts/bench runs it; there is no rqp-bench command)
         description="End-to-end messages/s and latency of the RQP agents on loopback, beside a "
         "minimal raw struct+sockets pipeline (the ceiling).")
     parser.add_argument("--messages", type=int, metavar="N",
@@ -938,7 +939,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _reexec_isolated(argv: list[str]) -> None:
-    """Become ``unshare --ipc -- python -m rqp.bench ARGS`` (no return) when that is possible."""
+    """Become ``unshare --ipc -- python -m rqp.tools.bench ARGS`` (no return) when that is possible."""
     if os.environ.get(ISOLATED_ENV):
         return  # re-executed already (or told not to)
     unshare = shutil.which("unshare")
@@ -953,7 +954,7 @@ def _reexec_isolated(argv: list[str]) -> None:
     env = dict(os.environ, **{ISOLATED_ENV: _ipc_namespace()})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(unshare, [*cmd, "--", sys.executable, "-m", "rqp.bench", *argv], env)
+    os.execve(unshare, [*cmd, "--", sys.executable, "-m", "rqp.tools.bench", *argv], env)
 
 
 def sweep_stale_workdirs() -> None:

@@ -1,7 +1,7 @@
 """Replaying archived dead letters with a rules table (``rqpctl dlq replay``).
 
 In the spirit of IBM MQ's ``runmqdlq``: a YAML file holds a list of rules under ``rules:``;
-each archived dead letter (:mod:`rqp.archive`) is given the action of the FIRST rule whose
+each archived dead letter (:mod:`rqp.storage.archive`) is given the action of the FIRST rule whose
 patterns all match it; no matching rule means ``keep``::
 
     rules:
@@ -65,17 +65,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from . import api
-from .archive import (
+from rqp import api
+from rqp.config import QUEUE_NAME_RE, SenderConfig, _did_you_mean, _read_yaml, _show, parse_queue_key
+from rqp.protocol import reasons
+from rqp.protocol.constants import SURE_MSG, UINT64_MAX
+from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
+from rqp.protocol.records import TransmissionFlags, TransmissionRecord
+from rqp.storage.archive import (
     MALFORMED, ArchiveError, all_drain_states, archive_files, lock_file, read_archive_file,
     rewrite_archive_file, row_payload,
 )
-from .config import QUEUE_NAME_RE, SenderConfig, _did_you_mean, _read_yaml, _show, parse_queue_key
-from .constants import SURE_MSG, UINT64_MAX
-from .errors import ConfigError, MessageTooBig, QueueFull, RQPError
-from .queues import LocalQueue, format_key, max_payload
-from .records import ReasonCode, TransmissionFlags, TransmissionRecord
-from .service import Doorbell
+from rqp.system.queues import LocalQueue, format_key, max_payload
+from rqp.system.service import Doorbell
 
 __all__ = [
     "ACTIONS", "RULE_KEYS", "Decision", "ReplayRefused", "Replayer", "Rule", "TokenBucket",
@@ -87,7 +88,7 @@ ACTIONS = ("retry", "forward", "discard", "keep")
 RULE_KEYS = ("reason", "queue", "message_type", "host", "older_than", "newer_than", "action",
              "to")
 TOP_KEYS = ("rules",)
-REASON_NAMES = tuple(r.name for r in ReasonCode) + (MALFORMED,)
+REASON_NAMES = tuple(r.name for r in reasons.REASONS)
 MESSAGE_TYPES = ("SURE", "UNSURE", "UNKNOWN")
 #: A rewrite of the file in hand at least every this many removed rows / seconds, so that a
 #: replay stopped abruptly repeats little.

@@ -1,6 +1,6 @@
 """How the dead-letter report scales: the whole job on 1, 2 and 5 million dead letters.
 
-``python -m rqp.report.bench`` (or ``scripts/report-bench``):
+``python -m rqp.tools.report_bench`` (or ``scripts/report-bench``):
 
 1. generates the archives once, under a temporary directory, with
    :mod:`rqp.report.generate` (seed 1, 200,000 lines per file). Every file is a function of the
@@ -46,7 +46,7 @@ def _on_sigterm(signum, frame):  # let the finally blocks clean up
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rqp.report.bench",
+    parser = argparse.ArgumentParser(prog="python -m rqp.tools.report_bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
                         help="dead letters per run, comma-separated (default 1e6,2e6,5e6)")

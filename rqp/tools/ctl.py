@@ -2,13 +2,13 @@
 
 ``rqpctl dlq replay --archive DIR --rules RULES.yaml [--rqprc FILE] [--dry-run] [--rate N]
 [--limit N]``: put archived dead letters back, forward or discard them by rules
-(:mod:`rqp.replay`). Exit status 0 if no record failed (always, for a dry run: nothing is
+(:mod:`rqp.tools.replay`). Exit status 0 if no record failed (always, for a dry run: nothing is
 done), 1 if one did, 2 for a usage or configuration error.
 
-``rqpctl dlq list --archive DIR [--limit N]``: a short table of the archive (:mod:`rqp.archive`).
+``rqpctl dlq list --archive DIR [--limit N]``: a short table of the archive (:mod:`rqp.storage.archive`).
 
 ``rqpctl status | metrics | queues | send | receive``: the running agents and the local queues
-(:mod:`rqp.ctl_agents`, which lists the exit codes).
+(:mod:`rqp.tools.ctl_agents`, which lists the exit codes).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ import sys
 import threading
 from pathlib import Path
 
-from .ctl_agents import add_commands
-from .archive import ArchiveError, archive_files, load_optional_rqprc, read_archive_file
-from .cli import count, number
-from .control import ControlError
-from .errors import ConfigError, RQPError
-from .replay import (
+from rqp.cli import count, number
+from rqp.protocol.errors import ConfigError, RQPError
+from rqp.storage.archive import ArchiveError, archive_files, load_optional_rqprc, read_archive_file
+from rqp.system.control import ControlError
+from rqp.tools.ctl_agents import add_commands
+from rqp.tools.replay import (
     DEFAULT_RATE, NotConfirmed, Replayer, TransmissionPutter, load_rules,
 )
 
-log = logging.getLogger("rqp.ctl")
+log = logging.getLogger("rqp.tools.ctl")
 rate = number(float, minimum=0, inclusive=False, what="a number of records per second")
 
 

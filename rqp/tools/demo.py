@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import rqp
-from rqp.queues import LocalQueue, format_key
-from rqp.records import DeadLetterRecord
-from rqp.service import serving_pid
+from rqp.protocol.records import DeadLetterRecord
+from rqp.system.queues import LocalQueue, format_key
+from rqp.system.service import serving_pid
 
 NAME = "DEMO_THE_ORDERS_COMMON"
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # (--help ends here, before anything is started)
     if os.geteuid() == 0 and not os.environ.get("RQP_DEMO_ISOLATED") and shutil.which("unshare"):
         env = dict(os.environ, RQP_DEMO_ISOLATED="1")
-        return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.demo",
+        return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.tools.demo",
                                 *argv], env=env)
     report_dir = Path(args.report_dir).resolve()
     workdir = Path(tempfile.mkdtemp(prefix="rqp-demo-"))

@@ -112,7 +112,7 @@ Errors
 the journal stays usable. If an ``fsync`` fails, the state of the data on disk is unknown (Linux
 may drop the dirty pages and report the error once only), so the journal is marked failed and
 every later operation raises :class:`JournalError`: the agent must stop; reopening recovers what
-is on disk. Decoding errors of single entries are :class:`rqp.errors.RecordError` internally and
+is on disk. Decoding errors of single entries are :class:`rqp.protocol.errors.RecordError` internally and
 end up in :attr:`Journal.problems`. A second :class:`Journal` on the same file (in this or
 another process) is refused: the journal holds an exclusive ``flock`` on ``{name}.journal.lock``.
 
@@ -134,8 +134,8 @@ from pathlib import Path
 import construct
 from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Rebuild, Struct, len_, this
 
-from rqp.constants import UINT64_MAX
-from rqp.errors import RecordError, RQPError
+from rqp.protocol.constants import UINT64_MAX
+from rqp.protocol.errors import RecordError, RQPError
 
 __all__ = [
     "APPEND_BODY",

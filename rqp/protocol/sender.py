@@ -30,12 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
-from .errors import LocalProtocolError, RemoteProtocolError
-from .events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
-from .frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
-from .receiver_core import queue_key_problem
-from .records import ReasonCode
+from rqp.protocol.constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
+from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
+from rqp.protocol.events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
+from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
+from rqp.protocol.keys import queue_key_problem
+from rqp.protocol.reasons import ReasonCode
 
 __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from rqp.protocol.errors import RQPError
+
 __all__ = ["default_socket", "serve_control", "request", "Metric", "render", "serve_metrics",
            "ControlError"]
 
 MAX_REQUEST = 64 * 1024
 
 
-class ControlError(Exception):
+class ControlError(RQPError):
     """The agent could not be asked (not running, no permission, bad answer)."""
 
 

@@ -1,6 +1,6 @@
 """Local System V message queues, through ``sysv_ipc`` (the I/O adapter of the project).
 
-Every ``sysv_ipc`` exception is mapped to an :mod:`rqp.errors` class whose message names the
+Every ``sysv_ipc`` exception is mapped to an :mod:`rqp.protocol.errors` class whose message names the
 queue key in hex (``queue 0x52510001``). Facts this module relies on (found by experiment with
 sysv_ipc 1.2.0 on Linux):
 
@@ -41,15 +41,16 @@ from typing import Callable, Iterator, TypeVar
 
 import sysv_ipc
 
-from rqp.constants import DEFAULT_MTYPE, IPC_PRIVATE, KEY_T_MAX
-from rqp.errors import (
+from rqp.protocol.constants import DEFAULT_MTYPE, KEY_T_MAX
+from rqp.protocol.errors import (
     MessageTooBig,
     QueueError,
     QueueFull,
     QueueNotFound,
     QueuePermissionDenied,
 )
-from rqp.records import TRANSMISSION_HEADER_SIZE
+from rqp.protocol.keys import queue_key_problem
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 
 __all__ = [
     "Access",
@@ -110,13 +111,9 @@ def check_key(key: int) -> int:
     """Return ``key`` if it can name a queue, else raise :class:`InvalidQueueKey`."""
     if isinstance(key, bool) or not isinstance(key, int):
         raise InvalidQueueKey(f"queue key must be an int, got {key!r}")
-    if key == IPC_PRIVATE:
-        raise InvalidQueueKey("queue key 0 is IPC_PRIVATE, which names no queue", queue_key=key)
-    if not 0 < key <= KEY_T_MAX:
-        raise InvalidQueueKey(
-            f"queue key {format_key(key) if key >= 0 else key} is outside 1..0x{KEY_T_MAX:08x}",
-            queue_key=key,
-        )
+    problem = queue_key_problem(key)
+    if problem:
+        raise InvalidQueueKey(problem, queue_key=key)
     return key
 
 
@@ -171,7 +168,7 @@ def _is_eintr(exc: BaseException) -> bool:
 
 
 def _map_error(exc: BaseException, key: int, doing: str) -> QueueError:
-    """A sysv_ipc / OS error as an rqp.errors exception naming the queue."""
+    """A sysv_ipc / OS error as an rqp.protocol.errors exception naming the queue."""
     name = f"queue {format_key(key)}"
     if isinstance(exc, sysv_ipc.ExistentialError):
         return QueueNotFound(f"{name} does not exist (or was removed) while {doing}", queue_key=key)

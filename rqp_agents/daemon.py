@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from rqp import RQPError
-from rqp.control import serve_control, serve_metrics
-from rqp.service import notify, watchdog_interval
+from rqp.system.control import serve_control, serve_metrics
+from rqp.system.service import notify, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
 #: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.

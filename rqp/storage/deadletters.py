@@ -1,0 +1,113 @@
+"""The one way a dead letter is written, by any agent or tool.
+
+A :class:`~rqp.protocol.records.DeadLetterRecord` is made to fit one System V message
+(:func:`fit_dead_letter`: the payload cut, the whole of it spilled to a file first) and put on
+``DEAD.LETTER.Q`` by a :class:`DeadLetterWriter`, which creates the queue again if it was
+removed, says when it is full (the caller decides how to wait: the sending MCA keeps a backlog,
+the receiving MCA retries for a bounded time) and counts what it wrote by reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from rqp.protocol.errors import MessageTooBig
+from rqp.protocol.reasons import reason_name
+from rqp.protocol.records import DeadLetterFlags, DeadLetterRecord
+from rqp.system.files import write_file_atomically
+from rqp.system.queues import LocalQueue, QueueFull, QueueNotFound, format_key, kernel_limits
+
+__all__ = ["DeadLetterWriter", "fit_dead_letter"]
+
+log = logging.getLogger("rqp.deadletters")
+
+
+class DeadLetterWriter:
+    """Puts dead-letter records on the dead-letter queue ``queue_key``.
+
+    ``spill_dir`` receives the full payload of a record too big for one System V message
+    (created when first needed). :attr:`by_reason` counts the records written, by reason name.
+    """
+
+    def __init__(self, queue_key: int, spill_dir: str | os.PathLike, *,
+                 msgmax: int | None = None):
+        self.queue_key = queue_key
+        self.spill_dir = Path(spill_dir)
+        self.msgmax = msgmax if msgmax is not None else kernel_limits().msgmax
+        self.queue = LocalQueue.create(queue_key)
+        self.by_reason: collections.Counter[str] = collections.Counter()
+
+    @property
+    def written(self) -> int:
+        return sum(self.by_reason.values())
+
+    def encode(self, record: DeadLetterRecord) -> bytes:
+        """The record's bytes, fitted to one System V message (spilling the payload if need
+        be). Raises OSError if the spill file cannot be written, MessageTooBig if even the
+        header does not fit."""
+        if record.encoded_size() > self.msgmax:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            record = fit_dead_letter(record, self.msgmax, self.spill_dir)
+        return record.to_bytes()
+
+    def try_put(self, data: bytes) -> bool:
+        """Put one encoded record without waiting: True once it is on the queue, False if the
+        queue is full now. A removed queue is created again (and said so in the log)."""
+        while True:
+            try:
+                self.queue.put(data, block=False)
+            except QueueFull:
+                return False
+            except QueueNotFound:
+                log.error("DEAD.LETTER.Q %s was removed: creating it again",
+                          format_key(self.queue_key))
+                self.queue = LocalQueue.create(self.queue_key)
+                continue
+            self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
+            return True
+
+
+def fit_dead_letter(record: DeadLetterRecord, limit: int,
+                    spill_dir: str | os.PathLike | None = None) -> DeadLetterRecord:
+    """Make ``record`` fit in ``limit`` bytes (one System V message: pass the kernel's msgmax).
+
+    If it already fits it is returned unchanged. Otherwise the payload is cut so that the
+    encoded record is exactly ``limit`` bytes and TRUNCATED is set; ``original_length`` keeps
+    the full length. With ``spill_dir``, the FULL payload is first written to
+    ``spill_dir/dl-{timestamp_ns}-{message_key:016x}-{random hex}.payload`` atomically (a temp
+    file in the same directory, fsynced, renamed into place, directory fsynced) and the path is
+    recorded in ``spill_path``. A record that already has a ``spill_path`` is not spilled again.
+
+    Raises :class:`MessageTooBig` if even the record without payload is bigger than ``limit``
+    (nothing is written then), and ``OSError`` if the spill file cannot be written.
+    """
+    size = record.encoded_size()
+    if size <= limit:
+        return record
+    spill_path = record.spill_path
+    if spill_dir is not None and not spill_path:
+        name = f"dl-{record.timestamp_ns}-{record.message_key:016x}-{secrets.token_hex(8)}.payload"
+        spill_path = os.path.join(os.path.abspath(os.fspath(spill_dir)), name)
+    header_size = dataclasses.replace(record, payload=b"", spill_path=spill_path).encoded_size()
+    if header_size > limit:
+        raise MessageTooBig(
+            f"dead-letter record header is {header_size} bytes, over the limit of {limit} "
+            f"bytes even without payload (shorten detail or host names)",
+            size=header_size, limit=limit,
+        )
+    if spill_path != record.spill_path:
+        write_file_atomically(spill_path, record.payload, mode=0o600)
+    return dataclasses.replace(
+        record,
+        payload=record.payload[: limit - header_size],
+        flags=record.flags | DeadLetterFlags.TRUNCATED,
+        original_length=max(record.original_length, len(record.payload)),
+        spill_path=spill_path,
+    )
+
+
