@@ -68,6 +68,7 @@ __all__ = [
     "default_state_dir",
     "find_rqprc",
     "load_receiver_config",
+    "load_optional_rqprc",
     "load_sender_config",
     "parse_duration",
     "parse_host",
@@ -1002,3 +1003,15 @@ def load_receiver_config(
         raise ConfigError(f"{file}: {problem}", path=str(file))
     data, lines = _read_yaml(file)
     return _receiver(data, str(file), lines, env, home)
+
+
+def load_optional_rqprc(path: str | os.PathLike | None = None):
+    """The ``.rqprc`` given (it must exist and be valid) or found as :func:`find_rqprc`
+    finds it; None when none is given, ``$RQPRC`` is not set and none is in the usual places.
+    The archive tools need one only for queue names and the sending path."""
+    if not path and not os.environ.get("RQPRC"):
+        try:
+            path = find_rqprc()
+        except ConfigError:
+            return None
+    return load_sender_config(path)

@@ -46,11 +46,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rqp.cli import add_log_level, positive_int, positive_seconds
-from rqp.config import QUEUE_NAME_RE, SenderConfig, parse_queue_key
+from rqp.config import QUEUE_NAME_RE, SenderConfig, load_optional_rqprc, parse_queue_key
 from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
 from rqp.storage.archive import (
-    ArchiveError, ArchiveWriter, DrainState, archived_ids, load_optional_rqprc, lock_file,
+    ArchiveError, ArchiveWriter, DrainState, archived_ids, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key

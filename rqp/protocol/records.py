@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import socket
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -421,7 +421,7 @@ class DeadLetterRecord:
         if self.original_length is None:
             setf("original_length", len(self.payload))
         if self.host is None:
-            setf("host", socket.gethostname())
+            setf("host", os.uname().nodename)  # what gethostname() returns
         _check_uint("reason", self.reason, _UINT16_MAX)
         _check_uint("message_type", self.message_type, _UINT8_MAX)
         _check_uint("flags", self.flags, _UINT16_MAX)

@@ -121,7 +121,6 @@ __all__ = [
     "archive_files",
     "archived_ids",
     "iso_utc",
-    "load_optional_rqprc",
     "lock_file",
     "payload_preview",
     "read_archive",
@@ -537,18 +536,3 @@ def lock_file(path: str | os.PathLike, what: str):
         yield
     finally:
         os.close(fd)
-
-
-def load_optional_rqprc(path: str | os.PathLike | None = None):
-    """The ``.rqprc`` given (it must exist and be valid) or found as :func:`rqp.config.find_rqprc`
-    finds it; None when none is given, ``$RQPRC`` is not set and none is in the usual places.
-    The archive tools need one only for queue names and the sending path."""
-    from rqp.config import find_rqprc, load_sender_config
-    from rqp.protocol.errors import ConfigError
-
-    if not path and not os.environ.get("RQPRC"):
-        try:
-            path = find_rqprc()
-        except ConfigError:
-            return None
-    return load_sender_config(path)

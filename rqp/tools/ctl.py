@@ -22,7 +22,8 @@ from pathlib import Path
 
 from rqp.cli import count, number
 from rqp.protocol.errors import ConfigError, RQPError
-from rqp.storage.archive import ArchiveError, archive_files, load_optional_rqprc, read_archive_file
+from rqp.config import load_optional_rqprc
+from rqp.storage.archive import ArchiveError, archive_files, read_archive_file
 from rqp.system.control import ControlError
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
