@@ -28,7 +28,7 @@ from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
 from rqp.system.service import Doorbell, sender_serving, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
-           "ensure_sender", "HandleError", "AgentStartError", "QueueEmpty"]
+           "ensure_sender", "Producer", "HandleError", "AgentStartError", "QueueEmpty"]
 
 #: How long openConnection waits for a sending MCA it started to take its queue.
 START_TIMEOUT = 15.0
@@ -42,13 +42,57 @@ class AgentStartError(RQPError):
     """No sending MCA serves the transmission queue and none could be started."""
 
 
-@dataclass
+class Producer:
+    """Puts transmission records on one transmission queue and wakes its sending MCA: what
+    :func:`sendMessage` does for an application's handle, and ``rqpctl dlq replay`` for the
+    records it puts back. The queue is created if missing, so that producers can go on putting
+    while the sending MCA restarts."""
+
+    def __init__(self, config: SenderConfig) -> None:
+        self.config = config
+        self.transmission_queue = LocalQueue.create(config.transmission_queue)
+        self.doorbell = Doorbell(config.transmission_queue)
+        #: The largest payload: kernel msgmax minus the transmission header.
+        self.limit = max_payload()
+
+    def put(self, record: TransmissionRecord, *, timeout: float | None = None,
+            sync: bool = False, sync_timeout: float = 30.0) -> None:
+        """Put ``record`` (waiting up to ``timeout`` for room, None: as long as it takes) and
+        ring the doorbell; with ``sync``, wait until the sending MCA has journaled it."""
+        raw = record.to_bytes()
+        self.transmission_queue.put(raw, block=True, timeout=timeout)
+        self.doorbell.ring()
+        if sync:
+            self.wait_taken(raw, sync_timeout)
+
+    def wait_taken(self, raw: bytes, timeout: float) -> None:
+        """Wait until ``raw`` has left the transmission queue (see sendMessage's sync)."""
+        queue = self.transmission_queue
+        deadline = time.monotonic() + timeout
+        wait = 0.0005
+        while True:
+            index, found = 0, False
+            while (item := queue.peek(index)) is not None:  # FIFO: ours is at or before the end
+                if item[0] == raw:
+                    found = True
+                    break
+                index += 1
+            if not found:
+                return
+            if time.monotonic() > deadline:
+                raise RQPError(
+                    f"sync: the sending MCA has not journaled the message within {timeout:g}s; "
+                    f"it is still in transmission queue "
+                    f"{format_key(self.config.transmission_queue)} at position {index} (is a "
+                    "sending MCA running?)")
+            time.sleep(wait)  # waiting on another process, with a deadline
+            wait = min(wait * 2, 0.01)
+
+
+@dataclass(frozen=True)
 class _Connection:
     queue_key: int
-    config: SenderConfig
-    transmission_queue: LocalQueue
-    limit: int
-    doorbell: Doorbell
+    producer: Producer
 
 
 _lock = threading.Lock()
@@ -72,7 +116,7 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None) -> bool:
         state_dir = Path(config.state_dir)
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
-            log_path = state_dir / f"sender-{xmit:08x}.log"
+            log_path = config.log_path
             log_file = open(log_path, "ab")
         except OSError as exc:
             raise AgentStartError(f"cannot start a sending MCA: state_dir {state_dir}: "
@@ -121,13 +165,10 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     queue_key = config.resolve_queue(queue)
     if start_sender:
         ensure_sender(config, path.resolve())
-    # Created if missing, so that applications can go on putting while the sending MCA
-    # restarts (systemd) or has not been started (start_sender=False).
-    xmit = LocalQueue.create(config.transmission_queue)
+    producer = Producer(config)
     with _lock:
         handle = next(_next_handle)
-        _handles[handle] = _Connection(queue_key, config, xmit, max_payload(),
-                                       Doorbell(config.transmission_queue))
+        _handles[handle] = _Connection(queue_key, producer)
     return handle
 
 
@@ -160,44 +201,19 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    if len(data) > conn.limit:
+    limit = conn.producer.limit
+    if len(data) > limit:
         raise MessageTooBig(
-            f"message of {len(data)} bytes is over the {conn.limit}-byte limit of one System V "
-            f"message (kernel msgmax {conn.limit + TRANSMISSION_HEADER_SIZE} minus the "
+            f"message of {len(data)} bytes is over the {limit}-byte limit of one System V "
+            f"message (kernel msgmax {limit + TRANSMISSION_HEADER_SIZE} minus the "
             f"{TRANSMISSION_HEADER_SIZE}-byte transmission header); "
             "split it, or raise kernel.msgmax on every host (see the README)",
-            size=len(data), limit=conn.limit)
+            size=len(data), limit=limit)
     record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
                                 payload=bytes(data), producer_pid=os.getpid(),
                                 sequence=next(_sequence), enqueued_ns=time.time_ns())
-    raw = record.to_bytes()
-    conn.transmission_queue.put(raw, block=True, timeout=timeout)
-    conn.doorbell.ring()
-    if sync:
-        _wait_taken(conn, raw, 30.0 if timeout is None else timeout)
-
-
-def _wait_taken(conn: _Connection, raw: bytes, timeout: float) -> None:
-    """Wait until ``raw`` has left the transmission queue (see sendMessage's sync)."""
-    queue = conn.transmission_queue
-    deadline = time.monotonic() + timeout
-    wait = 0.0005
-    while True:
-        index, found = 0, False
-        while (item := queue.peek(index)) is not None:  # FIFO: ours is at or before the end
-            if item[0] == raw:
-                found = True
-                break
-            index += 1
-        if not found:
-            return
-        if time.monotonic() > deadline:
-            raise RQPError(
-                f"sync: the sending MCA has not journaled the message within {timeout:g}s; it "
-                f"is still in transmission queue {format_key(conn.config.transmission_queue)} "
-                f"at position {index} (is a sending MCA running?)")
-        time.sleep(wait)  # waiting on another process, with a deadline
-        wait = min(wait * 2, 0.01)
+    conn.producer.put(record, timeout=timeout, sync=sync,
+                      sync_timeout=30.0 if timeout is None else timeout)
 
 
 def closeConnection(handle: int) -> None:

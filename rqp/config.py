@@ -30,9 +30,20 @@ import yaml
 
 from rqp.protocol.constants import (
     DEAD_LETTER_QUEUE_NAME,
+    DEFAULT_ASK_TIMEOUT,
+    DEFAULT_CONFIRM_TIMEOUT,
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_DEAD_LETTER_QUEUE,
+    DEFAULT_DEDUP_WINDOW_AGE,
+    DEFAULT_DEDUP_WINDOW_KEYS,
+    DEFAULT_LISTEN_HOST,
     DEFAULT_PORT,
+    DEFAULT_PUT_RETRY_COUNT,
+    DEFAULT_PUT_RETRY_INTERVAL,
+    DEFAULT_RETRY_BACKOFF_INITIAL,
+    DEFAULT_RETRY_BACKOFF_MAX,
     DEFAULT_TRANSMISSION_QUEUE,
+    DEFAULT_WINDOW,
     ERROR_LIMIT,
     HARD_MESSAGE_CAP,
     IPC_PRIVATE,
@@ -68,7 +79,10 @@ __all__ = [
     "default_state_dir",
     "find_rqprc",
     "load_receiver_config",
+    "did_you_mean",
     "load_optional_rqprc",
+    "read_yaml",
+    "show_value",
     "load_sender_config",
     "parse_duration",
     "parse_host",
@@ -82,19 +96,9 @@ T = TypeVar("T")
 _PathArg = str | os.PathLike[str] | None
 Env = Mapping[str, str] | None
 
-# Documented defaults that constants.py does not hold.
-DEFAULT_ASK_TIMEOUT = 2.0
-DEFAULT_CONFIRM_TIMEOUT = 15.0
-DEFAULT_CONNECT_TIMEOUT = 2.0
-DEFAULT_RETRY_BACKOFF_INITIAL = 0.5
-DEFAULT_RETRY_BACKOFF_MAX = 30.0
-DEFAULT_WINDOW = 64
+# The documented defaults live in one table, rqp.protocol.constants (the sender core's
+# Settings reads the same names); tests/test_config.py checks the example files against it.
 MAX_WINDOW = 65536
-DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default
-DEFAULT_PUT_RETRY_INTERVAL = 1.0  # IBM MQ's MRTMR default
-DEFAULT_DEDUP_WINDOW_KEYS = 1_000_000
-DEFAULT_DEDUP_WINDOW_AGE = 24 * 3600.0
-DEFAULT_LISTEN_HOST = "0.0.0.0"
 #: Longest accepted duration. Far longer values overflow the C timeouts of sockets and selectors.
 MAX_DURATION = 365 * 24 * 3600.0
 
@@ -165,12 +169,12 @@ class BadValueError(ConfigError, ValueError):
     def __init__(self, value: object, expected: str):
         if isinstance(value, bool):
             expected += _BOOL_NOTE
-        super().__init__(f"bad value {_show(value)}: {expected}")
+        super().__init__(f"bad value {show_value(value)}: {expected}")
         self.value = value
         self.expected = expected
 
 
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
     """The value as the user wrote it (near enough), quoted and cut to a readable length."""
     if isinstance(value, bool):
         text = "true" if value else "false"
@@ -185,7 +189,8 @@ def _show(value: object) -> str:
     return repr(text)
 
 
-def _did_you_mean(word: object, choices: Iterable[str]) -> str:
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, else empty: for error messages."""
     folded = {choice.casefold(): choice for choice in choices}
     close = difflib.get_close_matches(str(word).casefold(), folded, n=1)
     return f" (did you mean {folded[close[0]]!r}?)" if close else ""
@@ -240,7 +245,7 @@ def _resolve_queue(config, name_or_key: object) -> int:
         return parse_queue_key(name_or_key, {**config.queues, **config.builtin_queues})
     except BadValueError as exc:
         where = config.source or "the configuration"
-        raise ConfigError(f"{where}: unknown queue {_show(name_or_key)}: {exc.expected}") \
+        raise ConfigError(f"{where}: unknown queue {show_value(name_or_key)}: {exc.expected}") \
             from None
 
 
@@ -267,7 +272,7 @@ def parse_queue_key(value: object, names: Mapping[str, int] | None = None) -> in
             raise BadValueError(
                 value,
                 "expected a queue key or a queue name defined under 'queues'"
-                f"{_did_you_mean(text, known)}; known names: {listed}",
+                f"{did_you_mean(text, known)}; known names: {listed}",
             )
         match = _KEY_RE.fullmatch(text) if len(text) <= 40 else None
         if match is None:
@@ -544,6 +549,18 @@ class SenderConfig:
         """The first name configured for ``key``, else its built-in name, else None."""
         return _queue_name(self.queues, self.builtin_queues, key)
 
+    @property
+    def agent_name(self) -> str:
+        """The name of the sending MCA that serves this transmission queue,
+        ``sender-52510000``: its journal, key, pid, log and control socket files are named
+        after it (one MCA per transmission queue)."""
+        return f"sender-{self.transmission_queue:08x}"
+
+    @property
+    def log_path(self) -> Path:
+        """Where a sending MCA started by openConnection() or rqpctl writes its log."""
+        return Path(self.state_dir) / f"{self.agent_name}.log"
+
 
 @dataclasses.dataclass(frozen=True)
 class ReceiverConfig:
@@ -636,7 +653,7 @@ class _Fields:
         self.env = env
         self.home = home
         if not isinstance(data, Mapping):
-            found = "a list" if isinstance(data, list) else f"the value {_show(data)}"
+            found = "a list" if isinstance(data, list) else f"the value {show_value(data)}"
             self.fail(None, f"expected a mapping of keys to values at the top level, found {found}")
         self.data: Mapping[object, object] = data
 
@@ -675,7 +692,7 @@ class _Fields:
         for key in mapping:
             if key in known:
                 continue
-            hint = _did_you_mean(key, known)
+            hint = did_you_mean(key, known)
             if not hint and key in elsewhere[0]:
                 hint = f" (it belongs in {elsewhere[1]})"
             path = f"{prefix}{key}"
@@ -922,7 +939,9 @@ def _node_lines(node: yaml.Node | None, file: str) -> dict[str, int]:
 _BRACKETED_IPV6_RE = re.compile(r"\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\]")
 
 
-def _read_yaml(path: Path) -> tuple[object, dict[str, int]]:
+def read_yaml(path: Path) -> tuple[object, dict[str, int]]:
+    """The one YAML loader of the project: ``(data, line of each key path)``, or a ConfigError
+    that names the file, the line and the column (and says to quote bracketed IPv6)."""
     file = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -984,7 +1003,7 @@ def load_sender_config(
 ) -> SenderConfig:
     """Find (see :func:`find_rqprc`), read and validate the ``.rqprc``."""
     found = find_rqprc(path, env=env, cwd=cwd, home=home)
-    data, lines = _read_yaml(found)
+    data, lines = read_yaml(found)
     return _sender(data, str(found), lines, env, home)
 
 
@@ -1001,7 +1020,7 @@ def load_receiver_config(
     if not file.is_file():
         problem = "is not a file" if file.exists() else "no such file"
         raise ConfigError(f"{file}: {problem}", path=str(file))
-    data, lines = _read_yaml(file)
+    data, lines = read_yaml(file)
     return _receiver(data, str(file), lines, env, home)
 
 

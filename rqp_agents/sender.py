@@ -130,7 +130,7 @@ class Sender(Daemon):
                                              self.state_dir / "spill", msgmax=self.msgmax)
         self.transmission_queue = LocalQueue.create(config.transmission_queue)
         self.lock = ServingLock(config.transmission_queue)
-        self.name = f"sender-{config.transmission_queue:08x}"
+        self.name = config.agent_name
         self.keys = KeySource(self.state_dir, self.name)
         self.pid_file = self.state_dir / f"{self.name}.pid"
         write_file_atomically(self.pid_file, f"{os.getpid()}\n".encode())

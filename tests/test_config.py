@@ -736,3 +736,69 @@ def test_queue_keys_in_any_base(key: int) -> None:
     assert parse_queue_key(str(key)) == expected
     assert parse_queue_key(f"{sign}{abs(key):#x}") == expected
     assert parse_queue_key(f"{sign}0{abs(key):o}") == expected
+
+
+# --------------------------------------------------------------------------------------------
+# One defaults table (rqp.protocol.constants): config, the sender core's Settings, the README
+# and the example files agree.
+
+
+def _differing(loaded, default) -> set[str]:
+    return {f.name for f in dataclasses.fields(default)
+            if getattr(loaded, f.name) != getattr(default, f.name)}
+
+
+def test_the_example_files_show_the_defaults():
+    """config/*.example.yaml say "the values shown here are the defaults unless the comment
+    says otherwise": only these keys are set to something else, as examples."""
+    root = Path(__file__).resolve().parent.parent / "config"
+    sender = config.load_sender_config(root / "rqprc.example.yaml")
+    assert _differing(sender, config.SenderConfig(hosts=())) - {"state_dir"} == {
+        "hosts", "queues", "retry_max_attempts", "retry_max_age", "control_socket",
+        "metrics_listen", "source"}
+    receiver = config.load_receiver_config(root / "receiver.example.yaml")
+    assert _differing(receiver, config.ReceiverConfig()) - {"state_dir"} == {
+        "max_message_size", "queues", "offer_allow", "offer_deny", "host_name",
+        "control_socket", "metrics_listen", "source"}
+
+
+def test_the_sender_core_settings_default_to_the_config_defaults():
+    from rqp.protocol.sender import Settings
+
+    assert Settings(hosts=()) == Settings.from_config(config.SenderConfig(hosts=()))
+
+
+def test_the_readme_tables_show_the_defaults():
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    defaults = {**{f.name: getattr(config.ReceiverConfig(), f.name)
+                   for f in dataclasses.fields(config.ReceiverConfig)},
+                **{f.name: getattr(config.SenderConfig(hosts=()), f.name)
+                   for f in dataclasses.fields(config.SenderConfig)}}
+    checked = set()
+    for keys, shown in re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| ([^|]+) \|", readme, re.M):
+        names = re.findall(r"`(\w+)`", keys)
+        values = [v.strip() for v in shown.split(", ")] if len(names) > 1 else [shown.strip()]
+        for name, value in zip(names, values):
+            value = value.split(" (")[0].replace(",", "").strip("`")
+            if name in ("ask_timeout", "confirm_timeout", "connect_timeout",
+                        "retry_backoff_initial", "retry_backoff_max", "put_retry_interval",
+                        "dedup_window_age"):
+                parsed = config.parse_duration(value.replace(" ", ""))
+            elif name in ("transmission_queue", "dead_letter_queue"):
+                parsed = config.parse_queue_key(value)
+            elif name in ("port", "window", "error_limit", "put_retry_count",
+                          "dedup_window_keys"):
+                parsed = int(value)
+            elif name == "listen":
+                parsed = config.parse_host(value)
+            else:
+                continue
+            assert parsed == defaults[name], (name, value)
+            checked.add(name)
+    assert checked == {"port", "transmission_queue", "dead_letter_queue", "ask_timeout",
+                       "confirm_timeout", "connect_timeout", "error_limit",
+                       "retry_backoff_initial", "retry_backoff_max", "window", "listen",
+                       "put_retry_count", "put_retry_interval", "dedup_window_keys",
+                       "dedup_window_age"}

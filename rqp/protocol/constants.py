@@ -43,12 +43,24 @@ IPC_PRIVATE = 0
 # the connection that carries it is closed at once.
 HARD_MESSAGE_CAP = (1 << 31) - 1
 
-# Defaults, documented in the README (Configuration).
+# The documented defaults (README, Configuration; the example files in config/): the one table.
+# rqp.config's loaders and the sender core's Settings both read these names.
 DEFAULT_PORT = 7460
 DEFAULT_TRANSMISSION_QUEUE = 0x52510000  # "RQ" 0000
 DEFAULT_DEAD_LETTER_QUEUE = 0x5251DEAD  # "RQ" DEAD
 DEAD_LETTER_QUEUE_NAME = "DEAD.LETTER.Q"
 TRANSMISSION_QUEUE_NAME = "RQP.XMIT.Q"
+DEFAULT_ASK_TIMEOUT = 2.0
+DEFAULT_CONFIRM_TIMEOUT = 15.0
+DEFAULT_CONNECT_TIMEOUT = 2.0
+DEFAULT_RETRY_BACKOFF_INITIAL = 0.5
+DEFAULT_RETRY_BACKOFF_MAX = 30.0
+DEFAULT_WINDOW = 64
+DEFAULT_LISTEN_HOST = "0.0.0.0"
+DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default
+DEFAULT_PUT_RETRY_INTERVAL = 1.0  # IBM MQ's MRTMR default
+DEFAULT_DEDUP_WINDOW_KEYS = 1_000_000
+DEFAULT_DEDUP_WINDOW_AGE = 24 * 3600.0
 
 # System V message type (mtype) used for every message the project puts on any queue:
 # destination queues, the transmission queue and DEAD.LETTER.Q.

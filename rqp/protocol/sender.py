@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rqp.protocol import constants as C
 from rqp.protocol.constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
@@ -109,12 +110,12 @@ class Settings:
     """What the core needs of ``.rqprc`` (see :class:`rqp.config.SenderConfig`)."""
 
     hosts: tuple  # of HostAddress (anything hashable with a str())
-    ask_timeout: float = 2.0
-    confirm_timeout: float = 15.0
+    ask_timeout: float = C.DEFAULT_ASK_TIMEOUT
+    confirm_timeout: float = C.DEFAULT_CONFIRM_TIMEOUT
     error_limit: int = ERROR_LIMIT
-    window: int = 64
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
+    window: int = C.DEFAULT_WINDOW
+    backoff_initial: float = C.DEFAULT_RETRY_BACKOFF_INITIAL
+    backoff_max: float = C.DEFAULT_RETRY_BACKOFF_MAX
     #: SURE retry budget; None = retry forever (the spec's rule).
     max_attempts: int | None = None
     max_age: float | None = None

@@ -35,7 +35,7 @@ def _candidates(configured: str | None, runtime: str, state_dir: str, name: str)
 
 def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
     config = load_sender_config(find_rqprc(rqprc))
-    name = f"sender-{config.transmission_queue:08x}"
+    name = config.agent_name
     return name, _candidates(config.control_socket, "/run/rqp/sender/control.sock",
                              config.state_dir, name)
 
@@ -182,7 +182,7 @@ def send(args) -> int:
     started = not args.no_start and ensure_sender(config, path.resolve())
     if started:
         print(f"started a sending MCA (pid {serving_pid(xmit)}) for transmission queue "
-              f"{format_key(xmit)}; its log: {Path(config.state_dir) / f'sender-{xmit:08x}.log'}")
+              f"{format_key(xmit)}; its log: {config.log_path}")
     handle = rqp.openConnection(queue_key, rqprc=path, start_sender=False)
     data = args.message.encode() if args.message is not None else sys.stdin.buffer.read()
     kind = rqp.UNSURE_MSG if args.unsure else rqp.SURE_MSG

@@ -66,7 +66,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from rqp import api
-from rqp.config import QUEUE_NAME_RE, SenderConfig, _did_you_mean, _read_yaml, _show, parse_queue_key
+from rqp.config import (
+    QUEUE_NAME_RE, SenderConfig, did_you_mean, parse_queue_key, read_yaml, show_value,
+)
 from rqp.protocol import reasons
 from rqp.protocol.constants import SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
@@ -75,8 +77,7 @@ from rqp.storage.archive import (
     MALFORMED, ArchiveError, all_drain_states, archive_files, lock_file, read_archive_file,
     rewrite_archive_file, row_payload,
 )
-from rqp.system.queues import LocalQueue, format_key, max_payload
-from rqp.system.service import Doorbell
+from rqp.system.queues import format_key
 
 __all__ = [
     "ACTIONS", "RULE_KEYS", "Decision", "ReplayRefused", "Replayer", "Rule", "TokenBucket",
@@ -117,7 +118,7 @@ def parse_age(value: object) -> float:
     elif isinstance(value, str) and (m := _AGE_RE.fullmatch(value.strip())):
         seconds = float(m["num"]) * _AGE_UNITS[m["unit"]]
     if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"bad value {_show(value)}: {_AGE_EXPECTED}")
+        raise ValueError(f"bad value {show_value(value)}: {_AGE_EXPECTED}")
     return seconds
 
 
@@ -180,7 +181,7 @@ class _Checker:
         known = tuple(known)
         for key in mapping:
             if key not in known:
-                hint = _did_you_mean(key, known)
+                hint = did_you_mean(key, known)
                 line_path = f"{path}.{key}" if path else str(key)
                 line = self.lines.get(line_path)
                 where = f" (line {line})" if line else ""
@@ -207,7 +208,7 @@ def rules_from_data(data: object, *, source: str = "<rules>", config: SenderConf
     if raw_rules is None:
         raw_rules = []
     if not isinstance(raw_rules, list):
-        check.fail("rules", f"bad value {_show(raw_rules)}: expected a list of rules")
+        check.fail("rules", f"bad value {show_value(raw_rules)}: expected a list of rules")
     names = {**config.queues, **config.builtin_queues} if config is not None else None
     rules = []
     for index, raw in enumerate(raw_rules):
@@ -218,14 +219,14 @@ def rules_from_data(data: object, *, source: str = "<rules>", config: SenderConf
 def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | None) -> Rule:
     path = f"rules[{index}]"
     if not isinstance(raw, Mapping):
-        check.fail(path, f"bad value {_show(raw)}: expected a mapping with an 'action' and "
+        check.fail(path, f"bad value {show_value(raw)}: expected a mapping with an 'action' and "
                    "optional patterns (" + ", ".join(k for k in RULE_KEYS if k != "action") + ")")
     check.unknown_keys(path, raw, RULE_KEYS)
 
     def bad(key: str, value: object, expected: str):
         line = check.lines.get(f"{path}.{key}")
         where = f" (line {line})" if line else ""
-        raise ConfigError(f"{check.file}: {path}: key {key!r}: bad value {_show(value)}: "
+        raise ConfigError(f"{check.file}: {path}: key {key!r}: bad value {show_value(value)}: "
                           f"{expected}{where}", path=check.file, key=f"{path}.{key}")
 
     action = raw.get("action")
@@ -233,7 +234,7 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
         check.fail(path, "key 'action' is required: one of " + ", ".join(ACTIONS))
     if not isinstance(action, str) or action.strip().lower() not in ACTIONS:
         bad("action", action, "expected one of " + ", ".join(ACTIONS)
-            + _did_you_mean(action, ACTIONS))
+            + did_you_mean(action, ACTIONS))
     action = action.strip().lower()
 
     def queue_key(key: str, value: object) -> int:
@@ -259,7 +260,7 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
             if not any(c in pattern for c in "*?[") and pattern not in REASON_NAMES \
                     and not re.fullmatch(r"UNKNOWN_[0-9]+", pattern):
                 bad("reason", value, "expected a reason name: " + ", ".join(REASON_NAMES)
-                    + _did_you_mean(pattern, REASON_NAMES))
+                    + did_you_mean(pattern, REASON_NAMES))
             patterns.append(pattern)
         fields["reasons"] = tuple(patterns)
     if raw.get("queue") is not None:
@@ -270,7 +271,7 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
             text = value.strip().upper() if isinstance(value, str) else value
             if text not in MESSAGE_TYPES:
                 bad("message_type", value, "expected SURE, UNSURE or UNKNOWN"
-                    + _did_you_mean(text, MESSAGE_TYPES))
+                    + did_you_mean(text, MESSAGE_TYPES))
             types.add(text)
         fields["message_types"] = frozenset(types)
     if raw.get("host") is not None:
@@ -289,7 +290,7 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
     if "older_than" in fields and "newer_than" in fields \
             and fields["older_than"] >= fields["newer_than"]:
         bad("newer_than", raw["newer_than"], f"expected more than older_than "
-            f"({_show(raw['older_than'])}): no record is both older than {raw['older_than']} "
+            f"({show_value(raw['older_than'])}): no record is both older than {raw['older_than']} "
             f"and newer than {raw['newer_than']}")
     if action == "forward":
         if raw.get("to") is None:
@@ -308,7 +309,7 @@ def load_rules(path: str | os.PathLike, *, config: SenderConfig | None = None) -
     if not path.is_file():
         raise ConfigError(f"{path}: {'is not a file' if path.exists() else 'no such file'}",
                           path=str(path))
-    data, lines = _read_yaml(path)
+    data, lines = read_yaml(path)
     return rules_from_data(data, source=str(path), config=config, lines=lines)
 
 
@@ -380,12 +381,9 @@ class TransmissionPutter:
                  start_sender: bool = True, timeout: float = DEFAULT_CONFIRM_TIMEOUT) -> None:
         if start_sender:
             api.ensure_sender(config, Path(rqprc).resolve() if rqprc else None)
-        self.config = config
         self.timeout = timeout
-        self.queue = LocalQueue.create(config.transmission_queue)
-        self.doorbell = Doorbell(config.transmission_queue)
-        self.limit = max_payload()
-        self._conn = api._Connection(0, config, self.queue, self.limit, self.doorbell)
+        self.producer = api.Producer(config)
+        self.limit = self.producer.limit
 
     def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0) -> None:
         if len(payload) > self.limit:
@@ -399,14 +397,11 @@ class TransmissionPutter:
             message_type=SURE_MSG, queue_key=queue_key, payload=payload,
             flags=TransmissionFlags.REPLAY_KEY if replay_key else 0, producer_pid=os.getpid(),
             sequence=replay_key, enqueued_ns=time.time_ns())
-        raw = record.to_bytes()
         try:
-            self.queue.put(raw, block=True, timeout=self.timeout)
+            self.producer.put(record, timeout=self.timeout, sync=True,
+                              sync_timeout=self.timeout)
         except QueueFull as exc:
             raise NotConfirmed(f"{exc}: is a sending MCA taking records?") from None
-        self.doorbell.ring()
-        try:
-            api._wait_taken(self._conn, raw, self.timeout)
         except RQPError as exc:
             raise NotConfirmed(str(exc)) from None
 
