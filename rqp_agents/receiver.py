@@ -12,7 +12,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,7 @@ from pathlib import Path
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level, listen_address
 from rqp.config import ReceiverConfig, load_receiver_config, parse_host
-from rqp.protocol.constants import DEFAULT_MTYPE
-from rqp.protocol.errors import (
-    LocalProtocolError, MessageTooBig, QueueError, QueueFull, QueueNotFound,
-)
+from rqp.protocol.errors import LocalProtocolError
 from rqp.protocol.events import OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
@@ -31,10 +27,12 @@ from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.storage.dedup import DedupWindow, window_path
-from rqp.system.control import Metric, default_socket, render
-from rqp.system.queues import LocalQueue, format_key, kernel_limits, list_queues, write_access
+from rqp.system.control import default_socket
+from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging
+from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, run_daemon
+from rqp_agents.delivery import LocalDelivery
 
 log = logging.getLogger("rqp.receiver")
 
@@ -72,12 +70,11 @@ class Receiver(Daemon):
         for problem in self.dedup.problems:
             log.warning("de-duplication window %s: %s", window_path(state), problem)
         self._putting: dict[int, asyncio.Event] = {}  # SURE keys being put right now
-        self._queues: dict[int, LocalQueue] = {}
+        self.delivery = LocalDelivery(config)
         self._noticed: dict[int, None] = {}
         self._connections: set[asyncio.Task] = set()
         self._idle: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
-        self.put_budget = config.put_retry_count * config.put_retry_interval
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
@@ -105,13 +102,19 @@ class Receiver(Daemon):
             task.cancel()
         busy = self._connections - self._idle
         if busy and not self.failed:  # answer what was already received, then close
-            await asyncio.wait(busy, timeout=self.put_budget + 5)
+            await asyncio.wait(busy, timeout=self.delivery.put_budget + 5)
         for task in list(self._connections):
             task.cancel()
         expiry.cancel()
         self.stop_service()
         self.dedup.close()
         log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
+
+    def status(self) -> dict:
+        return telemetry.receiver_status(self)
+
+    def metrics(self) -> str:
+        return telemetry.receiver_metrics(self)
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -126,72 +129,13 @@ class Receiver(Daemon):
         if new.dead_letter_queue != self.config.dead_letter_queue:
             raise RQPError("dead_letter_queue cannot change while running: restart the "
                            "receiving MCA for that")
-        self.config = new
-        self.max_message_size = new.max_message_size or self.msgmax
-        self.put_budget = new.put_retry_count * new.put_retry_interval
-        log.info("reloaded %s", new.source)
-
-    def offered_queues(self) -> list[dict]:
-        out = []
-        for q in list_queues():
-            if q.key == self.config.dead_letter_queue:
-                continue
-            out.append({"queue": format_key(q.key), "queue_key": q.key,
-                        "name": self.config.queue_name(q.key), "depth": q.messages,
-                        "bytes": q.bytes, "mode": f"{q.mode:03o}",
-                        "offered": self.offers(q.key)})
-        return out
-
-    def _dlq_depth(self) -> int | None:
         try:
-            return self.dead_letters.queue.depth
-        except RQPError:
-            return None
-
-    def status(self) -> dict:
-        return {
-            "agent": "receiver", "pid": os.getpid(), "host": self.host,
-            "started_at": self.started, "uptime": time.time() - self.started,
-            "source": self.config.source, "listen": str(self.config.listen),
-            "max_message_size": self.max_message_size,
-            "dead_letter_queue": format_key(self.config.dead_letter_queue),
-            "dead_letter_queue_depth": self._dlq_depth(),
-            "dedup_window_keys": len(self.dedup),
-            "connections": sorted(self._peers.values(), key=lambda p: p["since"]),
-            "queues": self.offered_queues(),
-            "stats": {**self.stats, "dead_letters": self.dead_letters.written},
-            "dead_letters": dict(self.dead_letters.by_reason), "now": time.time(),
-        }
-
-    def metrics(self) -> str:
-        m = {name: Metric(name, kind, text) for name, kind, text in (
-            ("rqp_receiver_messages_total", "counter", "MESSAGE frames, by queue and outcome"),
-            ("rqp_receiver_bytes_total", "counter", "payload bytes put, by queue"),
-            ("rqp_receiver_asks_total", "counter", "QUEUE_ASK frames answered"),
-            ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
-            ("rqp_receiver_connections_total", "counter", "connections accepted"),
-            ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
-            ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
-            ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
-            ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
-            ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
-        for (key, outcome), count in sorted(self.by_queue.items()):
-            m["rqp_receiver_messages_total"].add(count, queue=format_key(key), outcome=outcome)
-        for key, count in sorted(self.bytes_by_queue.items()):
-            m["rqp_receiver_bytes_total"].add(count, queue=format_key(key))
-        m["rqp_receiver_asks_total"].add(self.stats["asks"])
-        m["rqp_receiver_connections"].add(len(self._peers))
-        m["rqp_receiver_connections_total"].add(self.stats["connections"])
-        for reason, count in sorted(self.dead_letters.by_reason.items()):
-            m["rqp_dead_letters_total"].add(count, reason=reason)
-        depth = self._dlq_depth()
-        if depth is not None:
-            m["rqp_dead_letter_queue_depth"].add(depth)
-        for q in self.offered_queues():
-            m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
-            m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
-        m["rqp_up_seconds"].add(round(time.time() - self.started, 3))
-        return render(list(m.values()))
+            self.dedup.resize(new.dedup_window_keys, new.dedup_window_age)
+        except ValueError as exc:
+            raise RQPError(f"dedup_window_keys/dedup_window_age: {exc}") from None
+        self.config = self.delivery.config = new
+        self.max_message_size = new.max_message_size or self.msgmax
+        log.info("reloaded %s", new.source)
 
     async def _expire_dedup(self) -> None:
         while True:
@@ -257,7 +201,7 @@ class Receiver(Daemon):
         if isinstance(request, Ask):
             self.stats["asks"] += 1
             info["asks"] += 1
-            offered = self.offers(request.queue_key)
+            offered = self.delivery.offers(request.queue_key)
             log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
                       "QUEUE_YES" if offered else "QUEUE_NO")
             return conn.answer_ask(request, offered)
@@ -268,7 +212,7 @@ class Receiver(Daemon):
             return conn.answer_put(request, False)
         message = request.message
         if message.message_type != SURE_MSG:
-            reason, detail = await self._put(message)
+            reason, detail = await self.delivery.put(message)
         else:
             key = message.key
             while key in self._putting:  # the same message on another connection, just now
@@ -281,7 +225,7 @@ class Receiver(Daemon):
                 return conn.answer_put(request, True)
             self._putting[key] = done = asyncio.Event()
             try:
-                reason, detail = await self._put(message)
+                reason, detail = await self.delivery.put(message)
                 if reason is None:
                     self.dedup.record(key)  # made durable before the answer is written
             finally:
@@ -297,66 +241,6 @@ class Receiver(Daemon):
         info["dead_letters"] += 1
         self.by_queue[(message.queue_key, "dead_lettered")] += 1
         return conn.answer_put(request, False)
-
-    # --- decisions that need the system -------------------------------------------------------
-
-    def offers(self, queue_key: int) -> bool:
-        """QUEUE_YES exactly when the queue exists, may be written, and the config allows it."""
-        if not self.config.offers(queue_key):
-            return False
-        try:
-            return write_access(queue_key).writable
-        except QueueError as exc:
-            log.warning("queue %s: cannot tell whether it is writable: %s",
-                        format_key(queue_key), exc)
-            return False
-
-    def _queue(self, key: int) -> LocalQueue:
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = LocalQueue.open(key)
-        return queue
-
-    async def _put_retrying(self, attempt, budget: float, what: str) -> None:
-        """Put without blocking the loop: ``attempt()`` puts without waiting and says whether it
-        did; while the queue is full, try again (waits doubling from 5 ms up to
-        ``put_retry_interval``) until ``budget`` seconds have passed, then raise QueueFull."""
-        deadline = None
-        wait = 0.005
-        while not attempt():
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + budget
-                log.info("%s full: retrying for up to %gs", what, budget)
-            if now >= deadline:
-                raise QueueFull(f"{what} is full")
-            await asyncio.sleep(min(wait, deadline - now))
-            wait = min(wait * 2, self.config.put_retry_interval)
-
-    async def _put(self, message) -> tuple[ReasonCode | None, str]:
-        """Put the message in its queue; (None, "") or why not."""
-        key = message.queue_key
-        name = f"queue {format_key(key)}"
-        if not self.config.offers(key):
-            return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
-        for fresh in (key not in self._queues, True):
-            try:
-                await self._put_retrying(_putter(self._queue(key), message.message),
-                                         self.put_budget, f"{name} (key={message.key:#018x})")
-                return None, ""
-            except QueueNotFound as exc:
-                self._queues.pop(key, None)
-                if fresh:  # not a stale handle of a queue removed and created again
-                    return exc.reason, str(exc)
-            except QueueFull as exc:
-                return exc.reason, (
-                    f"{name} still full after {self.put_budget:g}s "
-                    f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)")
-            except (QueueError, MessageTooBig) as exc:  # each error carries its reason
-                if isinstance(exc, QueueError):
-                    self._queues.pop(key, None)
-                return exc.reason, str(exc)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, peer: str) -> None:
         sure = message.message_type == SURE_MSG
@@ -374,8 +258,8 @@ class Receiver(Daemon):
             payload=b"" if header_only else message.message)
         try:
             data = self.dead_letters.encode(record)
-            await self._put_retrying(lambda: self.dead_letters.try_put(data), 1.0,
-                                     "DEAD.LETTER.Q")
+            await self.delivery.retrying(lambda: self.dead_letters.try_put(data), 1.0,
+                                         "DEAD.LETTER.Q")
         except (RQPError, OSError) as exc:
             log.error("DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x "
                       "(queue %s, reason %s): %s -- closing the connection unanswered so the "
@@ -389,18 +273,6 @@ class Receiver(Daemon):
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
                     "SURE" if sure else "UNSURE", peer, detail)
-
-
-def _putter(queue: LocalQueue, data: bytes):
-    """An attempt for :meth:`Receiver._put_retrying`: put ``data`` on ``queue`` now, or say it
-    is full."""
-    def attempt() -> bool:
-        try:
-            queue.put(data, mtype=DEFAULT_MTYPE, block=False)
-        except QueueFull:
-            return False
-        return True
-    return attempt
 
 
 def _peer(peer) -> str:

@@ -60,7 +60,7 @@ def hosts(testbed):
                  id="protocol-callback"),
     pytest.param("rqp.protocol.sender:SenderCore.tick", "the event loop (Exception in callback",
                  False, id="timer"),
-    pytest.param("rqp_agents.sender:Sender._journal_and_take",
+    pytest.param("rqp_agents.intake:Intake._journal_and_take",
                  "the transmission-queue reader thread", True, id="reader-thread"),
 ])
 def test_sender_stops_on_an_unexpected_error_and_its_restart_delivers(

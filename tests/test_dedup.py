@@ -792,3 +792,20 @@ WindowMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestWindowMachine = WindowMachine.TestCase
+
+
+def test_resize_applies_new_limits_at_once(tmp_path):
+    """SIGHUP reload: the receiver gives the window its new limits (it kept the old ones)."""
+    now = [1000.0]
+    window = DedupWindow(tmp_path / "w", max_keys=10, max_age=60, clock=lambda: now[0])
+    for key in range(1, 9):
+        window.record(key)
+    assert window.resize(5, 60) == 3  # the three oldest leave
+    assert [k for k in range(1, 9) if window.seen(k)] == [4, 5, 6, 7, 8]
+    now[0] += 30
+    assert window.resize(5, 20) == 5 and len(window) == 0  # all older than 20 s now
+    with pytest.raises(ValueError, match="needs a restart"):
+        window.resize(0, 20)
+    with pytest.raises(ValueError, match="max_keys"):
+        window.resize(-1, 20)
+    window.close()

@@ -380,6 +380,19 @@ class DedupWindow:
     # ---------------------------------------------------------------------------------------
     # Housekeeping
 
+    def resize(self, max_keys: int, max_age: float) -> int:
+        """New limits (a SIGHUP reload): keys now beyond them leave the window at once (the
+        number is returned). Turning the window on or off needs a restart (ValueError)."""
+        if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 0:
+            raise ValueError(f"max_keys must be an integer >= 0, got {max_keys!r}")
+        if not max_age >= 0:
+            raise ValueError(f"max_age must be >= 0 seconds, got {max_age!r}")
+        age_ms = 1 << 64 if math.isinf(max_age) else round(max_age * 1000)
+        if (max_keys > 0 and age_ms > 0) != self._enabled:
+            raise ValueError("turning the de-duplication window on or off needs a restart")
+        self.max_keys, self.max_age, self._max_age_ms = max_keys, float(max_age), age_ms
+        return self.expire()
+
     def expire(self) -> int:
         """Drop the keys beyond ``max_keys`` and those ``max_age`` old, oldest first.
 

@@ -1,0 +1,104 @@
+"""The receiving MCA's side of the local queues: whether a queue is offered (the config's one
+decision, plus: does it exist and may this process write it) and putting a message there with
+a bounded retry while it is full. An error that stops a put carries its dead-letter reason."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from rqp.config import ReceiverConfig
+from rqp.protocol.constants import DEFAULT_MTYPE
+from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
+from rqp.protocol.reasons import ReasonCode
+from rqp.system.queues import LocalQueue, format_key, write_access
+
+__all__ = ["LocalDelivery"]
+
+log = logging.getLogger("rqp.receiver")
+
+
+class LocalDelivery:
+    """Puts messages in this host's queues for a receiving MCA configured by ``config``
+    (replace :attr:`config` on reload: the retry settings are read at each put)."""
+
+    def __init__(self, config: ReceiverConfig) -> None:
+        self.config = config
+        self._queues: dict[int, LocalQueue] = {}
+
+    @property
+    def put_budget(self) -> float:
+        return self.config.put_retry_count * self.config.put_retry_interval
+
+    def offers(self, queue_key: int) -> bool:
+        """QUEUE_YES exactly when the config offers the queue, and it exists and may be
+        written."""
+        if not self.config.offers(queue_key):
+            return False
+        try:
+            return write_access(queue_key).writable
+        except QueueError as exc:
+            log.warning("queue %s: cannot tell whether it is writable: %s",
+                        format_key(queue_key), exc)
+            return False
+
+    def _queue(self, key: int) -> LocalQueue:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = LocalQueue.open(key)
+        return queue
+
+    async def retrying(self, attempt: Callable[[], bool], budget: float, what: str) -> None:
+        """Put without blocking the loop: ``attempt()`` puts without waiting and says whether it
+        did; while the queue is full, try again (waits doubling from 5 ms up to
+        ``put_retry_interval``) until ``budget`` seconds have passed, then raise QueueFull."""
+        deadline = None
+        wait = 0.005
+        while not attempt():
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + budget
+                log.info("%s full: retrying for up to %gs", what, budget)
+            if now >= deadline:
+                raise QueueFull(f"{what} is full")
+            await asyncio.sleep(min(wait, deadline - now))
+            wait = min(wait * 2, self.config.put_retry_interval)
+
+    async def put(self, message) -> tuple[ReasonCode | None, str]:
+        """Put the message in its queue; (None, "") or why not."""
+        key = message.queue_key
+        name = f"queue {format_key(key)}"
+        if not self.config.offers(key):
+            return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
+        for fresh in (key not in self._queues, True):
+            try:
+                await self.retrying(_putter(self._queue(key), message.message),
+                                    self.put_budget, f"{name} (key={message.key:#018x})")
+                return None, ""
+            except QueueNotFound as exc:
+                self._queues.pop(key, None)
+                if fresh:  # not a stale handle of a queue removed and created again
+                    return exc.reason, str(exc)
+            except QueueFull as exc:
+                return exc.reason, (
+                    f"{name} still full after {self.put_budget:g}s "
+                    f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)")
+            except (QueueError, MessageTooBig) as exc:  # each error carries its reason
+                if isinstance(exc, QueueError):
+                    self._queues.pop(key, None)
+                return exc.reason, str(exc)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _putter(queue: LocalQueue, data: bytes) -> Callable[[], bool]:
+    """An attempt for :meth:`LocalDelivery.retrying`: put ``data`` on ``queue`` now, or say it
+    is full."""
+    def attempt() -> bool:
+        try:
+            queue.put(data, mtype=DEFAULT_MTYPE, block=False)
+        except QueueFull:
+            return False
+        return True
+    return attempt

@@ -1,0 +1,264 @@
+"""The sending MCA's side of its transmission queue: journal first, then take.
+
+A reader thread copies records off the transmission queue (peek, not take), journals the SURE
+ones with one fsync per batch, and only then takes the batch off the queue and hands it to the
+event loop: a kill -9 at any moment loses no SURE record, and what was journaled but not yet
+taken is recognised at the next start (:meth:`Intake.recover`). How many messages may be held
+in memory is bounded (:class:`Budget`); the rest wait in the kernel queue, where, unlike in
+memory, UNSURE ones survive a crash of the sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from rqp.protocol.constants import SURE_MSG
+from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError, RQPError
+from rqp.protocol.keys import queue_key_problem
+from rqp.protocol.records import TransmissionFlags, TransmissionRecord
+from rqp.storage.journal import Journal
+from rqp.system.queues import LocalQueue, format_key
+from rqp.system.service import Doorbell, KeySource
+
+__all__ = ["Budget", "Intake", "Item", "Taken", "budget_size"]
+
+log = logging.getLogger("rqp.sender")
+
+#: Messages held in memory per frame the window lets be in flight, and at least this many.
+HELD_PER_WINDOW_FRAME = 16
+MIN_HELD = 256
+#: Records taken in one go by the reader thread once the first one has arrived.
+READ_BATCH = 256
+#: An idle sending MCA looks at its transmission queue at least this often, for producers
+#: that do not ring the doorbell (C programs writing records themselves).
+IDLE_POLL = 0.05
+
+#: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq]``.
+Item = list
+
+
+def budget_size(window: int, hosts: int) -> int:
+    """How many messages a sending MCA holds in memory for this window and number of hosts."""
+    return max(MIN_HELD, HELD_PER_WINDOW_FRAME * window * hosts)
+
+
+class Taken:
+    """What the core's ``origin`` of a message holds: its record and its journal seq."""
+
+    __slots__ = ("record", "seq")
+
+    def __init__(self, record: TransmissionRecord, seq: int | None) -> None:
+        self.record = record
+        self.seq = seq
+
+
+class Budget:
+    """How many more messages may be held in memory (the rest wait in the kernel queue)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = size
+        self._cond = threading.Condition()
+
+    def take(self, want: int, timeout: float) -> int:
+        with self._cond:
+            if self._free <= 0:
+                self._cond.wait(timeout)
+            got = max(0, min(self._free, want))
+            self._free -= got
+            return got
+
+    def force(self, n: int) -> None:  # replayed messages are held whatever the budget
+        with self._cond:
+            self._free -= n
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self._free += n
+            self._cond.notify()
+
+    def resize(self, size: int) -> None:
+        """A new size (SIGHUP: another window or host list); what is held stays held."""
+        with self._cond:
+            self._free += size - self.size
+            self.size = size
+            self._cond.notify()
+
+
+class Intake:
+    """The transmission queue, the journal of SURE records and the reader thread."""
+
+    def __init__(self, transmission_queue: int, state_dir: Path, name: str, keys: KeySource,
+                 budget: int) -> None:
+        self.key = transmission_queue
+        self.queue = LocalQueue.create(transmission_queue)
+        self.doorbell = Doorbell(transmission_queue)
+        self.keys = keys
+        self.budget = Budget(budget)
+        self.journal = Journal(state_dir, name)
+        for problem in self.journal.problems:
+            log.error("journal %s: %s", state_dir / f"{name}.journal", problem)
+        self._stop_reading = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    # --- start: what the journal holds ---------------------------------------------------------
+
+    def recover(self) -> tuple[list[Item], list[Item]]:
+        """Journaled SURE messages, to be sent first, in order, with their keys; then the
+        records of a batch that a kill left on the queue beside journaled ones (taken off)."""
+        entries = self.journal.recovered
+        if not entries:
+            return [], []
+        # A kill between journaling a batch and taking all of it off the queue leaves some of
+        # its records in both. They are within the first READ_BATCH records of the queue, maybe
+        # mixed with UNSURE ones of the same batch (never journaled, never handed on): take
+        # the batch off; the journaled ones are sent from the journal, the others as new.
+        journaled = {entry.record for entry in entries}
+        head = self._copy_batch(READ_BATCH)
+        last = max((i for i, data in enumerate(head) if data in journaled), default=-1)
+        leftovers = [data for data in head[:last + 1] if data not in journaled]
+        if last >= 0:
+            self._take_off(head[:last + 1])
+        self.budget.force(len(entries) + len(leftovers))
+        first = [[entry.record, TransmissionRecord.from_bytes(entry.record), entry.key,
+                  entry.seq] for entry in entries]
+        log.info("journal: %d SURE message(s) to send again first%s", len(entries),
+                 f" ({last + 1 - len(leftovers)} of them also still on the transmission queue, "
+                 "taken off)" if last >= 0 else "")
+        return first, (self._journal(leftovers) if leftovers else [])
+
+    # --- the reader thread ---------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[Item]], None],
+              stop: Callable[[], None], fatal: Callable[[str, BaseException], None]) -> None:
+        """Read in a thread; each batch goes to ``deliver`` on ``loop``; if SURE records
+        cannot be journaled, ``stop`` is called there; an unexpected error goes to ``fatal``."""
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
+
+        def read() -> None:
+            try:
+                self._read_records(loop, deliver, stop)
+            except Exception as exc:  # noqa: BLE001 - unexpected: the agent stops
+                fatal("the transmission-queue reader thread", exc)
+
+        self._reader = threading.Thread(target=read, name="xmit-reader", daemon=True)
+        self._reader.start()
+
+    async def stop(self) -> None:
+        self._stop_reading.set()
+        while self._reader is not None and self._reader.is_alive():
+            signal.pthread_kill(self._reader.ident, signal.SIGUSR1)  # EINTR for its waits
+            await asyncio.sleep(0.05)
+
+    def _read_records(self, loop, deliver, stop) -> None:
+        stopping = self._stop_reading.is_set
+        while not stopping():
+            room = self.budget.take(READ_BATCH, timeout=0.2)
+            if not room:
+                continue
+            try:
+                batch = self._copy_batch(room)
+            except QueueError as exc:
+                self.budget.give(room)
+                self._queue_trouble(exc)
+                continue
+            if len(batch) < room:
+                self.budget.give(room - len(batch))
+            if not batch:
+                self.doorbell.wait(IDLE_POLL)
+                continue
+            try:
+                items = self._journal_and_take(batch)
+            except RQPError as exc:
+                self.budget.give(len(batch))
+                log.critical("cannot journal SURE records: %s -- stopping, records stay on "
+                             "the transmission queue", exc)
+                loop.call_soon_threadsafe(stop)
+                return
+            loop.call_soon_threadsafe(deliver, items)
+
+    def _copy_batch(self, limit: int) -> list[bytes]:
+        batch = []
+        while len(batch) < limit and (item := self.queue.peek(len(batch))) is not None:
+            batch.append(item[0])
+        return batch
+
+    def _journal(self, batch: list[bytes]) -> list[Item]:
+        """Parse, give keys, journal the SURE records (one fsync): [data, record, key, seq]."""
+        items, sure = [], []
+        for data in batch:
+            try:
+                record = TransmissionRecord.from_bytes(data)
+            except RecordError as exc:
+                items.append([data, exc, 0, None])
+                continue
+            key = self.keys()
+            if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence:
+                key = record.sequence  # a replayed dead letter keeps its original key
+            if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
+                sure.append(len(items))
+            items.append([data, record, key, None])
+        seqs = self.journal.append([(items[i][2], items[i][0]) for i in sure])
+        for i, seq in zip(sure, seqs):
+            items[i][3] = seq
+        return items
+
+    def _take_off(self, batch: list[bytes]) -> None:
+        for data in batch:  # nobody else takes from it, so these are the records copied
+            if self.queue.get(block=False) != data:
+                log.error("the transmission queue %s has another reader: a record taken off "
+                          "it was not the one copied", format_key(self.key))
+
+    def _journal_and_take(self, batch: list[bytes]) -> list[Item]:
+        items = self._journal(batch)
+        self._take_off(batch)  # now, and only now, off the queue
+        return items
+
+    def _queue_trouble(self, exc: QueueError) -> None:
+        if isinstance(exc, QueueNotFound):
+            log.error("transmission queue %s was removed: creating it again",
+                      format_key(self.key))
+            self.queue = LocalQueue.create(self.key)
+        else:
+            log.error("cannot read the transmission queue: %s", exc)
+            self._stop_reading.wait(1.0)
+
+    # --- journal releases and the way back -----------------------------------------------------
+
+    def release(self, seqs: list[int]) -> None:
+        """Journal RELEASE entries (no fsync of their own: a lost release only means a re-send
+        after a crash, which the receiver recognises by its key)."""
+        self.journal.release(seqs)
+        if self.journal.maybe_compact():
+            log.info("journal compacted: %d live message(s), %d bytes",
+                     self.journal.live_count, self.journal.file_bytes)
+
+    async def put_back(self, messages: list, deadline: float, grace: float) -> None:
+        """Messages not sent yet go back on the transmission queue (at its end), without
+        blocking the loop (a second SIGTERM must still work) and until ``deadline`` (loop
+        time) at the latest."""
+        loop = asyncio.get_running_loop()
+        done = 0
+        for msg in messages:
+            while True:
+                try:
+                    self.queue.put(msg.origin.record.to_bytes(), block=False)
+                    done += 1
+                    break
+                except QueueFull:
+                    if loop.time() >= deadline:
+                        break
+                    await asyncio.sleep(0.05)
+                except RQPError as exc:
+                    log.error("cannot put message key=%#018x back on the transmission queue: "
+                              "%s", msg.key, exc)
+                    break
+        log.info("%d message(s) not sent yet put back on the transmission queue", done)
+        if done < len(messages):
+            log.error("%d message(s) could not be put back (transmission queue %s full for "
+                      "%gs) and are lost", len(messages) - done, format_key(self.key), grace)

@@ -1,0 +1,150 @@
+"""What the agents show operators: the ``rqpctl status`` document and the Prometheus metrics
+of each agent, read from the agent's state (nothing here changes it). One home for every
+metric name and status field, so that docs, dashboards and alerts have one place to look."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rqp.protocol.errors import RQPError
+from rqp.protocol.sender import ROUTE_STATES
+from rqp.system.control import Metric, render
+from rqp.system.queues import LocalQueue, format_key, list_queues
+
+__all__ = ["sender_status", "sender_metrics", "receiver_status", "receiver_metrics"]
+
+
+def offered_queues(agent) -> list[dict]:
+    """The local queues of a receiving MCA's host (but DEAD.LETTER.Q), and whether each is
+    offered."""
+    out = []
+    for q in list_queues():
+        if q.key == agent.config.dead_letter_queue:
+            continue
+        out.append({"queue": format_key(q.key), "queue_key": q.key,
+                    "name": agent.config.queue_name(q.key), "depth": q.messages,
+                    "bytes": q.bytes, "mode": f"{q.mode:03o}",
+                    "offered": agent.delivery.offers(q.key)})
+    return out
+
+
+def _depth(queue: LocalQueue) -> int | None:
+    try:
+        return queue.depth
+    except RQPError:
+        return None
+
+
+def sender_status(agent) -> dict:
+    routes = agent.core.route_status()
+    to_wall = time.time() - agent.loop.time()  # the core's times are the loop's clock
+    for route in routes:
+        route["queue"] = format_key(route["queue_key"])
+        route["name"] = agent.config.queue_name(route["queue_key"])
+        for field in ("since", "last_error_at", "last_message_at"):
+            if route[field] is not None:
+                route[field] += to_wall
+    return {
+        "agent": "sender", "pid": os.getpid(), "host": agent.host,
+        "started_at": agent.started, "uptime": time.time() - agent.started,
+        "source": agent.config.source,
+        "transmission_queue": format_key(agent.config.transmission_queue),
+        "transmission_queue_depth": _depth(agent.intake.queue),
+        "dead_letter_queue": format_key(agent.config.dead_letter_queue),
+        "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
+        "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
+        "in_flight": agent.core.in_flight, "incarnation": f"{agent.keys.incarnation:08x}",
+        "hosts": [{"host": str(h), "connection": agent.core.link_state(h).value}
+                  for h in agent.config.hosts],
+        "routes": routes, "stats": dict(agent.stats),
+        "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
+    }
+
+
+def sender_metrics(agent) -> str:
+    routes = agent.core.route_status()
+    m = {name: Metric(name, kind, text) for name, kind, text in (
+        ("rqp_sender_messages_total", "counter", "MESSAGE frames sent, by queue"),
+        ("rqp_sender_bytes_total", "counter", "payload bytes sent, by queue"),
+        ("rqp_sender_outcomes_total", "counter", "messages finished, by queue and outcome"),
+        ("rqp_sender_errors_total", "counter", "unconfirmed attempts, by queue"),
+        ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
+        ("rqp_sender_error_counter", "gauge", "the UNSURE error counter of the route"),
+        ("rqp_sender_in_flight", "gauge", "messages sent and not answered, by queue"),
+        ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
+        ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
+        ("rqp_journal_depth", "gauge", "SURE messages in the journal"),
+        ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
+        ("rqp_transmission_queue_depth", "gauge", "records on the transmission queue"),
+        ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+    for r in routes:
+        q = {"queue": format_key(r["queue_key"]), "name": agent.config.queue_name(
+            r["queue_key"]) or "", "peer": r["peer"] or ""}
+        m["rqp_sender_messages_total"].add(r["sent"], **q)
+        m["rqp_sender_bytes_total"].add(r["sent_bytes"], **q)
+        for outcome in ("delivered", "lost", "dead_lettered"):
+            m["rqp_sender_outcomes_total"].add(r[outcome], outcome=outcome, **q)
+        m["rqp_sender_errors_total"].add(r["errors"], **q)
+        m["rqp_sender_route_changes_total"].add(r["route_changes"], **q)
+        m["rqp_sender_error_counter"].add(r["error_counter"], **q)
+        m["rqp_sender_in_flight"].add(r["in_flight"], **q)
+        for state in ROUTE_STATES:  # every route in every state, not only the healthy ones
+            m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
+    for reason, count in sorted(agent.dead_letters.by_reason.items()):
+        m["rqp_dead_letters_total"].add(count, reason=reason)
+    m["rqp_journal_depth"].add(agent.intake.journal.live_count)
+    for name, queue in (("rqp_dead_letter_queue_depth", agent.dead_letters.queue),
+                        ("rqp_transmission_queue_depth", agent.intake.queue)):
+        depth = _depth(queue)
+        if depth is not None:
+            m[name].add(depth)
+    m["rqp_up_seconds"].add(round(time.time() - agent.started, 3))
+    return render(list(m.values()))
+
+
+def receiver_status(agent) -> dict:
+    return {
+        "agent": "receiver", "pid": os.getpid(), "host": agent.host,
+        "started_at": agent.started, "uptime": time.time() - agent.started,
+        "source": agent.config.source, "listen": str(agent.config.listen),
+        "max_message_size": agent.max_message_size,
+        "dead_letter_queue": format_key(agent.config.dead_letter_queue),
+        "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
+        "dedup_window_keys": len(agent.dedup),
+        "connections": sorted(agent._peers.values(), key=lambda p: p["since"]),
+        "queues": offered_queues(agent),
+        "stats": {**agent.stats, "dead_letters": agent.dead_letters.written},
+        "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
+    }
+
+
+def receiver_metrics(agent) -> str:
+    m = {name: Metric(name, kind, text) for name, kind, text in (
+        ("rqp_receiver_messages_total", "counter", "MESSAGE frames, by queue and outcome"),
+        ("rqp_receiver_bytes_total", "counter", "payload bytes put, by queue"),
+        ("rqp_receiver_asks_total", "counter", "QUEUE_ASK frames answered"),
+        ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
+        ("rqp_receiver_connections_total", "counter", "connections accepted"),
+        ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
+        ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
+        ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
+        ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
+        ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+    for (key, outcome), count in sorted(agent.by_queue.items()):
+        m["rqp_receiver_messages_total"].add(count, queue=format_key(key), outcome=outcome)
+    for key, count in sorted(agent.bytes_by_queue.items()):
+        m["rqp_receiver_bytes_total"].add(count, queue=format_key(key))
+    m["rqp_receiver_asks_total"].add(agent.stats["asks"])
+    m["rqp_receiver_connections"].add(len(agent._peers))
+    m["rqp_receiver_connections_total"].add(agent.stats["connections"])
+    for reason, count in sorted(agent.dead_letters.by_reason.items()):
+        m["rqp_dead_letters_total"].add(count, reason=reason)
+    depth = _depth(agent.dead_letters.queue)
+    if depth is not None:
+        m["rqp_dead_letter_queue_depth"].add(depth)
+    for q in offered_queues(agent):
+        m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
+        m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
+    m["rqp_up_seconds"].add(round(time.time() - agent.started, 3))
+    return render(list(m.values()))
