@@ -112,10 +112,11 @@ empty window and rewritten.
 
 **Compaction**: when, after a ``commit()``, the file holds more than twice as many entries as
 there are keys in the window and is larger than ``compact_min_bytes`` (1 MiB), the keys of the
-window are written to a temporary file ``.<name>.<random>.tmp`` in the same directory, which is
-fsynced and renamed over the file, and the directory is fsynced
-(:func:`rqp.system.service.write_file_atomically`). A crash leaves either the old file or the new one;
-a temporary file found at open is a leftover of such a crash and is deleted, never read.
+window are written to a temporary file ``<name>.tmp`` in the same directory, which is
+fsynced and renamed over the file, and the directory is fsynced (:meth:`LogFile.replace
+<rqp.storage.log.LogFile.replace>`, the log store the journal uses too). A crash leaves either
+the old file or the new one; a temporary file found at open is a leftover of such a crash and is
+deleted, never read.
 Compaction costs O(keys in the window) once per at least as many ``record()`` calls.
 """
 
@@ -135,7 +136,7 @@ from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Struct
 
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RQPError
-from rqp.system.service import write_file_atomically
+from rqp.storage.log import LogFile, ReplaceFailed
 
 __all__ = [
     "DEDUP_ENTRY",
@@ -246,8 +247,7 @@ class DedupWindow:
         self._enabled = self.max_keys > 0 and self._max_age_ms > 0
         self._keys: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._pending: list[tuple[int, int]] = []
-        self._fd: int | None = None
-        self._size = 0  # end of the last good entry in the file = where the next write goes
+        self._file = LogFile(self.path, fsync=fsync) if self.path is not None else None
         self._file_entries = 0
         self._compact_floor = compact_min_bytes
         self._failed: BaseException | None = None  # an fsync failed: commit() refuses
@@ -316,26 +316,22 @@ class DedupWindow:
             return
         data = _encode_entries(self._pending)
         try:
-            fd = self._writable_fd()
-            # At a fixed offset, so a retry after a short or failed write overwrites its bytes.
-            _pwrite_all(fd, data, self._size)
+            self._file.append(data)  # at the end of the good data: a retry overwrites
         except OSError as exc:
             raise DedupError(f"{self.path}: cannot write {len(data)} bytes: {exc}") from exc
-        if self._fsync:
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                self._failed = exc
-                raise DedupError(f"{self.path}: fsync failed: {exc}") from exc
-        self._size += len(data)
+        try:
+            self._file.sync()
+        except OSError as exc:
+            self._failed = exc
+            raise DedupError(f"{self.path}: fsync failed: {exc}") from exc
         self._file_entries += len(self._pending)
         self._pending.clear()
-        if self._file_entries > 2 * len(self._keys) and self._size > self._compact_floor:
+        if self._file_entries > 2 * len(self._keys) and self._file.size > self._compact_floor:
             try:
                 self.compact()
             except DedupError as exc:  # the commit itself is done; try again later
                 log.warning("%s", exc)
-                self._compact_floor = self._size + self.compact_min_bytes
+                self._compact_floor = self._file.size + self.compact_min_bytes
 
     def compact(self) -> None:
         """Rewrite the file with the keys of the window only (atomically; also a commit)."""
@@ -349,31 +345,23 @@ class DedupWindow:
         age = self._max_age_ms
         live = [(k, t) for k, t in self._keys.items() if now - t < age]
         data = _HEADER_BYTES + _encode_entries(live)
-        self._close_fd()  # reopened by path at the next commit: the old file or the new one
         try:
-            old_inode = os.stat(self.path).st_ino
-        except OSError:
-            old_inode = None
-        try:
-            write_file_atomically(self.path, data, 0o600)
-        except OSError as exc:
-            try:
-                replaced = os.stat(self.path).st_ino != old_inode
-            except OSError:
-                replaced = True  # unknown: refuse to append anywhere until reopened
-            if replaced:
+            self._file.replace(data)
+        except ReplaceFailed as exc:
+            if exc.replaced:
                 # Renamed, but the directory fsync failed: the new file is in place, whether
                 # the rename survives a crash is unknown. Like a failed fsync: reopen.
+                if exc.old_fd >= 0:
+                    os.close(exc.old_fd)
                 self._adopt(data, len(live))
                 self._failed = exc
-            raise DedupError(f"{self.path}: compaction failed: {exc}") from exc
+            raise DedupError(f"{self.path}: compaction failed: {exc.cause}") from exc
         self._adopt(data, len(live))
         self._failed = None  # the new file was fsynced as a whole, and its directory
 
     def _adopt(self, data: bytes, entries: int) -> None:
         """The file is now ``data`` (a compaction), which holds every recorded key."""
         self._pending.clear()
-        self._size = len(data)
         self._file_entries = entries
         self._compact_floor = self.compact_min_bytes
 
@@ -439,7 +427,8 @@ class DedupWindow:
                 self.commit()
         finally:
             self._pending.clear()
-            self._close_fd()
+            if self._file is not None:
+                self._file.close()
             self._closed = True
 
     def __enter__(self) -> "DedupWindow":
@@ -459,34 +448,19 @@ class DedupWindow:
     def _name(self) -> str:
         return str(self.path) if self.path is not None else "<memory>"
 
-    def _writable_fd(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        return self._fd
-
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-
     def _open(self) -> None:
-        path = self.path
-        assert path is not None
-        self._remove_leftovers()
+        path, file = self.path, self._file
+        self.problems.extend(file.remove_leftovers())
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
+            data = file.open()
+        except OSError as exc:
+            raise DedupError(f"{path}: cannot open or read the de-duplication window: "
+                             f"{exc}") from exc
+        if data is None:
             self._create()
             return
-        except OSError as exc:
-            raise DedupError(f"{path}: cannot open the de-duplication window: {exc}") from exc
-        try:
-            data = _read_all(fd)
-        except OSError as exc:
-            os.close(fd)
-            raise DedupError(f"{path}: cannot read the de-duplication window: {exc}") from exc
         if len(data) < DEDUP_HEADER_SIZE:
-            os.close(fd)
+            file.close()
             if data != _HEADER_BYTES[: len(data)]:
                 raise DedupError(f"{path}: not a de-duplication window file "
                                  f"(starts with {bytes(data[:4])!r}, expected {DEDUP_MAGIC!r})")
@@ -496,23 +470,20 @@ class DedupWindow:
             self._create()
             return
         if data[:4] != DEDUP_MAGIC:
-            os.close(fd)
+            file.close()
             raise DedupError(f"{path}: not a de-duplication window file "
                              f"(starts with {bytes(data[:4])!r}, expected {DEDUP_MAGIC!r})")
         if data[4] != DEDUP_VERSION:
-            os.close(fd)
+            file.close()
             raise DedupError(f"{path}: unsupported de-duplication file version {data[4]} "
                              f"(this program reads version {DEDUP_VERSION})")
-        self._fd = fd
         good_end = self._load(data)
-        self._size = good_end
+        file.size = len(data)
         if good_end < len(data):
             try:
-                os.ftruncate(fd, good_end)
-                if self._fsync:
-                    os.fsync(fd)
+                file.cut(good_end)
             except OSError as exc:
-                self._close_fd()
+                file.close()
                 raise DedupError(f"{path}: cannot cut the damaged tail at offset {good_end}: "
                                  f"{exc}") from exc
 
@@ -556,45 +527,8 @@ class DedupWindow:
 
     def _create(self) -> None:
         try:
-            write_file_atomically(self.path, _HEADER_BYTES, 0o600)
+            self._file.create(_HEADER_BYTES)
         except OSError as exc:
             raise DedupError(f"{self.path}: cannot create the de-duplication window: "
                              f"{exc}") from exc
-        self._size = DEDUP_HEADER_SIZE
         self._file_entries = 0
-
-    def _remove_leftovers(self) -> None:
-        """Delete temporary files left by a compaction (write_file_atomically) that crashed."""
-        path = self.path
-        assert path is not None
-        try:
-            leftovers = sorted(path.parent.glob(f".{path.name}.*.tmp"))
-        except OSError:
-            return
-        for tmp in leftovers:
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                self.problems.append(f"{tmp}: cannot remove a leftover temporary file: {exc}")
-                continue
-            self.problems.append(f"{tmp}: removed a leftover temporary file (a compaction "
-                                 f"was interrupted); not read")
-
-
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while True:
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n

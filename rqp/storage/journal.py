@@ -125,7 +125,6 @@ import contextlib
 import fcntl
 import os
 import threading
-import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -136,6 +135,7 @@ from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Rebuild, Struct, l
 
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
+from rqp.storage.log import LogFile, ReplaceFailed
 
 __all__ = [
     "APPEND_BODY",
@@ -312,40 +312,6 @@ class JournalEntry:
     record: bytes  #: the transmission record exactly as taken from the queue
 
 
-def _utc_stamp() -> str:
-    ns = time.time_ns()
-    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
-
-
-def _unused_path(base: Path) -> Path:
-    """``base``, or ``base-2``, ``base-3``... whichever does not exist yet."""
-    candidate, n = base, 1
-    while candidate.exists() or candidate.is_symlink():
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size:
-        chunk = os.pread(fd, min(size - offset, 1 << 24), offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
 class Journal:
     """The durable journal of SURE messages of one sending MCA (see the module docstring).
 
@@ -359,7 +325,8 @@ class Journal:
         self.directory = Path(directory)
         self.name = name
         self.path = self.directory / f"{name}.journal"
-        self.tmp_path = self.directory / f"{name}.journal.tmp"
+        self._file = LogFile(self.path, fsync=fsync)
+        self.tmp_path = self._file.tmp_path
         self.lock_path = self.directory / f"{name}.journal.lock"
         self.compact_min_bytes = compact_min_bytes
         self.compact_ratio = compact_ratio
@@ -369,9 +336,7 @@ class Journal:
         self._cond = threading.Condition(threading.Lock())
         self._live: dict[int, tuple[int, bytes]] = {}  # seq -> (key, record), in seq order
         self._live_bytes = 0
-        self._size = 0         # bytes of valid data in the current file = where the next write goes
         self._next_seq = 1
-        self._fd = -1
         self._retired: list[int] = []  # descriptors of replaced files still used by a syncer
         self._syncers = 0
         self._failed: str | None = None
@@ -381,9 +346,7 @@ class Journal:
         try:
             self._open()
         except BaseException:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._file.close()
             os.close(self._lock_fd)
             self._closed = True
             raise
@@ -408,19 +371,12 @@ class Journal:
         self.problems.append(f"{self.path}: {text}")
 
     def _open(self) -> None:
-        if self.tmp_path.exists() or self.tmp_path.is_symlink():
-            size = self.tmp_path.lstat().st_size
-            self.tmp_path.unlink()
-            self._report(f"leftover temp file {self.tmp_path.name} ({size} bytes) from an "
-                         f"unfinished compaction or creation removed; it is never used")
-            self._fsync_dir()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
+        for problem in self._file.remove_leftovers():
+            self._report(problem)
+        data = self._file.open()
+        if data is None:
             self._create(1)
             return
-        self._fd = fd
-        data = _read_all(fd)
         version = data[4] if len(data) > 4 else None
         try:
             header = _HEADER_C.parse(data[:FILE_HEADER_SIZE]) if len(data) >= FILE_HEADER_SIZE \
@@ -431,10 +387,7 @@ class Journal:
             raise JournalError(f"journal {self.path} has version {header.version}; this program "
                                f"reads version {JOURNAL_VERSION} (left untouched)")
         if header is None:
-            self._fd = -1
-            os.close(fd)
-            aside = _unused_path(self.directory / f"{self.name}.journal.corrupt-{_utc_stamp()}")
-            os.rename(self.path, aside)
+            aside = self._file.move_aside("corrupt")
             what = (f"{len(data)} bytes, shorter than the {FILE_HEADER_SIZE}-byte header"
                     if len(data) < FILE_HEADER_SIZE else
                     f"bad header {data[:FILE_HEADER_SIZE].hex()} (magic {data[:4]!r}, version "
@@ -472,7 +425,7 @@ class Journal:
                     self._live_bytes -= _append_size(live.pop(seq)[1])
             max_seq = max(max_seq, seq)
             offset = end
-        self._size = offset
+        self._file.size = offset
         if bad is not None:
             self._discard_tail(data, offset, bad)
         if len(live) > 1 and list(live) != sorted(live):
@@ -481,53 +434,15 @@ class Journal:
 
     def _discard_tail(self, data: bytes, offset: int, reason: str) -> None:
         """Save ``data[offset:]`` to a side file, then cut the journal at ``offset``."""
-        tail = data[offset:]
-        side = _unused_path(self.directory / f"{self.name}.journal.discarded-{_utc_stamp()}")
-        fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            _pwrite_all(fd, tail, 0)
-            if self._fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        self._fsync_dir()
-        os.ftruncate(self._fd, offset)
-        if self._fsync:
-            os.fsync(self._fd)
-        self._report(f"{reason} at offset {offset}; the {len(tail)} bytes from offset {offset} "
-                     f"to the end were discarded (entries after a damaged one cannot be found "
-                     f"safely; copy saved in {side.name}) and the file truncated to {offset} bytes")
+        side = self._file.cut(offset, keep_copy="discarded")
+        self._report(f"{reason} at offset {offset}; the {len(data) - offset} bytes from offset "
+                     f"{offset} to the end were discarded (entries after a damaged one cannot be "
+                     f"found safely; copy saved in {side.name}) and the file truncated to "
+                     f"{offset} bytes")
 
     def _create(self, base_seq: int) -> None:
-        header = encode_header(base_seq)
-        self._fd = self._write_new_file(header)
-        self._size = len(header)
+        self._file.create(encode_header(base_seq))
         self._next_seq = base_seq
-        self._fsync_dir()
-
-    def _write_new_file(self, data: bytes) -> int:
-        """Write ``data`` to the temp file, fsync it, rename it over the journal; its fd."""
-        fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            _pwrite_all(fd, data, 0)
-            if self._fsync:
-                os.fsync(fd)
-            os.replace(self.tmp_path, self.path)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp_path)
-            raise
-        return fd
-
-    def _fsync_dir(self) -> None:
-        if not self._fsync:
-            return
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -553,7 +468,7 @@ class Journal:
     def file_bytes(self) -> int:
         """Size of the journal file (header included)."""
         with self._cond:
-            return self._size
+            return self._file.size
 
     @property
     def next_seq(self) -> int:
@@ -575,25 +490,21 @@ class Journal:
 
     def _write(self, data: bytes) -> None:
         """Write ``data`` at the end of the valid data (lock held); on failure cut it back."""
-        start = self._size
         try:
-            _pwrite_all(self._fd, data, start)
+            self._file.append(data)
         except BaseException as exc:
-            try:
-                os.ftruncate(self._fd, start)
-            except OSError as exc2:
+            stuck = getattr(exc, "cut_back_failed", None)
+            if stuck is not None:
                 self._failed = (f"a write failed ({_describe(exc)}) and cutting the file back "
-                                f"to {start} bytes failed too ({_describe(exc2)})")
+                                f"to {self._file.size} bytes failed too ({_describe(stuck)})")
             if isinstance(exc, OSError):
                 raise JournalError(f"writing to journal {self.path} failed: {exc}") from exc
             raise
-        self._size = start + len(data)
 
     def _sync(self, fd: int) -> None:
         """fsync ``fd`` outside the lock; the caller counted itself in ``_syncers`` under it."""
         try:
-            if self._fsync:
-                os.fsync(fd)
+            self._file.sync(fd)
         except OSError as exc:
             with self._cond:
                 # A retired descriptor belongs to a file replaced by a compaction that ran after
@@ -644,7 +555,7 @@ class Journal:
             for seq, (key, record) in zip(seqs, items):
                 self._live[seq] = (key, record)
                 self._live_bytes += _append_size(record)
-            fd = self._fd
+            fd = self._file.fd
             self._syncers += 1
         self._sync(fd)
         return seqs
@@ -674,15 +585,15 @@ class Journal:
             return
         with self._cond:
             self._check_usable()
-            fd = self._fd
+            fd = self._file.fd
             self._syncers += 1
         self._sync(fd)
 
     # --- compaction ------------------------------------------------------------------------
 
     def _should_compact(self) -> bool:
-        return (self._size >= self.compact_min_bytes
-                and self._live_bytes < self.compact_ratio * self._size)
+        return (self._file.size >= self.compact_min_bytes
+                and self._live_bytes < self.compact_ratio * self._file.size)
 
     def maybe_compact(self) -> bool:
         """Compact if the file is at least ``compact_min_bytes`` and less than
@@ -714,20 +625,24 @@ class Journal:
             parts.append(encode_release(high))  # high-water mark: seqs never repeat
         data = b"".join(parts)
         try:
-            fd = self._write_new_file(data)
-        except OSError as exc:
-            raise JournalError(f"compaction of journal {self.path} failed: {exc}; the journal "
-                               f"is unchanged") from exc
-        old, self._fd, self._size = self._fd, fd, len(data)
-        if self._syncers:
-            self._retired.append(old)
-        else:
-            os.close(old)
-        try:
-            self._fsync_dir()
-        except OSError as exc:
-            self._failed = f"fsync of the directory after compaction failed: {exc}"
+            old = self._file.replace(data, keep_old=True)
+        except ReplaceFailed as exc:
+            if not exc.replaced:
+                raise JournalError(f"compaction of journal {self.path} failed: {exc.cause}; the "
+                                   f"journal is unchanged") from exc
+            self._retire(exc.old_fd)
+            self._failed = f"fsync of the directory after compaction failed: {exc.cause}"
             raise JournalError(f"compaction of journal {self.path}: {self._failed}") from exc
+        self._retire(old)
+
+    def _retire(self, fd: int) -> None:
+        """The descriptor of a replaced file: closed now, or when the fsyncs using it end."""
+        if fd < 0:
+            return
+        if self._syncers:
+            self._retired.append(fd)
+        else:
+            os.close(fd)
 
     # --- closing ---------------------------------------------------------------------------
 
@@ -741,16 +656,17 @@ class Journal:
                 self._cond.wait()
             error: OSError | None = None
             try:
-                if self._fsync and self._failed is None and self._fd >= 0:
-                    os.fsync(self._fd)
+                if self._failed is None and self._file.fd >= 0:
+                    self._file.sync()
             except OSError as exc:
                 error = exc
             finally:
-                for fd in (self._fd, *self._retired, self._lock_fd):
+                for fd in (*self._retired, self._lock_fd):
                     if fd >= 0:
                         with contextlib.suppress(OSError):
                             os.close(fd)
-                self._fd = -1
+                with contextlib.suppress(OSError):
+                    self._file.close()
                 self._retired.clear()
             if error is not None:
                 raise JournalError(f"fsync of journal {self.path} at close failed: {error}")
@@ -764,4 +680,4 @@ class Journal:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "failed" if self._failed else "open"
         return (f"<Journal {str(self.path)!r} {state} live={len(self._live)} "
-                f"size={self._size} next_seq={self._next_seq}>")
+                f"size={self._file.size} next_seq={self._next_seq}>")

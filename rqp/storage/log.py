@@ -1,0 +1,221 @@
+"""The one append-only log store of the agents: a file of a header and CRC-checked entries.
+
+Two users keep their state in one: the sending MCA's journal of SURE messages
+(:mod:`rqp.storage.journal`) and the receiving MCA's de-duplication window
+(:mod:`rqp.storage.dedup`). Each declares its own header and entries (with construct) and
+decides what is live; :class:`LogFile` does what both need of the file, the same way:
+
+* **append** at the end of the good data only (``pwrite`` at an offset, so a retry after a
+  short or failed write overwrites its bytes; a failed write is cut back);
+* **group commit**: a batch of entries is one write and one ``fsync``; a failed ``fsync``
+  leaves the outcome unknown, so the user stops writing until the file is replaced;
+* **recovery**: the user replays the bytes and says where the good entries end; a damaged
+  tail is cut there (:meth:`LogFile.cut`), optionally after saving a copy beside the file;
+  a file that is not the user's at all is moved aside, never overwritten;
+* **compaction** by atomic replacement (:meth:`LogFile.replace`): the live entries are written
+  to ``<file>.tmp``, fsynced, renamed over the file, and the directory fsynced. A crash at any
+  point leaves the old file or the new one, never a mix; a leftover temp file is removed (and
+  reported) at the next open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+__all__ = ["LogFile", "ReplaceFailed", "pwrite_all", "read_all"]
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+def read_all(fd: int) -> bytes:
+    """The whole file behind ``fd``, read from offset 0."""
+    chunks, offset = [], 0
+    while True:
+        chunk = os.pread(fd, 1 << 24, offset)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+
+
+def _utc_stamp() -> str:
+    ns = time.time_ns()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
+
+
+class ReplaceFailed(OSError):
+    """:meth:`LogFile.replace` failed; ``replaced`` says whether the new file is in place
+    already (the rename happened and the directory fsync failed: whether the rename survives
+    a crash is unknown)."""
+
+    def __init__(self, cause: OSError, replaced: bool):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.cause = cause
+        self.replaced = replaced
+
+
+class LogFile:
+    """The file at ``path``: its descriptor, where the good data ends (:attr:`size`) and the
+    operations above. Not thread-safe: the user holds its own lock around the calls."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self.fsync_enabled = fsync
+        self.fd = -1
+        self.size = 0
+
+    # --- opening -------------------------------------------------------------------------------
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temp file of a compaction or creation that did not finish (also those
+        of earlier versions, ``.<name>.<random>.tmp``); what was removed, in words."""
+        problems = []
+        legacy = sorted(self.path.parent.glob(f".{self.path.name}.*.tmp")) \
+            if self.path.parent.is_dir() else []
+        for tmp in (self.tmp_path, *legacy):
+            try:
+                size = tmp.lstat().st_size
+                tmp.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                problems.append(f"{tmp}: cannot remove a leftover temp file: {exc}")
+                continue
+            problems.append(f"leftover temp file {tmp} ({size} bytes) from an unfinished "
+                            f"compaction or creation removed; it is never used")
+        if problems:
+            self.fsync_dir()
+        return problems
+
+    def open(self) -> bytes | None:
+        """Open the existing file for appending and return all its bytes, or None if there is
+        none. :attr:`size` is left at 0: the user sets it to where its good entries end."""
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return read_all(self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def create(self, data: bytes) -> None:
+        """A new file holding ``data`` (a header, maybe entries), atomically."""
+        self.replace(data)
+
+    def move_aside(self, what: str) -> Path:
+        """Rename the file (not the user's, or unreadable) to ``<file>.<what>-<UTC time>``,
+        never over an existing one; the descriptor is closed."""
+        self.close()
+        aside = self._unused(f"{self.path.name}.{what}-{_utc_stamp()}")
+        os.rename(self.path, aside)
+        return aside
+
+    def cut(self, offset: int, *, keep_copy: str | None = None) -> Path | None:
+        """Cut the file at ``offset`` (a damaged tail), durably. With ``keep_copy``, the bytes
+        cut off are first saved to ``<file>.<keep_copy>-<UTC time>``; its path is returned."""
+        side = None
+        if keep_copy is not None:
+            tail = read_all(self.fd)[offset:]
+            side = self._unused(f"{self.path.name}.{keep_copy}-{_utc_stamp()}")
+            fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                pwrite_all(fd, tail, 0)
+                if self.fsync_enabled:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.fsync_dir()
+        os.ftruncate(self.fd, offset)
+        if self.fsync_enabled:
+            os.fsync(self.fd)
+        self.size = offset
+        return side
+
+    def _unused(self, name: str) -> Path:
+        candidate, n = self.path.with_name(name), 1
+        while candidate.exists() or candidate.is_symlink():
+            n += 1
+            candidate = self.path.with_name(f"{name}-{n}")
+        return candidate
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def append(self, data: bytes) -> None:
+        """Write ``data`` at the end of the good data. On failure the file is cut back to
+        where it was (if even that fails, OSError with ``cut_back_failed`` set) and the error
+        raised; :attr:`size` moves only on success."""
+        start = self.size
+        try:
+            pwrite_all(self.fd, data, start)
+        except BaseException as exc:
+            try:
+                os.ftruncate(self.fd, start)
+            except OSError as exc2:
+                exc.cut_back_failed = exc2
+            raise
+        self.size = start + len(data)
+
+    def sync(self, fd: int | None = None) -> None:
+        """fsync the file (or ``fd``, a descriptor of it taken earlier): the group commit."""
+        if self.fsync_enabled:
+            os.fsync(self.fd if fd is None else fd)
+
+    def replace(self, data: bytes, *, keep_old: bool = False) -> int:
+        """Make ``data`` the whole file atomically: write ``<file>.tmp``, fsync it, rename it
+        over the file, fsync the directory. The new descriptor becomes :attr:`fd`; the old
+        one is closed, or returned with ``keep_old`` (another thread may be fsyncing it).
+        Raises :class:`ReplaceFailed` saying whether the new file is in place."""
+        fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            pwrite_all(fd, data, 0)
+            if self.fsync_enabled:
+                os.fsync(fd)
+            os.replace(self.tmp_path, self.path)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp_path)
+            raise ReplaceFailed(exc, replaced=False) from exc
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp_path)
+            raise
+        old, self.fd, self.size = self.fd, fd, len(data)
+        if old >= 0 and not keep_old:
+            os.close(old)
+            old = -1
+        try:
+            self.fsync_dir()
+        except OSError as exc:
+            failed = ReplaceFailed(exc, replaced=True)
+            failed.old_fd = old  # still the caller's to close
+            raise failed from exc
+        return old
+
+    def fsync_dir(self) -> None:
+        if not self.fsync_enabled:
+            return
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
