@@ -1,5 +1,5 @@
 """The receiving MCA's side of the local queues: whether a queue is offered (the config's one
-decision, plus: does it exist and may this process write it) and putting a message there with
+decision, plus: it exists, this process may write it and it is no transmission queue) and putting a message there with
 a bounded retry while it is full. An error that stops a put carries its dead-letter reason."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from rqp.protocol.constants import DEFAULT_MTYPE
 from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
 from rqp.protocol.reasons import ReasonCode
 from rqp.system.queues import LocalQueue, format_key, write_access
+from rqp.system.service import is_transmission_queue
 
 __all__ = ["LocalDelivery"]
 
@@ -27,6 +28,21 @@ class LocalDelivery:
     def __init__(self, config: ReceiverConfig) -> None:
         self.config = config
         self._queues: dict[int, LocalQueue] = {}
+        self._xmit: dict[int, tuple[bool, float]] = {}  # key -> (is one, when looked)
+
+    def _allowed(self, queue_key: int) -> bool:
+        """The config offers it, and it is not a transmission queue of this host: a record
+        put there from the network would be relayed by the local sending MCA as its own
+        (looked up at most once a second per key)."""
+        if not self.config.offers(queue_key):
+            return False
+        now = time.monotonic()
+        known = self._xmit.get(queue_key)
+        if known is None or now - known[1] > 1.0:
+            if len(self._xmit) > 4096:
+                self._xmit.clear()
+            known = self._xmit[queue_key] = (is_transmission_queue(queue_key), now)
+        return not known[0]
 
     @property
     def put_budget(self) -> float:
@@ -35,7 +51,7 @@ class LocalDelivery:
     def offers(self, queue_key: int) -> bool:
         """QUEUE_YES exactly when the config offers the queue, and it exists and may be
         written."""
-        if not self.config.offers(queue_key):
+        if not self._allowed(queue_key):
             return False
         try:
             return write_access(queue_key).writable
@@ -70,7 +86,7 @@ class LocalDelivery:
         """Put the message in its queue; (None, "") or why not."""
         key = message.queue_key
         name = f"queue {format_key(key)}"
-        if not self.config.offers(key):
+        if not self._allowed(key):
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
         for fresh in (key not in self._queues, True):
             try:

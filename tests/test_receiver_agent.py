@@ -195,6 +195,32 @@ def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testb
     assert r.qa.depth(Q1) == 0 and r.rx.poll() is None
 
 
+def test_transmission_queues_are_never_offered_to_the_network(testbed):
+    """A new user's trial (issue 10): with the default config the receiver offered this host's
+    transmission queue, so a remote peer's MESSAGE holding an RQPX record was relayed by the
+    local sending MCA as its own. Transmission queues (any key with a sending MCA's semaphores)
+    and the default agent keys are not offered: QUEUE_NO, and QUEUE_NOT_OFFERED for a MESSAGE
+    sent without asking."""
+    xmit = 0x7E570000
+
+    def make_transmission_queue(qa):
+        qa.create(xmit, 0o660)
+        qa.host.run([sys.executable, "-c", "from rqp.system.service import AgentSemaphores; "
+                     f"AgentSemaphores({xmit})"], check=True)
+
+    r = rig(testbed, {"host_name": HOST_NAME},
+            queues={Q1: 0o660, 0x52510000: 0o660},
+            before_start=make_transmission_queue)
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [ask(xmit), ask(0x52510000), ask(0x5251DEAD), ask(Q1)])
+    assert answers(got) == ["QUEUE_NO", "QUEUE_NO", "QUEUE_NO", "QUEUE_YES"]
+    got = r.pb.exchange("c", [msg(xmit, b"RQPX injected", key=9, type=UNSURE)])
+    assert answers(got) == ["DELIVERED_ERROR"]
+    assert r.qa.depth(xmit) == 0
+    [rec] = r.qa.dead_letters()
+    assert ReasonCode(rec["reason"]) is ReasonCode.QUEUE_NOT_OFFERED and rec["queue_key"] == xmit
+
+
 def test_unprivileged_receiver_offers_only_what_it_may_write_and_dead_letters_the_rest(testbed):
     """Receiver as uid 65534: a root 0600 queue is QUEUE_NO and NOT_AUTHORIZED, a write-only
     0622 queue (IPC_STAT refused) is offered and delivered to."""

@@ -167,6 +167,12 @@ def sender_serving(transmission_queue: int) -> bool:
     return sems is not None and sems.value(SERVING) > 0
 
 
+def is_transmission_queue(key: int) -> bool:
+    """Whether queue ``key`` is (or was) a sending MCA's transmission queue on this host: its
+    agent semaphores exist (created by the first openConnection or sending MCA for it)."""
+    return _existing(key) is not None
+
+
 def serving_pid(transmission_queue: int) -> int | None:
     """The pid of the sending MCA serving ``transmission_queue``, or None if none does."""
     sems = _existing(transmission_queue)
