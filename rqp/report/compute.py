@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from rqp.report import analysis
 from rqp.report import html as report_html
-from rqp.report.job import PROG, ReportError, local_path
+from rqp.report.common import PROG, ReportError, local_path
 from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
     ArchiveSchemaError,

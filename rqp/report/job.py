@@ -64,35 +64,12 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import urlparse
 
-from rqp.protocol.errors import RQPError
+from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 
 __all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
            "check_local_output", "load_compute", "run_drain", "parse_args", "main"]
-
-PROG = "rqp-dlq-report"
-
-#: What to install, said wherever PySpark or Java is missing.
-SPARK_EXTRA = "pip install 'rqp[spark]'"
-JAVA = "a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless)"
-
-
-class ReportError(RQPError):
-    """A problem the user can fix (bad input, missing tool): printed without a traceback."""
-
-
-def local_path(path: str) -> str | None:
-    """The local file system path of ``path``, or None for another file system's URI
-    (``hdfs://``, ``s3a://``, ...)."""
-    parsed = urlparse(path)
-    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or C:\...)
-        return path
-    if parsed.scheme == "file":
-        return parsed.path
-    return None
-
 
 # ------------------------------------------------------------------------------------------
 # Checks that need no Spark
