@@ -517,3 +517,21 @@ def test_a_lane_waiting_for_room_that_loses_its_route_asks_once():
     h.answer("b", OK)
     assert [d.message.payload for d in h.of(Delivered)] == [b"1", b"4"]
     assert not h.of(Close) and h.core.held == 0
+
+
+def test_connection_states_change_only_along_the_link_table():
+    from rqp.protocol.errors import LocalProtocolError
+    from rqp.protocol.sender import LINK_TRANSITIONS
+
+    arrows = {(s.value, e.value, n.value) for s, row in LINK_TRANSITIONS.items()
+              for e, n in row.items()}
+    assert arrows == {
+        ("down", "connect", "connecting"),
+        ("connecting", "connected", "up"),
+        ("connecting", "connect failed", "down"),
+        ("connecting", "connection lost or given up", "down"),
+        ("up", "connection lost or given up", "down"),
+    }
+    h = Harness(hosts=("b",))
+    with pytest.raises(LocalProtocolError, match="'connected' in state 'down'"):
+        h.core.connected("b", 0.0)  # nobody asked for a connection

@@ -253,6 +253,22 @@ class LinkState(enum.Enum):
     UP = "up"
 
 
+class LinkEvent(enum.Enum):
+    CONNECT = "connect"
+    CONNECTED = "connected"
+    FAILED = "connect failed"
+    LOST = "connection lost or given up"
+
+
+#: Every legal change of a connection's state: the one place link states are set.
+LINK_TRANSITIONS: dict[LinkState, dict[LinkEvent, LinkState]] = {
+    LinkState.DOWN: {LinkEvent.CONNECT: LinkState.CONNECTING},
+    LinkState.CONNECTING: {LinkEvent.CONNECTED: LinkState.UP, LinkEvent.FAILED: LinkState.DOWN,
+                           LinkEvent.LOST: LinkState.DOWN},
+    LinkState.UP: {LinkEvent.LOST: LinkState.DOWN},
+}
+
+
 @dataclass(eq=False, slots=True)
 class _Frame:
     """A frame waiting for its answer: an ask for ``lane``, or the message ``msg``."""
@@ -367,9 +383,7 @@ class SenderCore:
     def connected(self, host, now: float) -> None:
         self._now = now
         link = self._links[host]
-        if link.state is not LinkState.CONNECTING:
-            raise LocalProtocolError(f"connected() for {host} in state {link.state.value}")
-        link.state = LinkState.UP
+        self._go(link, LinkEvent.CONNECTED)
         link.decoder = FrameDecoder(accept=ANSWERS)
         link.failures = 0
         self._note(NoteKind.CONNECTED, None, host)
@@ -378,7 +392,7 @@ class SenderCore:
     def connect_failed(self, host, error: str, now: float) -> None:
         self._now = now
         link = self._links[host]
-        link.state = LinkState.DOWN
+        self._go(link, LinkEvent.FAILED)
         self._link_failed(link, f"cannot connect: {error}")
 
     def data_received(self, host, data: bytes, now: float) -> None:
@@ -676,17 +690,25 @@ class SenderCore:
 
     # --- connections --------------------------------------------------------------------------
 
+    @staticmethod
+    def _go(link: _Link, event: LinkEvent) -> None:
+        try:
+            link.state = LINK_TRANSITIONS[link.state][event]
+        except KeyError:
+            raise LocalProtocolError(f"connection to {link.host}: {event.value!r} in state "
+                                     f"{link.state.value!r}") from None
+
     def _wait_for(self, link: _Link, lane: _Lane) -> None:
         link.waiting[lane] = None
         if link.state is LinkState.DOWN and link.retry_at <= self._now:
-            link.state = LinkState.CONNECTING
+            self._go(link, LinkEvent.CONNECT)
             self._actions.append(Connect(link.host))
 
     def _wake(self, link: _Link) -> None:
         """Let the lanes waiting for ``link`` go on, oldest first, while there is room."""
         if link.state is LinkState.DOWN:
             if link.waiting and link.retry_at <= self._now:
-                link.state = LinkState.CONNECTING
+                self._go(link, LinkEvent.CONNECT)
                 self._actions.append(Connect(link.host))
             return
         if link.state is not LinkState.UP:
@@ -709,7 +731,7 @@ class SenderCore:
         """The connection ends: every frame it carried is unanswered (spec 5.11)."""
         if close:
             self._actions.append(Close(link.host, why))
-        link.state = LinkState.DOWN
+        self._go(link, LinkEvent.LOST)
         link.decoder = None
         self._link_failed(link, why)
 
