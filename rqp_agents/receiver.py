@@ -110,13 +110,13 @@ class Receiver(Daemon):
         self.dedup.close()
         log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
 
+    # --- reload, status, metrics ---------------------------------------------------------------
+
     def status(self) -> dict:
         return telemetry.receiver_status(self)
 
     def metrics(self) -> str:
         return telemetry.receiver_metrics(self)
-
-    # --- reload, status, metrics ---------------------------------------------------------------
 
     def reload(self) -> None:
         """SIGHUP: read the config again (offered queues, retries, sizes); connections stay.

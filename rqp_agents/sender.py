@@ -56,7 +56,8 @@ class Sender(Daemon):
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.msgmax = kernel_limits().msgmax
-        # The spec's start: DEAD.LETTER.Q and the transmission queue exist before anything else.
+        # The spec's start: DEAD.LETTER.Q exists before anything else (the transmission
+        # queue is opened, or created, by the intake below).
         self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
                                              self.state_dir / "spill", msgmax=self.msgmax)
         self.lock = ServingLock(config.transmission_queue)
@@ -99,13 +100,13 @@ class Sender(Daemon):
         else:
             await self._stop()
 
+    # --- reload, status, metrics ---------------------------------------------------------------
+
     def status(self) -> dict:
         return telemetry.sender_status(self)
 
     def metrics(self) -> str:
         return telemetry.sender_metrics(self)
-
-    # --- reload, status, metrics ---------------------------------------------------------------
 
     def reload(self) -> None:
         """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
