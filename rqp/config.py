@@ -606,14 +606,14 @@ class ReceiverConfig:
         decision (the agent adds only what it finds on the host: whether the queue exists, may
         be written and is not a transmission queue). A key that names no queue, the
         dead-letter queue and what the allow and deny lists exclude are not offered; nor are
-        the default transmission and dead-letter keys unless ``offer.allow`` lists them."""
+        the default transmission and dead-letter keys, whatever the lists say."""
         if queue_key_problem(key) or key == self.dead_letter_queue:
             return False
         if key in (DEFAULT_TRANSMISSION_QUEUE, DEFAULT_DEAD_LETTER_QUEUE):
-            # The agents' own queues: a remote peer writing there would have this host's
-            # sending MCA relay its records, or fill the dead letters. Only if allowed by key.
-            return self.offer_allow is not None and key in self.offer_allow \
-                and key not in self.offer_deny
+            # The agents' own queues, whatever the lists say: a remote peer writing there would
+            # have this host's sending MCA relay its records (an open relay), or fill the dead
+            # letters.
+            return False
         if self.offer_allow is not None and key not in self.offer_allow:
             return False
         return key not in self.offer_deny

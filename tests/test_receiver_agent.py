@@ -199,8 +199,8 @@ def test_transmission_queues_are_never_offered_to_the_network(testbed):
     """A new user's trial (issue 10): with the default config the receiver offered this host's
     transmission queue, so a remote peer's MESSAGE holding an RQPX record was relayed by the
     local sending MCA as its own. Transmission queues (any key with a sending MCA's semaphores)
-    and the default agent keys are not offered: QUEUE_NO, and QUEUE_NOT_OFFERED for a MESSAGE
-    sent without asking."""
+    and the default agent keys are not offered, even when offer.allow lists them: QUEUE_NO, and
+    QUEUE_NOT_OFFERED for a MESSAGE sent without asking."""
     xmit = 0x7E570000
 
     def make_transmission_queue(qa):
@@ -208,8 +208,8 @@ def test_transmission_queues_are_never_offered_to_the_network(testbed):
         qa.host.run([sys.executable, "-c", "from rqp.system.service import AgentSemaphores; "
                      f"AgentSemaphores({xmit})"], check=True)
 
-    r = rig(testbed, {"host_name": HOST_NAME},
-            queues={Q1: 0o660, 0x52510000: 0o660},
+    config = {"host_name": HOST_NAME, "offer": {"allow": [Q1, xmit, 0x52510000, 0x5251DEAD]}}
+    r = rig(testbed, config, queues={Q1: 0o660, 0x52510000: 0o660},
             before_start=make_transmission_queue)
     connect(r.pb, "c", r)
     got = r.pb.exchange("c", [ask(xmit), ask(0x52510000), ask(0x5251DEAD), ask(Q1)])
