@@ -26,7 +26,7 @@ from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import DeadLetterWriter
-from rqp.storage.dedup import DedupWindow, window_path
+from rqp.storage.dedup import DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging
@@ -71,7 +71,7 @@ class Receiver(Daemon):
             log.warning("de-duplication window %s: %s", window_path(state), problem)
         self._putting: dict[int, asyncio.Event] = {}  # SURE keys being put right now
         self.delivery = LocalDelivery(config)
-        self._noticed: dict[int, None] = {}
+        self._noticed: dict[tuple[str, int], None] = {}
         self._connections: set[asyncio.Task] = set()
         self._idle: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -214,14 +214,15 @@ class Receiver(Daemon):
         if message.message_type != SURE_MSG:
             reason, detail = await self.delivery.put(message)
         else:
-            key = message.key
+            key = scoped_key(peer, message.key)  # a peer's keys never hide another's
             while key in self._putting:  # the same message on another connection, just now
                 await self._putting[key].wait()
             if self.dedup.seen(key):
                 self.stats["repeats"] += 1
                 self.by_queue[(message.queue_key, "repeat")] += 1
                 log.info("repeat of SURE message key=%#018x for queue %s from %s: answered "
-                         "without putting it again", key, format_key(message.queue_key), peer)
+                         "without putting it again", message.key, format_key(message.queue_key),
+                         peer)
                 return conn.answer_put(request, True)
             self._putting[key] = done = asyncio.Event()
             try:
@@ -244,7 +245,8 @@ class Receiver(Daemon):
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, peer: str) -> None:
         sure = message.message_type == SURE_MSG
-        if sure and message.key in self._noticed:
+        noticed = (peer, message.key)
+        if sure and noticed in self._noticed:
             log.info("dead letter (repeat, not written again) reason=%s queue=%s key=%#018x "
                      "from=%s", reason.name, format_key(message.queue_key), message.key, peer)
             return
@@ -267,7 +269,7 @@ class Receiver(Daemon):
                       message.key, format_key(message.queue_key), reason.name, exc)
             raise DeadLetterUnavailable(str(exc)) from exc
         if sure:
-            self._noticed[message.key] = None
+            self._noticed[noticed] = None
             if len(self._noticed) > NOTICE_MEMORY:
                 del self._noticed[next(iter(self._noticed))]
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,

@@ -809,3 +809,11 @@ def test_resize_applies_new_limits_at_once(tmp_path):
     with pytest.raises(ValueError, match="max_keys"):
         window.resize(-1, 20)
     window.close()
+
+
+def test_scoped_keys_differ_per_peer_and_are_stable():
+    from rqp.storage.dedup import scoped_key
+
+    assert scoped_key("10.0.0.1", 7) == scoped_key("10.0.0.1", 7)
+    keys = {scoped_key(peer, k) for peer in ("10.0.0.1", "10.0.0.2", "::1") for k in range(1000)}
+    assert len(keys) == 3000 and all(0 <= k < 1 << 64 for k in keys)

@@ -730,3 +730,27 @@ def test_a_repeated_sure_message_is_answered_without_a_second_put_even_after_a_r
     assert r.qa.drain(Q1) == [(1, b"unsure")]  # UNSURE messages are never held back
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
+
+
+def test_one_peer_cannot_make_anothers_sure_messages_look_like_repeats(testbed):
+    """Issue 12: the window was keyed by the message key alone. A client that sent SURE frames
+    with another sender's next keys made the receiver answer that sender's real messages
+    "repeat" (DELIVERED_YES, nothing put). Two honest senders numbering their keys alike lost
+    messages the same way. The window is scoped by the peer (its source address)."""
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    keys = [0x00000009_00000001 + n for n in range(5)]
+    connect(r.qa, "poison", r)  # from host a: another source address than b's
+    assert answers(r.qa.exchange("poison", [msg(Q1, b"poison", key=k, type=SURE)
+                                            for k in keys])) == ["DELIVERED_YES"] * 5
+    connect(r.pb, "honest", r)
+    assert answers(r.pb.exchange("honest", [msg(Q1, b"real %d" % n, key=k, type=SURE)
+                                            for n, k in enumerate(keys)])) == \
+        ["DELIVERED_YES"] * 5
+    got = r.qa.drain(Q1)
+    assert [body for _, body in got] == [b"poison"] * 5 + [b"real %d" % n for n in range(5)]
+    assert "repeat of SURE message" not in r.log()
+    # a real repeat from the same peer is still recognised
+    connect(r.pb, "again", r)
+    assert answers(r.pb.exchange("again", [msg(Q1, b"real 0", key=keys[0], type=SURE)])) == \
+        ["DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [] and "repeat of SURE message" in r.log()

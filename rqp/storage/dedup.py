@@ -123,6 +123,7 @@ Compaction costs O(keys in the window) once per at least as many ``record()`` ca
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import math
 import os
@@ -139,6 +140,7 @@ from rqp.protocol.errors import RQPError
 from rqp.storage.log import LogFile, ReplaceFailed
 
 __all__ = [
+    "scoped_key",
     "DEDUP_ENTRY",
     "DEDUP_ENTRY_SIZE",
     "DEDUP_HEADER",
@@ -186,6 +188,18 @@ DEFAULT_COMPACT_MIN_BYTES = 1 << 20
 
 class DedupError(RQPError):
     """The de-duplication file cannot be read or written (the message names the file)."""
+
+
+def scoped_key(peer: str, key: int) -> int:
+    """The window's key for message ``key`` from ``peer`` (its source address; its TLS
+    identity once there is one): 64 bits of BLAKE2b over both. Message keys are only unique
+    per sender, and run in sequence, so a window keyed by the message key alone let one peer
+    make another's next SURE messages look like repeats (answered, never put). Windows
+    written before scoping hold plain keys: a repeat of a message delivered before the
+    upgrade is put once more (a duplicate, never a loss)."""
+    digest = hashlib.blake2b(key.to_bytes(8, "big"), digest_size=8,
+                             key=peer.encode("utf-8", "surrogatepass")[:64]).digest()
+    return int.from_bytes(digest, "big")
 
 
 def window_path(state_dir: str | os.PathLike, name: str = "receiver") -> Path:
