@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +20,8 @@ from rqp.system.service import notify, watchdog_interval
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
 #: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.
 EXIT_UNEXPECTED = 70
+#: Running out of file descriptors is logged at most once per this many seconds.
+DESCRIPTOR_LOG_INTERVAL = 10.0
 
 
 class Daemon:
@@ -37,6 +41,9 @@ class Daemon:
         #: Set by :meth:`fatal`: the agent stops at once and exits with EXIT_UNEXPECTED.
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Accepts refused for want of file descriptors (logged once per interval).
+        self.out_of_descriptors = 0
+        self._descriptors_logged = -DESCRIPTOR_LOG_INTERVAL
 
     async def start_service(self, control_path: Path, metrics_listen) -> None:
         """Signal handlers, the control socket and (if configured) the metrics endpoint."""
@@ -89,9 +96,22 @@ class Daemon:
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         exc = context.get("exception")
         message = context.get("message", "")
-        # Running out of descriptors while accepting is the system's trouble, not ours: the
-        # server goes on accepting once some are free.
-        if exc is None or message.startswith("socket.accept() out of system resource"):
+        # Running out of descriptors while accepting is the system's trouble, not ours: asyncio
+        # stops accepting for a second and tries again. It reports every failed accept of the
+        # backlog with a traceback (thousands of lines a second): one line per interval here.
+        if message.startswith("socket.accept() out of system resource"):
+            self.out_of_descriptors += 1
+            now = time.monotonic()
+            if now - self._descriptors_logged >= DESCRIPTOR_LOG_INTERVAL:
+                self._descriptors_logged = now
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                self.log.error("cannot accept connections: %s (open files limit %d; "
+                               "%d refused accepts so far); not accepting for a second at a "
+                               "time until descriptors are free -- raise LimitNOFILE= or lower "
+                               "max_connections", exc.strerror if isinstance(exc, OSError)
+                               else exc, soft, self.out_of_descriptors)
+            return
+        if exc is None:
             loop.default_exception_handler(context)
             return
         self.fatal(f"the event loop ({message or 'a callback'})", exc)

@@ -35,6 +35,7 @@ from tests.rqp_peer import (
     SURE,
     UNSURE,
     Peer,
+    PeerError,
     answers,
     ask,
     msg,
@@ -754,3 +755,40 @@ def test_one_peer_cannot_make_anothers_sure_messages_look_like_repeats(testbed):
     assert answers(r.pb.exchange("again", [msg(Q1, b"real 0", key=keys[0], type=SURE)])) == \
         ["DELIVERED_YES"]
     assert r.qa.drain(Q1) == [] and "repeat of SURE message" in r.log()
+
+
+def test_running_out_of_descriptors_is_one_log_line_and_the_receiver_recovers(testbed):
+    """A new user's trial: under ``ulimit -n 64`` and 100 connections, asyncio logged one
+    traceback per refused accept (2,459 lines in 10 ms). Now: one line per interval, the
+    receiver stays up and serves once descriptors are free again."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    qa.create(Q1, 0o660)
+    state = a.workdir / "receiver-state"
+    state.mkdir()
+    config = a.workdir / "receiver.yaml"
+    config.write_text(f"host_name: {HOST_NAME}\n")
+    rx = a.popen(["prlimit", "--nofile=40:40", sys.executable, "-m", "rqp_agents.receiver",
+                  "--listen", f"0.0.0.0:{PORT}", "--state-dir", str(state),
+                  "--config", str(config)])
+    wait_for(lambda: "listening on" in a.output(rx, "stderr") or rx.poll() is not None,
+             timeout=15, message="receiver did not start")
+    opened = []
+    for n in range(60):  # more than the receiver has descriptors for
+        got = pb.connect(f"c{n}", a.address, PORT)
+        if got["connected"]:
+            opened.append(f"c{n}")
+    wait_for(lambda: "cannot accept connections" in a.output(rx, "stderr"), timeout=15,
+             message="the receiver never ran out of descriptors")
+    for name in opened:
+        pb.close(name)
+    r = Rig(a, b, qa, pb, rx)
+    wait_for(lambda: pb.connect("after", a.address, PORT)["connected"] and
+             answers(pb.exchange("after", [ask(Q1)])) == ["QUEUE_YES"], timeout=20,
+             message="the receiver did not serve again", ignore=(PeerError,))
+    err = r.log()
+    assert rx.poll() is None
+    assert err.count("cannot accept connections") == 1, err[-3000:]
+    assert "Traceback" not in err and "out of system resource" not in err
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0
