@@ -36,7 +36,11 @@ from rqp.protocol.constants import (
     DEFAULT_DEAD_LETTER_QUEUE,
     DEFAULT_DEDUP_WINDOW_AGE,
     DEFAULT_DEDUP_WINDOW_KEYS,
+    DEFAULT_FIRST_FRAME_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
     DEFAULT_LISTEN_HOST,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
     DEFAULT_PORT,
     DEFAULT_PUT_RETRY_COUNT,
     DEFAULT_PUT_RETRY_INTERVAL,
@@ -146,6 +150,10 @@ RECEIVER_KEYS: tuple[str, ...] = (
     "dedup_window_age",
     "control_socket",
     "metrics_listen",
+    "max_connections",
+    "max_connections_per_source",
+    "first_frame_timeout",
+    "idle_timeout",
 )
 _OFFER_KEYS = ("allow", "deny")
 
@@ -450,6 +458,7 @@ _parse_window = _int_parser(1, MAX_WINDOW, "a number of frames")
 _parse_retry_count = _int_parser(0, None, "a number of retries")
 _parse_attempts = _int_parser(1, None, "a number of attempts")
 _parse_key_count = _int_parser(0, None, "a number of message keys")
+_parse_connections = _int_parser(1, 1_000_000, "a number of connections")
 
 _HOST_NAME_RE = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
 
@@ -582,6 +591,13 @@ class ReceiverConfig:
     #: SURE message keys remembered to answer repeats without putting them again (0: off).
     dedup_window_keys: int = DEFAULT_DEDUP_WINDOW_KEYS
     dedup_window_age: float = DEFAULT_DEDUP_WINDOW_AGE
+    #: Connections kept at once, in all and from one source address; more are closed at once.
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE
+    #: A connection with no complete frame this long after it was accepted is closed.
+    first_frame_timeout: float = DEFAULT_FIRST_FRAME_TIMEOUT
+    #: A connection with nothing in flight and no byte for this long is closed.
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     #: None: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/receiver.sock.
     control_socket: str | None = None
     #: None: no HTTP metrics endpoint (rqpctl metrics still works).
@@ -849,6 +865,12 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         dedup_window_age=f.get("dedup_window_age", parse_duration, DEFAULT_DEDUP_WINDOW_AGE),
         control_socket=f.path_value("control_socket"),
         metrics_listen=f.get("metrics_listen", _parse_metrics_listen, None),
+        max_connections=f.get("max_connections", _parse_connections, DEFAULT_MAX_CONNECTIONS),
+        max_connections_per_source=f.get("max_connections_per_source", _parse_connections,
+                                         DEFAULT_MAX_CONNECTIONS_PER_SOURCE),
+        first_frame_timeout=f.get("first_frame_timeout", parse_duration,
+                                  DEFAULT_FIRST_FRAME_TIMEOUT),
+        idle_timeout=f.get("idle_timeout", parse_duration, DEFAULT_IDLE_TIMEOUT),
         source=f.file,
     )
 

@@ -24,6 +24,28 @@ EXIT_UNEXPECTED = 70
 DESCRIPTOR_LOG_INTERVAL = 10.0
 
 
+class RateLimitedLog:
+    """A line logged at most once per ``interval`` seconds (a flood from the network must not
+    fill the journal), saying how many were held back; :attr:`count` counts them all."""
+
+    def __init__(self, log: logging.Logger, interval: float) -> None:
+        self.log = log
+        self.interval = interval
+        self.count = 0
+        self._last = -interval
+        self._held = 0
+
+    def report(self, text: str, level: int = logging.WARNING) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        self.log.log(level, "%s%s", text, f" ({held} more like it in the last "
+                     f"{self.interval:g}s not logged)" if held else "")
+
+
 class Daemon:
     """Base of the sending and receiving MCAs. Subclasses provide ``status()``, ``metrics()``
     and ``reload()`` (which raises :class:`RQPError` to refuse a bad config)."""
@@ -42,8 +64,7 @@ class Daemon:
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Accepts refused for want of file descriptors (logged once per interval).
-        self.out_of_descriptors = 0
-        self._descriptors_logged = -DESCRIPTOR_LOG_INTERVAL
+        self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL)
 
     async def start_service(self, control_path: Path, metrics_listen) -> None:
         """Signal handlers, the control socket and (if configured) the metrics endpoint."""
@@ -100,16 +121,12 @@ class Daemon:
         # stops accepting for a second and tries again. It reports every failed accept of the
         # backlog with a traceback (thousands of lines a second): one line per interval here.
         if message.startswith("socket.accept() out of system resource"):
-            self.out_of_descriptors += 1
-            now = time.monotonic()
-            if now - self._descriptors_logged >= DESCRIPTOR_LOG_INTERVAL:
-                self._descriptors_logged = now
-                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-                self.log.error("cannot accept connections: %s (open files limit %d; "
-                               "%d refused accepts so far); not accepting for a second at a "
-                               "time until descriptors are free -- raise LimitNOFILE= or lower "
-                               "max_connections", exc.strerror if isinstance(exc, OSError)
-                               else exc, soft, self.out_of_descriptors)
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            why = exc.strerror if isinstance(exc, OSError) else exc
+            self.out_of_descriptors.report(
+                f"cannot accept connections: {why} (open files limit {soft}); not accepting "
+                "for a second at a time until descriptors are free -- raise LimitNOFILE= or "
+                "lower max_connections", level=logging.ERROR)
             return
         if exc is None:
             loop.default_exception_handler(context)

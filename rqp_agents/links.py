@@ -39,7 +39,7 @@ class _Link(asyncio.Protocol):
 
 class Links:
     """``on_connected(host)``, ``on_failed(host, why)``, ``on_data(host, data)`` (``b""``: the
-    peer ended the stream) and ``on_lost(host, why)`` are called on the loop; ``guard(where,
+    peer ended the stream) and ``on_lost(host, why, clean)`` (clean: the peer closed it in order) are called on the loop; ``guard(where,
     fn, *args)`` runs a callback so that an unexpected error stops the agent."""
 
     def __init__(self, *, on_connected: Callable, on_failed: Callable, on_data: Callable,
@@ -90,4 +90,4 @@ class Links:
     def _lost(self, link: _Link, exc) -> None:
         if self._links.get(link.host) is link:
             del self._links[link.host]
-            self.on_lost(link.host, str(exc) if exc else "closed")
+            self.on_lost(link.host, str(exc) if exc else "closed", exc is None)

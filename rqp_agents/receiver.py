@@ -31,7 +31,7 @@ from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
 
 log = logging.getLogger("rqp.receiver")
@@ -43,6 +43,8 @@ READ_SIZE = 1 << 16
 ANSWER_BATCH = 64
 #: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
 NOTICE_MEMORY = 100_000
+#: Refused connections are logged at most once per this many seconds.
+REFUSAL_LOG_INTERVAL = 10.0
 
 
 class DeadLetterUnavailable(RQPError):
@@ -79,9 +81,12 @@ class Receiver(Daemon):
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
+        self._by_source: collections.Counter[str] = collections.Counter()  # open, per address
+        self._refusals = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
-        self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0}
+        self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0,
+                      "refused_connections": 0, "timed_out_connections": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -144,25 +149,41 @@ class Receiver(Daemon):
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self._connections.add(task)
         peer = writer.get_extra_info("peername")
         peer_host = peer[0] if peer else "?"
+        refused = self._over_limit(peer_host)
+        if refused:
+            self.stats["refused_connections"] += 1
+            self._refusals.report(f"refusing connections: {refused}")
+            writer.close()
+            return
+        self._connections.add(task)
+        self._by_source[peer_host] += 1
         self.stats["connections"] += 1
         self._peers[task] = info = {"peer": _peer(peer), "since": time.time(), "messages": 0,
                                     "dead_letters": 0, "asks": 0}
         log.info("connection from %s", _peer(peer))
         conn = ReceiverConnection(max_message_size=self.max_message_size)
+        framed = False  # a complete frame has come
         try:
             while True:
                 self._idle.add(task)  # waiting for bytes: nothing in flight
+                wait = self.config.idle_timeout if framed else self.config.first_frame_timeout
                 try:
-                    data = await reader.read(READ_SIZE)
+                    data = await asyncio.wait_for(reader.read(READ_SIZE), wait)
+                except asyncio.TimeoutError:
+                    self.stats["timed_out_connections"] += 1
+                    log.info("closing connection from %s: %s", _peer(peer),
+                             f"idle for {wait:g}s (idle_timeout)" if framed else
+                             f"no complete frame within {wait:g}s (first_frame_timeout)")
+                    break
                 finally:
                     self._idle.discard(task)
                 conn.receive_data(data)
                 answers = []
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
+                        framed = True
                         answers.append(await self._handle(conn, request, peer_host, info))
                         if len(answers) >= ANSWER_BATCH:
                             self._answer(writer, answers)
@@ -191,6 +212,18 @@ class Receiver(Daemon):
             writer.close()
             self._connections.discard(task)
             self._peers.pop(task, None)
+            self._by_source[peer_host] -= 1
+            if not self._by_source[peer_host]:
+                del self._by_source[peer_host]
+
+    def _over_limit(self, source: str) -> str | None:
+        """Why one more connection from ``source`` is refused, or None."""
+        if len(self._connections) >= self.config.max_connections:
+            return f"{len(self._connections)} open, max_connections {self.config.max_connections}"
+        if self._by_source[source] >= self.config.max_connections_per_source:
+            return (f"{self._by_source[source]} open from {source}, max_connections_per_source "
+                    f"{self.config.max_connections_per_source}")
+        return None
 
     def _answer(self, writer: asyncio.StreamWriter, answers: list[bytes]) -> None:
         """Write a batch of answers once the SURE keys it confirms are durable (one fsync)."""

@@ -197,8 +197,8 @@ class Sender(Daemon):
         self.core.data_received(host, data, self.loop.time())
         self._run_actions()
 
-    def _lost(self, host, why: str) -> None:
-        self.core.connection_lost(host, why, self.loop.time())
+    def _lost(self, host, why: str, clean: bool) -> None:
+        self.core.connection_lost(host, why, self.loop.time(), clean=clean)
         self._run_actions()
 
     # --- carrying out the core's decisions ---------------------------------------------------
@@ -222,7 +222,8 @@ class Sender(Daemon):
                            f"connecting to {act.host}")
             elif kind is Close:
                 out.pop(act.host, None)  # frames for a connection being given up
-                log.warning("closing connection to %s: %s", act.host, act.reason)
+                log.log(logging.DEBUG if act.idle else logging.WARNING,
+                        "closing connection to %s: %s", act.host, act.reason)
                 self.links.close(act.host)
             elif kind is Lost:
                 self.stats["lost"] += 1
@@ -266,7 +267,8 @@ class Sender(Daemon):
         self._run_actions()
 
     def _log_note(self, note: Note) -> None:
-        level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED) \
+        level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED,
+                                              NoteKind.CONNECTION_CLOSED) \
             else logging.WARNING
         fields = []
         if note.queue_key is not None:

@@ -126,6 +126,12 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_asks_total", "counter", "QUEUE_ASK frames answered"),
         ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
         ("rqp_receiver_connections_total", "counter", "connections accepted"),
+        ("rqp_receiver_connections_refused_total", "counter",
+         "connections closed at once: over max_connections or max_connections_per_source"),
+        ("rqp_receiver_connections_timed_out_total", "counter",
+         "connections closed by first_frame_timeout or idle_timeout"),
+        ("rqp_accepts_out_of_descriptors_total", "counter",
+         "accepts refused by the system for want of file descriptors"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
@@ -138,6 +144,9 @@ def receiver_metrics(agent) -> str:
     m["rqp_receiver_asks_total"].add(agent.stats["asks"])
     m["rqp_receiver_connections"].add(len(agent._peers))
     m["rqp_receiver_connections_total"].add(agent.stats["connections"])
+    m["rqp_receiver_connections_refused_total"].add(agent.stats["refused_connections"])
+    m["rqp_receiver_connections_timed_out_total"].add(agent.stats["timed_out_connections"])
+    m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     depth = _depth(agent.dead_letters.queue)

@@ -784,12 +784,12 @@ def test_the_readme_tables_show_the_defaults():
             value = value.split(" (")[0].replace(",", "").strip("`")
             if name in ("ask_timeout", "confirm_timeout", "connect_timeout",
                         "retry_backoff_initial", "retry_backoff_max", "put_retry_interval",
-                        "dedup_window_age"):
+                        "dedup_window_age", "first_frame_timeout", "idle_timeout"):
                 parsed = config.parse_duration(value.replace(" ", ""))
             elif name in ("transmission_queue", "dead_letter_queue"):
                 parsed = config.parse_queue_key(value)
             elif name in ("port", "window", "error_limit", "put_retry_count",
-                          "dedup_window_keys"):
+                          "dedup_window_keys", "max_connections", "max_connections_per_source"):
                 parsed = int(value)
             elif name == "listen":
                 parsed = config.parse_host(value)
@@ -801,4 +801,5 @@ def test_the_readme_tables_show_the_defaults():
                        "confirm_timeout", "connect_timeout", "error_limit",
                        "retry_backoff_initial", "retry_backoff_max", "window", "listen",
                        "put_retry_count", "put_retry_interval", "dedup_window_keys",
-                       "dedup_window_age"}
+                       "dedup_window_age", "max_connections", "max_connections_per_source",
+                       "first_frame_timeout", "idle_timeout"}

@@ -792,3 +792,31 @@ def test_running_out_of_descriptors_is_one_log_line_and_the_receiver_recovers(te
     assert "Traceback" not in err and "out of system resource" not in err
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
+
+
+def test_connection_limits_and_timeouts(testbed):
+    """Issue 12: 4,000 idle connections were all kept, for ever. Now more than
+    max_connections_per_source from one address are closed at once (one log line), a
+    connection that sends no frame within first_frame_timeout is closed, and one idle for
+    idle_timeout too; each counted in the metrics."""
+    config = {**BASE_CONFIG, "max_connections_per_source": 3, "first_frame_timeout": "300ms",
+              "idle_timeout": "600ms", "metrics_listen": ":9747"}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    for n in range(3):
+        connect(r.pb, f"c{n}", r)
+    assert answers(r.pb.exchange("c0", [ask(Q1)])) == ["QUEUE_YES"]  # c0 has sent a frame
+    connect(r.pb, "extra", r)  # the fourth from b: closed at once, unanswered
+    assert r.pb.read_to_eof("extra")["eof"]
+    wait_for(lambda: "refusing connections: 3 open from" in r.log(), timeout=10,
+             message="no refusal logged")
+    # c1 and c2 never sent a frame: closed after first_frame_timeout; c0 after idle_timeout
+    for name in ("c1", "c2", "c0"):
+        assert r.pb.read_to_eof(name, timeout=10)["eof"], name
+    log = r.log()
+    assert log.count("first_frame_timeout") == 2 and log.count("(idle_timeout)") == 1
+    connect(r.pb, "later", r)  # room again
+    assert answers(r.pb.exchange("later", [ask(Q1)])) == ["QUEUE_YES"]
+    metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
+                         "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    assert "rqp_receiver_connections_refused_total 1\n" in metrics
+    assert "rqp_receiver_connections_timed_out_total 3\n" in metrics

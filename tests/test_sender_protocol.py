@@ -535,3 +535,17 @@ def test_connection_states_change_only_along_the_link_table():
     h = Harness(hosts=("b",))
     with pytest.raises(LocalProtocolError, match="'connected' in state 'down'"):
         h.core.connected("b", 0.0)  # nobody asked for a connection
+
+
+def test_an_idle_connection_closed_by_the_receiver_is_no_failure():
+    """The receiver's idle_timeout closes a connection with nothing in flight: the core notes
+    it, counts no failure and connects again at once for the next message (no back-off)."""
+    h = Harness(hosts=("b",))
+    h.submit(Q1, UNSURE_MSG)
+    h.serve({"b": {Q1}})
+    h.core.data_received("b", b"", h.now)  # end of stream, in order
+    notes = [n.kind for n in h.of(Note)]
+    assert NoteKind.CONNECTION_CLOSED in notes and NoteKind.CONNECTION_FAILED not in notes
+    h.submit(Q1, UNSURE_MSG, b"next")
+    assert [type(e).__name__ for _, e in h.sent()] == ["Message"]  # reconnected at once
+    assert h.core.link_state("b").value == "up"

@@ -61,6 +61,11 @@ DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default
 DEFAULT_PUT_RETRY_INTERVAL = 1.0  # IBM MQ's MRTMR default
 DEFAULT_DEDUP_WINDOW_KEYS = 1_000_000
 DEFAULT_DEDUP_WINDOW_AGE = 24 * 3600.0
+# The receiving MCA's limits on what the network may hold of it (issue 12).
+DEFAULT_MAX_CONNECTIONS = 512  # well under systemd's default 1,024 open files
+DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
+DEFAULT_FIRST_FRAME_TIMEOUT = 10.0  # from accept to the first complete frame
+DEFAULT_IDLE_TIMEOUT = 600.0  # no frame and nothing in flight for this long: closed
 
 # System V message type (mtype) used for every message the project puts on any queue:
 # destination queues, the transmission queue and DEAD.LETTER.Q.

@@ -177,6 +177,8 @@ class Send:
 class Close:
     host: object
     reason: str
+    #: An orderly end with nothing riding on it (already noted as CONNECTION_CLOSED).
+    idle: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,7 @@ class NoteKind(enum.Enum):
     NO_ROUTE = "no host offers the queue"
     RETRY_SCHEDULED = "SURE message will be retried"
     CONNECTION_FAILED = "connection failed"
+    CONNECTION_CLOSED = "connection closed while idle"
     CONNECTED = "connected"
 
 
@@ -409,7 +412,7 @@ class SenderCore:
             link.decoder.receive_data(data)
             while (event := link.decoder.next_event()) is not NEED_DATA:
                 if event is CLOSED:
-                    self._drop_link(link, "closed by the receiving MCA")
+                    self._peer_closed(link, "closed by the receiving MCA")
                     return
                 if not answerable:
                     raise RemoteProtocolError(
@@ -425,11 +428,26 @@ class SenderCore:
         except RemoteProtocolError as exc:
             self._drop_link(link, f"protocol error: {exc}")
 
-    def connection_lost(self, host, error: str, now: float) -> None:
+    def connection_lost(self, host, error: str, now: float, *, clean: bool = False) -> None:
+        """The connection to ``host`` ended; ``clean``: the peer closed it in order (EOF)."""
         self._now = now
         link = self._links[host]
-        if link.state is not LinkState.DOWN:
+        if clean and link.state is LinkState.UP:
+            self._peer_closed(link, error)
+        elif link.state is not LinkState.DOWN:
             self._drop_link(link, error, close=False)
+
+    def _peer_closed(self, link: _Link, why: str) -> None:
+        """The receiver closed the connection in order. With nothing riding on it (its idle
+        time-out) that is no failure: the next frame for that host connects again at once.
+        Otherwise every frame it carried is unanswered."""
+        if link.outstanding or link.waiting:
+            self._drop_link(link, why)
+            return
+        self._actions.append(Close(link.host, why, idle=True))
+        self._go(link, LinkEvent.LOST)
+        link.decoder = None
+        self._note(NoteKind.CONNECTION_CLOSED, None, link.host, why)
 
     def tick(self, now: float) -> None:
         """Let time pass: overdue answers end their connection; back-offs end."""
