@@ -291,11 +291,14 @@ class Receiver(Daemon):
             original_length=message.message_length, host=self.host, source_host=peer,
             destination_host=self.host, detail=detail,
             payload=b"" if header_only else message.message)
+        data = None
         try:
             data = self.dead_letters.encode(record)
             await self.delivery.retrying(lambda: self.dead_letters.try_put(data), 1.0,
                                          "DEAD.LETTER.Q")
         except (RQPError, OSError) as exc:
+            if data is not None:
+                self.dead_letters.discard(data)  # no spill file that no record names
             log.error("DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x "
                       "(queue %s, reason %s): %s -- closing the connection unanswered so the "
                       "sender keeps the message", format_key(self.config.dead_letter_queue),

@@ -66,6 +66,8 @@ DEFAULT_MAX_CONNECTIONS = 512  # well under systemd's default 1,024 open files
 DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
 DEFAULT_FIRST_FRAME_TIMEOUT = 10.0  # from accept to the first complete frame
 DEFAULT_IDLE_TIMEOUT = 600.0  # no frame and nothing in flight for this long: closed
+#: Spill files (full payloads of dead letters too big for one message) kept at most, per agent.
+DEFAULT_SPILL_LIMIT = 1 << 30
 
 # System V message type (mtype) used for every message the project puts on any queue:
 # destination queues, the transmission queue and DEAD.LETTER.Q.

@@ -10,13 +10,15 @@ the receiving MCA retries for a bounded time) and counts what it wrote by reason
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
 from pathlib import Path
 
-from rqp.protocol.errors import MessageTooBig
+from rqp.protocol.constants import DEFAULT_SPILL_LIMIT
+from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.reasons import reason_name
 from rqp.protocol.records import DeadLetterFlags, DeadLetterRecord
 from rqp.system.files import write_file_atomically
@@ -31,16 +33,21 @@ class DeadLetterWriter:
     """Puts dead-letter records on the dead-letter queue ``queue_key``.
 
     ``spill_dir`` receives the full payload of a record too big for one System V message
-    (created when first needed). :attr:`by_reason` counts the records written, by reason name.
+    (created when first needed), up to ``spill_limit`` bytes in all: beyond, the payload is
+    only cut (TRUNCATED, no spill file) and the record's detail says why, so that a peer
+    sending big messages to a refused queue cannot fill the disk. :attr:`by_reason` counts
+    the records written, by reason name.
     """
 
     def __init__(self, queue_key: int, spill_dir: str | os.PathLike, *,
-                 msgmax: int | None = None):
+                 msgmax: int | None = None, spill_limit: int = DEFAULT_SPILL_LIMIT):
         self.queue_key = queue_key
         self.spill_dir = Path(spill_dir)
         self.msgmax = msgmax if msgmax is not None else kernel_limits().msgmax
+        self.spill_limit = spill_limit
         self.queue = LocalQueue.create(queue_key)
         self.by_reason: collections.Counter[str] = collections.Counter()
+        self._spilled: int | None = None  # bytes in spill_dir (measured on first need)
 
     @property
     def written(self) -> int:
@@ -48,12 +55,38 @@ class DeadLetterWriter:
 
     def encode(self, record: DeadLetterRecord) -> bytes:
         """The record's bytes, fitted to one System V message (spilling the payload if need
-        be). Raises OSError if the spill file cannot be written, MessageTooBig if even the
-        header does not fit."""
-        if record.encoded_size() > self.msgmax:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-            record = fit_dead_letter(record, self.msgmax, self.spill_dir)
+        be and there is room). Raises OSError if the spill file cannot be written,
+        MessageTooBig if even the header does not fit. A record that is then not written
+        must be given to :meth:`discard`, so that no spill file is left that no record
+        names."""
+        if record.encoded_size() <= self.msgmax:
+            return record.to_bytes()
+        if self._spilled is None:
+            self._spilled = _bytes_in(self.spill_dir)
+        size = len(record.payload)
+        if self._spilled + size > self.spill_limit:
+            record = dataclasses.replace(record, detail=(
+                f"{record.detail}; payload cut to fit one message, not spilled: "
+                f"{self.spill_dir} holds {self._spilled} bytes, spill limit {self.spill_limit}"
+            ).lstrip("; "))
+            return fit_dead_letter(record, self.msgmax).to_bytes()
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        record = fit_dead_letter(record, self.msgmax, self.spill_dir)
+        self._spilled += size
         return record.to_bytes()
+
+    def discard(self, data: bytes) -> None:
+        """A record :meth:`encode` made and that was not written: its spill file goes."""
+        try:
+            spill = DeadLetterRecord.from_bytes(data).spill_path
+        except RQPError:
+            return
+        if spill:
+            with contextlib.suppress(FileNotFoundError):
+                size = os.stat(spill).st_size
+                os.unlink(spill)
+                if self._spilled is not None:
+                    self._spilled -= size
 
     def try_put(self, data: bytes) -> bool:
         """Put one encoded record without waiting: True once it is on the queue, False if the
@@ -70,6 +103,13 @@ class DeadLetterWriter:
                 continue
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
+
+
+def _bytes_in(directory: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    except FileNotFoundError:
+        return 0
 
 
 def fit_dead_letter(record: DeadLetterRecord, limit: int,
