@@ -29,6 +29,7 @@ from typing import NoReturn, TypeVar
 import yaml
 
 from rqp.protocol.constants import (
+    ALL_INTERFACES,
     DEAD_LETTER_QUEUE_NAME,
     DEFAULT_ASK_TIMEOUT,
     DEFAULT_CONFIRM_TIMEOUT,
@@ -394,7 +395,7 @@ _LISTEN_EXPECTED = (
 def _parse_listen(value: object) -> HostAddress:
     text = value.strip() if isinstance(value, str) else value
     if isinstance(text, str) and text.startswith(":") and not text.startswith("::"):
-        text = DEFAULT_LISTEN_HOST + text  # ':port' means every interface
+        text = ALL_INTERFACES + text  # ':port' means every interface
     try:
         return parse_host(text, DEFAULT_PORT)
     except BadValueError:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import ipaddress
 import logging
 import sys
 import time
@@ -95,6 +96,10 @@ class Receiver(Daemon):
         self._server = await asyncio.start_server(
             self._serve, listen.host, listen.port, reuse_address=True, limit=READ_SIZE)
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
+        if _loopback(listen.host):
+            log.info("listening on %s only: no other host can reach this receiver (set "
+                     "listen: \":%d\" in its config, or --listen :%d, to accept them)",
+                     listen.host, listen.port, listen.port)
         log.info("listening on %s; DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
         await self.start_service(self.control_path, self.config.metrics_listen)
@@ -311,6 +316,13 @@ class Receiver(Daemon):
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
                     "SURE" if sure else "UNSURE", peer, detail)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _peer(peer) -> str:

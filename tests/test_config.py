@@ -265,7 +265,7 @@ def test_resolve_queue_and_queue_name() -> None:
 
 def test_receiver_defaults(tmp_path: Path) -> None:
     for cfg in (load_receiver_config(), load_receiver(tmp_path, ""), load_receiver(tmp_path, "# nothing\n")):
-        assert cfg.listen == HostAddress("0.0.0.0", 7460)
+        assert cfg.listen == HostAddress("127.0.0.1", 7460)  # this host only
         assert cfg.dead_letter_queue == DEFAULT_DEAD_LETTER_QUEUE
         assert cfg.max_message_size is None
         assert (cfg.put_retry_count, cfg.put_retry_interval) == (10, 1.0)
@@ -758,7 +758,7 @@ def test_the_example_files_show_the_defaults():
         "metrics_listen", "source"}
     receiver = config.load_receiver_config(root / "receiver.example.yaml")
     assert _differing(receiver, config.ReceiverConfig()) - {"state_dir"} == {
-        "max_message_size", "queues", "offer_allow", "offer_deny", "host_name",
+        "listen", "max_message_size", "queues", "offer_allow", "offer_deny", "host_name",
         "control_socket", "metrics_listen", "source"}
 
 

@@ -820,3 +820,22 @@ def test_connection_limits_and_timeouts(testbed):
                          "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
     assert "rqp_receiver_connections_refused_total 1\n" in metrics
     assert "rqp_receiver_connections_timed_out_total 3\n" in metrics
+
+
+def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(testbed):
+    """Issue 12, safe defaults: with no config the receiver was reachable from everywhere."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    qa.create(Q1, 0o660)
+    state = a.workdir / "receiver-state"
+    state.mkdir()
+    rx = a.popen([sys.executable, "-m", "rqp_agents.receiver", "--state-dir", str(state)])
+    wait_for(lambda: "listening on" in a.output(rx, "stderr") or rx.poll() is not None,
+             timeout=15, message="receiver did not start")
+    err = a.output(rx, "stderr")
+    assert "listening on 127.0.0.1 only" in err and 'listen: ":7460"' in err, err
+    assert not pb.connect("far", a.address, PORT)["connected"]  # another host: refused
+    assert qa.connect("near", "127.0.0.1", PORT)["connected"]
+    assert answers(qa.exchange("near", [ask(Q1)])) == ["QUEUE_YES"]
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0
