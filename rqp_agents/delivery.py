@@ -1,6 +1,7 @@
 """The receiving MCA's side of the local queues: whether a queue is offered (the config's one
-decision, plus: it exists, this process may write it and it is no transmission queue) and putting a message there with
-a bounded retry while it is full. An error that stops a put carries its dead-letter reason."""
+decision, plus: it exists, this process may write it and it is no transmission queue), and
+putting a message there with a bounded retry while it is full. An error that stops a put
+carries its dead-letter reason."""
 
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ class _Link(asyncio.Protocol):
 
 class Links:
     """``on_connected(host)``, ``on_failed(host, why)``, ``on_data(host, data)`` (``b""``: the
-    peer ended the stream) and ``on_lost(host, why, clean)`` (clean: the peer closed it in order) are called on the loop; ``guard(where,
-    fn, *args)`` runs a callback so that an unexpected error stops the agent."""
+    peer ended the stream) and ``on_lost(host, why, clean)`` (clean: the peer closed it in
+    order) are called on the loop; ``guard(where, fn, *args)`` runs a callback so that an
+    unexpected error stops the agent."""
 
     def __init__(self, *, on_connected: Callable, on_failed: Callable, on_data: Callable,
                  on_lost: Callable, guard: Callable) -> None:
