@@ -38,6 +38,7 @@ from rqp.protocol.constants import (
     DEFAULT_DEDUP_WINDOW_AGE,
     DEFAULT_DEDUP_WINDOW_KEYS,
     DEFAULT_FIRST_FRAME_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_LISTEN_HOST,
     DEFAULT_MAX_CONNECTIONS,
@@ -55,6 +56,7 @@ from rqp.protocol.constants import (
     KEY_T_MAX,
     TRANSMISSION_QUEUE_NAME,
 )
+from rqp.protocol.access import PATTERN_CHARS, PeerRule, QueueSet, identity_pattern_problem
 from rqp.protocol.errors import ConfigError
 from rqp.protocol.keys import normalize_key, queue_key_problem
 
@@ -81,8 +83,10 @@ __all__ = [
     "HostAddress",
     "ReceiverConfig",
     "SenderConfig",
+    "TLSFiles",
     "default_state_dir",
     "find_rqprc",
+    "is_loopback",
     "load_receiver_config",
     "did_you_mean",
     "load_optional_rqprc",
@@ -136,6 +140,7 @@ SENDER_KEYS: tuple[str, ...] = (
     "window",
     "control_socket",
     "metrics_listen",
+    "tls",
 )
 RECEIVER_KEYS: tuple[str, ...] = (
     "listen",
@@ -155,8 +160,15 @@ RECEIVER_KEYS: tuple[str, ...] = (
     "max_connections_per_source",
     "first_frame_timeout",
     "idle_timeout",
+    "handshake_timeout",
+    "tls",
+    "plaintext",
+    "peers",
 )
 _OFFER_KEYS = ("allow", "deny")
+_TLS_KEYS = ("cert", "key", "ca")
+_HOST_ENTRY_KEYS = ("host", "tls")
+_PEER_RULE_KEYS = ("identity", "network", "queues")
 
 #: A queue name: NetarchiveSuite style ``<ENV>_<PREFIX>_<REPLICA>[_<MACHINE>][_<APP>]`` or any
 #: name of this shape. Names start with a letter, so they never look like a number.
@@ -518,6 +530,23 @@ def _queue_name(names: Mapping[str, int], builtins: Mapping[str, int], key: int)
 
 
 @dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    """A ``tls:`` block: this host's certificate (chain) and key, and the CA certificate(s)
+    its peers must be signed by; absolute paths. :mod:`rqp.system.tls` checks and loads
+    them."""
+
+    cert: str
+    key: str
+    ca: str
+    #: Where the block is, for messages: "/etc/rqp/receiver.yaml: tls".
+    where: str = "tls"
+
+    def name(self, field: str) -> str:
+        """``field`` named for a message: "/etc/rqp/receiver.yaml: tls.key /etc/rqp/host.key"."""
+        return f"{self.where}.{field} {getattr(self, field)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class SenderConfig:
     """The sending MCA's and the application API's settings, from ``.rqprc``."""
 
@@ -541,7 +570,16 @@ class SenderConfig:
     control_socket: str | None = None
     #: None: no HTTP metrics endpoint (rqpctl metrics still works).
     metrics_listen: HostAddress | None = None
+    #: None: plaintext RQP/1 to every host not given its own ``tls`` in ``hosts``.
+    tls: TLSFiles | None = None
+    #: Hosts whose entry in ``hosts`` has its own ``tls`` (a block, or None for plaintext).
+    host_tls: Mapping[HostAddress, TLSFiles | None] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}), hash=False)
     source: str | None = None
+
+    def tls_for(self, host: HostAddress) -> TLSFiles | None:
+        """The ``tls:`` files to dial ``host`` with, None for plaintext."""
+        return self.host_tls.get(host, self.tls)
 
     @property
     def builtin_queues(self) -> Mapping[str, int]:
@@ -581,9 +619,9 @@ class ReceiverConfig:
     #: None: the kernel's ``msgmax``, read at run time.
     max_message_size: int | None = None
     queues: Mapping[str, int] = dataclasses.field(default_factory=_no_names, hash=False)
-    #: None: no allow list, every queue may be offered.
-    offer_allow: frozenset[int] | None = None
-    offer_deny: frozenset[int] = frozenset()
+    #: None: no allow list, every queue may be offered (except as root: see offers_by_default).
+    offer_allow: QueueSet | None = None
+    offer_deny: QueueSet = QueueSet()
     put_retry_count: int = DEFAULT_PUT_RETRY_COUNT
     put_retry_interval: float = DEFAULT_PUT_RETRY_INTERVAL
     state_dir: str = dataclasses.field(default_factory=default_state_dir)
@@ -599,6 +637,13 @@ class ReceiverConfig:
     first_frame_timeout: float = DEFAULT_FIRST_FRAME_TIMEOUT
     #: A connection with nothing in flight and no byte for this long is closed.
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    #: A TLS connection whose handshake has not finished this long after accept is closed.
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    #: None: plaintext RQP/1, which a non-loopback listen needs ``plaintext: true`` for.
+    tls: TLSFiles | None = None
+    plaintext: bool = False
+    #: None: no rules, every peer the transport lets in may use every offered queue.
+    peers: tuple[PeerRule, ...] | None = None
     #: None: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/receiver.sock.
     control_socket: str | None = None
     #: None: no HTTP metrics endpoint (rqpctl metrics still works).
@@ -631,9 +676,33 @@ class ReceiverConfig:
             # have this host's sending MCA relay its records (an open relay), or fill the dead
             # letters.
             return False
-        if self.offer_allow is not None and key not in self.offer_allow:
+        names = self.queue_names(key)
+        if self.offer_allow is not None and not self.offer_allow.includes(key, names):
             return False
-        return key not in self.offer_deny
+        return not self.offer_deny.includes(key, names)
+
+    def queue_names(self, key: int) -> tuple[str, ...]:
+        """Every configured name of ``key`` (what name patterns are matched against)."""
+        return tuple(name for name, value in self.queues.items() if value == key)
+
+    def transport_problem(self) -> str | None:
+        """Why this receiver must not start as configured, or None: plaintext on an address
+        other hosts can reach needs ``plaintext: true`` (spec section 7)."""
+        if self.tls is not None or self.plaintext or is_loopback(self.listen.host):
+            return None
+        source = self.source or "the receiver config"
+        return (f"listening on {self.listen} without TLS: anyone who can reach it could put "
+                f"into the offered queues. Give {source} a 'tls:' block (cert, key, ca; "
+                f"'rqpctl tls --help' makes them), or set 'plaintext: true' there (or "
+                f"--plaintext) to accept plaintext RQP/1 from the network on purpose")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or 'localhost') is reachable from this host only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,6 +726,61 @@ _STATE_DIR_EXPECTED = (
     "expected a directory path (a relative one starts at the config file's directory)"
 )
 _OFFER_EXPECTED = "expected a mapping with 'allow' and/or 'deny' lists of queue keys or names"
+_QUEUE_LIST_EXPECTED = (
+    "expected a list of queue keys, configured queue names and name patterns ('PROD_*'; "
+    "'*' alone: every queue)"
+)
+_QUEUE_PATTERN_RE = re.compile(r"[A-Za-z0-9_.\-*?\[\]!]{1,128}")
+_TLS_EXPECTED = (
+    "expected a mapping with 'cert' (this host's certificate), 'key' (its private key) and "
+    "'ca' (the CA certificate peers are signed by), PEM file paths"
+)
+_PEERS_EXPECTED = (
+    "expected a list of rules, each a mapping with 'identity' (TLS names, '*' wildcards) "
+    "and/or 'network' (CIDR), and 'queues' (what they may put into), first match wins"
+)
+_IDENTITY_EXPECTED = (
+    "expected a TLS identity (a certificate's DNS name or common name, '*' matching within one "
+    "DNS label, '*' alone: every authenticated peer) or a list of them"
+)
+_NETWORK_EXPECTED = "expected a network in CIDR notation (e.g. 10.1.0.0/16, fd00::/8) or a list"
+
+
+def _one_or_list(value: object) -> list[object]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _identities(value: object) -> tuple[str, ...]:
+    items = _one_or_list(value)
+    if isinstance(value, list) and not items:
+        raise BadValueError(value, _IDENTITY_EXPECTED)
+    for item in items:
+        if not isinstance(item, str) or identity_pattern_problem(item):
+            raise BadValueError(item, _IDENTITY_EXPECTED)
+    return tuple(items)  # type: ignore[arg-type]
+
+
+def _networks(value: object) -> tuple:
+    items = _one_or_list(value)
+    if isinstance(value, list) and not items:
+        raise BadValueError(value, _NETWORK_EXPECTED)
+    networks = []
+    for item in items:
+        try:
+            networks.append(ipaddress.ip_network(str(item).strip(), strict=False))
+        except ValueError:
+            raise BadValueError(item, _NETWORK_EXPECTED) from None
+        if not isinstance(item, str):
+            raise BadValueError(item, _NETWORK_EXPECTED)
+    return tuple(networks)
+
+
+def _parse_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise BadValueError(value, "expected true or false" + _BOOL_NOTE)
+    return value
 
 
 class _Fields:
@@ -765,13 +889,68 @@ class _Fields:
             names[name] = self.parse(path, key, parse_queue_key)
         return types.MappingProxyType(names)
 
-    def key_list(self, path: str, value: object, names: Mapping[str, int]) -> frozenset[int]:
+    def queue_set(self, path: str, value: object, names: Mapping[str, int]) -> QueueSet:
+        """A list of queue keys, configured names and name patterns ('*' alone: every
+        queue)."""
         if not isinstance(value, list):
-            self.bad(path, value, "expected a list of queue keys or names")
-        return frozenset(
-            self.parse(f"{path}[{i}]", item, lambda v: parse_queue_key(v, names))
-            for i, item in enumerate(value)
-        )
+            self.bad(path, value, _QUEUE_LIST_EXPECTED)
+        keys: set[int] = set()
+        patterns: list[str] = []
+        for i, item in enumerate(value):
+            if isinstance(item, str) and PATTERN_CHARS & set(item):
+                if not _QUEUE_PATTERN_RE.fullmatch(item):
+                    self.bad(f"{path}[{i}]", item, _QUEUE_LIST_EXPECTED)
+                patterns.append(item)
+            else:
+                keys.add(self.parse(f"{path}[{i}]", item, lambda v: parse_queue_key(v, names)))
+        return QueueSet(frozenset(keys), tuple(patterns))
+
+    def _file(self, value: object) -> str:
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise BadValueError(value, "expected a file path (a relative one starts at the "
+                                       "config file's directory)")
+        base = os.path.dirname(os.path.abspath(self.file)) if self.file else os.getcwd()
+        return os.path.normpath(os.path.join(base, os.path.expanduser(value.strip())))
+
+    def tls(self, path: str, value: object, inherit: TLSFiles | None = None) -> TLSFiles:
+        """A ``tls:`` block; with ``inherit``, the fields it does not give come from there."""
+        if not isinstance(value, Mapping):
+            self.bad(path, value, _TLS_EXPECTED)
+        self.check_keys(value, _TLS_KEYS, prefix=f"{path}.")
+        files: dict[str, str] = {}
+        for field in _TLS_KEYS:
+            if value.get(field) is not None:
+                files[field] = self.parse(f"{path}.{field}", value[field], self._file)
+            elif inherit is not None:
+                files[field] = getattr(inherit, field)
+            else:
+                self.missing(f"{path}.{field}", _TLS_EXPECTED)
+        return TLSFiles(**files, where=f"{self.name}: {path}")
+
+    def peer_rules(self, value: object, names: Mapping[str, int],
+                   tls: TLSFiles | None) -> tuple[PeerRule, ...]:
+        if not isinstance(value, list):
+            self.bad("peers", value, _PEERS_EXPECTED)
+        rules = []
+        for i, rule in enumerate(value):
+            path = f"peers[{i}]"
+            if not isinstance(rule, Mapping):
+                self.bad(path, rule, _PEERS_EXPECTED)
+            self.check_keys(rule, _PEER_RULE_KEYS, prefix=f"{path}.")
+            identities = self.parse(f"{path}.identity", rule.get("identity"), _identities)
+            networks = self.parse(f"{path}.network", rule.get("network"), _networks)
+            if not identities and not networks:
+                self.fail(path, "a rule needs 'identity' (TLS peers) or 'network' (source "
+                                "addresses in CIDR), or both: " + _PEERS_EXPECTED)
+            if identities and tls is None:
+                self.fail(f"{path}.identity", "a TLS identity needs TLS: give the receiver a "
+                                              "'tls:' block, or match plaintext peers by "
+                                              "'network'")
+            if rule.get("queues") is None:
+                self.missing(f"{path}.queues", _QUEUE_LIST_EXPECTED)
+            queues = self.queue_set(f"{path}.queues", rule["queues"], names)
+            rules.append(PeerRule(identities, networks, queues, where=path))
+        return tuple(rules)
 
 
 def _build_sender(fields: _Fields) -> SenderConfig:
@@ -784,12 +963,30 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         f.missing("hosts", _HOSTS_EXPECTED)
     if not isinstance(raw_hosts, list) or not raw_hosts:
         f.bad("hosts", raw_hosts, _HOSTS_EXPECTED)
+    tls = f.get("tls", lambda v: f.tls("tls", v), None)
     hosts: list[HostAddress] = []
+    host_tls: dict[HostAddress, TLSFiles | None] = {}
     for i, entry in enumerate(raw_hosts):
-        address = f.parse(f"hosts[{i}]", entry, lambda v: parse_host(v, port))
+        path = f"hosts[{i}]"
+        if isinstance(entry, Mapping):  # {host: 'b:7460', tls: {...} or false}
+            f.check_keys(entry, _HOST_ENTRY_KEYS, prefix=f"{path}.")
+            if entry.get("host") is None:
+                f.missing(f"{path}.host", _HOSTS_EXPECTED)
+            address = f.parse(f"{path}.host", entry["host"], lambda v: parse_host(v, port))
+            if "tls" in entry:
+                own = entry["tls"]
+                if own is False:
+                    host_tls[address] = None
+                elif isinstance(own, Mapping):
+                    host_tls[address] = f.tls(f"{path}.tls", own, inherit=tls)
+                else:
+                    f.bad(f"{path}.tls", own, _TLS_EXPECTED + ", or false for plaintext to "
+                          "this host")
+        else:
+            address = f.parse(path, entry, lambda v: parse_host(v, port))
         if address in hosts:
             first = f"hosts[{hosts.index(address)}]"
-            f.bad(f"hosts[{i}]", entry, f"expected each host once, but {address} is {first} too")
+            f.bad(path, entry, f"expected each host once, but {address} is {first} too")
         hosts.append(address)
 
     xmit = f.get("transmission_queue", parse_queue_key, DEFAULT_TRANSMISSION_QUEUE)
@@ -827,6 +1024,8 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         retry_max_age=f.get("retry_max_age", parse_duration, None),
         control_socket=f.path_value("control_socket"),
         metrics_listen=f.get("metrics_listen", _parse_metrics_listen, None),
+        tls=tls,
+        host_tls=types.MappingProxyType(host_tls),
         source=f.file,
     )
 
@@ -837,18 +1036,26 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
 
     dead = f.get("dead_letter_queue", parse_queue_key, DEFAULT_DEAD_LETTER_QUEUE)
     queues = f.queues()
-    allow: frozenset[int] | None = None
-    deny: frozenset[int] = frozenset()
+    allow: QueueSet | None = None
+    deny = QueueSet()
+    names = {**queues, DEAD_LETTER_QUEUE_NAME: dead}
     offer = f.data.get("offer")
     if offer is not None:
         if not isinstance(offer, Mapping):
             f.bad("offer", offer, _OFFER_EXPECTED)
         f.check_keys(offer, _OFFER_KEYS, prefix="offer.")
-        names = {**queues, DEAD_LETTER_QUEUE_NAME: dead}
         if "allow" in offer:
-            allow = f.key_list("offer.allow", offer["allow"], names)
+            allow = f.queue_set("offer.allow", offer["allow"], names)
         if "deny" in offer:
-            deny = f.key_list("offer.deny", offer["deny"], names)
+            deny = f.queue_set("offer.deny", offer["deny"], names)
+    tls = f.get("tls", lambda v: f.tls("tls", v), None)
+    plaintext = f.get("plaintext", _parse_bool, False)
+    if tls is not None and plaintext:
+        f.fail("plaintext", "a port is either TLS or plaintext, never both (spec section 7): "
+                            "remove 'plaintext: true' or the 'tls:' block")
+    peers = None
+    if f.data.get("peers") is not None:
+        peers = f.peer_rules(f.data["peers"], names, tls)
 
     return ReceiverConfig(
         listen=f.get("listen", _parse_listen, HostAddress(DEFAULT_LISTEN_HOST, DEFAULT_PORT)),
@@ -872,6 +1079,10 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         first_frame_timeout=f.get("first_frame_timeout", parse_duration,
                                   DEFAULT_FIRST_FRAME_TIMEOUT),
         idle_timeout=f.get("idle_timeout", parse_duration, DEFAULT_IDLE_TIMEOUT),
+        handshake_timeout=f.get("handshake_timeout", parse_duration, DEFAULT_HANDSHAKE_TIMEOUT),
+        tls=tls,
+        plaintext=plaintext,
+        peers=peers,
         source=f.file,
     )
 

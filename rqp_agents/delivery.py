@@ -14,7 +14,7 @@ from rqp.config import ReceiverConfig
 from rqp.protocol.constants import DEFAULT_MTYPE
 from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
 from rqp.protocol.reasons import ReasonCode
-from rqp.system.queues import LocalQueue, format_key, write_access
+from rqp.system.queues import LocalQueue, format_key, may_write_every_queue, write_access
 from rqp.system.service import is_transmission_queue
 
 __all__ = ["LocalDelivery"]
@@ -28,6 +28,10 @@ class LocalDelivery:
 
     def __init__(self, config: ReceiverConfig) -> None:
         self.config = config
+        #: False when this process may write into every queue of the host (root,
+        #: CAP_IPC_OWNER): then only what offer.allow lists is offered, never "every writable
+        #: queue".
+        self.privileged = may_write_every_queue()
         self._queues: dict[int, LocalQueue] = {}
         self._xmit: dict[int, tuple[bool, float]] = {}  # key -> (is one, when looked)
 
@@ -37,6 +41,8 @@ class LocalDelivery:
         (looked up at most once a second per key)."""
         if not self.config.offers(queue_key):
             return False
+        if not self.offer_default:
+            return False
         now = time.monotonic()
         known = self._xmit.get(queue_key)
         if known is None or now - known[1] > 1.0:
@@ -44,6 +50,11 @@ class LocalDelivery:
                 self._xmit.clear()
             known = self._xmit[queue_key] = (is_transmission_queue(queue_key), now)
         return not known[0]
+
+    @property
+    def offer_default(self) -> bool:
+        """Whether, with no offer.allow, every writable queue is offered (not so as root)."""
+        return not self.privileged or self.config.offer_allow is not None
 
     @property
     def put_budget(self) -> float:

@@ -1,9 +1,10 @@
 """The sending MCA's TCP connections to receiving MCAs, one per host at most.
 
-They only move bytes: a connect (bounded by ``connect_timeout``, with ``TCP_NODELAY``), the
-frames to write, a close; the bytes that arrive and the ends of connections are handed to
-the sending MCA, which gives them to its core. A connection that was replaced or closed says
-nothing more.
+They only move bytes: a connect (bounded by ``connect_timeout``, with ``TCP_NODELAY``; over
+TLS the handshake is within that bound too), the frames to write, a close; the bytes that
+arrive and the ends of connections are handed to the sending MCA, which gives them to its
+core. A connection that was replaced or closed says nothing more. A TLS failure is reported
+in words (:func:`rqp.system.tls.handshake_problem`), never as an errno.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 from collections.abc import Callable
+
+from rqp.system.tls import ALPN, handshake_problem
 
 __all__ = ["Links"]
 
@@ -41,12 +45,15 @@ class Links:
     """``on_connected(host)``, ``on_failed(host, why)``, ``on_data(host, data)`` (``b""``: the
     peer ended the stream) and ``on_lost(host, why, clean)`` (clean: the peer closed it in
     order) are called on the loop; ``guard(where, fn, *args)`` runs a callback so that an
-    unexpected error stops the agent."""
+    unexpected error stops the agent; ``tls_for(host)`` is the TLS context to dial ``host``
+    with (None: plaintext)."""
 
     def __init__(self, *, on_connected: Callable, on_failed: Callable, on_data: Callable,
-                 on_lost: Callable, guard: Callable) -> None:
+                 on_lost: Callable, guard: Callable,
+                 tls_for: Callable[[object], ssl.SSLContext | None] = lambda host: None) -> None:
         self.on_connected, self.on_failed = on_connected, on_failed
         self.on_data, self.on_lost, self.guard = on_data, on_lost, guard
+        self.tls_for = tls_for
         self._links: dict[object, _Link] = {}
 
     def __iter__(self):
@@ -54,16 +61,23 @@ class Links:
 
     async def connect(self, host, timeout: float) -> None:
         loop = asyncio.get_running_loop()
+        context = self.tls_for(host)
+        tls = {} if context is None else {"ssl": context, "server_hostname": host.host,
+                                          "ssl_handshake_timeout": timeout}
         try:
             _, link = await asyncio.wait_for(
-                loop.create_connection(lambda: _Link(self, host), host.host, host.port),
+                loop.create_connection(lambda: _Link(self, host), host.host, host.port, **tls),
                 timeout)
         except (OSError, asyncio.TimeoutError) as exc:
-            # (asyncio's own text, "Connect call failed (addr)", hides the reason)
-            why = "timed out" if isinstance(exc, asyncio.TimeoutError) else (
-                os.strerror(exc.errno) if exc.errno else str(exc))
-            self.on_failed(host, why)
+            self.on_failed(host, _failure(exc))
             return
+        if context is not None:
+            alpn = link.transport.get_extra_info("ssl_object").selected_alpn_protocol()
+            if alpn != ALPN:
+                link.transport.abort()
+                self.on_failed(host, f"TLS: the receiver did not negotiate ALPN {ALPN} "
+                                     f"(it chose {alpn or 'none'})")
+                return
         link.transport.get_extra_info("socket").setsockopt(
             socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._links[host] = link
@@ -91,4 +105,16 @@ class Links:
     def _lost(self, link: _Link, exc) -> None:
         if self._links.get(link.host) is link:
             del self._links[link.host]
-            self.on_lost(link.host, str(exc) if exc else "closed", exc is None)
+            self.on_lost(link.host, _failure(exc) if exc else "closed", exc is None)
+
+
+def _failure(exc: BaseException) -> str:
+    """Why a connection failed or ended, in words."""
+    if isinstance(exc, ssl.SSLError):  # (its errno is OpenSSL's, not the system's)
+        # Over TLS 1.3 the receiver checks this host's certificate after the client's side of
+        # the handshake is done: its refusal arrives as the first thing read.
+        return handshake_problem(exc)
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    # (asyncio's own text, "Connect call failed (addr)", hides the reason)
+    return os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc)

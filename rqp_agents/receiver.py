@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import ipaddress
 import logging
 import sys
 import time
@@ -19,7 +18,8 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level, listen_address
-from rqp.config import ReceiverConfig, load_receiver_config, parse_host
+from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_host
+from rqp.protocol.access import Peer
 from rqp.protocol.errors import LocalProtocolError
 from rqp.protocol.events import OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
@@ -32,8 +32,9 @@ from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
+from rqp_agents.daemon import Daemon, run_daemon
 from rqp_agents.delivery import LocalDelivery
+from rqp_agents.gate import Gate
 
 log = logging.getLogger("rqp.receiver")
 
@@ -44,8 +45,6 @@ READ_SIZE = 1 << 16
 ANSWER_BATCH = 64
 #: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
 NOTICE_MEMORY = 100_000
-#: Refused connections are logged at most once per this many seconds.
-REFUSAL_LOG_INTERVAL = 10.0
 
 
 class DeadLetterUnavailable(RQPError):
@@ -59,7 +58,11 @@ class Receiver(Daemon):
 
     def __init__(self, config: ReceiverConfig) -> None:
         super().__init__(log)
+        problem = config.transport_problem()
+        if problem:
+            raise RQPError(problem)
         self.config = config
+        self.gate = Gate(config)
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
         self.max_message_size = config.max_message_size or self.msgmax
@@ -82,12 +85,10 @@ class Receiver(Daemon):
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
-        self._by_source: collections.Counter[str] = collections.Counter()  # open, per address
-        self._refusals = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0,
-                      "refused_connections": 0, "timed_out_connections": 0}
+                      "timed_out_connections": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -96,12 +97,22 @@ class Receiver(Daemon):
         self._server = await asyncio.start_server(
             self._serve, listen.host, listen.port, reuse_address=True, limit=READ_SIZE)
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
-        if _loopback(listen.host):
+        if is_loopback(listen.host):
             log.info("listening on %s only: no other host can reach this receiver (set "
                      "listen: \":%d\" in its config, or --listen :%d, to accept them)",
                      listen.host, listen.port, listen.port)
-        log.info("listening on %s; DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
+        tls = self.config.tls
+        log.info("listening on %s (%s); DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
+                 f"TLS, client certificates from {tls.ca}" if tls else "plaintext RQP/1",
                  format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
+        if self.config.peers is None:
+            log.info("no peers rules: %s", "every peer with a certificate from the CA may use "
+                     "every offered queue" if tls else "every peer may use every offered queue")
+        if not self.delivery.offer_default:
+            log.warning("running with CAP_IPC_OWNER (as root?) and no offer.allow in the "
+                        "config: no queue is offered (this process could write into every "
+                        "queue of the host); list the queues remote senders may use in "
+                        "offer.allow")
         await self.start_service(self.control_path, self.config.metrics_listen)
         self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
@@ -139,6 +150,11 @@ class Receiver(Daemon):
         if new.dead_letter_queue != self.config.dead_letter_queue:
             raise RQPError("dead_letter_queue cannot change while running: restart the "
                            "receiving MCA for that")
+        new = dataclasses.replace(new, plaintext=new.plaintext or self.config.plaintext)
+        problem = new.transport_problem()
+        if problem:
+            raise RQPError(problem)
+        self.gate.reload(new)  # certificates and rules (raises, keeping the old, if bad)
         try:
             self.dedup.resize(new.dedup_window_keys, new.dedup_window_age)
         except ValueError as exc:
@@ -154,20 +170,35 @@ class Receiver(Daemon):
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        peer = writer.get_extra_info("peername")
-        peer_host = peer[0] if peer else "?"
-        refused = self._over_limit(peer_host)
-        if refused:
-            self.stats["refused_connections"] += 1
-            self._refusals.report(f"refusing connections: {refused}")
+        address = writer.get_extra_info("peername")
+        peer_host = address[0] if address else "?"
+        if not self.gate.enter(peer_host):
             writer.close()
             return
         self._connections.add(task)
-        self._by_source[peer_host] += 1
+        try:
+            self._idle.add(task)  # (a handshake has nothing in flight)
+            who = await self.gate.identify(writer, peer_host, _peer(address))
+            if who is not None:
+                await self._converse(reader, writer, who, _peer(address))
+        except asyncio.CancelledError:  # stopping during the handshake
+            pass
+        finally:
+            writer.close()
+            self._idle.discard(task)
+            self._connections.discard(task)
+            self._peers.pop(task, None)
+            self.gate.leave(peer_host)
+
+    async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        who: Peer, peer: str) -> None:
+        """Frames in, answers out, until the peer closes, a time-out or a stop."""
+        task = asyncio.current_task()
         self.stats["connections"] += 1
-        self._peers[task] = info = {"peer": _peer(peer), "since": time.time(), "messages": 0,
-                                    "dead_letters": 0, "asks": 0}
-        log.info("connection from %s", _peer(peer))
+        self._peers[task] = info = {
+            "peer": peer, "identity": who.identity, "may_use": self.gate.grant(who).describe(),
+            "since": time.time(), "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0}
+        log.info("connection from %s%s", peer, f" ({who.identity})" if who.identity else "")
         conn = ReceiverConnection(max_message_size=self.max_message_size)
         framed = False  # a complete frame has come
         try:
@@ -178,7 +209,7 @@ class Receiver(Daemon):
                     data = await asyncio.wait_for(reader.read(READ_SIZE), wait)
                 except asyncio.TimeoutError:
                     self.stats["timed_out_connections"] += 1
-                    log.info("closing connection from %s: %s", _peer(peer),
+                    log.info("closing connection from %s: %s", peer,
                              f"idle for {wait:g}s (idle_timeout)" if framed else
                              f"no complete frame within {wait:g}s (first_frame_timeout)")
                     break
@@ -189,7 +220,7 @@ class Receiver(Daemon):
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         framed = True
-                        answers.append(await self._handle(conn, request, peer_host, info))
+                        answers.append(await self._handle(conn, request, who, info))
                         if len(answers) >= ANSWER_BATCH:
                             self._answer(writer, answers)
                             answers = []
@@ -198,51 +229,46 @@ class Receiver(Daemon):
                         self._answer(writer, answers)
                 await writer.drain()
                 if request is CLOSED:
-                    log.info("connection from %s closed", _peer(peer))
+                    log.info("connection from %s closed", peer)
                     break
                 if self._stopping.is_set():  # what was in flight is answered: done
-                    log.info("closing connection from %s: stopping", _peer(peer))
+                    log.info("closing connection from %s: stopping", peer)
                     break
         except asyncio.CancelledError:  # stopping while it waited for bytes: nothing in flight
-            log.info("closing connection from %s: stopping", _peer(peer))
+            log.info("closing connection from %s: stopping", peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
-            self.fatal(f"the connection from {_peer(peer)}", exc)
+            self.fatal(f"the connection from {peer}", exc)
         except RQPError as exc:
-            log.warning("closing connection from %s: %s", _peer(peer), exc)
+            log.warning("closing connection from %s: %s", peer, exc)
         except (ConnectionError, OSError) as exc:
-            log.info("connection from %s lost: %s", _peer(peer), exc)
+            log.info("connection from %s lost: %s", peer, exc)
         except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
-            self.fatal(f"the connection from {_peer(peer)}", exc)
-        finally:
-            writer.close()
-            self._connections.discard(task)
-            self._peers.pop(task, None)
-            self._by_source[peer_host] -= 1
-            if not self._by_source[peer_host]:
-                del self._by_source[peer_host]
-
-    def _over_limit(self, source: str) -> str | None:
-        """Why one more connection from ``source`` is refused, or None."""
-        if len(self._connections) >= self.config.max_connections:
-            return f"{len(self._connections)} open, max_connections {self.config.max_connections}"
-        if self._by_source[source] >= self.config.max_connections_per_source:
-            return (f"{self._by_source[source]} open from {source}, max_connections_per_source "
-                    f"{self.config.max_connections_per_source}")
-        return None
+            self.fatal(f"the connection from {peer}", exc)
 
     def _answer(self, writer: asyncio.StreamWriter, answers: list[bytes]) -> None:
         """Write a batch of answers once the SURE keys it confirms are durable (one fsync)."""
         self.dedup.commit()
         writer.write(b"".join(answers))
 
-    async def _handle(self, conn: ReceiverConnection, request, peer: str, info: dict) -> bytes:
+    async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
+        peer = who.label
         if isinstance(request, Ask):
             self.stats["asks"] += 1
             info["asks"] += 1
-            offered = self.delivery.offers(request.queue_key)
+            allowed = self.gate.allows(who, request.queue_key)
+            offered = allowed and self.delivery.offers(request.queue_key)
+            if not allowed:
+                info["refused"] += 1
+                self.gate.deny(who, f"QUEUE_ASK for queue {format_key(request.queue_key)}")
             log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
                       "QUEUE_YES" if offered else "QUEUE_NO")
             return conn.answer_ask(request, offered)
+        if not self.gate.allows(who, request.message.queue_key):
+            # Not this peer's to use: answered DELIVERED_ERROR, and nothing of it is kept,
+            # not even a dead letter (a counter and a rate-limited line only).
+            info["refused"] += 1
+            self.gate.deny(who, f"a MESSAGE for queue {format_key(request.message.queue_key)}")
+            return conn.answer_put(request, False)
         if isinstance(request, Refuse):
             if request.dead_letter:
                 await self._dead_letter(request.message, request.reason, request.detail, peer)
@@ -318,13 +344,6 @@ class Receiver(Daemon):
                     "SURE" if sure else "UNSURE", peer, detail)
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _peer(peer) -> str:
     if not peer:
         return "?"
@@ -339,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", metavar="HOST:PORT", type=listen_address,
                         help="overrides the config's listen (':PORT': every address)")
     parser.add_argument("--state-dir", metavar="DIR", help="overrides the config's state_dir")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="accept plaintext RQP/1 on a non-loopback --listen (the config's "
+                        "'plaintext: true'); without it such a listen needs a tls: block")
     add_log_level(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -350,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             changes["listen"] = parse_host(args.listen, config.listen.port)
         if args.state_dir:
             changes["state_dir"] = args.state_dir
+        if args.plaintext:
+            if config.tls is not None:
+                raise RQPError(f"--plaintext: {config.source} has a tls: block, and a port is "
+                               f"either TLS or plaintext, never both")
+            changes["plaintext"] = True
         return Receiver(dataclasses.replace(config, **changes))
 
     return run_daemon(log, build)

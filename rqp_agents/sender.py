@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level
-from rqp.config import SenderConfig, load_sender_config
+from rqp.config import SenderConfig, is_loopback, load_sender_config
 from rqp.protocol.errors import RecordError
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import (
@@ -35,6 +35,7 @@ from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
     KeySource, ServingLock, host_name, setup_logging, write_file_atomically,
 )
+from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, run_daemon
 from rqp_agents.intake import Intake, Taken, budget_size
@@ -46,12 +47,24 @@ log = logging.getLogger("rqp.sender")
 STOP_GRACE = 10.0
 
 
+def _tls_contexts(config: SenderConfig) -> dict:
+    """A client TLS context per distinct ``tls:`` block of ``config``, its files checked
+    (warnings logged); raises TLSFileError naming the file and the problem."""
+    contexts = {}
+    for files in {config.tls, *config.host_tls.values()} - {None}:
+        for warning in check_files(files):
+            log.warning("%s", warning)
+        contexts[files] = client_context(files)
+    return contexts
+
+
 class Sender(Daemon):
     stop_note = f"taking no new records; waiting up to {STOP_GRACE:g}s for answers in flight"
 
     def __init__(self, config: SenderConfig) -> None:
         super().__init__(log)
         self.config = config
+        self.tls = _tls_contexts(config)  # before anything is created: bad files stop here
         self.host = host_name()
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +86,8 @@ class Sender(Daemon):
         self._releases: list[int] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links = Links(on_connected=self._connected, on_failed=self._connect_failed,
-                           on_data=self._data, on_lost=self._lost, guard=self.guarded)
+                           on_data=self._data, on_lost=self._lost, guard=self.guarded,
+                           tls_for=lambda host: self.tls.get(self.config.tls_for(host)))
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
@@ -93,6 +107,11 @@ class Sender(Daemon):
                  "incarnation %08x", format_key(self.config.transmission_queue),
                  format_key(self.config.dead_letter_queue),
                  ", ".join(map(str, self.config.hosts)), self.keys.incarnation)
+        plain = [str(h) for h in self.config.hosts
+                 if self.config.tls_for(h) is None and not is_loopback(h.host)]
+        if plain:
+            log.info("plaintext RQP/1 to %s (no tls: block for them in %s)", ", ".join(plain),
+                     self.config.source)
         self.ready("serving")
         await self.wait_for_stop()
         if self.failed:
@@ -117,6 +136,11 @@ class Sender(Daemon):
         if fixed:
             raise RQPError(f"{', '.join(fixed)} cannot change while running: restart the "
                            "sending MCA for that")
+        try:
+            tls = _tls_contexts(new)  # new connections use the new certificates
+        except TLSFileError as exc:
+            raise RQPError(f"certificates not reloaded: {exc}") from None
+        self.tls = tls
         self.core.update_settings(Settings.from_config(new), self.loop.time())
         self.intake.budget.resize(budget_size(new.window, len(new.hosts)))
         self.config = new

@@ -114,7 +114,14 @@ def receiver_status(agent) -> dict:
         "dedup_window_keys": len(agent.dedup),
         "connections": sorted(agent._peers.values(), key=lambda p: p["since"]),
         "queues": offered_queues(agent),
-        "stats": {**agent.stats, "dead_letters": agent.dead_letters.written},
+        "tls": agent.config.tls is not None,
+        "peers_rules": [rule.describe() for rule in agent.config.peers or ()],
+        "stats": {**agent.stats, "dead_letters": agent.dead_letters.written,
+                  "refused_connections": agent.gate.refused_connections,
+                  "handshake_failures": sum(agent.gate.handshake_failures.values()),
+                  "denied": sum(agent.gate.denied.values())},
+        "handshake_failures": dict(agent.gate.handshake_failures),
+        "denied": dict(agent.gate.denied),
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
 
@@ -130,6 +137,10 @@ def receiver_metrics(agent) -> str:
          "connections closed at once: over max_connections or max_connections_per_source"),
         ("rqp_receiver_connections_timed_out_total", "counter",
          "connections closed by first_frame_timeout or idle_timeout"),
+        ("rqp_receiver_tls_handshake_failures_total", "counter",
+         "connections closed because the TLS handshake failed, by reason"),
+        ("rqp_receiver_denied_total", "counter",
+         "QUEUE_ASK and MESSAGE frames refused by the peers rules, by peer"),
         ("rqp_accepts_out_of_descriptors_total", "counter",
          "accepts refused by the system for want of file descriptors"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
@@ -144,8 +155,12 @@ def receiver_metrics(agent) -> str:
     m["rqp_receiver_asks_total"].add(agent.stats["asks"])
     m["rqp_receiver_connections"].add(len(agent._peers))
     m["rqp_receiver_connections_total"].add(agent.stats["connections"])
-    m["rqp_receiver_connections_refused_total"].add(agent.stats["refused_connections"])
+    m["rqp_receiver_connections_refused_total"].add(agent.gate.refused_connections)
     m["rqp_receiver_connections_timed_out_total"].add(agent.stats["timed_out_connections"])
+    for reason, count in sorted(agent.gate.handshake_failures.items()):
+        m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)
+    for peer, count in sorted(agent.gate.denied.items()):
+        m["rqp_receiver_denied_total"].add(count, peer=peer)
     m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)

@@ -12,13 +12,24 @@ PORT = 7460
 DLQ = 0x5251DEAD
 
 
+#: What the tests' receivers (root on their own namespaced hosts) offer unless a test's config
+#: says otherwise: as root, a receiver offers only what offer.allow lists.
+OFFER_ALL = "offer:\n  allow: ['*']\n"
+
+
 def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG", extra=()):
+    """A receiving MCA on ``host``'s address; plaintext (``--plaintext``) unless ``config``
+    has a ``tls:`` block, offering every queue unless it has an ``offer:``."""
     argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{host.address}:{PORT}",
             "--state-dir", str(host.workdir / "receiver-state"), "--log-level", log_level]
-    if config is not None:
-        path = host.workdir / "receiver.yaml"
-        path.write_text(config)
-        argv += ["--config", str(path)]
+    config = config or ""
+    if "offer:" not in config:
+        config += "\n" + OFFER_ALL
+    if "tls:" not in config:
+        argv.append("--plaintext")
+    path = host.workdir / "receiver.yaml"
+    path.write_text(config)
+    argv += ["--config", str(path)]
     proc = host.popen([*argv, *extra])
     wait_for(lambda: "listening on" in host.output(proc, "stderr") or proc.poll() is not None,
              timeout=20, message=f"receiver on {host.name} did not start")

@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def _read(sock: socket.socket, n: int | None, timeout: float) -> dict:
         except ConnectionResetError:
             result["reset"] = True
             break
+        except ssl.SSLError as exc:  # e.g. the receiver refused this peer's certificate
+            result["tls_error"] = exc.reason or str(exc)
+            break
         if not chunk:
             result["eof"] = True
             break
@@ -135,7 +139,11 @@ class PeerProcess:
 
     # -- sockets --------------------------------------------------------------------------------
 
-    def op_connect(self, name: str, host: str, port: int, timeout: float = 5.0) -> dict:
+    def op_connect(self, name: str, host: str, port: int, timeout: float = 5.0,
+                   tls: dict | None = None) -> dict:
+        """``tls``: speak TLS, with ``ca`` (trusted for the receiver's certificate), optional
+        ``cert``/``key`` (this peer's; none: no client certificate), ``server_hostname`` and
+        ``alpn`` (default ["rqp/1"]; [] offers none)."""
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except ConnectionRefusedError:
@@ -143,6 +151,18 @@ class PeerProcess:
         except OSError as exc:
             return {"connected": False, "error": f"{type(exc).__name__}: {exc}"}
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.load_verify_locations(tls["ca"])
+            if tls.get("cert"):
+                context.load_cert_chain(tls["cert"], tls["key"])
+            if tls.get("alpn", ["rqp/1"]):
+                context.set_alpn_protocols(tls.get("alpn", ["rqp/1"]))
+            try:
+                sock = context.wrap_socket(sock, server_hostname=tls["server_hostname"])
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                return {"connected": False, "error": f"tls: {getattr(exc, 'reason', None) or exc}"}
         old = self.conns.pop(name, None)
         if old is not None:
             old.close()
@@ -364,9 +384,10 @@ class Peer:
 
     # -- conveniences --------------------------------------------------------------------------
 
-    def connect(self, name: str, host: str, port: int, timeout: float = 5.0) -> dict:
+    def connect(self, name: str, host: str, port: int, timeout: float = 5.0,
+                tls: dict | None = None) -> dict:
         return self.call("connect", name=name, host=host, port=port, timeout=timeout,
-                         deadline=timeout + 10)
+                         tls=tls, deadline=timeout + 10)
 
     def send(self, name: str, frames: list[dict], timeout: float = 30.0) -> int:
         return self.call("send", name=name, frames=frames, timeout=timeout, deadline=timeout + 10)

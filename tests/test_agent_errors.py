@@ -87,7 +87,7 @@ def test_receiver_stops_on_an_unexpected_error_and_the_sure_message_waits_for_it
     a, b = hosts
     state = str(b.workdir / "receiver-state")
     faulty = _faulty(b, "rqp.protocol.receiver:ReceiverConnection.answer_ask", "receiver",
-                     "--listen", f"{b.address}:{PORT}", "--state-dir", state)
+                     "--listen", f"{b.address}:{PORT}", "--state-dir", state, "--plaintext")
     wait_for(lambda: "listening on" in b.output(faulty, "stderr") or faulty.poll() is not None,
              timeout=20, message="faulty receiver did not start")
     rqprc = write_rqprc(a, [b])

@@ -293,7 +293,7 @@ host_name: rqp1.example.org
     )
     assert cfg.listen == HostAddress("::", 7461)
     assert cfg.max_message_size == 65536
-    assert cfg.offer_allow == {1, 2, 4, 0x99}
+    assert cfg.offer_allow.keys == {1, 2, 4, 0x99} and not cfg.offer_allow.patterns
     assert [k for k in range(1, 6) if cfg.offers(k)] == [1, 4]
     assert not cfg.offers(0x99)  # listed, yet never offered: the dead-letter queue
     assert (cfg.put_retry_count, cfg.put_retry_interval, cfg.host_name) == (0, 0.2, "rqp1.example.org")
@@ -586,8 +586,9 @@ RECEIVER_ERRORS = [
     ("queues: {PROD_A: 1}\noffer: {deny: [PROD_B]}", "offer.deny[0]", "'PROD_B'", "(did you mean 'PROD_A'?)"),
     ("offer: {allow: [RQP.XMIT.Q]}", "offer.allow[0]", "'RQP.XMIT.Q'", "known names: DEAD.LETTER.Q"),
     ("offer: {allow: [0]}", "offer.allow[0]", "'0'", "IPC_PRIVATE"),
-    ("offer: {deny: 5}", "offer.deny", "'5'", "expected a list of queue keys or names"),
-    ("offer: {allow: null}", "offer.allow", "'null'", "expected a list of queue keys or names"),
+    ("offer: {deny: 5}", "offer.deny", "'5'", "expected a list of queue keys, configured"),
+    ("offer: {allow: null}", "offer.allow", "'null'", "expected a list of queue keys, "
+                                                       "configured"),
     ("offer: [1]", "offer", "'[1]'", "expected a mapping with 'allow' and/or 'deny'"),
     ("queues: {DEAD.LETTER.Q: 1}", "queues.DEAD.LETTER.Q", "'DEAD.LETTER.Q'", "cannot be redefined"),
     ("put_retry_count: -1", "put_retry_count", "'-1'", "an integer >= 0"),
@@ -755,11 +756,11 @@ def test_the_example_files_show_the_defaults():
     sender = config.load_sender_config(root / "rqprc.example.yaml")
     assert _differing(sender, config.SenderConfig(hosts=())) - {"state_dir"} == {
         "hosts", "queues", "retry_max_attempts", "retry_max_age", "control_socket",
-        "metrics_listen", "source"}
+        "metrics_listen", "tls", "host_tls", "source"}
     receiver = config.load_receiver_config(root / "receiver.example.yaml")
     assert _differing(receiver, config.ReceiverConfig()) - {"state_dir"} == {
         "listen", "max_message_size", "queues", "offer_allow", "offer_deny", "host_name",
-        "control_socket", "metrics_listen", "source"}
+        "control_socket", "metrics_listen", "tls", "peers", "source"}
 
 
 def test_the_sender_core_settings_default_to_the_config_defaults():

@@ -80,6 +80,10 @@ def start_receiver(host: Host, config: dict | None = None, *, listen: str = f"0.
                    state_dir: bool = True, config_path: str | None = None,
                    user: int | None = None, env: dict | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", listen]
+    if config is not None:
+        config = {"offer": {"allow": ["*"]}, **config}  # (as root, only what is listed)
+    if config_path is None and "tls" not in (config or {}) and not listen.startswith("127."):
+        argv.append("--plaintext")
     if state_dir:
         state = host.workdir / "receiver-state"
         state.mkdir(exist_ok=True)
@@ -641,12 +645,16 @@ def test_runs_with_no_config_file_at_all(testbed):
     t0 = time.time_ns()
     a, b = testbed.add_host("a"), testbed.add_host("b")
     qa, pb = Peer.start(a), Peer.start(b)
-    qa.create(Q1, 0o660)
+    qa.create(Q1, 0o666)
     # no file and no --state-dir: the default state_dir, here through systemd's variable (so
-    # that the test writes nothing outside its own directory)
+    # that the test writes nothing outside its own directory); as a user that may write only
+    # some queues (as root nothing is offered without offer.allow: the test below)
     state = a.workdir / "default-state"
+    state.mkdir()
+    state.chmod(0o777)
+    a.workdir.chmod(0o755)
     rx = start_receiver(a, None, listen=f"127.0.0.1:{PORT}", state_dir=False,
-                        env={"STATE_DIRECTORY": str(state)})
+                        env={"STATE_DIRECTORY": str(state)}, user=65534)
     assert qa.connect("c", "127.0.0.1", PORT)["connected"]
     got = qa.exchange("c", [ask(Q1), ask(MISSING), ask(DLQ), ask(2**32 + Q1),
                             msg(Q1, b"hello", key=1), msg(MISSING, b"lost", key=2, type=UNSURE),
@@ -666,6 +674,25 @@ def test_runs_with_no_config_file_at_all(testbed):
     assert pb.connect("far", a.address, PORT)["error"] == "refused"
     assert a.stop(rx) == 0
     assert (state / "receiver.dedup").exists()
+
+
+def test_as_root_with_no_offer_allow_nothing_is_offered(testbed):
+    """Issue 12, safe defaults: root may write into every queue of the host, so without an
+    offer.allow list it offers none of them (and says so), instead of all."""
+    a = testbed.add_host("a")
+    qa = Peer.start(a)
+    qa.create(Q1, 0o600)
+    rx = start_receiver(a, {"host_name": HOST_NAME, "offer": None}, listen=f"127.0.0.1:{PORT}")
+    assert "no offer.allow in the config: no queue is offered" in a.output(rx, "stderr")
+    assert qa.connect("c", "127.0.0.1", PORT)["connected"]
+    assert answers(qa.exchange("c", [ask(Q1)])) == ["QUEUE_NO"]
+    assert a.stop(rx) == 0
+    # listed: offered
+    rx = start_receiver(a, {"host_name": HOST_NAME, "offer": {"allow": [Q1]}},
+                        listen=f"127.0.0.1:{PORT}")
+    assert qa.connect("d", "127.0.0.1", PORT)["connected"]
+    assert answers(qa.exchange("d", [ask(Q1)])) == ["QUEUE_YES"]
+    assert a.stop(rx) == 0
 
 
 def test_runs_with_the_example_config(testbed):
@@ -767,10 +794,10 @@ def test_running_out_of_descriptors_is_one_log_line_and_the_receiver_recovers(te
     state = a.workdir / "receiver-state"
     state.mkdir()
     config = a.workdir / "receiver.yaml"
-    config.write_text(f"host_name: {HOST_NAME}\n")
+    config.write_text(f"host_name: {HOST_NAME}\noffer: {{allow: ['*']}}\n")
     rx = a.popen(["prlimit", "--nofile=40:40", sys.executable, "-m", "rqp_agents.receiver",
                   "--listen", f"0.0.0.0:{PORT}", "--state-dir", str(state),
-                  "--config", str(config)])
+                  "--config", str(config), "--plaintext"])
     wait_for(lambda: "listening on" in a.output(rx, "stderr") or rx.poll() is not None,
              timeout=15, message="receiver did not start")
     opened = []
@@ -836,6 +863,7 @@ def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(test
     assert "listening on 127.0.0.1 only" in err and 'listen: ":7460"' in err, err
     assert not pb.connect("far", a.address, PORT)["connected"]  # another host: refused
     assert qa.connect("near", "127.0.0.1", PORT)["connected"]
-    assert answers(qa.exchange("near", [ask(Q1)])) == ["QUEUE_YES"]
+    # (as root and with no offer.allow, nothing is offered: see the test above)
+    assert answers(qa.exchange("near", [ask(Q1)])) == ["QUEUE_NO"]
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0

@@ -163,7 +163,7 @@ def test_agents_speak_sd_notify(testbed, tmp_path, agent):
     fake = FakeSystemd(tmp_path / "notify")
     if agent == "receiver":
         argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{host.address}:7460",
-                "--state-dir", str(host.workdir / "state")]
+                "--state-dir", str(host.workdir / "state"), "--plaintext"]
     else:
         argv = [sys.executable, "-m", "rqp_agents.sender", "--rqprc",
                 str(write_rqprc(host, [host]))]

@@ -65,6 +65,7 @@ DEFAULT_DEDUP_WINDOW_AGE = 24 * 3600.0
 # The receiving MCA's limits on what the network may hold of it (issue 12).
 DEFAULT_MAX_CONNECTIONS = 512  # well under systemd's default 1,024 open files
 DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0  # from accept to a finished TLS handshake
 DEFAULT_FIRST_FRAME_TIMEOUT = 10.0  # from accept to the first complete frame
 DEFAULT_IDLE_TIMEOUT = 600.0  # no frame and nothing in flight for this long: closed
 #: Spill files (full payloads of dead letters too big for one message) kept at most, per agent.

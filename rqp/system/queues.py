@@ -65,6 +65,7 @@ __all__ = [
     "kernel_limits",
     "max_payload",
     "may_write",
+    "may_write_every_queue",
     "mode_permits",
     "write_access",
 ]
@@ -598,7 +599,7 @@ def mode_permits(stat: QueueStat, *, euid: int, egid: int, groups: tuple[int, ..
     return ok, f"mode {stat.mode:03o}, {cls}: {'permits' if ok else 'denies'} writing"
 
 
-def _has_cap_ipc_owner() -> bool:
+def may_write_every_queue() -> bool:
     """Whether this process has CAP_IPC_OWNER (root normally does)."""
     try:
         with open("/proc/self/status") as f:
@@ -669,7 +670,7 @@ def write_access(key: int, *, euid: int | None = None, egid: int | None = None,
     if st is None:
         why = (f"{name}: IPC_STAT refused (no read permission); msgget(key, 0200) "
                f"{'granted' if granted else 'refused'} write access to euid {euid}")
-    elif granted and _has_cap_ipc_owner():
+    elif granted and may_write_every_queue():
         why = f"{name}: CAP_IPC_OWNER (euid {euid})"
     else:
         ok, rule = mode_permits(st, euid=euid, egid=egid, groups=groups)

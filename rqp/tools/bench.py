@@ -612,7 +612,7 @@ class Bench:
         # dead-letters: a consumer that falls behind slows the pipeline instead of losing.
         receiver_yaml.write_text(
             f"listen: 127.0.0.1:{port}\ndead_letter_queue: {self.dlq:#x}\nstate_dir: state\n"
-            "put_retry_count: 100\nput_retry_interval: 0.1\n")
+            "put_retry_count: 100\nput_retry_interval: 0.1\noffer:\n  allow: ['*']\n")
         self.rqprc = self.workdir / ".rqprc"
         self.rqprc.write_text(
             f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {self.xmit:#x}\n"

@@ -9,6 +9,8 @@ done), 1 if one did, 2 for a usage or configuration error.
 
 ``rqpctl status | metrics | queues | send | receive``: the running agents and the local queues
 (:mod:`rqp.tools.ctl_agents`, which lists the exit codes).
+
+``rqpctl tls init-ca | issue | show``: certificates for RQP over TLS (:mod:`rqp.tools.tls`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rqp.protocol.errors import ConfigError, RQPError
 from rqp.config import load_optional_rqprc
 from rqp.storage.archive import ArchiveError, archive_files, read_archive_file
 from rqp.system.control import ControlError
+from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
     DEFAULT_RATE, NotConfirmed, Replayer, TransmissionPutter, load_rules,
@@ -148,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="rows shown at most (default 100; 0 = all)")
     listing.set_defaults(run=_list)
     add_commands(groups)
+    tls_tool.add_commands(groups)
     return parser
 
 

@@ -114,9 +114,16 @@ def _print_receiver(st: dict) -> None:
           f"listening {st['listen']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({st['dead_letter_queue_depth']}), {len(st['connections'])} connection(s), "
           f"{st['stats'].get('messages', 0)} message(s) put")
+    stats = st["stats"]
+    print(f"  {'TLS (mutual)' if st.get('tls') else 'plaintext RQP/1'}; "
+          f"{stats.get('refused_connections', 0)} connection(s) refused by limits, "
+          f"{stats.get('handshake_failures', 0)} failed handshake(s), "
+          f"{stats.get('denied', 0)} request(s) denied by peers rules")
     for c in st["connections"]:
-        print(f"  from {c['peer']:24} for {_ago(c['since'], now):>7}: {c['messages']} put, "
-              f"{c['dead_letters']} dead-lettered, {c['asks']} asks")
+        who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
+        print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c['messages']} put, "
+              f"{c['dead_letters']} dead-lettered, {c['asks']} asks, "
+              f"{c.get('refused', 0)} denied; may use {c.get('may_use', '?')}")
     offered = [q for q in st["queues"] if q["offered"]]
     print("  offers: " + (", ".join(q["queue"] + (f" {q['name']}" if q["name"] else "")
                                     for q in offered) or "nothing (no writable queue)"))

@@ -96,7 +96,7 @@ def run(workdir: Path, report_dir: Path) -> int:
     receiver_yaml.write_text(
         f"listen: 127.0.0.1:{port}\ndead_letter_queue: {dlq:#x}\nstate_dir: state\n"
         "put_retry_count: 2\nput_retry_interval: 0.2\nmax_message_size: 1000\n"
-        "host_name: demo-receiver\n")
+        f"host_name: demo-receiver\noffer:\n  allow: [{dest:#x}]\n")
     rqprc = workdir / ".rqprc"
     rqprc.write_text(
         f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"

@@ -1,0 +1,162 @@
+"""The receiving MCA's door (spec section 7): who gets a connection, who they are, what they
+may use.
+
+A connection is let in when the limits leave room for it (``max_connections`` in all,
+``max_connections_per_source`` from one address); on a TLS port it must then finish a TLS
+handshake within ``handshake_timeout``, with a client certificate from the configured CA and
+ALPN ``rqp/1``. What the peer may use is the first ``peers:`` rule matching it
+(:func:`rqp.protocol.access.grant_for`). Every refusal is counted, and logged at most once per
+interval: the network must not be able to fill the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import ssl
+
+from rqp.config import ReceiverConfig
+from rqp.protocol.access import Grant, Peer, grant_for
+from rqp.protocol.errors import RQPError
+from rqp.system.tls import ALPN, TLSFileError, check_files, handshake_problem, peer_names, \
+    server_context
+from rqp_agents.daemon import RateLimitedLog
+
+__all__ = ["Gate"]
+
+log = logging.getLogger("rqp.receiver")
+
+#: Refusals of each kind are logged at most once per this many seconds.
+REFUSAL_LOG_INTERVAL = 10.0
+#: Grants remembered per peer (recomputed after a reload); cleared beyond this many.
+GRANT_MEMORY = 4096
+#: Distinct labels (peers, handshake failure reasons) counted apart; more go under "other",
+#: so that a flood from many addresses cannot grow the counters or the metrics without bound.
+COUNTER_LABELS = 256
+
+
+def _count(counter: collections.Counter, label: str) -> None:
+    if label not in counter and len(counter) >= COUNTER_LABELS:
+        label = "other"
+    counter[label] += 1
+
+
+class Gate:
+    """Connection limits, the TLS handshake and authorisation of one receiving MCA."""
+
+    def __init__(self, config: ReceiverConfig) -> None:
+        self.config = config
+        self.context = self._context(config)
+        self.by_source: collections.Counter[str] = collections.Counter()  # open, per address
+        self.open = 0
+        #: Connections closed at once by a limit, handshakes failed (by reason), and requests
+        #: refused because the peer may not use the queue (by peer label).
+        self.refused_connections = 0
+        self.handshake_failures: collections.Counter[str] = collections.Counter()
+        self.denied: collections.Counter[str] = collections.Counter()
+        self._grants: dict[Peer, Grant] = {}
+        self._limit_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
+        self._handshake_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
+        self._denied_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
+
+    @staticmethod
+    def _context(config: ReceiverConfig) -> ssl.SSLContext | None:
+        """The TLS context of ``config`` (its files checked first, warnings logged)."""
+        if config.tls is None:
+            return None
+        for warning in check_files(config.tls):
+            log.warning("%s", warning)
+        return server_context(config.tls)
+
+    def reload(self, config: ReceiverConfig) -> None:
+        """Take a new config: new certificates and rules apply to what comes next; connections
+        open keep their session. Raises RQPError (and keeps the old) if the files are bad."""
+        if (config.tls is None) != (self.config.tls is None):
+            raise RQPError("tls cannot be turned on or off while running (a port is either "
+                           "TLS or plaintext): restart the receiving MCA for that")
+        try:
+            context = self._context(config)
+        except TLSFileError as exc:
+            raise RQPError(f"certificates not reloaded: {exc}") from None
+        self.config, self.context = config, context
+        self._grants.clear()
+
+    # --- limits ---------------------------------------------------------------------------
+
+    def enter(self, source: str) -> bool:
+        """Count a new connection from ``source`` in, or refuse it (False) when a limit is
+        reached; each one let in must :meth:`leave`."""
+        why = None
+        if self.open >= self.config.max_connections:
+            why = f"{self.open} open, max_connections {self.config.max_connections}"
+        elif self.by_source[source] >= self.config.max_connections_per_source:
+            why = (f"{self.by_source[source]} open from {source}, max_connections_per_source "
+                   f"{self.config.max_connections_per_source}")
+        if why:
+            self.refused_connections += 1
+            self._limit_log.report(f"refusing connections: {why}")
+            return False
+        self.open += 1
+        self.by_source[source] += 1
+        return True
+
+    def leave(self, source: str) -> None:
+        self.open -= 1
+        self.by_source[source] -= 1
+        if not self.by_source[source]:
+            del self.by_source[source]
+
+    # --- who it is --------------------------------------------------------------------------
+
+    async def identify(self, writer: asyncio.StreamWriter, source: str,
+                       where: str) -> Peer | None:
+        """The peer at the other end: over TLS, after a handshake that must succeed within
+        ``handshake_timeout`` (None, counted and logged, if it does not)."""
+        context = self.context
+        if context is None:
+            return Peer(source)
+        try:
+            await writer.start_tls(context, ssl_handshake_timeout=self.config.handshake_timeout)
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, EOFError) as exc:
+            self._refuse_handshake(where, _timeout_aware(exc, self.config.handshake_timeout))
+            return None
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object.selected_alpn_protocol() != ALPN:
+            self._refuse_handshake(where, f"the peer did not negotiate ALPN {ALPN} (not an "
+                                          f"RQP sender?)")
+            return None
+        return Peer(source, peer_names(ssl_object))
+
+    def _refuse_handshake(self, where: str, why: str) -> None:
+        _count(self.handshake_failures, why)
+        self._handshake_log.report(f"refusing the connection from {where}: {why}")
+
+    # --- what it may use --------------------------------------------------------------------
+
+    def grant(self, peer: Peer) -> Grant:
+        grant = self._grants.get(peer)
+        if grant is None:
+            if len(self._grants) >= GRANT_MEMORY:
+                self._grants.clear()
+            grant = self._grants[peer] = grant_for(self.config.peers, peer)
+        return grant
+
+    def allows(self, peer: Peer, queue_key: int) -> bool:
+        return self.grant(peer).allows(queue_key, self.config.queue_names(queue_key))
+
+    def deny(self, peer: Peer, what: str) -> None:
+        """Count and (rate-limited) log a request refused because ``peer`` may not use the
+        queue: nothing else of it is kept anywhere."""
+        _count(self.denied, peer.label)
+        self._denied_log.report(f"refused {what} from {peer.label} ({peer.address}): "
+                                f"{self.grant(peer).describe()}")
+
+
+def _timeout_aware(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or "timed out" in str(exc):
+        return f"TLS handshake not finished within {timeout:g}s (handshake_timeout)"
+    if isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError)) or (
+            isinstance(exc, ssl.SSLError) and "EOF" in str(exc)):
+        return "the peer closed the connection during the TLS handshake"
+    return handshake_problem(exc)

@@ -1,0 +1,118 @@
+"""Certificates for real users (rqpctl tls) and the start-up check of a tls: block
+(rqp.system.tls.check_files): every problem names the file and what is wrong."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import ssl
+import subprocess
+import sys
+
+import pytest
+
+from rqp.config import TLSFiles
+from rqp.system.tls import TLSFileError, check_files, client_context, server_context
+from rqp.tools import tls as tool
+
+
+@pytest.fixture
+def ca(tmp_path):
+    tool.init_ca(tmp_path / "ca")
+    return tmp_path / "ca"
+
+
+def files(ca_dir, host: str = "h.test", **changes) -> TLSFiles:
+    crt, key = ca_dir / f"{host}.crt", ca_dir / f"{host}.key"
+    if not crt.exists():
+        tool.issue(host, ca_dir)
+    values = {"cert": str(crt), "key": str(key), "ca": str(ca_dir / "ca.crt"), **changes}
+    return TLSFiles(**values, where="receiver.yaml: tls")
+
+
+def test_the_tool_makes_files_that_work_together(ca):
+    good = files(ca)
+    assert check_files(good) == []
+    assert oct(os.stat(good.key).st_mode & 0o777) == "0o600"
+    assert server_context(good).verify_mode == ssl.CERT_REQUIRED
+    assert client_context(good).check_hostname
+    shown = tool.show(ca / "h.test.crt")
+    assert "h.test" in shown and "RQP CA" in shown
+
+
+def test_the_tool_refuses_to_overwrite(ca):
+    tool.issue("h.test", ca)
+    with pytest.raises(Exception, match="exists"):
+        tool.issue("h.test", ca)
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("missing cert", "tls.cert {cert}: no such file"),
+    ("cert is a key", "tls.cert {cert}: holds no PEM certificate"),
+    ("expired", "the certificate expired on"),
+    ("not yet valid", "is not valid before"),
+    ("key of another pair", "tls.key {key}: the key does not match the certificate"),
+    ("host cert as CA", "is not a CA certificate"),
+    ("encrypted key", "encrypted with a passphrase"),
+    ("missing ca", "tls.ca {ca}: no such file"),
+])
+def test_each_problem_is_named_with_its_file(ca, tmp_path, problem, expected):
+    good = files(ca)
+    f = good
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if problem == "missing cert":
+        f = files(ca, cert=str(tmp_path / "nope.crt"))
+    elif problem == "cert is a key":
+        f = files(ca, cert=good.key)
+    elif problem == "expired":
+        tool.issue("old.test", ca, days=1, start=now - datetime.timedelta(days=3))
+        f = files(ca, "old.test")
+    elif problem == "not yet valid":
+        tool.issue("new.test", ca, start=now + datetime.timedelta(days=3))
+        f = files(ca, "new.test")
+    elif problem == "key of another pair":
+        f = files(ca, key=files(ca, "other.test").key)
+    elif problem == "host cert as CA":
+        f = files(ca, ca=good.cert)
+    elif problem == "encrypted key":
+        from cryptography.hazmat.primitives import serialization
+        key = serialization.load_pem_private_key(open(good.key, "rb").read(), None)
+        locked = tmp_path / "locked.key"
+        locked.write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret")))
+        f = files(ca, key=str(locked))
+    elif problem == "missing ca":
+        f = files(ca, ca=str(tmp_path / "no-ca.crt"))
+    with pytest.raises(TLSFileError) as info:
+        check_files(f)
+    message = str(info.value)
+    assert expected.format(cert=f.cert, key=f.key, ca=f.ca) in message, message
+    assert message.startswith("receiver.yaml: tls.")
+
+
+def test_warnings_for_what_works_but_should_not_stay_so(ca, tmp_path):
+    other = tmp_path / "other-ca"
+    tool.init_ca(other, name="Other CA")
+    f = files(ca, ca=str(other / "ca.crt"))  # own certificate not from the CA peers trust
+    os.chmod(f.key, 0o644)
+    soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=tool.HOST_DAYS - 5)
+    warnings = check_files(f, now=soon)
+    assert any("expires on" in w for w in warnings), warnings
+    assert any("mode 644" in w and "chmod 600" in w for w in warnings), warnings
+    assert any("is not signed by a CA in" in w for w in warnings), warnings
+
+
+def test_rqpctl_tls_from_the_command_line(tmp_path):
+    run = [sys.executable, "-m", "rqp.tools.ctl", "tls"]
+    out = subprocess.run([*run, "init-ca", str(tmp_path / "ca")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([*run, "issue", "r1.test", "--ca", str(tmp_path / "ca"), "--ip",
+                          "10.0.0.1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "r1.test.crt").exists() and (tmp_path / "r1.test.key").exists()
+    out = subprocess.run([*run, "issue", "r2.test", "--ca", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "make the CA first" in out.stderr, out.stderr
