@@ -154,7 +154,8 @@ class Gate:
 
 
 def _timeout_aware(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or "timed out" in str(exc):
+    # (asyncio says "SSL handshake is taking longer than N seconds" with ConnectionAbortedError)
+    if isinstance(exc, (asyncio.TimeoutError, ConnectionAbortedError)) or "timed out" in str(exc):
         return f"TLS handshake not finished within {timeout:g}s (handshake_timeout)"
     if isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError)) or (
             isinstance(exc, ssl.SSLError) and "EOF" in str(exc)):

@@ -25,12 +25,18 @@ class _Link(asyncio.Protocol):
         self.links = links
         self.host = host
         self.transport: asyncio.Transport | None = None
+        #: Set when the connection ended, with its exception (None: closed in order).
+        self.ended = False
+        self.end: BaseException | None = None
+        self.tls = False
+        self.heard = False  # a byte came from the receiver
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     # asyncio drops an OSError raised here without a word: guard() stops the agent instead.
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         self.links.guard(f"the connection to {self.host}", self.links._data, self, data)
 
     def eof_received(self):
@@ -38,6 +44,7 @@ class _Link(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc) -> None:
+        self.ended, self.end = True, exc
         self.links.guard(f"the connection to {self.host}", self.links._lost, self, exc)
 
 
@@ -71,15 +78,21 @@ class Links:
         except (OSError, asyncio.TimeoutError) as exc:
             self.on_failed(host, _failure(exc))
             return
-        if context is not None:
-            alpn = link.transport.get_extra_info("ssl_object").selected_alpn_protocol()
+        link.tls = context is not None
+        if link.ended:  # e.g. the receiver refused this host's certificate (TLS 1.3)
+            self.on_failed(host, _ending(link))
+            return
+        if context is not None and not link.transport.is_closing():
+            ssl_object = link.transport.get_extra_info("ssl_object")
+            alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
             if alpn != ALPN:
                 link.transport.abort()
                 self.on_failed(host, f"TLS: the receiver did not negotiate ALPN {ALPN} "
                                      f"(it chose {alpn or 'none'})")
                 return
-        link.transport.get_extra_info("socket").setsockopt(
-            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = link.transport.get_extra_info("socket")
+        if sock is not None:  # (None once the transport is closing: its end is reported)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._links[host] = link
         self.on_connected(host)
 
@@ -99,20 +112,38 @@ class Links:
             self.close(host)
 
     def _data(self, link: _Link, data: bytes) -> None:
-        if self._links.get(link.host) is link:
-            self.on_data(link.host, data)
+        if self._links.get(link.host) is not link:
+            return
+        if not data and link.tls and not link.heard:  # refused after the handshake: say so
+            del self._links[link.host]
+            link.transport.abort()
+            self.on_lost(link.host, _REFUSED_AFTER_HANDSHAKE, False)
+            return
+        self.on_data(link.host, data)
 
     def _lost(self, link: _Link, exc) -> None:
         if self._links.get(link.host) is link:
             del self._links[link.host]
-            self.on_lost(link.host, _failure(exc) if exc else "closed", exc is None)
+            self.on_lost(link.host, _ending(link), exc is None)
+
+
+#: Over TLS 1.3 the receiver checks this host's certificate after the handshake is done on
+#: this side, and a receiver that refuses it closes the connection (its alert may not arrive).
+_REFUSED_AFTER_HANDSHAKE = (
+    "TLS: the receiver closed the connection before answering anything -- does it trust this "
+    "host's certificate (its CA) and is the identity allowed? The receiver's log says why")
+
+
+def _ending(link: _Link) -> str:
+    """Why ``link`` ended, in words."""
+    if link.tls and not link.heard and not isinstance(link.end, ssl.SSLError):
+        return _REFUSED_AFTER_HANDSHAKE
+    return _failure(link.end) if link.end else "closed"
 
 
 def _failure(exc: BaseException) -> str:
     """Why a connection failed or ended, in words."""
     if isinstance(exc, ssl.SSLError):  # (its errno is OpenSSL's, not the system's)
-        # Over TLS 1.3 the receiver checks this host's certificate after the client's side of
-        # the handshake is done: its refusal arrives as the first thing read.
         return handshake_problem(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"

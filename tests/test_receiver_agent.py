@@ -652,6 +652,7 @@ def test_runs_with_no_config_file_at_all(testbed):
     state = a.workdir / "default-state"
     state.mkdir()
     state.chmod(0o777)
+    testbed.workdir.chmod(0o755)
     a.workdir.chmod(0o755)
     rx = start_receiver(a, None, listen=f"127.0.0.1:{PORT}", state_dir=False,
                         env={"STATE_DIRECTORY": str(state)}, user=65534)

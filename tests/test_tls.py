@@ -1,0 +1,281 @@
+"""RQP over mutual TLS between namespaced hosts (issue 12, spec section 7), with certificates
+from the project's own CA tool (rqpctl tls): delivery, refusals, authorisation by identity,
+certificate rotation by SIGHUP, failed handshakes as route errors, limits.
+
+Host ``a`` runs the sending MCA (identity ``a.rqp.test``), host ``b`` the receiving MCA, host
+``c`` the hostile or foreign clients (raw sockets, tests/rqp_peer.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from rqp import SURE_MSG, UNSURE_MSG
+from rqp.tools import tls as tool
+from tests.agents import (
+    PORT, dead_letters, log_lines, make_queue, receive, send, start_receiver, start_sender,
+    write_rqprc,
+)
+from tests.rqp_peer import Peer, PeerError, answers, ask, msg
+from tests.testbed import testbed, wait_for  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.usefixtures("testbed")
+
+Q1, Q2 = 0x00A1_0001, 0x00A1_0002  # PROD_A (a.rqp.test may use it), TEST_B (it may not)
+SURE, UNSURE = SURE_MSG, UNSURE_MSG
+RQPCTL = [sys.executable, "-m", "rqp.tools.ctl"]
+
+
+class Site:
+    """A CA and certificates for the hosts, written under ``root``."""
+
+    def __init__(self, root: Path, testbed) -> None:
+        self.root = root
+        self.a, self.b, self.c = (testbed.add_host(n) for n in "abc")
+        self.ca = root / "ca"
+        tool.init_ca(self.ca)
+        self.other_ca = root / "other-ca"
+        tool.init_ca(self.other_ca, name="Someone else's CA")
+
+    def cert(self, name: str, *, ca: Path | None = None, ips=(), out: str = "certs",
+             **kw) -> dict:
+        """Issue ``name``'s certificate; its files as a tls: block (with our CA's ca.crt)."""
+        where = self.root / out
+        where.mkdir(exist_ok=True)
+        crt, key = tool.issue(name, ca or self.ca, where, ips=tuple(ips), **kw)
+        return {"cert": str(crt), "key": str(key), "ca": str(self.ca / "ca.crt")}
+
+    def receiver_config(self, tls: dict, extra: str = "") -> str:
+        return (f"control_socket: {self.b.workdir}/receiver.sock\n"
+                f"queues:\n  PROD_A: {Q1:#x}\n  TEST_B: {Q2:#x}\n"
+                f"offer:\n  allow: ['*']\n"
+                f"tls: {json.dumps(tls)}\n"
+                "peers:\n"
+                "  - identity: a.rqp.test\n    queues: ['PROD_*']\n"
+                "  - identity: '*.rqp.test'\n    queues: ['TEST_*']\n" + extra)
+
+    def receiver_status(self) -> dict:
+        out = self.b.run([*RQPCTL, "status", "--agent", "receiver", "--json",
+                          "--receiver-config", str(self.b.workdir / "receiver.yaml")],
+                         check=False, timeout=60)
+        return next(iter(json.loads(out.stdout).values()))
+
+    def sender_status(self, rqprc: Path) -> dict:
+        out = self.a.run([*RQPCTL, "status", "--agent", "sender", "--json", "--rqprc",
+                          str(rqprc)], check=False, timeout=60)
+        return next(iter(json.loads(out.stdout).values()))
+
+    def client_tls(self, name: str | None, **changes) -> dict:
+        """What tests/rqp_peer.py needs to dial the receiver over TLS as ``name``."""
+        tls = {"ca": str(self.ca / "ca.crt"), "server_hostname": self.b.address}
+        if name:
+            self.clients = getattr(self, "clients", 0) + 1
+            files = self.cert(name, out=f"client-{self.clients}", **changes)
+            tls.update(cert=files["cert"], key=files["key"])
+        return tls
+
+
+@pytest.fixture
+def site(testbed, tmp_path):
+    s = Site(tmp_path, testbed)
+    make_queue(s.b, Q1)
+    make_queue(s.b, Q2)
+    return s
+
+
+def route(status: dict, key: int) -> dict:
+    return next(r for r in status["routes"] if r["queue_key"] == key)
+
+
+def test_sure_and_unsure_over_tls_and_a_queue_the_sender_may_not_use(site):
+    a, b = site.a, site.b
+    rx = start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test",
+                                                                 ips=[b.address])))
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, [f"sure-{i}" for i in range(20)], SURE)
+    send(a, rqprc, Q1, [f"unsure-{i}" for i in range(20)], UNSURE)
+    got = receive(b, Q1, 40)
+    assert sorted(got) == sorted([f"sure-{i}" for i in range(20)]
+                                 + [f"unsure-{i}" for i in range(20)])
+    # TEST_B is for other identities: QUEUE_NO; the SURE message stays with the sender
+    send(a, rqprc, Q2, ["not for a"], SURE)
+    wait_for(lambda: "QUEUE_NO" in (route(site.sender_status(rqprc), Q2)["last_error"] or ""),
+             timeout=20, message="the refusal does not show on the sender's route")
+    assert site.sender_status(rqprc)["journal_depth"] == 1  # kept, to be retried
+    assert receive(b, Q2, 1, timeout=1) == [] and dead_letters(b) == []
+    st = site.receiver_status()
+    conn, = st["connections"]
+    assert conn["identity"] == "a.rqp.test" and "PROD_*" in conn["may_use"]
+    assert st["tls"] and st["stats"]["denied"] >= 1 and st["denied"]["a.rqp.test"] >= 1
+    assert log_lines(b, rx, "refused QUEUE_ASK for queue 0x00a10002 from a.rqp.test")
+
+
+def test_strangers_are_refused_and_nothing_of_theirs_is_put(site):
+    a, b, c = site.a, site.b, site.c
+    rx = start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test",
+                                                                 ips=[b.address])))
+    peer = Peer.start(c)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    strangers = {
+        "no certificate": site.client_tls(None),
+        "another CA": site.client_tls("a.rqp.test", ca=site.other_ca),
+        "expired": site.client_tls("a.rqp.test", start=now - datetime.timedelta(days=3),
+                                   days=1),
+        "no ALPN": {**site.client_tls("a.rqp.test"), "alpn": []},
+    }
+    for n, (what, tls) in enumerate(strangers.items()):
+        got = peer.connect(what, b.address, PORT, tls=tls)
+        if got["connected"]:  # TLS 1.3: the client's side may finish before the refusal
+            try:
+                peer.send(what, [ask(Q1), msg(Q1, b"intruder", key=n + 1)])
+            except PeerError:  # already closed by the receiver
+                continue
+            read = peer.read_to_eof(what)
+            assert read["data"] == b"", (what, read)
+    # plaintext RQP on the TLS port
+    assert peer.connect("plaintext", b.address, PORT)["connected"]
+    peer.send("plaintext", [ask(Q1), msg(Q1, b"plain intruder", key=99)])
+    assert peer.read_to_eof("plaintext")["data"] == b""
+    # a valid certificate whose identity may use TEST_* only
+    assert peer.connect("other", b.address, PORT, tls=site.client_tls("c.rqp.test"))["connected"]
+    got = peer.exchange("other", [ask(Q1), msg(Q1, b"not yours", key=7),
+                                  msg(Q1, b"not yours either", key=8, type=0),
+                                  ask(Q2), msg(Q2, b"yours", key=9)])
+    assert answers(got) == ["QUEUE_NO", "DELIVERED_ERROR", "DELIVERED_ERROR", "QUEUE_YES",
+                            "DELIVERED_YES"]
+    assert receive(b, Q2, 1) == ["yours"]
+    assert receive(b, Q1, 1, timeout=1) == []
+    assert dead_letters(b) == []  # nothing of a refused message is kept anywhere
+    st = site.receiver_status()
+    failures = st["handshake_failures"]
+    assert sum(failures.values()) == 5, failures
+    text = " / ".join(failures)
+    for reason in ("certificate", "ALPN rqp/1"):
+        assert reason in text, failures
+    assert st["denied"] == {"c.rqp.test": 3}
+    lines = log_lines(b, rx, "refusing the connection from")
+    assert 1 <= len(lines) <= 5  # rate-limited, never one per attempt beyond the first
+    # the well-behaved sender is still served
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["welcome"], SURE)
+    assert receive(b, Q1, 1) == ["welcome"]
+
+
+def test_a_failed_handshake_is_a_route_error_and_rotation_by_sighup_heals_it(site):
+    """The receiver's certificate does not name the address the sender dials: the route shows
+    why, the SURE message waits. A new certificate, SIGHUP, and it is delivered; the
+    receiver's open connections survive its own rotation."""
+    a, b, c = site.a, site.b, site.c
+    certs = site.root / "receiver-tls"
+    certs.mkdir()
+    wrong = site.cert("b.rqp.test", out="receiver-tls")  # no IP SAN: a.dials b by address
+    rx = start_receiver(b, config=site.receiver_config(wrong))
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["waits for the right certificate"], SURE)
+
+    def route_error():
+        return route(site.sender_status(rqprc), Q1)["last_error"] or ""
+    wait_for(lambda: "certificate verify failed" in route_error(), timeout=20,
+             message="the handshake failure does not show on the route")
+    assert "IP address mismatch" in route_error(), route_error()
+    assert site.sender_status(rqprc)["journal_depth"] == 1
+    assert receive(b, Q1, 1, timeout=1) == []
+
+    # A raw client holds a connection open across the rotation.
+    peer = Peer.start(c)
+    assert peer.connect("held", b.address, PORT, tls={**site.client_tls("c.rqp.test"),
+                        "server_hostname": "b.rqp.test"})["connected"]
+    assert answers(peer.exchange("held", [ask(Q2)])) == ["QUEUE_YES"]
+    # Rotation: new files in place, SIGHUP.
+    tool.issue("b.rqp.test", site.ca, certs, ips=(b.address,), force=True)
+    rx.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(b, rx, "reloaded"), timeout=10, message="no reload")
+    assert receive(b, Q1, 1) == ["waits for the right certificate"]
+    assert answers(peer.exchange("held", [msg(Q2, b"after rotation", key=1)])) == \
+        ["DELIVERED_YES"]
+    assert receive(b, Q2, 1) == ["after rotation"]
+    # A broken file is refused at reload, naming it; the running certificates stay.
+    Path(wrong["key"]).write_text("not a key\n")
+    rx.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(b, rx, "certificates not reloaded"), timeout=10,
+             message="a bad key was not refused at reload")
+    assert wrong["key"] in log_lines(b, rx, "certificates not reloaded")[0]
+    send(a, rqprc, Q1, ["still served"], SURE)
+    assert receive(b, Q1, 1) == ["still served"]
+    assert sender.poll() is None and rx.poll() is None
+
+
+def test_the_receiver_refusing_the_senders_certificate_is_a_route_error_until_rotated(site):
+    a, b = site.a, site.b
+    start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test", ips=[b.address])))
+    mine = site.cert("a.rqp.test", ca=site.other_ca, out="sender-tls")  # b does not trust it
+    rqprc = write_rqprc(a, [b], tls=mine)
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["kept"], SURE)
+    wait_for(lambda: "TLS" in (route(site.sender_status(rqprc), Q1)["last_error"] or ""),
+             timeout=20, message="the refusal does not show on the route")
+    error = route(site.sender_status(rqprc), Q1)["last_error"]
+    assert "does it trust this host's certificate" in error, error
+    assert site.receiver_status()["stats"]["handshake_failures"] >= 1
+    # The sender's certificate renewed from the right CA, SIGHUP: delivered, nothing lost.
+    tool.issue("a.rqp.test", site.ca, site.root / "sender-tls", force=True)
+    sender.send_signal(signal.SIGHUP)
+    assert receive(b, Q1, 1, timeout=30) == ["kept"]
+
+
+def test_bad_files_stop_the_agents_at_start_naming_the_file(site):
+    a, b = site.a, site.b
+    good = site.cert("b.rqp.test", ips=[b.address])
+    missing = {**good, "ca": str(site.root / "nowhere" / "ca.crt")}
+    (b.workdir / "receiver.yaml").write_text(site.receiver_config(missing))
+    out = b.run([sys.executable, "-m", "rqp_agents.receiver", "--config",
+                 str(b.workdir / "receiver.yaml"), "--listen", f"{b.address}:{PORT}",
+                 "--state-dir", str(b.workdir / "state")], check=False, timeout=60)
+    assert out.returncode == 1
+    assert f"tls.ca {missing['ca']}: no such file" in out.stderr, out.stderr
+    expired = site.cert("a.rqp.test", days=1, out="expired",
+                        start=datetime.datetime.now(datetime.timezone.utc)
+                        - datetime.timedelta(days=2))
+    rqprc = write_rqprc(a, [b], tls=expired)
+    out = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
+                check=False, timeout=60)
+    assert out.returncode == 1 and "the certificate expired on" in out.stderr, out.stderr
+    assert f"tls.cert {expired['cert']}" in out.stderr
+    # plaintext on a reachable address without saying so
+    out = b.run([sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{b.address}:{PORT}",
+                 "--state-dir", str(b.workdir / "state")], check=False, timeout=60)
+    assert out.returncode == 1 and "without TLS" in out.stderr and "plaintext: true" in \
+        out.stderr, out.stderr
+
+
+def test_handshake_deadline_and_limits_leave_room_for_a_good_peer(site):
+    """Connections from c that never start the handshake are held at most handshake_timeout,
+    and at most max_connections_per_source at once; the sender on a is served meanwhile."""
+    a, b, c = site.a, site.b, site.c
+    start_receiver(b, config=site.receiver_config(
+        site.cert("b.rqp.test", ips=[b.address]),
+        "handshake_timeout: 1s\nmax_connections_per_source: 8\n"))
+    peer = Peer.start(c)
+    held = [n for n in range(20) if peer.connect(f"s{n}", b.address, PORT)["connected"]]
+    assert len(held) == 20  # accepted by the kernel; the receiver closes what is over
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, [f"m{i}" for i in range(10)], SURE)
+    assert sorted(receive(b, Q1, 10)) == sorted(f"m{i}" for i in range(10))
+    for n in held:  # every one ends: refused at once, or cut at the handshake deadline
+        end = peer.read_to_eof(f"s{n}", timeout=10)
+        assert end["eof"] or end["reset"], (n, end)
+    st = wait_for(lambda: (s := site.receiver_status())["stats"]["refused_connections"] >= 12
+                  and sum(s["handshake_failures"].values()) >= 8 and s,
+                  timeout=20, message="limits not counted")
+    assert any("handshake_timeout" in reason for reason in st["handshake_failures"])
+    assert [c["identity"] for c in st["connections"]] == ["a.rqp.test"]
