@@ -696,38 +696,63 @@ def test_as_root_with_no_offer_allow_nothing_is_offered(testbed):
     assert a.stop(rx) == 0
 
 
-def test_runs_with_the_example_config(testbed):
+def test_runs_with_the_example_config(testbed, tmp_path):
+    """The example as shipped, but for its certificate paths: here, files from rqpctl tls."""
+    from rqp.tools import tls as tls_tool
+
     t0 = time.time_ns()
-    example = REPO / "config" / "receiver.example.yaml"
+    a = testbed.add_host("a")
+    ca = tmp_path / "ca"
+    tls_tool.init_ca(ca)
+    cert, key = tls_tool.issue("rqp1.example.org", ca, tmp_path, ips=(a.address,))
+    client_cert, client_key = tls_tool.issue("sched1.example.org", ca, tmp_path)
+    text = (REPO / "config" / "receiver.example.yaml").read_text()
+    for shipped, ours in (("/etc/rqp/tls/rqp1.example.org.crt", cert),
+                          ("/etc/rqp/tls/rqp1.example.org.key", key),
+                          ("/etc/rqp/tls/ca.crt", ca / "ca.crt")):
+        assert shipped in text
+        text = text.replace(shipped, str(ours))
+    example = tmp_path / "receiver.yaml"
+    example.write_text(text)
     port = PORT + 1  # --listen overrides the file's 0.0.0.0:7460
-    r = rig(testbed, None, queues={Q1: 0o660, Q3: 0o660, Q4: 0o660}, config_path=str(example),
-            listen=f"0.0.0.0:{port}")
+    b = testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    for q in (Q1, Q3, Q4):
+        qa.create(q, 0o660)
+    rx = start_receiver(a, None, config_path=str(example), listen=f"0.0.0.0:{port}")
+    r = Rig(a, b, qa, pb, rx)
     state = r.a.workdir / "receiver-state"
     assert r.pb.connect("default-port", r.a.address, PORT)["error"] == "refused"
-    connect(r.pb, "c", r, port)
+    tls = {"ca": str(ca / "ca.crt"), "cert": str(client_cert), "key": str(client_key),
+           "server_hostname": r.a.address}
+    assert r.pb.connect("c", r.a.address, port, tls=tls)["connected"]
+    # sched1.example.org may use PROD_THE_SCHED_* (peers[1]); Q2 is such a queue but does not
+    # exist here; Q4 is offered to nobody and has no name
     got = r.pb.exchange("c", [ask(Q1), ask(Q2), ask(Q3), ask(Q4), ask(DLQ)])
     assert answers(got) == ["QUEUE_YES", "QUEUE_NO", "QUEUE_YES", "QUEUE_NO", "QUEUE_NO"]
     full = bytes(i & 0xFF for i in range(8192))  # max_message_size: 8KiB
     got = r.pb.exchange("c", [msg(Q1, full, key=1, type=SURE),
-                              msg(Q4, full, key=2, type=UNSURE),
-                              msg(Q3, b"m" * 8193, key=3, type=UNSURE)])
-    assert answers(got) == ["DELIVERED_YES", "DELIVERED_ERROR", "DELIVERED_ERROR"]
+                              msg(Q2, full, key=2, type=UNSURE),
+                              msg(Q3, b"m" * 8193, key=3, type=UNSURE),
+                              msg(Q4, b"not yours", key=4, type=UNSURE)])
+    assert answers(got) == ["DELIVERED_YES", "DELIVERED_ERROR", "DELIVERED_ERROR",
+                            "DELIVERED_ERROR"]
     assert r.qa.drain(Q1) == [(1, full)]
     assert r.qa.depth(Q4) == 0 and r.qa.depth(Q3) == 0
-    not_offered, too_big = r.qa.dead_letters()
+    missing, too_big = r.qa.dead_letters()  # and nothing of the message to Q4
     check_record(too_big, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q3, key=3,
-                 message_type=UNSURE, source=r.b.address, payload=None, original_length=8193,
-                 host="rqp1.example.org", since_ns=t0)
+                 message_type=UNSURE, source="sched1.example.org", payload=None,
+                 original_length=8193, host="rqp1.example.org", since_ns=t0)
     # A record with an 8 KiB payload does not fit msgmax: the payload is spilled to a file
     # in the state_dir given by --state-dir, and the record says so.
-    assert ReasonCode(not_offered["reason"]) is ReasonCode.QUEUE_NOT_OFFERED
-    assert not_offered["host"] == "rqp1.example.org"
-    assert not_offered["source_host"] == r.b.address
-    assert (not_offered["queue_key"], not_offered["message_key"]) == (Q4, 2)
-    assert not_offered["flags"] == DeadLetterFlags.TRUNCATED
-    assert not_offered["size"] == 8192 and not_offered["original_length"] == 8192
-    assert full.startswith(not_offered["payload"])
-    spill = Path(not_offered["spill_path"])
+    assert ReasonCode(missing["reason"]) is ReasonCode.UNKNOWN_QUEUE
+    assert missing["host"] == "rqp1.example.org"
+    assert missing["source_host"] == "sched1.example.org"  # the peer's identity
+    assert (missing["queue_key"], missing["message_key"]) == (Q2, 2)
+    assert missing["flags"] == DeadLetterFlags.TRUNCATED
+    assert missing["size"] == 8192 and missing["original_length"] == 8192
+    assert full.startswith(missing["payload"])
+    spill = Path(missing["spill_path"])
     assert spill.parent == state / "spill", spill
     assert spill.read_bytes() == full
     assert stat.S_IMODE(spill.stat().st_mode) == 0o600
