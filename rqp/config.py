@@ -34,7 +34,9 @@ from rqp.protocol.constants import (
     DEFAULT_ASK_TIMEOUT,
     DEFAULT_CONFIRM_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DEAD_LETTER_BURST,
     DEFAULT_DEAD_LETTER_QUEUE,
+    DEFAULT_DEAD_LETTER_RATE,
     DEFAULT_DEDUP_WINDOW_AGE,
     DEFAULT_DEDUP_WINDOW_KEYS,
     DEFAULT_FIRST_FRAME_TIMEOUT,
@@ -48,6 +50,7 @@ from rqp.protocol.constants import (
     DEFAULT_PUT_RETRY_INTERVAL,
     DEFAULT_RETRY_BACKOFF_INITIAL,
     DEFAULT_RETRY_BACKOFF_MAX,
+    DEFAULT_SPILL_LIMIT,
     DEFAULT_TRANSMISSION_QUEUE,
     DEFAULT_WINDOW,
     ERROR_LIMIT,
@@ -164,6 +167,9 @@ RECEIVER_KEYS: tuple[str, ...] = (
     "tls",
     "plaintext",
     "peers",
+    "dead_letter_rate",
+    "dead_letter_burst",
+    "spill_limit",
 )
 _OFFER_KEYS = ("allow", "deny")
 _TLS_KEYS = ("cert", "key", "ca")
@@ -472,6 +478,15 @@ _parse_retry_count = _int_parser(0, None, "a number of retries")
 _parse_attempts = _int_parser(1, None, "a number of attempts")
 _parse_key_count = _int_parser(0, None, "a number of message keys")
 _parse_connections = _int_parser(1, 1_000_000, "a number of connections")
+_parse_burst = _int_parser(1, 1_000_000, "a number of dead letters")
+
+
+def _parse_rate(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
+            0 < value <= 1_000_000 or not math.isfinite(value):
+        raise BadValueError(value, "expected a number of dead letters per second, > 0 (e.g. "
+                                   "10, 0.5)")
+    return float(value)
 
 _HOST_NAME_RE = re.compile(r"[^\s\x00-\x1f\x7f]{1,255}")
 
@@ -644,6 +659,11 @@ class ReceiverConfig:
     plaintext: bool = False
     #: None: no rules, every peer the transport lets in may use every offered queue.
     peers: tuple[PeerRule, ...] | None = None
+    #: Dead letters written for one peer: per second on average, and at once.
+    dead_letter_rate: float = DEFAULT_DEAD_LETTER_RATE
+    dead_letter_burst: int = DEFAULT_DEAD_LETTER_BURST
+    #: Bytes of spill files (whole payloads of big dead letters) kept at most.
+    spill_limit: int = DEFAULT_SPILL_LIMIT
     #: None: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/receiver.sock.
     control_socket: str | None = None
     #: None: no HTTP metrics endpoint (rqpctl metrics still works).
@@ -1083,6 +1103,9 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         tls=tls,
         plaintext=plaintext,
         peers=peers,
+        dead_letter_rate=f.get("dead_letter_rate", _parse_rate, DEFAULT_DEAD_LETTER_RATE),
+        dead_letter_burst=f.get("dead_letter_burst", _parse_burst, DEFAULT_DEAD_LETTER_BURST),
+        spill_limit=f.get("spill_limit", parse_size, DEFAULT_SPILL_LIMIT),
         source=f.file,
     )
 

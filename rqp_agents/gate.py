@@ -15,9 +15,10 @@ import asyncio
 import collections
 import logging
 import ssl
+import time
 
 from rqp.config import ReceiverConfig
-from rqp.protocol.access import Grant, Peer, grant_for
+from rqp.protocol.access import Allowance, DeadLetterBudget, Grant, Peer, grant_for
 from rqp.protocol.errors import RQPError
 from rqp.system.tls import ALPN, TLSFileError, check_files, handshake_problem, peer_names, \
     server_context
@@ -55,6 +56,11 @@ class Gate:
         self.refused_connections = 0
         self.handshake_failures: collections.Counter[str] = collections.Counter()
         self.denied: collections.Counter[str] = collections.Counter()
+        #: Dead letters written header-only, and not written, for being over the peer's budget.
+        self.header_only: collections.Counter[str] = collections.Counter()
+        self.suppressed: collections.Counter[str] = collections.Counter()
+        self._budget = DeadLetterBudget(config.dead_letter_rate, config.dead_letter_burst)
+        self._budget_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
         self._grants: dict[Peer, Grant] = {}
         self._limit_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
         self._handshake_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
@@ -81,6 +87,7 @@ class Gate:
             raise RQPError(f"certificates not reloaded: {exc}") from None
         self.config, self.context = config, context
         self._grants.clear()
+        self._budget.rate, self._budget.burst = config.dead_letter_rate, config.dead_letter_burst
 
     # --- limits ---------------------------------------------------------------------------
 
@@ -153,6 +160,25 @@ class Gate:
                                 f"{self.grant(peer).describe()}")
 
 
+    # --- what its dead letters may cost --------------------------------------------------------
+
+    def dead_letter_allowance(self, peer: Peer, what: str) -> Allowance:
+        """How much of a dead letter for ``peer`` may be written now (counted, and logged at
+        most once per interval, when it is less than all)."""
+        allowance = self._budget.take(peer.label, time.monotonic())
+        if allowance is Allowance.FULL:
+            return allowance
+        _count(self.header_only if allowance is Allowance.HEADER_ONLY else self.suppressed,
+               peer.label)
+        self._budget_log.report(
+            f"dead letters from {peer.label} over dead_letter_rate "
+            f"{self.config.dead_letter_rate:g}/s (dead_letter_burst "
+            f"{self.config.dead_letter_burst}): {what} "
+            + ("written without its payload" if allowance is Allowance.HEADER_ONLY
+               else "not written (answered DELIVERED_ERROR)"))
+        return allowance
+
+
 def _timeout_aware(exc: BaseException, timeout: float) -> str:
     # (asyncio says "SSL handshake is taking longer than N seconds" with ConnectionAbortedError)
     if isinstance(exc, (asyncio.TimeoutError, ConnectionAbortedError)) or "timed out" in str(exc):
@@ -161,3 +187,4 @@ def _timeout_aware(exc: BaseException, timeout: float) -> str:
             isinstance(exc, ssl.SSLError) and "EOF" in str(exc)):
         return "the peer closed the connection during the TLS handshake"
     return handshake_problem(exc)
+

@@ -19,7 +19,7 @@ from pathlib import Path
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level, listen_address
 from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_host
-from rqp.protocol.access import Peer
+from rqp.protocol.access import Allowance, Peer
 from rqp.protocol.errors import LocalProtocolError
 from rqp.protocol.events import OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
@@ -67,7 +67,8 @@ class Receiver(Daemon):
         self.msgmax = kernel_limits().msgmax
         self.max_message_size = config.max_message_size or self.msgmax
         self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
-                                             Path(config.state_dir) / "spill", msgmax=self.msgmax)
+                                             Path(config.state_dir) / "spill", msgmax=self.msgmax,
+                                             spill_limit=config.spill_limit)
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         # SURE repeats (same key) are answered without a second put, within this window.
@@ -161,6 +162,7 @@ class Receiver(Daemon):
             raise RQPError(f"dedup_window_keys/dedup_window_age: {exc}") from None
         self.config = self.delivery.config = new
         self.max_message_size = new.max_message_size or self.msgmax
+        self.dead_letters.spill_limit = new.spill_limit
         log.info("reloaded %s", new.source)
 
     async def _expire_dedup(self) -> None:
@@ -271,7 +273,7 @@ class Receiver(Daemon):
             return conn.answer_put(request, False)
         if isinstance(request, Refuse):
             if request.dead_letter:
-                await self._dead_letter(request.message, request.reason, request.detail, peer)
+                await self._dead_letter(request.message, request.reason, request.detail, who)
                 info["dead_letters"] += 1
             return conn.answer_put(request, False)
         message = request.message
@@ -302,19 +304,28 @@ class Receiver(Daemon):
             self.by_queue[(message.queue_key, "put")] += 1
             self.bytes_by_queue[message.queue_key] += len(message.message)
             return conn.answer_put(request, True)
-        await self._dead_letter(message, reason, detail, peer)
+        await self._dead_letter(message, reason, detail, who)
         info["dead_letters"] += 1
         self.by_queue[(message.queue_key, "dead_lettered")] += 1
         return conn.answer_put(request, False)
 
-    async def _dead_letter(self, message, reason: ReasonCode, detail: str, peer: str) -> None:
-        sure = message.message_type == SURE_MSG
+    async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> None:
+        """Write the dead letter of ``message`` (within ``who``'s dead-letter budget); raise
+        DeadLetterUnavailable if DEAD.LETTER.Q cannot take it."""
+        sure, peer = message.message_type == SURE_MSG, who.label
         noticed = (peer, message.key)
         if sure and noticed in self._noticed:
             log.info("dead letter (repeat, not written again) reason=%s queue=%s key=%#018x "
                      "from=%s", reason.name, format_key(message.queue_key), message.key, peer)
             return
-        header_only = isinstance(message, OversizedMessage)
+        allowance = self.gate.dead_letter_allowance(
+            who, f"key={message.key:#018x} queue {format_key(message.queue_key)}")
+        if allowance is Allowance.NONE:
+            return
+        header_only = isinstance(message, OversizedMessage) or \
+            allowance is Allowance.HEADER_ONLY
+        if allowance is Allowance.HEADER_ONLY:
+            detail = f"{detail}; payload not kept: {peer} over dead_letter_rate"
         record = DeadLetterRecord(
             reason=reason, message_type=message.message_type, agent=AgentKind.RECEIVER,
             flags=DeadLetterFlags.HEADER_ONLY if header_only else 0,

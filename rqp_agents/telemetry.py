@@ -119,9 +119,13 @@ def receiver_status(agent) -> dict:
         "stats": {**agent.stats, "dead_letters": agent.dead_letters.written,
                   "refused_connections": agent.gate.refused_connections,
                   "handshake_failures": sum(agent.gate.handshake_failures.values()),
-                  "denied": sum(agent.gate.denied.values())},
+                  "denied": sum(agent.gate.denied.values()),
+                  "dead_letters_header_only": sum(agent.gate.header_only.values()),
+                  "dead_letters_suppressed": sum(agent.gate.suppressed.values())},
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
+        "dead_letters_limited": {"header_only": dict(agent.gate.header_only),
+                                 "suppressed": dict(agent.gate.suppressed)},
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
 
@@ -141,6 +145,8 @@ def receiver_metrics(agent) -> str:
          "connections closed because the TLS handshake failed, by reason"),
         ("rqp_receiver_denied_total", "counter",
          "QUEUE_ASK and MESSAGE frames refused by the peers rules, by peer"),
+        ("rqp_receiver_dead_letters_limited_total", "counter",
+         "dead letters over the peer's dead_letter_rate: written header_only, or suppressed"),
         ("rqp_accepts_out_of_descriptors_total", "counter",
          "accepts refused by the system for want of file descriptors"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
@@ -161,6 +167,9 @@ def receiver_metrics(agent) -> str:
         m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)
     for peer, count in sorted(agent.gate.denied.items()):
         m["rqp_receiver_denied_total"].add(count, peer=peer)
+    for kind in ("header_only", "suppressed"):
+        for peer, count in sorted(getattr(agent.gate, kind).items()):
+            m["rqp_receiver_dead_letters_limited_total"].add(count, peer=peer, kind=kind)
     m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)

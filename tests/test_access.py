@@ -8,7 +8,9 @@ import ipaddress
 import pytest
 
 from rqp.config import HostAddress, receiver_config_from_mapping, sender_config_from_mapping
-from rqp.protocol.access import EVERYTHING, Peer, PeerRule, QueueSet, grant_for
+from rqp.protocol.access import (
+    EVERYTHING, Allowance, DeadLetterBudget, Peer, PeerRule, QueueSet, grant_for,
+)
 from rqp.protocol.errors import ConfigError
 
 TLS = {"cert": "host.crt", "key": "host.key", "ca": "ca.crt"}
@@ -163,3 +165,22 @@ def test_sender_tls_per_host():
         sender_config_from_mapping({"hosts": [{"tls": False}]})
     with pytest.raises(ConfigError, match=r"or false for plaintext"):
         sender_config_from_mapping({"hosts": [{"host": "a", "tls": True}]})
+
+
+def test_dead_letter_budget_per_peer():
+    budget = DeadLetterBudget(rate=2.0, burst=3)
+    flood = [budget.take("p", 0.0) for _ in range(10)]
+    assert flood == [Allowance.FULL] * 3 + [Allowance.HEADER_ONLY] * 3 + [Allowance.NONE] * 4
+    assert budget.take("q", 0.0) is Allowance.FULL  # another peer has its own budget
+    # in debt (-3), what is repaid (2 tokens/s) buys header-only records at that rate on
+    # average: one as soon as the debt is under the burst, each costing a whole token
+    assert budget.take("p", 0.5) is Allowance.HEADER_ONLY  # -2 -> -3
+    assert budget.take("p", 0.5) is Allowance.NONE
+    assert budget.take("p", 0.6) is Allowance.HEADER_ONLY  # -2.8 -> -3.8
+    assert budget.take("p", 1.0) is Allowance.NONE  # -3.0
+    assert budget.take("p", 1.1) is Allowance.HEADER_ONLY  # -2.8
+    assert budget.take("p", 60.0) is Allowance.FULL  # refilled, never beyond the burst
+    assert [budget.take("p", 60.0) for _ in range(3)][-1] is Allowance.HEADER_ONLY
+    small = DeadLetterBudget(rate=1.0, burst=1, memory=2)
+    small.take("a", 0.0), small.take("b", 0.0), small.take("c", 0.0)  # "a" forgotten
+    assert small.take("a", 0.0) is Allowance.FULL

@@ -27,11 +27,11 @@ ENTRY_POINTS = dict(
     (name.strip(), target.strip()) for name, _, target in (
         line.partition("=") for line in
         _cfg["options.entry_points"]["console_scripts"].strip().splitlines()))
-RQPCTL_GROUPS = ("status", "metrics", "queues", "send", "receive", "dlq")
+RQPCTL_GROUPS = ("status", "metrics", "queues", "send", "receive", "dlq", "tls")
 #: Names with the prefix that are not commands: units, files, directories, package extras.
 NOT_COMMANDS = re.compile(r"rqp-(ipc|demo-report|dlq-drain\.timer)\b|rqp-[a-z-]+\.(service|"
                           r"timer|conf|log|pid|sock)\b")
-COMMAND = re.compile(r"\b(rqpctl(?: (?:" + "|".join(RQPCTL_GROUPS) + r")(?: [a-z]+)?)?"
+COMMAND = re.compile(r"\b(rqpctl(?: (?:" + "|".join(RQPCTL_GROUPS) + r")(?: [a-z]+(?:-[a-z]+)*)?)?"
                      r"|rqp-[a-z]+(?:-[a-z]+)*)\b")
 
 
@@ -60,7 +60,7 @@ def _help(command: str) -> str:
     words = command.split()
     if words[0] == "rqpctl":
         argv = [sys.executable, "-m", "rqp.tools.ctl", *words[1:]]
-        if len(words) == 3 and words[1] != "dlq":
+        if len(words) == 3 and words[1] not in ("dlq", "tls"):
             argv = argv[:-1]  # "rqpctl status foo": foo is an argument, not a command
     else:
         module = ENTRY_POINTS[words[0]].split(":")[0]

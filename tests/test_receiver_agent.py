@@ -638,6 +638,42 @@ def test_when_dead_letter_q_is_full_the_connection_closes_unanswered(testbed):
                  message_type=SURE, source=r.b.address, payload=b"keep me", since_ns=t0)
 
 
+def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(testbed):
+    """Issue 12: 70 frames of 100 bytes to a queue that does not exist filled DEAD.LETTER.Q,
+    after which real dead letters closed their connections unanswered. Now a peer's dead
+    letters are bounded: dead_letter_burst in full, as many header-only, then none (counted);
+    another peer's dead letter is still written in full."""
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "dead_letter_rate": 0.1, "dead_letter_burst": 5,
+                      "control_socket": str(sock)}, queues={Q1: 0o660})
+    connect(r.pb, "flood", r)
+    got = r.pb.exchange("flood", [msg(MISSING, b"x" * 100, key=n, type=UNSURE)
+                                  for n in range(1, 71)], timeout=30)
+    assert answers(got) == ["DELIVERED_ERROR"] * 70
+    # another peer (from host a's own address) is not held to b's budget
+    assert r.qa.connect("other", r.a.address, PORT)["connected"]
+    assert r.qa.exchange("other", [msg(MISSING, b"mine", key=1, type=UNSURE)]) == \
+        DELIVERED_ERROR
+    records = r.qa.dead_letters()
+    from_b = [rec for rec in records if rec["source_host"] == r.b.address]
+    full = [rec for rec in from_b if not rec["flags"] & DeadLetterFlags.HEADER_ONLY]
+    header_only = [rec for rec in from_b if rec["flags"] & DeadLetterFlags.HEADER_ONLY]
+    assert len(full) == 5 and all(rec["payload"] == b"x" * 100 for rec in full)
+    assert 5 <= len(header_only) <= 6, len(header_only)  # (+1 if 10 s passed: rate 0.1/s)
+    assert all(rec["payload"] == b"" and "over dead_letter_rate" in rec["detail"]
+               for rec in header_only)
+    [mine] = [rec for rec in records if rec["source_host"] == r.a.address]
+    assert mine["payload"] == b"mine"
+    suppressed = 70 - len(full) - len(header_only)
+    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--agent", "receiver",
+                       "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                      check=False, timeout=60)
+    assert (f'rqp_receiver_dead_letters_limited_total{{kind="suppressed",peer="{r.b.address}"}} '
+            f'{suppressed}') in metrics.stdout, metrics.stdout + metrics.stderr
+    lines = [line for line in r.log().splitlines() if "dead letters from" in line]
+    assert 1 <= len(lines) <= 3, lines  # rate-limited
+
+
 # --- 10. configurations ---------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ and put into. Whether a queue is offered at all is the config's and the host's d
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import ipaddress
 import re
@@ -17,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["Peer", "QueueSet", "PeerRule", "Grant", "grant_for", "identity_pattern_problem",
-           "EVERYTHING", "PATTERN_CHARS"]
+           "EVERYTHING", "PATTERN_CHARS", "DeadLetterBudget", "Allowance"]
 
 #: A queue list entry with one of these is a pattern over configured queue names.
 PATTERN_CHARS = frozenset("*?[")
@@ -154,3 +155,40 @@ def grant_for(rules: tuple[PeerRule, ...] | None, peer: Peer) -> Grant:
         if rule.matches(peer):
             return Grant(rule)
     return _NOTHING
+
+
+class Allowance(enum.Enum):
+    """What of one dead letter may be written for a peer now."""
+
+    FULL = "full"
+    HEADER_ONLY = "header_only"  # the record without its payload
+    NONE = "none"  # nothing: only counted
+
+
+class DeadLetterBudget:
+    """Dead letters per peer, so that no peer can fill ``DEAD.LETTER.Q`` (or the disk, with
+    spill files) for the others: a token bucket per peer of ``burst`` tokens refilled at
+    ``rate`` per second. A dead letter takes a token; with none left it is written header-only
+    while the peer's debt is under ``burst``, and not at all beyond. A flood thus costs the
+    queue ``burst`` full records, ``burst`` header-only ones, then ``rate`` header-only ones
+    a second. Peers are remembered up to ``memory`` at once (the least recent forgotten)."""
+
+    def __init__(self, rate: float, burst: int, memory: int = 4096) -> None:
+        self.rate, self.burst, self.memory = rate, burst, memory
+        self._buckets: dict[str, tuple[float, float]] = {}  # label -> (tokens, when)
+
+    def take(self, label: str, now: float) -> Allowance:
+        tokens, when = self._buckets.pop(label, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) * self.rate)
+        if tokens >= 1:
+            allowance = Allowance.FULL
+        elif tokens > -self.burst:
+            allowance = Allowance.HEADER_ONLY
+        else:
+            allowance = Allowance.NONE
+        if allowance is not Allowance.NONE:
+            tokens -= 1
+        self._buckets[label] = (tokens, now)  # most recent last
+        if len(self._buckets) > self.memory:
+            del self._buckets[next(iter(self._buckets))]
+        return allowance

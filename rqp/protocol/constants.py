@@ -70,6 +70,10 @@ DEFAULT_FIRST_FRAME_TIMEOUT = 10.0  # from accept to the first complete frame
 DEFAULT_IDLE_TIMEOUT = 600.0  # no frame and nothing in flight for this long: closed
 #: Spill files (full payloads of dead letters too big for one message) kept at most, per agent.
 DEFAULT_SPILL_LIMIT = 1 << 30
+#: Dead letters a receiving MCA writes for one peer: this many per second on average, this many
+#: at once; beyond, as many again header-only, then none (counted): DEAD.LETTER.Q is no weapon.
+DEFAULT_DEAD_LETTER_RATE = 10.0
+DEFAULT_DEAD_LETTER_BURST = 100
 
 # System V message type (mtype) used for every message the project puts on any queue:
 # destination queues, the transmission queue and DEAD.LETTER.Q.
