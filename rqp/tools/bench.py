@@ -445,6 +445,8 @@ class CaseResult:
     size: int
     messages: int
     rounds: int
+    #: How the agents talk: "plaintext" or "TLS" (mutual, rqp/1).
+    transport: str = "plaintext"
     #: Seconds from the first put to the last take, one per round.
     rqp_seconds: list = field(default_factory=list)
     raw_seconds: list = field(default_factory=list)
@@ -466,6 +468,7 @@ class CaseResult:
 class Latency:
     samples: int
     size: int
+    transport: str = "plaintext"
     rqp_median_ms: float = 0.0
     rqp_p99_ms: float = 0.0
     raw_median_ms: float = 0.0
@@ -502,7 +505,7 @@ class Bench:
     semaphores: list = field(default_factory=list)  # keys of semaphores the agents make
     children: list = field(default_factory=list)  # (name, Popen | Process)
     results: list = field(default_factory=list)
-    latency: Latency | None = None
+    latencies: list = field(default_factory=list)
     sent: int = 0  # messages this process has put in, for the watchdog
     raw_put: int = 0  # messages put in the raw pipeline
     tag: int = 0  # the last case's tag (every run of a pipeline is a case of its own)
@@ -603,21 +606,37 @@ class Bench:
         self.children.append((name, proc))
         return proc
 
-    def _start_agents(self) -> None:
+    def _certificates(self) -> tuple[str, str]:
+        """tls: blocks (YAML) for the receiver and the sender, from a CA made for this run."""
+        from rqp.tools import tls as tls_tool
+
+        where = self.workdir / "tls"
+        where.mkdir(exist_ok=True)
+        tls_tool.init_ca(where, force=True)
+        blocks = []
+        for name in ("127.0.0.1", "bench-sender"):
+            cert, key = tls_tool.issue(name, where, force=True)
+            blocks.append(f"tls:\n  cert: {cert}\n  key: {key}\n  ca: {where / 'ca.crt'}\n")
+        return blocks[0], blocks[1]
+
+    def _start_agents(self, transport: str = "plaintext") -> None:
         port = free_port()
         state = self.workdir / "state"
-        state.mkdir()
+        state.mkdir(exist_ok=True)
+        receiver_tls, sender_tls = self._certificates() if transport == "TLS" else ("", "")
         receiver_yaml = self.workdir / "receiver.yaml"
         # The receiver retries a full destination queue for 10 s (100 x 0.1 s) before it
         # dead-letters: a consumer that falls behind slows the pipeline instead of losing.
         receiver_yaml.write_text(
             f"listen: 127.0.0.1:{port}\ndead_letter_queue: {self.dlq:#x}\nstate_dir: state\n"
-            "put_retry_count: 100\nput_retry_interval: 0.1\noffer:\n  allow: ['*']\n")
+            "put_retry_count: 100\nput_retry_interval: 0.1\noffer:\n  allow: ['*']\n"
+            + receiver_tls)
         self.rqprc = self.workdir / ".rqprc"
         self.rqprc.write_text(
             f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {self.xmit:#x}\n"
             f"dead_letter_queue: {self.dlq:#x}\nstate_dir: state\nask_timeout: 2s\n"
-            f"confirm_timeout: 15s\n")
+            f"confirm_timeout: 15s\n" + sender_tls)
+        self.transport = transport
         py = sys.executable
         self.receiver = self._popen("receiving MCA", [py, "-m", "rqp_agents.receiver",
                                                       "--config", str(receiver_yaml)],
@@ -704,7 +723,7 @@ class Bench:
     def throughput(self, msg_type: int, size: int, count: int, rounds: int) -> CaseResult:
         """``rounds`` timed runs of each pipeline, alternating, after one warm-up run each."""
         result = CaseResult(f"{type_label(msg_type)} {size_label(size)}", type_label(msg_type),
-                            size, count, rounds)
+                            size, count, rounds, self.transport)
         warmup = max(20, min(1000, count // 10))
         for pipe in (self.rqp, self.raw):
             self._run_once(pipe, msg_type, warmup, size)
@@ -747,7 +766,7 @@ class Bench:
         return out
 
     def measure_latency(self, samples: int, size: int = 100) -> Latency:
-        lat = Latency(samples, size)
+        lat = Latency(samples, size, self.transport)
         rqp_ns = self._latency_samples(self.rqp, samples, size)
         raw_ns = self._latency_samples(self.raw, samples, size)
         lat.rqp_median_ms, lat.rqp_p99_ms = (percentile(rqp_ns, p) / 1e6 for p in (50, 99))
@@ -757,11 +776,16 @@ class Bench:
     def run(self) -> None:
         self.watchdog.armed = True
         try:
-            for size in SIZES:
-                for msg_type in (SURE_MSG, UNSURE_MSG):
-                    self.results.append(self.throughput(msg_type, size, self.args.count[size],
-                                                        self.args.rounds))
-            self.latency = self.measure_latency(self.args.latency_samples)
+            for transport in self.args.transports:
+                if transport != self.transport:  # the same queues, consumers and raw pipeline
+                    self._stop_agents(check=True)
+                    self._start_agents(transport)
+                for size in SIZES:
+                    for msg_type in (SURE_MSG, UNSURE_MSG):
+                        self.results.append(self.throughput(msg_type, size,
+                                                            self.args.count[size],
+                                                            self.args.rounds))
+                self.latencies.append(self.measure_latency(self.args.latency_samples))
             self._finish_raw()
             self._stop_agents(check=True)
         finally:
@@ -873,13 +897,22 @@ class Bench:
             "",
             f"{'case':<22}{'RQP msg/s':>13}{'raw msg/s':>12}{'RQP/raw':>10}",
         ]
+        several = len(self.args.transports) > 1
         for r in self.results:
-            case = f"{r.message_type:<6} {size_label(r.size)}"
+            case = f"{r.message_type:<6} {size_label(r.size)}" + (f" {r.transport}" if several
+                                                                   else "")
             lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{r.raw_msg_per_s:>12,.0f}"
                          f"{r.ratio:>10.3f}")
-        if self.latency:
-            lat = self.latency
-            lines += ["", f"single SURE latency ({size_label(lat.size)}, {lat.samples} samples): "
+        if several:  # TLS against plaintext, case by case, both against the same raw pipeline
+            plain = {(r.message_type, r.size): r for r in self.results
+                     if r.transport == "plaintext"}
+            lines += ["", "TLS / plaintext, msg/s: " + ", ".join(
+                f"{r.message_type} {size_label(r.size)} "
+                f"{r.rqp_msg_per_s / plain[(r.message_type, r.size)].rqp_msg_per_s:.3f}"
+                for r in self.results if r.transport == "TLS")]
+        for lat in self.latencies:
+            lines += ["", f"single SURE latency ({size_label(lat.size)}, {lat.samples} samples"
+                      f"{', ' + lat.transport if several else ''}): "
                       f"median {lat.rqp_median_ms:.3f} ms, p99 {lat.rqp_p99_ms:.3f} ms "
                       f"(raw: median {lat.raw_median_ms:.3f} ms, p99 {lat.raw_p99_ms:.3f} ms)"]
         return "\n".join(lines)
@@ -888,10 +921,11 @@ class Bench:
         return {
             "isolation": self.isolation, "msgmnb": self.msgmnb, "msgmax": self.msgmax,
             "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": self.load,
-            "rounds": self.args.rounds, "latency_size": self.latency.size if self.latency else None,
+            "rounds": self.args.rounds, "transports": self.args.transports,
             "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
                            raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio) for r in self.results],
-            "latency": asdict(self.latency) if self.latency else None,
+            "latency": asdict(self.latencies[0]) if self.latencies else None,
+            "latencies": [asdict(lat) for lat in self.latencies],
         }
 
 
@@ -917,6 +951,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="small counts: a smoke test of a few seconds")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--tls", action="store_true",
+                        help="run every case again with the agents talking mutual TLS (same run, "
+                        "same queues and raw pipeline): TLS against plaintext")
     parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
                         help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
                         f"(default {DEFAULT_MSGMNB})")
@@ -927,6 +964,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.messages is not None and args.messages < 1:
         parser.error("--messages must be at least 1")
     args.count = {s: args.messages or n for s, n in base.items()}
+    args.transports = ["plaintext", "TLS"] if args.tls else ["plaintext"]
     if args.rounds is None:
         args.rounds = 1 if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
