@@ -42,6 +42,23 @@ def test_quick_run_prints_the_table(tmp_path):
     assert data["latency"]["samples"] > 0
 
 
+def test_tls_run_measures_every_case_over_both_transports(tmp_path):
+    """Issue 12: TLS against plaintext in the same run, against the same raw pipeline."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "figures.json"
+    proc = subprocess.run([str(python), "-m", "rqp.tools.bench", "--quick", "--tls",
+                           "--messages", "100", "--latency-samples", "10", "--json",
+                           str(figures)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(figures.read_text())
+    assert [(c["case"], c["transport"]) for c in data["cases"]] == \
+        [(case, t) for t in ("plaintext", "TLS") for case in CASES]
+    assert [lat["transport"] for lat in data["latencies"]] == ["plaintext", "TLS"]
+    ratios = next(line for line in proc.stdout.splitlines()
+                  if line.startswith("TLS / plaintext, msg/s: "))
+    assert len(ratios.split(", ")) == len(CASES), ratios
+
+
 # --- the consumer's checks -------------------------------------------------------------------
 
 

@@ -116,7 +116,9 @@ class AgentSemaphores:
     def __init__(self, transmission_queue: int) -> None:
         self.key = transmission_queue
         key_t = ctypes.c_int(transmission_queue & 0xFFFFFFFF).value  # key_t is signed
-        self.id = _libc.semget(key_t, 3, _IPC_CREAT | 0o666)
+        # 0660, as the queues: users outside the group could otherwise hold SERVING (and keep
+        # the sending MCA from starting) or ring the doorbell without end.
+        self.id = _libc.semget(key_t, 3, _IPC_CREAT | 0o660)
         if self.id < 0:
             err = ctypes.get_errno()
             hint = (" (a semaphore set with that key and another size exists: remove it with "

@@ -606,24 +606,17 @@ class Bench:
         self.children.append((name, proc))
         return proc
 
-    def _certificates(self) -> tuple[str, str]:
-        """tls: blocks (YAML) for the receiver and the sender, from a CA made for this run."""
-        from rqp.tools import tls as tls_tool
-
-        where = self.workdir / "tls"
-        where.mkdir(exist_ok=True)
-        tls_tool.init_ca(where, force=True)
-        blocks = []
-        for name in ("127.0.0.1", "bench-sender"):
-            cert, key = tls_tool.issue(name, where, force=True)
-            blocks.append(f"tls:\n  cert: {cert}\n  key: {key}\n  ca: {where / 'ca.crt'}\n")
-        return blocks[0], blocks[1]
-
     def _start_agents(self, transport: str = "plaintext") -> None:
         port = free_port()
         state = self.workdir / "state"
         state.mkdir(exist_ok=True)
-        receiver_tls, sender_tls = self._certificates() if transport == "TLS" else ("", "")
+        receiver_tls, sender_tls = "", ""
+        if transport == "TLS":  # a CA and certificates made for this run
+            from rqp.tools import tls as tls_tool
+
+            receiver_tls, sender_tls = (f"tls: {json.dumps(block)}\n" for block in
+                                        tls_tool.agent_pair(self.workdir / "tls", "127.0.0.1",
+                                                            "bench-sender", force=True))
         receiver_yaml = self.workdir / "receiver.yaml"
         # The receiver retries a full destination queue for 10 s (100 x 0.1 s) before it
         # dead-letters: a consumer that falls behind slows the pipeline instead of losing.

@@ -12,6 +12,7 @@ host's queues; otherwise it uses queue keys that no queue has yet, and removes t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ import rqp
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import serving_pid
+from rqp.tools import tls as tls_tool
 
 NAME = "DEMO_THE_ORDERS_COMMON"
 
@@ -92,17 +94,24 @@ def run(workdir: Path, report_dir: Path) -> int:
     dest, xmit, dlq = unused_key(), unused_key(), unused_key()
     port = free_port()
     (workdir / "state").mkdir()
+    receiver_tls, sender_tls = (f"tls: {json.dumps(block)}\n" for block in
+                                tls_tool.agent_pair(workdir / "tls", "127.0.0.1", "demo-sender",
+                                                    ca_name="RQP demo CA"))
     receiver_yaml = workdir / "receiver.yaml"
     receiver_yaml.write_text(
         f"listen: 127.0.0.1:{port}\ndead_letter_queue: {dlq:#x}\nstate_dir: state\n"
         "put_retry_count: 2\nput_retry_interval: 0.2\nmax_message_size: 1000\n"
-        f"host_name: demo-receiver\noffer:\n  allow: [{dest:#x}]\n")
+        f"host_name: demo-receiver\noffer:\n  allow: [{dest:#x}]\n{receiver_tls}"
+        f"peers:\n  - identity: demo-sender\n    queues: [{dest:#x}]\n")
     rqprc = workdir / ".rqprc"
     rqprc.write_text(
         f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
         f"dead_letter_queue: {dlq:#x}\nstate_dir: state\nask_timeout: 1s\n"
-        f"confirm_timeout: 3s\nqueues:\n  {NAME}: {dest:#x}\n")
+        f"confirm_timeout: 3s\nqueues:\n  {NAME}: {dest:#x}\n{sender_tls}")
     say(f"== RQP demo in {workdir}")
+    say("0. made a CA and two certificates with rqpctl tls (init-ca; issue 127.0.0.1, issue "
+        "demo-sender): the agents talk mutual TLS, and the receiver lets identity "
+        f"demo-sender put into {NAME} only")
     say(f"   destination queue {NAME} = {format_key(dest)}, transmission queue "
         f"{format_key(xmit)}, DEAD.LETTER.Q {format_key(dlq)}")
     queues = [LocalQueue.create(dest, mode=0o600)]
@@ -112,7 +121,7 @@ def run(workdir: Path, report_dir: Path) -> int:
             [sys.executable, "-m", "rqp_agents.receiver", "--config", str(receiver_yaml)],
             stderr=open(workdir / "receiver.log", "wb"), start_new_session=True)
         wait_until("the receiving MCA to listen", lambda: port_open(port))
-        say(f"1. receiving MCA listening on 127.0.0.1:{port} (pid {receiver.pid})")
+        say(f"1. receiving MCA listening on 127.0.0.1:{port}, TLS (pid {receiver.pid})")
 
         handle = rqp.openConnection(NAME, rqprc=rqprc)
         sender_pid = serving_pid(xmit)

@@ -142,6 +142,20 @@ def issue(host: str, ca_dir: Path, out: Path | None = None, *, ips: tuple[str, .
     return crt, kf
 
 
+def agent_pair(where: Path, receiver: str, sender: str, *, ca_name: str = "RQP CA",
+               force: bool = False) -> tuple[dict, dict]:
+    """A CA in ``where`` and certificates for a receiving MCA (named ``receiver``: its host
+    name or address) and a sending MCA: the ``tls:`` blocks of their two configs (the demo,
+    the benchmark and the tests run the agents over TLS with these)."""
+    where.mkdir(parents=True, exist_ok=True)
+    init_ca(where, name=ca_name, force=force)
+    blocks = []
+    for name in (receiver, sender):
+        cert, key = issue(name, where, force=force)
+        blocks.append({"cert": str(cert), "key": str(key), "ca": str(where / "ca.crt")})
+    return blocks[0], blocks[1]
+
+
 def show(path: Path) -> str:
     x509, *_ = _crypto()
     try:
