@@ -15,7 +15,11 @@ whatever moment the drain is killed at:
    directory (at most ``--max-file-records`` rows per file);
 4. **take** the records off the queue (``msgrcv`` without ``MSG_COPY``), checking that each one
    taken is the one copied;
-5. mark the state ``"done": true``.
+5. mark the state ``"done": true``;
+6. remove the spill files of the records taken off: before step 3 each was copied (fsynced,
+   renamed into place) to ``{archive}/spill/`` under its own name, where ``rqpctl dlq
+   replay`` finds it. A spill file whose copy is in the archive is removed by any later batch
+   that sees its directory, so a kill before step 6 leaves nothing behind for long.
 
 Killed before 3 completes: the records are still on the queue, the next run archives them (a
 half-written file in ``.incoming`` is removed at start). Killed between 3 and 5: the records are
@@ -39,6 +43,7 @@ import argparse
 import collections
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -50,13 +55,22 @@ from rqp.config import QUEUE_NAME_RE, SenderConfig, load_optional_rqprc, parse_q
 from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
 from rqp.storage.archive import (
-    ArchiveError, ArchiveWriter, DrainState, archived_ids, lock_file,
+    ArchiveError, ArchiveWriter, DrainState, archived_ids, archived_spill, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
 )
+from rqp.system.files import write_file_atomically
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import host_name, setup_logging
 
 log = logging.getLogger("rqp.drain")
+
+#: The names rqp.storage.deadletters.fit_dead_letter gives spill files, in a "spill" directory.
+_SPILL_NAME = re.compile(r"dl-[0-9]+-[0-9a-f]{16}-[0-9a-f]{16}\.payload")
+
+
+def _is_spill_file(path: Path) -> bool:
+    return path.parent.name == "spill" and bool(_SPILL_NAME.fullmatch(path.name))
+
 
 DEFAULT_BATCH = 10_000
 DEFAULT_INTERVAL = 5.0
@@ -167,6 +181,7 @@ class Drain:
             return None
         rows = [record_to_row(raw, archived_by=self.host, queue_names=self.queue_names)
                 for raw in batch]
+        spills = self._keep_spills(rows)
         step = self.max_file_records
         chunks = [rows[i:i + step] for i in range(0, len(rows), step)]
         names = [self.writer.next_name() for _ in chunks]
@@ -175,7 +190,53 @@ class Drain:
                    for chunk, name in zip(chunks, names)]
         self._take_off(queue, batch)
         self._state(names, True)
+        self._remove_spills(spills)
         return written
+
+    def _keep_spills(self, rows: list[dict]) -> list[Path]:
+        """Copy each row's spill file into the archive (once); the originals, to remove once
+        their records are off the queue."""
+        originals = []
+        for row in rows:
+            spill = row.get("spill_path")
+            if not spill:
+                continue
+            source, copy = Path(spill), archived_spill(self.archive, spill)
+            if source == copy or not _is_spill_file(source):
+                continue  # (a record may name any path: only spill files are touched)
+            if not copy.exists():
+                try:
+                    data = source.read_bytes()
+                except FileNotFoundError:
+                    continue  # gone already: replay will say the payload is lost
+                except OSError as exc:
+                    log.warning("spill file %s cannot be read (%s): the archive keeps the "
+                                "record's cut payload only, and the file stays", spill,
+                                exc.strerror or exc)
+                    continue
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                write_file_atomically(copy, data, mode=0o640)
+            originals.append(source)
+        return originals
+
+    def _remove_spills(self, originals: list[Path]) -> None:
+        """Remove spill files whose copies are in the archive: those of this batch, and any
+        left in the same directories by a drain stopped before this step."""
+        for directory in {path.parent for path in originals}:
+            try:
+                files = list(directory.iterdir())
+            except OSError:
+                files = []
+            for path in set(originals) | set(files):
+                if path.parent == directory and _is_spill_file(path) and \
+                        archived_spill(self.archive, str(path)).exists():
+                    try:
+                        path.unlink()
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        log.warning("spill file %s is archived but cannot be removed: %s",
+                                    path, exc.strerror or exc)
 
     def run_until_empty(self, stop: threading.Event | None = None) -> int:
         """Batches until the queue is empty (or ``stop`` is set); returns records archived."""

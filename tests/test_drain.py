@@ -231,3 +231,44 @@ def test_a_real_dead_letter_from_the_sending_mca_is_archived(testbed):
     assert DeadLetterRecord.from_bytes(row_raw_bytes(row)).payload == b"lost cause"
     assert b.address in row["detail"]
     assert int(a.python(DEPTH, str(DLQ))) == 0
+
+
+def test_spill_files_move_into_the_archive_and_nothing_else_is_touched(host):
+    """Issue 12: spill files stayed for ever once their records were archived. The drain keeps
+    a copy in {archive}/spill/ (where replay finds it) and removes the original; a record that
+    names some other file cannot make it copy or remove that file."""
+    from rqp.storage.deadletters import fit_dead_letter
+    from rqp.tools.replay import replay_payload
+
+    spill_dir = host.workdir / "state" / "spill"
+    spill_dir.mkdir(parents=True)
+    big = bytes(range(256)) * 40  # over msgmax: spilled
+    record = fit_dead_letter(DeadLetterRecord(
+        reason=ReasonCode.MESSAGE_TOO_BIG, message_type=0, agent=AgentKind.RECEIVER,
+        queue_key=Q1, message_key=7, host="h", source_host="src", destination_host="dst",
+        detail="big", payload=big), 8192, spill_dir)
+    spill = Path(record.spill_path)
+    assert spill.read_bytes() == big
+    victim = host.workdir / "precious.payload"
+    victim.write_bytes(b"not a spill file")
+    crafted = DeadLetterRecord(
+        reason=ReasonCode.MESSAGE_TOO_BIG, message_type=0, agent=AgentKind.RECEIVER,
+        queue_key=Q1, message_key=8, host="h", source_host="src", destination_host="dst",
+        detail="names another file", payload=b"x", spill_path=str(victim))
+    left_over = spill_dir / f"dl-1-{0:016x}-{1:016x}.payload"  # archived by a drain killed
+    left_over.write_bytes(b"archived earlier")                 # before removing it
+    (host.archive / "spill").mkdir(parents=True)
+    (host.archive / "spill" / left_over.name).write_bytes(b"archived earlier")
+    unknown = spill_dir / f"dl-2-{0:016x}-{2:016x}.payload"  # not archived: kept
+    unknown.write_bytes(b"someone's")
+    records = [record.to_bytes(), crafted.to_bytes()]
+    put(host, records)
+    drain(host, host.archive)
+    rows = assert_archived_once(host.archive, records)
+    copy = host.archive / "spill" / spill.name
+    assert copy.read_bytes() == big and not spill.exists()
+    assert rows[0]["spill_path"] == str(spill)  # the record as it was
+    assert replay_payload(rows[0], host.archive) == big
+    assert victim.read_bytes() == b"not a spill file"
+    assert not (host.archive / "spill" / victim.name).exists()
+    assert not left_over.exists() and unknown.exists()

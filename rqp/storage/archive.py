@@ -418,6 +418,17 @@ def _file_sort_key(path: Path) -> tuple:
     return ("", path.name)
 
 
+#: The archive's subdirectory for the spill files of the records it holds.
+SPILL = "spill"
+
+
+def archived_spill(archive_dir: str | os.PathLike, spill_path: str) -> Path:
+    """Where the drain keeps its copy of a record's spill file (``spill_path`` as the record
+    names it, on the host that wrote it): ``{archive}/spill/{file name}``. Spill file names
+    are unique (time, message key, random part), so the copies of many hosts share it."""
+    return Path(archive_dir) / SPILL / Path(spill_path).name
+
+
 def archive_files(archive_dir: str | os.PathLike) -> list[Path]:
     """The archive files of a directory (``*.jsonl.gz``, not hidden), oldest first (by the
     time in their names)."""

@@ -74,8 +74,8 @@ from rqp.protocol.constants import SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.storage.archive import (
-    MALFORMED, ArchiveError, all_drain_states, archive_files, lock_file, read_archive_file,
-    rewrite_archive_file, row_payload,
+    MALFORMED, ArchiveError, all_drain_states, archive_files, archived_spill, lock_file,
+    read_archive_file, rewrite_archive_file, row_payload,
 )
 from rqp.system.queues import format_key
 
@@ -343,8 +343,10 @@ class NotConfirmed(RQPError):
     """The sending MCA did not take the record within the timeout (it may still send it)."""
 
 
-def replay_payload(row: Mapping) -> bytes:
-    """The full payload to put back, or :class:`ReplayRefused` saying why there is none."""
+def replay_payload(row: Mapping, archive: Path | None = None) -> bytes:
+    """The full payload to put back, or :class:`ReplayRefused` saying why there is none. A
+    truncated record's spill file is read where the record names it, else from the copy the
+    drain kept in ``archive`` (:func:`rqp.storage.archive.archived_spill`)."""
     if row.get("reason") == MALFORMED:
         raise ReplayRefused("a MALFORMED record holds no message, only unreadable bytes: "
                             "discard or keep it")
@@ -358,10 +360,16 @@ def replay_payload(row: Mapping) -> bytes:
     if not spill:
         raise ReplayRefused(f"truncated to {len(payload)} of {row.get('original_length')} "
                             "bytes and no spill file was written: the full payload is lost")
-    try:
-        with open(spill, "rb") as f:
-            full = f.read()
-    except OSError as exc:
+    places = [spill] + ([str(archived_spill(archive, spill))] if archive is not None else [])
+    full = exc = None
+    for place in places:
+        try:
+            with open(place, "rb") as f:
+                full = f.read()
+            break
+        except OSError as error:
+            exc = exc or error
+    if full is None:
         raise ReplayRefused(f"truncated to {len(payload)} of {row.get('original_length')} bytes "
                             f"and its spill file {spill} cannot be read here "
                             f"({exc.strerror or exc}): copy it from host "
@@ -598,7 +606,7 @@ class Replayer:
             return
         # retry / forward
         try:
-            payload = replay_payload(row)
+            payload = replay_payload(row, self.archive)
             if action == "retry":
                 queue_key = int(row["queue_key"])
                 if not 0 < queue_key <= 0xFFFFFFFF:
