@@ -56,7 +56,7 @@ def test_tls_run_measures_every_case_over_both_transports(tmp_path):
     assert [lat["transport"] for lat in data["latencies"]] == ["plaintext", "TLS"]
     ratios = next(line for line in proc.stdout.splitlines()
                   if line.startswith("TLS / plaintext, msg/s: "))
-    assert len(ratios.split(", ")) == len(CASES), ratios
+    assert len(ratios.split(": ", 1)[1].split(", ")) == len(CASES), ratios
 
 
 # --- the consumer's checks -------------------------------------------------------------------
