@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import ipaddress
 import math
 import os
@@ -865,7 +866,7 @@ class _Fields:
             path = f"{prefix}{key}"
             line = self.lines.get(path)
             where = f" (line {line})" if line else ""
-            message = f"{self.name}: unknown key {str(key)!r}{hint}; known keys: {', '.join(known)}"
+            message = f"{self.name}: unknown key {path!r}{hint}; known keys: {', '.join(known)}"
             raise ConfigError(message + where, path=self.file, key=path)
 
     def state_dir(self) -> str:
@@ -920,6 +921,10 @@ class _Fields:
             if isinstance(item, str) and PATTERN_CHARS & set(item):
                 if not _QUEUE_PATTERN_RE.fullmatch(item):
                     self.bad(f"{path}[{i}]", item, _QUEUE_LIST_EXPECTED)
+                if item != "*" and not any(fnmatch.fnmatchcase(n, item) for n in names):
+                    known = ", ".join(sorted(names)) or "none"
+                    self.bad(f"{path}[{i}]", item, f"expected a pattern matching queue names "
+                             f"defined under 'queues' (a typo?); known names: {known}")
                 patterns.append(item)
             else:
                 keys.add(self.parse(f"{path}[{i}]", item, lambda v: parse_queue_key(v, names)))

@@ -25,25 +25,37 @@ DESCRIPTOR_LOG_INTERVAL = 10.0
 
 
 class RateLimitedLog:
-    """A line logged at most once per ``interval`` seconds (a flood from the network must not
-    fill the journal), saying how many were held back; :attr:`count` counts them all."""
+    """Lines of one kind logged at most ``burst`` per ``interval`` seconds (a flood from the
+    network must not fill the journal); the next line logged says how many were held back
+    since when. :attr:`count` counts them all."""
 
-    def __init__(self, log: logging.Logger, interval: float) -> None:
+    def __init__(self, log: logging.Logger, interval: float, burst: int = 1) -> None:
         self.log = log
         self.interval = interval
+        self.burst = burst
         self.count = 0
-        self._last = -interval
+        self._window = -interval  # when the current interval began
+        self._logged = 0  # lines logged in it
         self._held = 0
+        self._held_since = 0.0  # wall-clock time of the first line held back
 
-    def report(self, text: str, level: int = logging.WARNING) -> None:
+    def report(self, text: str, level: int = logging.WARNING, *args: object) -> None:
         self.count += 1
         now = time.monotonic()
-        if now - self._last < self.interval:
+        if now - self._window >= self.interval:
+            self._window, self._logged = now, 0
+        if self._logged >= self.burst:
+            if not self._held:
+                self._held_since = time.time()
             self._held += 1
             return
-        held, self._held, self._last = self._held, 0, now
-        self.log.log(level, "%s%s", text, f" ({held} more like it in the last "
-                     f"{self.interval:g}s not logged)" if held else "")
+        self._logged += 1
+        message = text % args if args else text
+        if self._held:
+            since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
+            message += f" ({self._held} more of this kind not logged since {since})"
+            self._held = 0
+        self.log.log(level, "%s", message)
 
 
 class Daemon:

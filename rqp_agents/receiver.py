@@ -32,7 +32,7 @@ from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
 from rqp_agents.gate import Gate
 
@@ -43,6 +43,10 @@ READ_SIZE = 1 << 16
 #: this many requests. It bounds the duplicate window: a receiving MCA killed between putting
 #: messages and committing their keys puts at most this many per connection again.
 ANSWER_BATCH = 64
+#: Lines about connections opening, closing and failing: at most this many of each kind per
+#: interval (a peer reconnecting in a loop must not fill the journal).
+CONNECTION_LOG_INTERVAL = 10.0
+CONNECTION_LOG_BURST = 20
 #: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
 NOTICE_MEMORY = 100_000
 
@@ -86,6 +90,13 @@ class Receiver(Daemon):
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
+        # Each connection's comings and goings, and the protocol errors that end them: at most
+        # CONNECTION_LOG_BURST lines of each per interval, whatever a peer does.
+        self._comings = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        self._goings = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        self._errors = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        self._repeats = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0,
@@ -99,9 +110,9 @@ class Receiver(Daemon):
             self._serve, listen.host, listen.port, reuse_address=True, limit=READ_SIZE)
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
         if is_loopback(listen.host):
-            log.info("listening on %s only: no other host can reach this receiver (set "
-                     "listen: \":%d\" in its config, or --listen :%d, to accept them)",
-                     listen.host, listen.port, listen.port)
+            log.info("listening on %s only: no other host can reach this receiver (to accept "
+                     "them, set listen: \":%d\" in its config with a tls: block -- README, "
+                     "Security -- or plaintext: true)", listen.host, listen.port)
         tls = self.config.tls
         log.info("listening on %s (%s); DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  f"TLS, client certificates from {tls.ca}" if tls else "plaintext RQP/1",
@@ -200,7 +211,8 @@ class Receiver(Daemon):
         self._peers[task] = info = {
             "peer": peer, "identity": who.identity, "may_use": self.gate.grant(who).describe(),
             "since": time.time(), "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0}
-        log.info("connection from %s%s", peer, f" ({who.identity})" if who.identity else "")
+        self._comings.report("connection from %s%s", logging.INFO, peer,
+                             f" ({who.identity})" if who.identity else "")
         conn = ReceiverConnection(max_message_size=self.max_message_size)
         framed = False  # a complete frame has come
         try:
@@ -211,9 +223,10 @@ class Receiver(Daemon):
                     data = await asyncio.wait_for(reader.read(READ_SIZE), wait)
                 except asyncio.TimeoutError:
                     self.stats["timed_out_connections"] += 1
-                    log.info("closing connection from %s: %s", peer,
-                             f"idle for {wait:g}s (idle_timeout)" if framed else
-                             f"no complete frame within {wait:g}s (first_frame_timeout)")
+                    self._goings.report("closing connection from %s: %s", logging.INFO, peer,
+                                        f"idle for {wait:g}s (idle_timeout)" if framed else
+                                        f"no complete frame within {wait:g}s "
+                                        "(first_frame_timeout)")
                     break
                 finally:
                     self._idle.discard(task)
@@ -231,19 +244,20 @@ class Receiver(Daemon):
                         self._answer(writer, answers)
                 await writer.drain()
                 if request is CLOSED:
-                    log.info("connection from %s closed", peer)
+                    self._goings.report("connection from %s closed", logging.INFO, peer)
                     break
                 if self._stopping.is_set():  # what was in flight is answered: done
-                    log.info("closing connection from %s: stopping", peer)
+                    self._goings.report("closing connection from %s: stopping", logging.INFO,
+                                        peer)
                     break
         except asyncio.CancelledError:  # stopping while it waited for bytes: nothing in flight
-            log.info("closing connection from %s: stopping", peer)
+            self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
         except RQPError as exc:
-            log.warning("closing connection from %s: %s", peer, exc)
+            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc)
         except (ConnectionError, OSError) as exc:
-            log.info("connection from %s lost: %s", peer, exc)
+            self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc)
         except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
             self.fatal(f"the connection from {peer}", exc)
 
@@ -286,9 +300,9 @@ class Receiver(Daemon):
             if self.dedup.seen(key):
                 self.stats["repeats"] += 1
                 self.by_queue[(message.queue_key, "repeat")] += 1
-                log.info("repeat of SURE message key=%#018x for queue %s from %s: answered "
-                         "without putting it again", message.key, format_key(message.queue_key),
-                         peer)
+                self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
+                                     "answered without putting it again", logging.INFO,
+                                     message.key, format_key(message.queue_key), peer)
                 return conn.answer_put(request, True)
             self._putting[key] = done = asyncio.Event()
             try:
@@ -353,6 +367,13 @@ class Receiver(Daemon):
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
                     "SURE" if sure else "UNSURE", peer, detail)
+
+
+def _no_ssl_half_close_warning(record: logging.LogRecord) -> bool:
+    """asyncio warns at each TLS peer that ends its side of the stream first ("returning true
+    from eof_received() has no effect when using ssl"): nothing is wrong, and a peer could
+    fill the log with it."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
 def _peer(peer) -> str:

@@ -119,6 +119,8 @@ def test_peers_rules_from_the_config():
     ({"tls": TLS, "plaintext": True}, "plaintext", "never both"),
     ({"plaintext": "yes"}, "plaintext", "expected true or false"),
     ({"offer": {"allow": ["PROD_*", "bad pattern*"]}}, "offer.allow[1]", "name patterns"),
+    ({"offer": {"allow": ["PRDO_*"]}}, "offer.allow[0]", "(a typo?); known names: "),
+    ({"tls": {**TLS, "kye": "x"}}, "tls.kye", "unknown key 'tls.kye'"),
 ])
 def test_bad_security_settings_name_the_key(data, key, expected):
     with pytest.raises(ConfigError) as info:

@@ -612,7 +612,7 @@ def test_receiver_errors(tmp_path: Path) -> None:
 def test_offer_typo(tmp_path: Path) -> None:
     error = receiver_error(tmp_path, "offer:\n  alow: [1]\n")
     assert str(error).startswith(
-        f"{tmp_path / 'receiver.yaml'}: unknown key 'alow' (did you mean 'allow'?); known keys: allow, deny"
+        f"{tmp_path / 'receiver.yaml'}: unknown key 'offer.alow' (did you mean 'allow'?); known keys: allow, deny"
     )
     assert error.key == "offer.alow"
 

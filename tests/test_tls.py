@@ -12,6 +12,7 @@ import datetime
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,30 @@ def test_handshake_deadline_and_limits_leave_room_for_a_good_peer(site):
                   timeout=20, message="limits not counted")
     assert any("handshake_timeout" in reason for reason in st["handshake_failures"])
     assert [c["identity"] for c in st["connections"]] == ["a.rqp.test"]
+
+
+def test_a_peer_reconnecting_in_a_loop_cannot_fill_the_log(site):
+    """Found by a new user: 300 reconnects of a peer with a valid certificate wrote 601 lines,
+    and each protocol error one more. Now each kind is at most CONNECTION_LOG_BURST lines per
+    interval, with the count of those held back."""
+    from rqp_agents.receiver import CONNECTION_LOG_BURST
+    from tests.rqp_peer import raw
+
+    b, c = site.b, site.c
+    rx = start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test", ips=[b.address])),
+                        log_level="INFO")
+    peer = Peer.start(c)
+    tls = site.client_tls("c.rqp.test")
+    started = time.monotonic()
+    for n in range(60):
+        assert peer.connect(f"r{n}", b.address, PORT, tls=tls)["connected"]
+        peer.send(f"r{n}", [raw(b"\x0a\x00")])  # an unknown message code: closed
+        assert peer.read_to_eof(f"r{n}")["data"] == b""
+        peer.close(f"r{n}")
+    lines = b.output(rx, "stderr").splitlines()
+    comings = [line for line in lines if "connection from" in line and "(c.rqp.test)" in line]
+    errors = [line for line in lines if "unknown message_code" in line]
+    windows = 1 + int((time.monotonic() - started) // 10) + 1  # intervals the loop touched
+    assert CONNECTION_LOG_BURST <= len(comings) <= windows * CONNECTION_LOG_BURST < 60
+    assert CONNECTION_LOG_BURST <= len(errors) <= windows * CONNECTION_LOG_BURST
+    assert not [line for line in lines if "eof_received" in line]

@@ -37,7 +37,9 @@ def test_the_tool_makes_files_that_work_together(ca):
     assert server_context(good).verify_mode == ssl.CERT_REQUIRED
     assert client_context(good).check_hostname
     shown = tool.show(ca / "h.test.crt")
-    assert "h.test" in shown and "RQP CA" in shown
+    assert "h.test" in shown and "RQP CA" in shown and "days left)" in shown
+    with pytest.raises(Exception, match="nope.crt: cannot read it: No such file"):
+        tool.show(ca / "nope.crt")
 
 
 def test_the_tool_refuses_to_overwrite(ca):

@@ -182,7 +182,14 @@ def handshake_problem(exc: BaseException) -> str:
     """A failed handshake in words an operator can act on (the OpenSSL reason, plus what the
     certificate check said)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"certificate verify failed: {exc.verify_message}"
+        hint = ""
+        if "mismatch" in (exc.verify_message or ""):
+            hint = (" (the receiver's certificate does not name the host as this sender dials "
+                    "it: list that name or address in hosts, or issue the receiver a "
+                    "certificate with it: rqpctl tls issue HOST --dns NAME --ip ADDRESS)")
+        elif "issuer" in (exc.verify_message or ""):
+            hint = " (the peer's certificate is not from the CA in this host's tls.ca)"
+        return f"certificate verify failed: {exc.verify_message}{hint}"
     if isinstance(exc, ssl.SSLError):
         reason = (exc.reason or str(exc)).lower().replace("_", " ")
         hints = {

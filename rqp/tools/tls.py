@@ -160,8 +160,14 @@ def show(path: Path) -> str:
     x509, *_ = _crypto()
     try:
         cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as exc:
+        raise RQPError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise RQPError(f"{path}: not a PEM certificate: {exc}") from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    state = ("EXPIRED" if cert.not_valid_after_utc < now else
+             "NOT YET VALID" if cert.not_valid_before_utc > now else
+             f"{(cert.not_valid_after_utc - now).days} days left")
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         dns = san.get_values_for_type(x509.DNSName)
@@ -177,7 +183,7 @@ def show(path: Path) -> str:
         f"subject:    {cert.subject.rfc4514_string()}",
         f"issuer:     {cert.issuer.rfc4514_string()}",
         f"valid:      {cert.not_valid_before_utc:%Y-%m-%d %H:%M} to "
-        f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
+        f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC ({state})",
     ])
 
 
