@@ -152,7 +152,7 @@ def test_one_byte_at_a_time():
 
 # --- malformed input -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("code", [0, 7, 0x41, 0xFF])
+@pytest.mark.parametrize("code", [0, 8, 0x41, 0xFF])
 def test_unknown_message_code_names_the_value(code):
     decoder = FrameDecoder()
     decoder.receive_data(bytes([code, 0]))
@@ -275,3 +275,87 @@ def test_event_validation():
         Message(0, 1, 1, b"")  # keyword-only
     with pytest.raises(rqp.LocalProtocolError, match="not a frame that can be sent"):
         encode(OversizedMessage(message_type=0, key=1, queue_key=1, message_length=9, limit=1))
+
+
+# --- MESSAGE_EX (spec section 6) ------------------------------------------------------------
+
+from rqp.protocol.events import REQUESTS_EX, MessageEx  # noqa: E402
+
+HI_EX = bytes.fromhex(  # the spec's example, field by field
+    "07"                  # message_code = MESSAGE_EX
+    "00"                  # message_type = SURE_MSG
+    "0000000100000001"    # key
+    "0000000052510001"    # queue_key
+    "0000000000000005"    # mtype = 5 (int64)
+    "09"                  # priority = 9
+    "00"                  # flags
+    "0000000000000000"    # expires_at_ms = never
+    "0000000000000002"    # message_length
+    "6869"                # "hi"
+)
+HI_EX_EVENT = MessageEx(message_type=rqp.SURE_MSG, key=0x0000000100000001,
+                        queue_key=0x52510001, message=b"hi", mtype=5, priority=9)
+
+
+def test_message_ex_matches_the_spec_byte_for_byte():
+    assert len(HI_EX) == frames.MESSAGE_EX_HEADER_SIZE + 2 == 46
+    assert encode(HI_EX_EVENT) == HI_EX
+    assert decode(HI_EX) == HI_EX_EVENT
+    assert frames.MESSAGE_EX.parse(HI_EX).mtype == 5
+    decoder = FrameDecoder(accept=REQUESTS_EX, max_message_size=8192)
+    got = [e for octet in HI_EX for e in decoder.events(bytes([octet]))]  # one octet at a time
+    assert got == [HI_EX_EVENT] and isinstance(got[0], Message)  # the core sees a Message
+
+
+def test_message_ex_only_where_negotiated():
+    """Spec section 6: a MESSAGE_EX before the receiver answered with EXT_MESSAGE is a
+    protocol error; a plain RQP/1 decoder never accepts it."""
+    decoder = FrameDecoder(accept=REQUESTS)
+    decoder.receive_data(HI_EX)
+    with pytest.raises(rqp.RemoteProtocolError, match="unexpected MESSAGE_EX frame"):
+        decoder.next_event()
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("mtype", 0, "mtype must be an integer in 1.."),
+    ("mtype", -3, "mtype must be an integer in 1.."),
+    ("priority", 10, "priority must be an integer in 0..9"),
+    ("flags", 0x02, "flags must hold only BATCH_MORE"),
+])
+def test_message_ex_fields_out_of_range_are_protocol_errors(field, value, error):
+    fields = {"message_type": 0, "key": 1, "queue_key": 0x52510001, "mtype": 5, "priority": 4,
+              "flags": 0, "expires_at_ms": 0, "message": b"x", field: value}
+    data = frames.MESSAGE_EX.build(fields)
+    decoder = FrameDecoder(accept=REQUESTS_EX)
+    decoder.receive_data(data[:frames.MESSAGE_EX_HEADER_SIZE])  # the header is enough to say
+    with pytest.raises(rqp.RemoteProtocolError, match=error):
+        decoder.next_event()
+    with pytest.raises(rqp.RemoteProtocolError, match=error):
+        decode(data)
+    with pytest.raises(rqp.LocalProtocolError, match=error):  # and we cannot build one
+        MessageEx(**{k: v for k, v in fields.items()})
+
+
+def test_an_oversized_message_ex_keeps_its_extras_and_memory_stays_bounded():
+    data = frames.MESSAGE_EX.build({
+        "message_type": 1, "key": 2, "queue_key": 3, "mtype": 7, "priority": 1, "flags": 1,
+        "expires_at_ms": 1234, "message": b"m" * 5000})
+    decoder = FrameDecoder(accept=REQUESTS_EX, max_message_size=100)
+    events = decoder.events(data[:200])
+    assert events == [OversizedMessage(message_type=1, key=2, queue_key=3, message_length=5000,
+                                       limit=100, extras=(7, 1, 1, 1234))]
+    assert decoder.buffered == 0 and decoder.skipping == 5000 - (200 - 44)
+    assert decoder.events(data[200:] + HI_EX) == [HI_EX_EVENT]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+       st.integers(1, 2**63 - 1), st.integers(0, 9), st.sampled_from([0, 1]),
+       st.integers(0, 2**64 - 1), st.binary(max_size=300))
+def test_message_ex_round_trips(message_type, key, queue_key, mtype, priority, flags, expires,
+                                body):
+    event = MessageEx(message_type=message_type, key=key, queue_key=queue_key, message=body,
+                      mtype=mtype, priority=priority, flags=flags, expires_at_ms=expires)
+    data = encode(event)
+    assert decode(data) == event
+    assert FrameDecoder(accept=REQUESTS_EX).events(data) == [event]

@@ -11,6 +11,20 @@ DELIVERED_ERROR = 3
 QUEUE_ASK = 4
 QUEUE_YES = 5
 QUEUE_NO = 6
+# Spec section 6: sent only on a connection where both ends set EXT_MESSAGE.
+MESSAGE_EX = 7
+
+# Capability bits of the data octet of QUEUE_ASK / QUEUE_YES / QUEUE_NO (spec section 6).
+EXT_MESSAGE = 0x01
+#: Every capability this implementation knows.
+KNOWN_EXTENSIONS = EXT_MESSAGE
+# MESSAGE_EX flags, its priority range and defaults (spec section 6).
+BATCH_MORE = 0x01
+KNOWN_FLAGS = BATCH_MORE
+MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 9, 4
+#: A batch is at most this many MESSAGE_EX frames.
+MAX_BATCH = 256
+INT64_MAX = (1 << 63) - 1
 
 # Message types and the error limit.
 SURE_MSG = 0
@@ -19,7 +33,8 @@ ERROR_LIMIT = 3
 
 
 class MessageCode(enum.IntEnum):
-    """The six frame kinds of spec section 4, by their ``message_code``."""
+    """The six frame kinds of spec section 4 and ``MESSAGE_EX`` of section 6, by their
+    ``message_code``."""
 
     MESSAGE = MESSAGE
     DELIVERED_YES = DELIVERED_YES
@@ -27,6 +42,7 @@ class MessageCode(enum.IntEnum):
     QUEUE_ASK = QUEUE_ASK
     QUEUE_YES = QUEUE_YES
     QUEUE_NO = QUEUE_NO
+    MESSAGE_EX = MESSAGE_EX
 
 
 class MessageType(enum.IntEnum):

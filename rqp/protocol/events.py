@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 
 from rqp.protocol.constants import MESSAGE, DELIVERED_YES, DELIVERED_ERROR, QUEUE_ASK, QUEUE_YES, QUEUE_NO
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import (
+    DEFAULT_PRIORITY, INT64_MAX, KNOWN_FLAGS, MAX_PRIORITY, MESSAGE_EX, MIN_PRIORITY,
+)
 from rqp.protocol.errors import LocalProtocolError
 
 __all__ = [
-    "Event", "Message", "DeliveredYes", "DeliveredError", "QueueAsk", "QueueYes", "QueueNo",
-    "OversizedMessage", "ANSWERS", "REQUESTS",
+    "Event", "Message", "MessageEx", "DeliveredYes", "DeliveredError", "QueueAsk", "QueueYes", "QueueNo",
+    "OversizedMessage", "ANSWERS", "REQUESTS", "REQUESTS_EX", "check_extras",
 ]
 
 
@@ -69,6 +72,45 @@ class Message(Event):
                 f"queue_key={self.queue_key:#x}, message_length={len(self.message)})")
 
 
+def check_extras(mtype: object, priority: object, flags: object, expires_at_ms: object,
+                 error=LocalProtocolError) -> None:
+    """Raise ``error`` if the fields a ``MESSAGE_EX`` adds are out of range (spec section 6):
+    ``mtype`` 1..2**63-1 (System V refuses anything else), ``priority`` 0..9, only known
+    ``flags``, ``expires_at_ms`` a uint64."""
+    if type(mtype) is not int or not 1 <= mtype <= INT64_MAX:
+        raise error(f"mtype must be an integer in 1..{INT64_MAX} (System V message types are "
+                    f"positive), got {mtype!r}")
+    if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise error(f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, got "
+                    f"{priority!r}")
+    if type(flags) is not int or flags & ~KNOWN_FLAGS or not 0 <= flags < 256:
+        raise error(f"flags must hold only BATCH_MORE (0x01), got {flags!r}")
+    _check_uint("expires_at_ms", expires_at_ms, 64)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MessageEx(Message):
+    """A ``MESSAGE_EX`` frame (spec section 6): a :class:`Message` with the System V
+    ``mtype`` it is put with, a ``priority``, ``flags`` (``BATCH_MORE``) and an expiry
+    (``expires_at_ms``, Unix milliseconds; 0: never)."""
+
+    code = MESSAGE_EX
+    mtype: int = 1
+    priority: int = DEFAULT_PRIORITY
+    flags: int = 0
+    expires_at_ms: int = 0
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        check_extras(self.mtype, self.priority, self.flags, self.expires_at_ms)
+
+    def __repr__(self) -> str:
+        return (f"MessageEx(message_type={self.message_type}, key={self.key:#018x}, "
+                f"queue_key={self.queue_key:#x}, mtype={self.mtype}, priority={self.priority}, "
+                f"flags={self.flags:#x}, expires_at_ms={self.expires_at_ms}, "
+                f"message_length={len(self.message)})")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OversizedMessage(Event):
     """A ``MESSAGE`` whose claimed length is over the decoder's maximum.
@@ -84,6 +126,8 @@ class OversizedMessage(Event):
     queue_key: int
     message_length: int
     limit: int
+    #: For a MESSAGE_EX: its mtype, priority, flags and expiry, as for :class:`MessageEx`.
+    extras: tuple[int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
         _check_uint("message_length", self.message_length, 64)
@@ -122,4 +166,6 @@ class QueueNo(_Reply):
 
 #: Frames a receiving MCA accepts, and frames a sending MCA accepts.
 REQUESTS = frozenset({MESSAGE, QUEUE_ASK})
+#: What a receiving MCA accepts once it has answered with EXT_MESSAGE (spec section 6).
+REQUESTS_EX = REQUESTS | {MESSAGE_EX}
 ANSWERS = frozenset({DELIVERED_YES, DELIVERED_ERROR, QUEUE_YES, QUEUE_NO})

@@ -9,7 +9,8 @@ This module contains no networking code. The caller owns the socket::
     sock.sendall(encode(DeliveredYes()))
 
 Each frame has one module-level construct: ``MESSAGE``, ``DELIVERED_YES``, ``DELIVERED_ERROR``,
-``QUEUE_ASK``, ``QUEUE_YES`` and ``QUEUE_NO``. ``build`` fills in ``message_code`` and
+``QUEUE_ASK``, ``QUEUE_YES``, ``QUEUE_NO`` and section 6's ``MESSAGE_EX`` (which a decoder
+accepts only when told to: a receiving MCA, once it has answered with ``EXT_MESSAGE``). ``build`` fills in ``message_code`` and
 ``message_length`` and defaults ``data`` to 0; ``parse`` returns every field. ``FRAME`` parses
 any one frame by switching on its code.
 """
@@ -19,19 +20,22 @@ from __future__ import annotations
 from typing import Final
 
 from construct import (
-    Bytes, Const, ConstructError, Default, Int8ub, Int64ub, OneOf, Peek, Rebuild, Struct, Switch,
-    len_, this,
+    Bytes, Const, ConstructError, Default, Int8ub, Int64sb, Int64ub, OneOf, Peek, Rebuild, Struct,
+    Switch, len_, this,
 )
 
 from rqp.protocol import constants as c
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import (
-    DeliveredError, DeliveredYes, Event, Message, OversizedMessage, QueueAsk, QueueNo, QueueYes,
+    DeliveredError, DeliveredYes, Event, Message, MessageEx, OversizedMessage, QueueAsk, QueueNo,
+    QueueYes, check_extras,
 )
 
 __all__ = [
     "MESSAGE", "DELIVERED_YES", "DELIVERED_ERROR", "QUEUE_ASK", "QUEUE_YES", "QUEUE_NO", "FRAME",
-    "MESSAGE_HEADER", "MESSAGE_HEADER_SIZE", "encode", "encode_message", "decode", "FrameDecoder",
+    "MESSAGE_EX", "MESSAGE_EX_HEADER", "MESSAGE_EX_HEADER_SIZE",
+    "MESSAGE_HEADER", "MESSAGE_HEADER_SIZE", "encode", "encode_message", "encode_message_ex",
+    "decode", "FrameDecoder",
     "NEED_DATA", "CLOSED",
 ]
 
@@ -57,6 +61,34 @@ MESSAGE = Struct(
 )
 
 
+#: The fixed 44 octets in front of a MESSAGE_EX's body (spec section 6).
+MESSAGE_EX_HEADER = Struct(
+    "message_code" / Const(c.MESSAGE_EX, Int8ub),
+    "message_type" / _message_type,
+    "key" / Int64ub,
+    "queue_key" / Int64ub,
+    "mtype" / Int64sb,
+    "priority" / Int8ub,
+    "flags" / Int8ub,
+    "expires_at_ms" / Int64ub,
+    "message_length" / Int64ub,
+)
+MESSAGE_EX_HEADER_SIZE: Final = MESSAGE_EX_HEADER.sizeof()
+
+MESSAGE_EX = Struct(
+    "message_code" / Const(c.MESSAGE_EX, Int8ub),
+    "message_type" / _message_type,
+    "key" / Int64ub,
+    "queue_key" / Int64ub,
+    "mtype" / Int64sb,
+    "priority" / Int8ub,
+    "flags" / Int8ub,
+    "expires_at_ms" / Int64ub,
+    "message_length" / Rebuild(Int64ub, len_(this.message)),
+    "message" / Bytes(this.message_length),
+)
+
+
 def _reply(code: int) -> Struct:
     return Struct("message_code" / Const(code, Int8ub), "data" / Default(Int8ub, 0))
 
@@ -74,6 +106,7 @@ QUEUE_ASK = Struct(
 _BY_CODE = {
     c.MESSAGE: MESSAGE, c.DELIVERED_YES: DELIVERED_YES, c.DELIVERED_ERROR: DELIVERED_ERROR,
     c.QUEUE_ASK: QUEUE_ASK, c.QUEUE_YES: QUEUE_YES, c.QUEUE_NO: QUEUE_NO,
+    c.MESSAGE_EX: MESSAGE_EX,
 }
 #: Any one frame, chosen by its first octet.
 FRAME = Struct("message_code" / Peek(Int8ub), "frame" / Switch(this.message_code, _BY_CODE))
@@ -86,11 +119,13 @@ _EVENT_FOR_CODE = {
     c.QUEUE_YES: QueueYes, c.QUEUE_NO: QueueNo,
 }
 _PARSE_HEADER = MESSAGE_HEADER.compile().parse
+_PARSE_EX_HEADER = MESSAGE_EX_HEADER.compile().parse
 # The two-octet answers are constant for data=0, which is all we ever send.
 _ANSWER_BYTES = {cls: bytes((code, 0)) for code, cls in _EVENT_FOR_CODE.items()}
 # Fixed size of each frame up to and including its last fixed field.
 _FIXED_SIZE = {c.MESSAGE: MESSAGE_HEADER_SIZE, c.QUEUE_ASK: QUEUE_ASK.sizeof(),
-               **{code: 2 for code in _EVENT_FOR_CODE}}
+               c.MESSAGE_EX: MESSAGE_EX_HEADER_SIZE, **{code: 2 for code in _EVENT_FOR_CODE}}
+_CARRIES_MESSAGE = (c.MESSAGE, c.MESSAGE_EX)
 
 
 def encode(event: Event) -> bytes:
@@ -98,6 +133,8 @@ def encode(event: Event) -> bytes:
     answer = _ANSWER_BYTES.get(type(event))
     if answer is not None and event.data == 0:
         return answer
+    if isinstance(event, MessageEx):
+        return encode_message_ex(event)
     if isinstance(event, Message):
         return encode_message(event.message_type, event.key, event.queue_key, event.message)
     if isinstance(event, QueueAsk):
@@ -113,18 +150,40 @@ def encode_message(message_type: int, key: int, queue_key: int, message: bytes) 
         {"message_type": message_type, "key": key, "queue_key": queue_key, "message": message})
 
 
+def encode_message_ex(event: MessageEx) -> bytes:
+    """A MESSAGE_EX frame from a (self-validated) :class:`MessageEx`."""
+    return _BUILD[c.MESSAGE_EX].build(
+        {"message_type": event.message_type, "key": event.key, "queue_key": event.queue_key,
+         "mtype": event.mtype, "priority": event.priority, "flags": event.flags,
+         "expires_at_ms": event.expires_at_ms, "message": event.message})
+
+
 def _header_error(header: bytes) -> RemoteProtocolError:
     code = header[0]
     if code not in _BY_CODE:
         return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x})")
     return RemoteProtocolError(
-        f"MESSAGE with message_type {header[1]}: only SURE_MSG (0) and UNSURE_MSG (1) exist")
+        f"{c.MessageCode(code).name} with message_type {header[1]}: only SURE_MSG (0) and "
+        f"UNSURE_MSG (1) exist")
+
+
+def _extras_error(header) -> None:
+    """A MESSAGE_EX header's extra fields out of range: a protocol error (spec section 6)."""
+    check_extras(header.mtype, header.priority, header.flags, header.expires_at_ms,
+                 error=lambda text: RemoteProtocolError(
+                     f"MESSAGE_EX key={header.key:#018x}: {text}"))
 
 
 def _event_from_parsed(code: int, fields) -> Event:
     if code == c.MESSAGE:
         return Message(message_type=fields.message_type, key=fields.key,
                        queue_key=fields.queue_key, message=bytes(fields.message))
+    if code == c.MESSAGE_EX:
+        _extras_error(fields)
+        return MessageEx(message_type=fields.message_type, key=fields.key,
+                         queue_key=fields.queue_key, message=bytes(fields.message),
+                         mtype=fields.mtype, priority=fields.priority, flags=fields.flags,
+                         expires_at_ms=fields.expires_at_ms)
     if code == c.QUEUE_ASK:
         return QueueAsk(data=fields.data, queue_key=fields.queue_key)
     return _EVENT_FOR_CODE[code](data=fields.data)
@@ -139,7 +198,8 @@ def decode(data: bytes) -> Event:
     try:
         fields = FRAME.parse(data).frame
     except ConstructError as exc:
-        if data[0] == c.MESSAGE and len(data) >= 2 and data[1] not in (c.SURE_MSG, c.UNSURE_MSG):
+        if data[0] in _CARRIES_MESSAGE and len(data) >= 2 and \
+                data[1] not in (c.SURE_MSG, c.UNSURE_MSG):
             raise _header_error(data) from None
         raise RemoteProtocolError(
             f"truncated {c.MessageCode(data[0]).name} frame ({len(data)} bytes)") from exc
@@ -252,23 +312,29 @@ class FrameDecoder:
             raise RemoteProtocolError(
                 f"unexpected {c.MessageCode(code).name} frame: this side only receives "
                 + ", ".join(sorted(c.MessageCode(a).name for a in self.accept)))
-        if code == c.MESSAGE and avail >= 2 and buf[pos + 1] > c.UNSURE_MSG:
+        if code in _CARRIES_MESSAGE and avail >= 2 and buf[pos + 1] > c.UNSURE_MSG:
             raise _header_error(buf[pos:pos + 2])
         if avail < fixed:
             return self._need_more(code, fixed)
-        if code != c.MESSAGE:
+        if code not in _CARRIES_MESSAGE:
             self._pos = pos + fixed
             if code == c.QUEUE_ASK:
                 return QueueAsk(data=buf[pos + 1],
                                 queue_key=int.from_bytes(buf[pos + 2:pos + fixed], "big"))
             return _EVENT_FOR_CODE[code](data=buf[pos + 1])
         # Code and type are checked above; the compiled parser only splits the fixed fields.
-        header = _PARSE_HEADER(bytes(buf[pos:pos + fixed]))
+        extended = code == c.MESSAGE_EX
+        header = (_PARSE_EX_HEADER if extended else _PARSE_HEADER)(bytes(buf[pos:pos + fixed]))
+        if extended:
+            _extras_error(header)
         length = header.message_length
         if self.hard_cap is not None and length > self.hard_cap:
             raise RemoteProtocolError(
-                f"MESSAGE key={header.key:#018x} claims message_length {length}, over the hard "
-                f"cap of {self.hard_cap} octets: no System V message can be that long")
+                f"{c.MessageCode(code).name} key={header.key:#018x} claims message_length "
+                f"{length}, over the hard cap of {self.hard_cap} octets: no System V message "
+                f"can be that long")
+        extras = (header.mtype, header.priority, header.flags, header.expires_at_ms) \
+            if extended else None
         if length > self.max_message_size:
             have = min(avail - fixed, length)
             del buf[:pos + fixed + have]
@@ -276,13 +342,19 @@ class FrameDecoder:
             self._skip = length - have
             return OversizedMessage(message_type=header.message_type, key=header.key,
                                     queue_key=header.queue_key, message_length=length,
-                                    limit=self.max_message_size)
+                                    limit=self.max_message_size, extras=extras)
         if avail < fixed + length:
             return self._need_more(code, fixed + length)
         start = pos + fixed
         self._pos = start + length
+        body = bytes(buf[start:start + length])
+        if extended:
+            return MessageEx(message_type=header.message_type, key=header.key,
+                             queue_key=header.queue_key, message=body, mtype=header.mtype,
+                             priority=header.priority, flags=header.flags,
+                             expires_at_ms=header.expires_at_ms)
         return Message(message_type=header.message_type, key=header.key,
-                       queue_key=header.queue_key, message=bytes(buf[start:start + length]))
+                       queue_key=header.queue_key, message=body)
 
     def _need_more(self, code: int, size: int):
         if self._eof:
