@@ -11,6 +11,7 @@ from rqp.tools import fuzz
 def test_twenty_thousand_mutated_streams_raise_only_the_protocol_error():
     figures = fuzz.fuzz(seed=20261123, count=20_000, out=None)
     assert figures["requests"] > 5_000 and figures["answers"] > 1_000  # not all refused early
+    assert figures["extended"] > figures["requests"]  # MESSAGE_EX decoded too
     assert figures["rss_after"] - figures["rss_before"] < fuzz.RSS_SLACK
 
 

@@ -8,7 +8,9 @@ one byte, to both sides:
 
 * a receiving MCA's :class:`~rqp.protocol.receiver.ReceiverConnection` (small
   ``max_message_size``, so oversized bodies are streamed past), every request answered;
-* a sending MCA's :class:`~rqp.protocol.frames.FrameDecoder` for answers.
+* a sending MCA's :class:`~rqp.protocol.frames.FrameDecoder` for answers;
+* a request decoder that accepts section 6's ``MESSAGE_EX`` (streams carry such frames too,
+  with edge values of ``mtype``, ``priority``, ``flags`` and ``expires_at_ms``).
 
 The only exception either may raise is :class:`~rqp.protocol.errors.RemoteProtocolError`
 (the documented end of a connection). Anything else fails the run with the seed and the case
@@ -27,9 +29,12 @@ from collections.abc import Iterator
 
 from rqp.protocol.errors import RemoteProtocolError
 from rqp.protocol.events import (
-    ANSWERS, DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes,
+    ANSWERS, REQUESTS_EX, DeliveredError, DeliveredYes, Message, MessageEx, QueueAsk, QueueNo,
+    QueueYes,
 )
-from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
+from rqp.protocol.frames import (
+    CLOSED, MESSAGE_EX, NEED_DATA, FrameDecoder, encode, encode_message,
+)
 from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
 
 __all__ = ["case_stream", "run_case", "fuzz", "main"]
@@ -44,8 +49,25 @@ def _u64(rng: random.Random) -> int:
     return rng.choice(EDGE_U64) if rng.random() < 0.3 else rng.getrandbits(64)
 
 
+def _extended(rng: random.Random) -> bytes:
+    """A MESSAGE_EX, its extra fields at or past their edges now and then."""
+    size = rng.choice((0, 1, MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1, rng.randrange(600)))
+    fields = {"message_type": rng.choice((0, 1)), "key": _u64(rng), "queue_key": _u64(rng),
+              "mtype": rng.choice((1, 2, 2**63 - 1, rng.randrange(1, 1 << 20))),
+              "priority": rng.randrange(10), "flags": rng.choice((0, 1)),
+              "expires_at_ms": _u64(rng), "message": rng.randbytes(size)}
+    if rng.random() < 0.2:  # out of range: a protocol error
+        field = rng.choice(("mtype", "priority", "flags"))
+        fields[field] = {"mtype": rng.choice((0, -1, -(2**63))), "priority": rng.randrange(10, 256),
+                         "flags": rng.randrange(2, 256)}[field]
+        return MESSAGE_EX.build(fields)
+    return encode(MessageEx(**fields))
+
+
 def _frame(rng: random.Random) -> bytes:
-    kind = rng.randrange(8)
+    kind = rng.randrange(10)
+    if kind >= 8:
+        return _extended(rng)
     if kind < 4:
         size = rng.choice((0, 1, MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1, rng.randrange(600)))
         mtype = rng.choice((0, 1, 0, 1, 2, 255))
@@ -111,10 +133,24 @@ def _pieces(data: bytes, chunks: list[int]) -> Iterator[bytes]:
     yield b""  # the end of the stream
 
 
-def run_case(data: bytes, chunks: list[int]) -> tuple[int, int]:
-    """Feed one stream to both sides: (requests answered, answers decoded). Raises anything
-    but a RemoteProtocolError."""
-    requests = answers = 0
+def _count_events(decoder: FrameDecoder, data: bytes, chunks: list[int]) -> int:
+    events = 0
+    try:
+        for piece in _pieces(data, chunks):
+            decoder.receive_data(piece)
+            while (event := decoder.next_event()) not in (NEED_DATA, CLOSED):
+                events += 1
+            if event is CLOSED:
+                break
+    except RemoteProtocolError:
+        pass
+    return events
+
+
+def run_case(data: bytes, chunks: list[int]) -> tuple[int, int, int]:
+    """Feed one stream to every side: (requests answered, answers decoded, requests decoded
+    with MESSAGE_EX accepted). Raises anything but a RemoteProtocolError."""
+    requests = 0
     conn = ReceiverConnection(max_message_size=MAX_MESSAGE_SIZE)
     try:
         for piece in _pieces(data, chunks):
@@ -130,17 +166,10 @@ def run_case(data: bytes, chunks: list[int]) -> tuple[int, int]:
                 break
     except RemoteProtocolError:
         pass
-    decoder = FrameDecoder(accept=ANSWERS)
-    try:
-        for piece in _pieces(data, chunks):
-            decoder.receive_data(piece)
-            while (event := decoder.next_event()) not in (NEED_DATA, CLOSED):
-                answers += 1
-            if event is CLOSED:
-                break
-    except RemoteProtocolError:
-        pass
-    return requests, answers
+    answers = _count_events(FrameDecoder(accept=ANSWERS), data, chunks)
+    extended = _count_events(FrameDecoder(accept=REQUESTS_EX, max_message_size=MAX_MESSAGE_SIZE),
+                             data, chunks)
+    return requests, answers, extended
 
 
 def _rss() -> int:
@@ -154,14 +183,14 @@ def fuzz(seed: int, count: int, start: int = 0, *, out=sys.stdout) -> dict:
     warm = min(count, 2000)
     t0 = time.monotonic()
     rss_before = None
-    requests = answers = octets = 0
+    requests = answers = extended = octets = 0
     for case in range(start, start + count):
         if case - start == warm:
             rss_before = _rss()
         data, chunks = case_stream(seed, case)
         octets += len(data)
         try:
-            r, a = run_case(data, chunks)
+            r, a, e = run_case(data, chunks)
         except Exception as exc:
             raise AssertionError(
                 f"case {case} of seed {seed} raised {type(exc).__name__}: {exc} (stream "
@@ -169,12 +198,13 @@ def fuzz(seed: int, count: int, start: int = 0, *, out=sys.stdout) -> dict:
                 f"--seed {seed} --start {case} --count 1)") from exc
         requests += r
         answers += a
+        extended += e
         if out is not None and (case - start + 1) % 100_000 == 0:
             print(f"  {case - start + 1:,} cases, {time.monotonic() - t0:.0f} s", file=out,
                   flush=True)
     rss_after = _rss()
     figures = {"seed": seed, "cases": count, "octets": octets, "requests": requests,
-               "answers": answers, "seconds": round(time.monotonic() - t0, 1),
+               "answers": answers, "extended": extended, "seconds": round(time.monotonic() - t0, 1),
                "rss_before": rss_before or rss_after, "rss_after": rss_after}
     growth = rss_after - figures["rss_before"]
     if growth > RSS_SLACK:
@@ -198,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"ok: {f['cases']:,} cases ({f['octets']:,} octets; {f['requests']:,} requests and "
-          f"{f['answers']:,} answers decoded) in {f['seconds']} s; resident memory "
+    print(f"ok: {f['cases']:,} cases ({f['octets']:,} octets; {f['requests']:,} requests, "
+          f"{f['answers']:,} answers and {f['extended']:,} requests with MESSAGE_EX accepted "
+          f"decoded) in {f['seconds']} s; resident memory "
           f"{f['rss_before'] / 2**20:.1f} MiB after the warm-up, {f['rss_after'] / 2**20:.1f} "
           f"MiB at the end")
     return 0
