@@ -147,3 +147,112 @@ def test_transition_table_is_the_seed_diagram():
     for state in ANSWERS:
         assert TRANSITIONS[state] == {Outcome.ANSWER_SENT: State.WAITING_FOR_MESSAGE}
     assert ANSWERS[State.SENDING_DELIVERED_YES] == DeliveredYes()
+
+
+# --- extensions (spec section 6): negotiation and batches -----------------------------------
+
+from rqp.protocol.events import MessageEx  # noqa: E402
+from rqp.protocol.receiver import Batch  # noqa: E402
+
+
+def ask_bits(bits: int, queue_key=Q1) -> bytes:
+    return encode(QueueAsk(queue_key=queue_key, data=bits))
+
+
+def msg_ex(key=1, flags=0, queue_key=Q1, mtype=5, message_type=SURE_MSG, body=b"hi") -> bytes:
+    return encode(MessageEx(message_type=message_type, key=key, queue_key=queue_key,
+                            message=body, mtype=mtype, flags=flags))
+
+
+@pytest.mark.parametrize("ours, theirs, agreed", [(1, 1, 1), (0, 1, 0), (1, 0, 0), (1, 0xFF, 1)])
+def test_the_first_answer_fixes_the_bits_for_the_connection(ours, theirs, agreed):
+    conn = ReceiverConnection(max_message_size=100, extensions=ours)
+    conn.receive_data(ask_bits(theirs) + ask_bits(0, 0x999))
+    first = conn.next_request()
+    assert first == Ask(Q1, theirs)
+    assert conn.answer_ask(first, True) == bytes((5, agreed))  # unknown bits: never echoed
+    # every later answer on the connection carries the same bits, QUEUE_NO too
+    assert conn.answer_ask(conn.next_request(), False) == bytes((6, agreed))
+    assert conn.agreed == agreed
+
+
+def test_a_plain_peer_sees_plain_rqp1_bytes():
+    conn = ReceiverConnection(max_message_size=100, extensions=1)
+    conn.receive_data(ask() + msg())
+    assert conn.answer_ask(conn.next_request(), True) == b"\x05\x00"
+    assert conn.answer_put(conn.next_request(), True) == b"\x02\x00"
+
+
+def test_message_ex_before_the_bit_was_answered_is_a_protocol_error():
+    conn = ReceiverConnection(max_message_size=100, extensions=1)
+    conn.receive_data(msg_ex())
+    with pytest.raises(rqp.RemoteProtocolError, match="unexpected MESSAGE_EX"):
+        conn.next_request()
+    plain = ReceiverConnection(max_message_size=100, extensions=1)  # asked without the bit
+    plain.receive_data(ask() + msg_ex())
+    plain.answer_ask(plain.next_request(), True)
+    with pytest.raises(rqp.RemoteProtocolError, match="unexpected MESSAGE_EX"):
+        plain.next_request()
+
+
+def negotiated(**kw) -> ReceiverConnection:
+    conn = ReceiverConnection(max_message_size=kw.pop("max_message_size", 100), extensions=1)
+    conn.receive_data(ask_bits(1))
+    conn.answer_ask(conn.next_request(), True)
+    return conn
+
+
+def test_a_single_message_ex_is_a_put_carrying_its_mtype():
+    conn = negotiated()
+    conn.receive_data(msg_ex(mtype=42))
+    put = conn.next_request()
+    assert isinstance(put, Put) and put.message.mtype == 42
+    assert conn.answer_put(put, True) == b"\x02\x00"
+
+
+def test_a_batch_comes_out_whole_and_is_answered_all_at_once():
+    conn = negotiated()
+    frames = msg_ex(key=1, flags=1) + msg_ex(key=2, flags=1) + msg_ex(key=3)
+    for octet in frames[:-1]:  # nothing of the batch before its last octet
+        conn.receive_data(bytes([octet]))
+        assert conn.next_request() is NEED_DATA
+    conn.receive_data(frames[-1:])
+    batch = conn.next_request()
+    assert isinstance(batch, Batch) and batch.refused is None
+    assert [m.key for m in batch.messages] == [1, 2, 3]
+    assert conn.answer_batch(batch, True) == b"\x02\x00" * 3
+    conn.receive_data(msg_ex(key=4, flags=1) + msg_ex(key=5))
+    assert conn.answer_batch(conn.next_request(), False) == b"\x03\x00" * 2
+
+
+def test_a_batch_with_one_undeliverable_message_is_refused_whole():
+    conn = negotiated(max_message_size=10)
+    conn.receive_data(msg_ex(key=1, flags=1) + msg_ex(key=2, flags=1, body=b"x" * 50)
+                      + msg_ex(key=3))
+    batch = conn.next_request()
+    assert batch.refused is not None and batch.refused.reason is ReasonCode.MESSAGE_TOO_BIG
+    assert len(batch.messages) == 3
+    with pytest.raises(rqp.LocalProtocolError, match="cannot have been delivered"):
+        conn.answer_batch(batch, True)
+    assert conn.answer_batch(batch, False) == b"\x03\x00" * 3
+
+
+@pytest.mark.parametrize("stream, error", [
+    (lambda: msg_ex(flags=1) + ask(), "QueueAsk inside a batch"),
+    (lambda: msg_ex(flags=1) + msg(), "Message inside a batch"),
+    (lambda: msg_ex(flags=1) * 257, "more than 256"),
+])
+def test_a_broken_batch_is_a_protocol_error(stream, error):
+    conn = negotiated()
+    conn.receive_data(stream())
+    with pytest.raises(rqp.RemoteProtocolError, match=error):
+        conn.next_request()
+
+
+def test_a_stream_ending_inside_a_batch_is_a_protocol_error():
+    conn = negotiated()
+    conn.receive_data(msg_ex(flags=1))
+    assert conn.next_request() is NEED_DATA
+    conn.receive_data(b"")
+    with pytest.raises(rqp.RemoteProtocolError, match="inside a batch"):
+        conn.next_request()

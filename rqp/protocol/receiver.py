@@ -10,17 +10,27 @@ seed's diagram for the receiving MCA::
     Waiting for message --Message, put--------------> Sending delivered_yes -answer sent--> Waiting
     Waiting for message --Message, not delivered----> Sending delivered error and putting
                                                       message to DEAD.LETTER.Q --sent--> Waiting
+
+Extensions (spec section 6): a connection made with ``extensions=EXT_MESSAGE`` answers the
+first ``QUEUE_ASK`` with the bits both ends have (the same on every later answer) and, once it
+has answered with ``EXT_MESSAGE``, accepts ``MESSAGE_EX`` frames. A run of them with
+``BATCH_MORE`` set, ended by one without, comes out as one :class:`Batch` request, answered
+all at once (every message ``DELIVERED_YES``, or every one ``DELIVERED_ERROR``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
-from rqp.protocol.constants import HARD_MESSAGE_CAP, SURE_MSG
-from rqp.protocol.errors import LocalProtocolError
+from rqp.protocol.constants import (
+    BATCH_MORE, EXT_MESSAGE, HARD_MESSAGE_CAP, KNOWN_EXTENSIONS, MAX_BATCH, SURE_MSG,
+)
+from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import (
-    REQUESTS, DeliveredError, DeliveredYes, Message, OversizedMessage, QueueAsk, QueueNo, QueueYes,
+    REQUESTS, REQUESTS_EX, DeliveredError, DeliveredYes, Message, MessageEx, OversizedMessage,
+    QueueAsk, QueueNo, QueueYes,
 )
 from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, encode
 from rqp.protocol.keys import queue_key_problem
@@ -28,6 +38,7 @@ from rqp.protocol.reasons import ReasonCode
 
 __all__ = [
     "State", "Outcome", "TRANSITIONS", "ANSWERS", "ReceiverConnection", "Ask", "Put", "Refuse",
+    "Batch",
 ]
 
 
@@ -71,9 +82,11 @@ ANSWERS = {
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """A ``QUEUE_ASK``: answer with :meth:`ReceiverConnection.answer_ask`."""
+    """A ``QUEUE_ASK``: answer with :meth:`ReceiverConnection.answer_ask`. ``data`` holds the
+    extension bits the sender can send (spec section 6)."""
 
     queue_key: int
+    data: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +111,17 @@ class Refuse:
     dead_letter: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A whole batch of ``MESSAGE_EX`` frames (spec section 6), in order: put every message or
+    none, then answer with :meth:`ReceiverConnection.answer_batch`. ``refused`` is the first
+    message the core already knows cannot be delivered (then the batch cannot be, and none is
+    put), with its reason and detail; else None."""
+
+    messages: tuple[MessageEx | OversizedMessage, ...]
+    refused: Refuse | None = None
+
+
 class ReceiverConnection:
     """One connection of a receiving MCA, from the bytes in to the answers out.
 
@@ -112,12 +136,18 @@ class ReceiverConnection:
     will retry is never overtaken by the ones it had pipelined behind it (spec 5.8).
     """
 
-    def __init__(self, *, max_message_size: int, hard_cap: int = HARD_MESSAGE_CAP) -> None:
+    def __init__(self, *, max_message_size: int, hard_cap: int = HARD_MESSAGE_CAP,
+                 extensions: int = 0) -> None:
         self.decoder = FrameDecoder(accept=REQUESTS, max_message_size=max_message_size,
                                     hard_cap=hard_cap)
         self.state = State.WAITING_FOR_MESSAGE
-        self._current: Ask | Put | Refuse | None = None
+        #: What this side accepts (spec section 6 bits); what both ends have is
+        #: :attr:`agreed`, fixed by the first answer to a QUEUE_ASK (None before).
+        self.extensions = extensions & KNOWN_EXTENSIONS
+        self.agreed: int | None = None
+        self._current: Ask | Put | Refuse | Batch | None = None
         self._held_keys: set[int] = set()
+        self._batch: list[MessageEx | OversizedMessage] = []
 
     def receive_data(self, data: bytes) -> None:
         self.decoder.receive_data(data)
@@ -129,16 +159,49 @@ class ReceiverConnection:
         """
         if self._current is not None:
             raise LocalProtocolError("the previous request has not been answered yet")
-        event = self.decoder.next_event()
-        if event is NEED_DATA or event is CLOSED:
-            return event
-        self._current = request = self._request_for(event)
-        return request
+        while True:
+            event = self.decoder.next_event()
+            if event is NEED_DATA:
+                return event
+            if event is CLOSED:
+                if self._batch:
+                    raise RemoteProtocolError(f"stream closed inside a batch of "
+                                              f"{len(self._batch)} MESSAGE_EX frame(s)")
+                return event
+            if self._batch or _batch_more(event):
+                request = self._batched(event)
+                if request is None:
+                    continue  # more of the batch to come: nothing to answer yet
+            else:
+                request = self._request_for(event)
+            self._current = request
+            return request
+
+    def _batched(self, event) -> Batch | None:
+        """Collect ``event`` into the batch being received; the whole :class:`Batch` once its
+        last frame is in (spec section 6: nothing of a batch is answered before)."""
+        if not isinstance(event, (MessageEx, OversizedMessage)) or (
+                isinstance(event, OversizedMessage) and event.extras is None):
+            raise RemoteProtocolError(f"a {type(event).__name__} inside a batch of MESSAGE_EX "
+                                      f"frames (BATCH_MORE was set on the one before)")
+        self._batch.append(event)
+        if len(self._batch) > MAX_BATCH:
+            raise RemoteProtocolError(f"a batch of more than {MAX_BATCH} MESSAGE_EX frames")
+        if _batch_more(event):
+            return None
+        messages, self._batch = tuple(self._batch), []
+        refused = None
+        for message in messages:
+            request = self._request_for(message)
+            if isinstance(request, Refuse):
+                refused = request
+                break
+        return Batch(messages, refused)
 
     def _request_for(self, event) -> Ask | Put | Refuse:
         if isinstance(event, QueueAsk):
             self._held_keys.discard(event.queue_key)
-            return Ask(event.queue_key)
+            return Ask(event.queue_key, event.data)
         if isinstance(event, OversizedMessage):
             return Refuse(event, ReasonCode.MESSAGE_TOO_BIG,
                           f"message_length {event.message_length} is over this receiver's "
@@ -166,22 +229,28 @@ class ReceiverConnection:
             raise LocalProtocolError(
                 f"cannot go from {self.state.value!r} on {outcome.value!r}") from None
 
-    def _answer(self, request, outcome: Outcome) -> bytes:
+    def _answer(self, request, outcome: Outcome, bits: int = 0) -> bytes:
         if request is not self._current:
             raise LocalProtocolError(f"{request!r} is not the request being answered")
         self._fire(outcome)
-        data = encode(ANSWERS[self.state])
+        answer = ANSWERS[self.state]
+        data = encode(dataclasses.replace(answer, data=bits) if bits else answer)
         self._fire(Outcome.ANSWER_SENT)
         self._current = None
         return data
 
     def answer_ask(self, request: Ask, offered: bool) -> bytes:
-        """QUEUE_YES exactly when the queue exists, may be written and is offered."""
+        """QUEUE_YES exactly when the queue exists, may be written and is offered; its data
+        octet carries the extension bits of the connection (spec section 6)."""
         if not isinstance(request, Ask):
             raise LocalProtocolError(f"answer_ask() given {request!r}")
         offered = offered and queue_key_problem(request.queue_key) is None
+        if self.agreed is None:  # the first answer fixes the bits for the whole connection
+            self.agreed = request.data & self.extensions
+            if self.agreed & EXT_MESSAGE:
+                self.decoder.accept = REQUESTS_EX
         return self._answer(request, Outcome.QUEUE_ASK_OFFERED if offered
-                            else Outcome.QUEUE_ASK_NOT_OFFERED)
+                            else Outcome.QUEUE_ASK_NOT_OFFERED, self.agreed)
 
     def answer_put(self, request: Put | Refuse, delivered: bool) -> bytes:
         """DELIVERED_YES if the message is in the local queue, else DELIVERED_ERROR.
@@ -198,3 +267,29 @@ class ReceiverConnection:
             self._held_keys.add(request.message.queue_key)
         return self._answer(request, Outcome.MESSAGE_PUT if delivered
                             else Outcome.MESSAGE_NOT_DELIVERED)
+
+    def answer_batch(self, request: Batch, delivered: bool) -> bytes:
+        """One answer per message of the batch, in order: all ``DELIVERED_YES`` if every
+        message was put, else all ``DELIVERED_ERROR`` (and none may have been put)."""
+        if not isinstance(request, Batch):
+            raise LocalProtocolError(f"answer_batch() given {request!r}")
+        if request.refused is not None and delivered:
+            raise LocalProtocolError("a batch with a refused message cannot have been delivered")
+        if request is not self._current:
+            raise LocalProtocolError(f"{request!r} is not the request being answered")
+        outcome = Outcome.MESSAGE_PUT if delivered else Outcome.MESSAGE_NOT_DELIVERED
+        self._fire(outcome)
+        answer = encode(ANSWERS[self.state])
+        self._fire(Outcome.ANSWER_SENT)
+        self._current = None
+        if not delivered:
+            self._held_keys.update(m.queue_key for m in request.messages
+                                   if m.message_type == SURE_MSG)
+        return answer * len(request.messages)
+
+
+def _batch_more(event) -> bool:
+    if isinstance(event, MessageEx):
+        return bool(event.flags & BATCH_MORE)
+    return isinstance(event, OversizedMessage) and event.extras is not None and \
+        bool(event.extras[2] & BATCH_MORE)

@@ -7,7 +7,8 @@ inserted, repeated, or a second stream spliced in) and feeds it, in chunks of ra
 one byte, to both sides:
 
 * a receiving MCA's :class:`~rqp.protocol.receiver.ReceiverConnection` (small
-  ``max_message_size``, so oversized bodies are streamed past), every request answered;
+  ``max_message_size``, so oversized bodies are streamed past; section 6's extension offered,
+  so an ask with its bit turns ``MESSAGE_EX`` and batches on), every request answered;
 * a sending MCA's :class:`~rqp.protocol.frames.FrameDecoder` for answers;
 * a request decoder that accepts section 6's ``MESSAGE_EX`` (streams carry such frames too,
   with edge values of ``mtype``, ``priority``, ``flags`` and ``expires_at_ms``).
@@ -35,7 +36,8 @@ from rqp.protocol.events import (
 from rqp.protocol.frames import (
     CLOSED, MESSAGE_EX, NEED_DATA, FrameDecoder, encode, encode_message,
 )
-from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
+from rqp.protocol.constants import EXT_MESSAGE
+from rqp.protocol.receiver import Ask, Batch, ReceiverConnection, Refuse
 
 __all__ = ["case_stream", "run_case", "fuzz", "main"]
 
@@ -79,7 +81,7 @@ def _frame(rng: random.Random) -> bytes:
         raw[1] = mtype  # a message type the protocol does not have
         return bytes(raw)
     if kind < 6:
-        return encode(QueueAsk(queue_key=_u64(rng)))
+        return encode(QueueAsk(queue_key=_u64(rng), data=rng.choice((0, 0, 1, 255))))
     return encode(rng.choice((DeliveredYes(), DeliveredError(), QueueYes(), QueueNo())))
 
 
@@ -151,7 +153,7 @@ def run_case(data: bytes, chunks: list[int]) -> tuple[int, int, int]:
     """Feed one stream to every side: (requests answered, answers decoded, requests decoded
     with MESSAGE_EX accepted). Raises anything but a RemoteProtocolError."""
     requests = 0
-    conn = ReceiverConnection(max_message_size=MAX_MESSAGE_SIZE)
+    conn = ReceiverConnection(max_message_size=MAX_MESSAGE_SIZE, extensions=EXT_MESSAGE)
     try:
         for piece in _pieces(data, chunks):
             conn.receive_data(piece)
@@ -159,6 +161,8 @@ def run_case(data: bytes, chunks: list[int]) -> tuple[int, int, int]:
                 requests += 1
                 if isinstance(request, Ask):
                     conn.answer_ask(request, requests % 2 == 0)
+                elif isinstance(request, Batch):
+                    conn.answer_batch(request, request.refused is None and requests % 3 != 0)
                 else:  # a refused message is never delivered; a put one may fail
                     conn.answer_put(request, not isinstance(request, Refuse)
                                     and requests % 3 != 0)
