@@ -635,7 +635,8 @@ class ReceiverConfig:
     #: None: the kernel's ``msgmax``, read at run time.
     max_message_size: int | None = None
     queues: Mapping[str, int] = dataclasses.field(default_factory=_no_names, hash=False)
-    #: None: no allow list, every queue may be offered (except as root: see offers_by_default).
+    #: None: no allow list, every writable queue may be offered (as root: none, see
+    #: rqp_agents.delivery.LocalDelivery.offer_default).
     offer_allow: QueueSet | None = None
     offer_deny: QueueSet = QueueSet()
     put_retry_count: int = DEFAULT_PUT_RETRY_COUNT
