@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import ipaddress
 import math
 import os
@@ -705,7 +706,15 @@ class ReceiverConfig:
 
     def queue_names(self, key: int) -> tuple[str, ...]:
         """Every configured name of ``key`` (what name patterns are matched against)."""
-        return tuple(name for name, value in self.queues.items() if value == key)
+        return self._names_by_key.get(key, ())
+
+    @functools.cached_property
+    def _names_by_key(self) -> Mapping[int, tuple[str, ...]]:
+        """Built once per config: the receiver asks for every request."""
+        names: dict[int, tuple[str, ...]] = {}
+        for name, value in self.queues.items():
+            names[value] = (*names.get(value, ()), name)
+        return names
 
     def transport_problem(self) -> str | None:
         """Why this receiver must not start as configured, or None: plaintext on an address

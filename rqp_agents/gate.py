@@ -150,7 +150,8 @@ class Gate:
         return grant
 
     def allows(self, peer: Peer, queue_key: int) -> bool:
-        return self.grant(peer).allows(queue_key, self.config.queue_names(queue_key))
+        grant = self.grant(peer)
+        return grant.everything or grant.allows(queue_key, self.config.queue_names(queue_key))
 
     def deny(self, peer: Peer, what: str) -> None:
         """Count and (rate-limited) log a request refused because ``peer`` may not use the

@@ -41,52 +41,25 @@ __all__ = [
 
 _message_type = OneOf(Int8ub, (c.SURE_MSG, c.UNSURE_MSG))
 
-#: The fixed 26 octets in front of a MESSAGE's body.
-MESSAGE_HEADER = Struct(
-    "message_code" / Const(c.MESSAGE, Int8ub),
-    "message_type" / _message_type,
-    "key" / Int64ub,
-    "queue_key" / Int64ub,
-    "message_length" / Int64ub,
-)
+
+def _message_frame(code: int, *extras) -> tuple[Struct, Struct]:
+    """The fixed header (up to ``message_length``) and the whole frame of a message-carrying
+    frame: code, type, key, queue key, then ``extras``, then the length and the body."""
+    head = ("message_code" / Const(code, Int8ub), "message_type" / _message_type,
+            "key" / Int64ub, "queue_key" / Int64ub, *extras)
+    return (Struct(*head, "message_length" / Int64ub),
+            Struct(*head, "message_length" / Rebuild(Int64ub, len_(this.message)),
+                   "message" / Bytes(this.message_length)))
+
+
+#: MESSAGE: the fixed 26 octets in front of its body, and the whole frame.
+MESSAGE_HEADER, MESSAGE = _message_frame(c.MESSAGE)
 MESSAGE_HEADER_SIZE: Final = MESSAGE_HEADER.sizeof()
-
-MESSAGE = Struct(
-    "message_code" / Const(c.MESSAGE, Int8ub),
-    "message_type" / _message_type,
-    "key" / Int64ub,
-    "queue_key" / Int64ub,
-    "message_length" / Rebuild(Int64ub, len_(this.message)),
-    "message" / Bytes(this.message_length),
-)
-
-
-#: The fixed 44 octets in front of a MESSAGE_EX's body (spec section 6).
-MESSAGE_EX_HEADER = Struct(
-    "message_code" / Const(c.MESSAGE_EX, Int8ub),
-    "message_type" / _message_type,
-    "key" / Int64ub,
-    "queue_key" / Int64ub,
-    "mtype" / Int64sb,
-    "priority" / Int8ub,
-    "flags" / Int8ub,
-    "expires_at_ms" / Int64ub,
-    "message_length" / Int64ub,
-)
+#: MESSAGE_EX (spec section 6): the fixed 44 octets in front of its body, and the whole frame.
+MESSAGE_EX_HEADER, MESSAGE_EX = _message_frame(
+    c.MESSAGE_EX, "mtype" / Int64sb, "priority" / Int8ub, "flags" / Int8ub,
+    "expires_at_ms" / Int64ub)
 MESSAGE_EX_HEADER_SIZE: Final = MESSAGE_EX_HEADER.sizeof()
-
-MESSAGE_EX = Struct(
-    "message_code" / Const(c.MESSAGE_EX, Int8ub),
-    "message_type" / _message_type,
-    "key" / Int64ub,
-    "queue_key" / Int64ub,
-    "mtype" / Int64sb,
-    "priority" / Int8ub,
-    "flags" / Int8ub,
-    "expires_at_ms" / Int64ub,
-    "message_length" / Rebuild(Int64ub, len_(this.message)),
-    "message" / Bytes(this.message_length),
-)
 
 
 def _reply(code: int) -> Struct:
