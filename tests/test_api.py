@@ -132,7 +132,7 @@ except rqp.RQPError as e:
 print(json.dumps(res))
 """)
     big, size, limit = out["big"]
-    assert (size, limit) == (8157, 8156) and "8157 bytes" in big and "8156-byte limit" in big
+    assert (size, limit) == (8129, 8128) and "8129 bytes" in big and "8128-byte limit" in big
     assert "PROD_THE_SCHED_COMON" in out["name"] and "did you mean" in out["name"]
     assert "PROD_THE_SCHED_COMMON" in out["name"]
     assert len(out["handle"]) == 2 and all("is not open" in e for e in out["handle"])
@@ -170,4 +170,4 @@ except rqp.QueueFull as e:
     print(json.dumps([n, str(e)]))
 """)
     n, message = out
-    assert n == 4 and "still full after 0.2 s" in message  # 16384-byte queue, 4036-byte records
+    assert n == 4 and "still full after 0.2 s" in message  # 16384-byte queue, 4064-byte records

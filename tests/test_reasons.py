@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: other implementation, so the table must keep exactly these.
 PUBLISHED = {
     "NO_QUEUE_KEY": 1, "BAD_MESSAGE_TYPE": 2, "MALFORMED_RECORD": 3, "NO_ROUTE": 4,
-    "RETRY_BUDGET_EXHAUSTED": 5, "NOT_CONFIRMED": 6, "UNKNOWN_QUEUE": 20, "NOT_AUTHORIZED": 21,
+    "RETRY_BUDGET_EXHAUSTED": 5, "NOT_CONFIRMED": 6, "EXPIRED": 7, "EXTENSION_UNSUPPORTED": 8,
+    "UNKNOWN_QUEUE": 20, "NOT_AUTHORIZED": 21,
     "QUEUE_FULL": 22, "MESSAGE_TOO_BIG": 23, "INVALID_QUEUE_KEY": 24, "QUEUE_NOT_OFFERED": 25,
     "PUT_FAILED": 26, "MALFORMED": -1,
 }
@@ -28,11 +29,11 @@ def test_the_table_keeps_the_published_codes():
     assert {r.name: r.code for r in REASONS} == PUBLISHED
     assert len({r.code for r in REASONS}) == len(REASONS)
     for r in REASONS:
-        assert r.by in ("sender", "receiver", "tool") and r.description
+        assert r.by in ("sender", "receiver", "both", "tool") and r.description
         assert not (r.transient and r.intrinsic), r.name
         # what the peer hears follows from who records it: the receiving MCA answers
-        assert r.on_wire == ("DELIVERED_ERROR" if r.by == "receiver" else None), r.name
-        assert (1 <= r.code <= 19) if r.by == "sender" else True
+        assert r.on_wire == ("DELIVERED_ERROR" if r.by in ("receiver", "both") else None), r.name
+        assert (1 <= r.code <= 19) if r.by in ("sender", "both") else True
         assert (r.code >= 20) if r.by == "receiver" else True
 
 
@@ -68,7 +69,7 @@ def test_the_report_and_the_generator_read_the_table():
                                              "QUEUE_NOT_OFFERED"}
     assert set(schema.MESSAGE_INTRINSIC_REASONS) == {
         "NO_QUEUE_KEY", "BAD_MESSAGE_TYPE", "MALFORMED_RECORD", "MESSAGE_TOO_BIG",
-        "INVALID_QUEUE_KEY", "MALFORMED"}
+        "INVALID_QUEUE_KEY", "MALFORMED", "EXPIRED"}
     assert generate.REASON_CODES == PUBLISHED  # it had MALFORMED as 0, the archive -1
     assert set(generate.REASON_WEIGHTS) <= set(PUBLISHED)
 

@@ -42,18 +42,27 @@ TRANSMISSION = TransmissionRecord(
     producer_pid=0x1234,
     sequence=7,
     enqueued_ns=0x0102030405060708,
+    mtype=0x1_0000_0005,
+    priority=9,
+    expires_at_ms=0x0000_0199_0000_0001,
 )
 TRANSMISSION_BYTES = (
     b"RQPX"  # magic
-    b"\x01"  # version 1
+    b"\x02"  # version 2
     b"\x01"  # message_type UNSURE_MSG
     b"\x00\x01"  # flags: SYNC
     b"\x00\x00\x00\x00\x52\x51\x00\x01"  # queue_key 0x52510001
     b"\x00\x00\x12\x34"  # producer_pid 0x1234
     b"\x00\x00\x00\x00\x00\x00\x00\x07"  # sequence 7
     b"\x01\x02\x03\x04\x05\x06\x07\x08"  # enqueued_ns
-    b"hi"  # payload: the rest of the message
+    b"\x00\x00\x00\x01\x00\x00\x00\x05"  # mtype 0x100000005 (int64)
+    b"\x00\x00\x01\x99\x00\x00\x00\x01"  # expires_at_ms
+    b"\x09"  # priority 9
+    + bytes(11)  # reserved
+    + b"hi"  # payload: the rest of the message
 )
+#: The same message as a version 1 record (still read): no extras, so the defaults.
+TRANSMISSION_V1_BYTES = TRANSMISSION_BYTES[:4] + b"\x01" + TRANSMISSION_BYTES[5:36] + b"hi"
 
 DEAD_LETTER = DeadLetterRecord(
     reason=ReasonCode.QUEUE_FULL,
@@ -95,7 +104,7 @@ DEAD_LETTER_BYTES = (
 
 
 def test_sizes():
-    assert TRANSMISSION_HEADER_SIZE == 36
+    assert TRANSMISSION_HEADER_SIZE == 64
     assert DEAD_LETTER_FIXED_SIZE == 47
     assert DEAD_LETTER_MIN_SIZE == 58
 
@@ -106,6 +115,32 @@ def test_transmission_vector():
     parsed = TransmissionRecord.from_bytes(TRANSMISSION_BYTES)
     assert parsed.message_type is MessageType.UNSURE
     assert parsed.sync and parsed.is_valid_type()
+
+
+def test_version_1_is_read_with_the_defaults_and_written_as_version_2():
+    parsed = TransmissionRecord.from_bytes(TRANSMISSION_V1_BYTES)
+    assert parsed == dataclasses.replace(TRANSMISSION, mtype=1, priority=4, expires_at_ms=0)
+    assert parsed.to_bytes()[4] == 2 and len(parsed.to_bytes()) == TRANSMISSION_HEADER_SIZE + 2
+
+
+@pytest.mark.parametrize("offset,value,words", [
+    (36, bytes(8), "mtype must be an integer in 1.."),
+    (36, b"\xff" * 8, "got -1"),
+    (52, b"\x0a", "priority must be an integer in 0..9, got 10"),
+    (53, b"\x01", "reserved bytes that are not zero"),
+    (63, b"\x80", "reserved bytes that are not zero"),
+])
+def test_extras_out_of_range_are_malformed(offset, value, words):
+    raw = TRANSMISSION_BYTES[:offset] + value + TRANSMISSION_BYTES[offset + len(value):]
+    with pytest.raises(RecordError, match=re.escape(words)):
+        TransmissionRecord.from_bytes(raw)
+
+
+@pytest.mark.parametrize("fields", [{"mtype": 0}, {"mtype": -5}, {"mtype": 1 << 63},
+                                    {"priority": 10}, {"expires_at_ms": -1}])
+def test_extras_out_of_range_cannot_be_made(fields):
+    with pytest.raises(ValueError):
+        TransmissionRecord(SURE_MSG, 1, b"", **fields)
 
 
 def test_dead_letter_vector():
@@ -143,7 +178,8 @@ def test_empty_payload():
 def test_reason_codes_exact():
     assert {r.name: r.value for r in ReasonCode} == {
         "NO_QUEUE_KEY": 1, "BAD_MESSAGE_TYPE": 2, "MALFORMED_RECORD": 3, "NO_ROUTE": 4,
-        "RETRY_BUDGET_EXHAUSTED": 5, "NOT_CONFIRMED": 6, "UNKNOWN_QUEUE": 20,
+        "RETRY_BUDGET_EXHAUSTED": 5, "NOT_CONFIRMED": 6, "EXPIRED": 7,
+        "EXTENSION_UNSUPPORTED": 8, "UNKNOWN_QUEUE": 20,
         "NOT_AUTHORIZED": 21, "QUEUE_FULL": 22, "MESSAGE_TOO_BIG": 23,
         "INVALID_QUEUE_KEY": 24, "QUEUE_NOT_OFFERED": 25, "PUT_FAILED": 26,
     }
@@ -181,6 +217,7 @@ transmission_records = st.builds(
     TransmissionRecord,
     message_type=u8, queue_key=u64, payload=st.binary(max_size=300),
     flags=u16, producer_pid=u32, sequence=u64, enqueued_ns=u64,
+    mtype=st.integers(1, (1 << 63) - 1), priority=st.integers(0, 9), expires_at_ms=u64,
 )
 
 dead_letter_records = st.builds(
@@ -201,9 +238,10 @@ def test_transmission_round_trip(rec):
     assert len(raw) == TRANSMISSION_HEADER_SIZE + len(rec.payload)
 
 
-@given(st.binary(min_size=TRANSMISSION_HEADER_SIZE - 5, max_size=200))
+@given(st.binary(min_size=47, max_size=200))
 def test_transmission_parse_then_build_is_identity(rest):
-    raw = b"RQPX\x01" + rest
+    raw = b"RQPX\x02" + rest[:31] + b"\x00\x00\x00\x00\x00\x00\x00\x01" + rest[31:39] \
+        + b"\x04" + bytes(11) + rest[39:]
     assert TransmissionRecord.from_bytes(raw).to_bytes() == raw
 
 
@@ -231,6 +269,7 @@ def test_dead_letter_compiled_equals_plain(rec):
 @given(st.one_of(
     st.binary(max_size=80),
     st.binary(max_size=80).map(lambda b: b"RQPX\x01" + b),
+    st.binary(max_size=120).map(lambda b: b"RQPX\x02" + b),
     st.binary(max_size=80).map(lambda b: b"RQDL\x01" + b),
 ))
 def test_arbitrary_bytes_give_record_or_record_error(raw):
@@ -240,7 +279,10 @@ def test_arbitrary_bytes_give_record_or_record_error(raw):
         except RecordError as exc:
             assert exc.__cause__ is None and exc.__suppress_context__
         else:
-            assert rec.to_bytes() == raw
+            if cls is TransmissionRecord and raw[4] == 1:  # version 1 is rewritten as 2
+                assert cls.from_bytes(rec.to_bytes()) == rec
+            else:
+                assert rec.to_bytes() == raw
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,8 +300,8 @@ def test_bad_magic_names_the_bytes(cls, good):
 @pytest.mark.parametrize("cls,good", [(TransmissionRecord, TRANSMISSION_BYTES),
                                       (DeadLetterRecord, DEAD_LETTER_BYTES)])
 def test_unsupported_version_names_the_number(cls, good):
-    with pytest.raises(RecordError, match="version 2"):
-        cls.from_bytes(good[:4] + b"\x02" + good[5:])
+    with pytest.raises(RecordError, match="version 3"):
+        cls.from_bytes(good[:4] + b"\x03" + good[5:])
 
 
 def test_other_record_kind_is_bad_magic():

@@ -11,7 +11,7 @@ Each row says:
 * ``code``: the number in a dead-letter record (uint16; ``-1`` for :data:`MALFORMED`, which is
   never in a record: the drain writes it to the archive for a record it cannot read);
 * ``by``: who records it: ``sender`` (the sending MCA, or the API on its behalf), ``receiver``
-  (the receiving MCA) or ``tool`` (the drain);
+  (the receiving MCA), ``both`` (either, each on its own side) or ``tool`` (the drain);
 * ``on_wire``: what the peer hears of it: the receiving MCA answers ``DELIVERED_ERROR``, the
   sending MCA sends nothing (``None``);
 * ``transient``: the destination's state at the time, not the message: sent again once the
@@ -58,6 +58,12 @@ REASONS: tuple[Reason, ...] = (
            "the SURE message's retry budget ran out"),
     Reason(6, "NOT_CONFIRMED", _S, None, False, False,
            "reserved: the UNSURE message was not confirmed (recorded only if configured)"),
+    Reason(7, "EXPIRED", "both", _ERR, False, True,
+           "the message's expiry time passed before it was delivered (the sending MCA drops it "
+           "before sending, the receiving MCA on arrival)"),
+    Reason(8, "EXTENSION_UNSUPPORTED", _S, None, False, False,
+           "the hosts that offer the queue speak plain RQP/1 and cannot carry what the message "
+           "needs (an mtype other than 1)"),
     Reason(20, "UNKNOWN_QUEUE", _R, _ERR, True, False,
            "the receiving host has no queue with that key"),
     Reason(21, "NOT_AUTHORIZED", _R, _ERR, False, False,

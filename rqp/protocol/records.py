@@ -9,13 +9,15 @@ Transmission record
 ===================
 
 What ``sendMessage`` puts on the transmission queue (``RQP.XMIT.Q``), always with
-``mtype = constants.DEFAULT_MTYPE`` (1). A sending agent takes it off and sends it.
+``mtype = constants.DEFAULT_MTYPE`` (1). A sending agent takes it off and sends it. Version 2 is
+what this version writes; version 1 (the first 36 bytes of version 2, then the payload) is still
+read, as ``mtype`` 1, priority 4, no expiry. ``rqp.h`` (:func:`rqp.get_include`) builds it in C.
 
 ======  ====  ===============  ==============================================================
 offset  size  field            meaning
 ======  ====  ===============  ==============================================================
 0       4     magic            the bytes ``"RQPX"`` (0x52 0x51 0x50 0x58)
-4       1     version          1
+4       1     version          2 (1: no fields from offset 36 on but the payload)
 5       1     message_type     0 = SURE_MSG, 1 = UNSURE_MSG. The parser accepts any byte: the
                                agent validates it so that a bad value is dead-lettered with
                                ``BAD_MESSAGE_TYPE`` instead of being unreadable.
@@ -31,12 +33,19 @@ offset  size  field            meaning
 20      8     sequence         per-producer sequence number (0 if unused); with
                                REPLAY_KEY, the message key to send it with
 28      8     enqueued_ns      unix time in nanoseconds when the record was made
-36      n     payload          the application's message: every remaining byte of the
-                               System V message (n = message length - 36, may be 0)
+36      8     mtype            (version 2) signed: the System V ``mtype`` the message is put
+                               with at the destination, 1 or more
+44      8     expires_at_ms    (version 2) unix time in milliseconds after which the message
+                               must not be delivered; 0 = never
+52      1     priority         (version 2) 0 (lowest) .. 9 (highest); 4 is the default
+53      11    reserved         (version 2) zero
+64      n     payload          the application's message: every remaining byte of the
+                               System V message (n = message length - 64, may be 0)
 ======  ====  ===============  ==============================================================
 
-The header is :data:`TRANSMISSION_HEADER_SIZE` (36) bytes, so the largest application payload
-is ``msgmax - 36`` bytes (:func:`rqp.system.queues.max_payload`).
+The header is :data:`TRANSMISSION_HEADER_SIZE` (64) bytes, so the largest application payload
+is ``msgmax - 64`` bytes (:func:`rqp.system.queues.max_payload`). A record whose ``mtype`` is
+below 1, whose priority is over 9 or whose reserved bytes are not zero is malformed.
 
 Dead-letter record
 ==================
@@ -106,6 +115,7 @@ from construct import (
     Int8ub,
     Int16ub,
     Int32ub,
+    Int64sb,
     Int64ub,
     PascalString,
     Rebuild,
@@ -115,7 +125,9 @@ from construct import (
     this,
 )
 
-from rqp.protocol.constants import SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType
+from rqp.protocol.constants import (
+    DEFAULT_PRIORITY, INT64_MAX, MAX_PRIORITY, SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType,
+)
 from rqp.protocol.errors import RecordError
 from rqp.protocol.reasons import ReasonCode, describe
 
@@ -135,6 +147,8 @@ __all__ = [
     "TRANSMISSION_MAGIC",
     "TRANSMISSION_RECORD",
     "TRANSMISSION_RECORD_COMPILED",
+    "TRANSMISSION_RECORD_V1",
+    "TRANSMISSION_HEADER_V1_SIZE",
     "TRANSMISSION_VERSION",
     "TransmissionFlags",
     "TransmissionRecord",
@@ -142,7 +156,7 @@ __all__ = [
 ]
 
 TRANSMISSION_MAGIC = b"RQPX"
-TRANSMISSION_VERSION = 1
+TRANSMISSION_VERSION = 2
 DEAD_LETTER_MAGIC = b"RQDL"
 DEAD_LETTER_VERSION = 1
 
@@ -157,16 +171,25 @@ _UINT32_MAX = (1 << 32) - 1
 # Declarations
 # --------------------------------------------------------------------------------------------
 
-#: The fixed 36-byte header of a transmission record.
-TRANSMISSION_HEADER = Struct(
-    "magic" / Const(TRANSMISSION_MAGIC),
-    "version" / Const(TRANSMISSION_VERSION, Int8ub),
+#: The fields both versions of a transmission record begin with (36 bytes, without the version).
+_TRANSMISSION_COMMON = (
     "message_type" / Int8ub,
     "flags" / Int16ub,
     "queue_key" / Int64ub,
     "producer_pid" / Int32ub,
     "sequence" / Int64ub,
     "enqueued_ns" / Int64ub,
+)
+
+#: The fixed 64-byte header of a transmission record (version 2, the one written).
+TRANSMISSION_HEADER = Struct(
+    "magic" / Const(TRANSMISSION_MAGIC),
+    "version" / Const(TRANSMISSION_VERSION, Int8ub),
+    *_TRANSMISSION_COMMON,
+    "mtype" / Int64sb,
+    "expires_at_ms" / Int64ub,
+    "priority" / Int8ub,
+    "reserved" / Const(bytes(11)),
 )
 
 TRANSMISSION_HEADER_SIZE: int = TRANSMISSION_HEADER.sizeof()
@@ -176,6 +199,15 @@ TRANSMISSION_RECORD = Struct(
     *TRANSMISSION_HEADER.subcons,
     "payload" / GreedyBytes,
 )
+
+#: Version 1 (read only): the first 36 bytes of version 2, then the payload.
+TRANSMISSION_RECORD_V1 = Struct(
+    "magic" / Const(TRANSMISSION_MAGIC),
+    "version" / Const(1, Int8ub),
+    *_TRANSMISSION_COMMON,
+    "payload" / GreedyBytes,
+)
+TRANSMISSION_HEADER_V1_SIZE = 36
 
 #: The fixed part of a dead-letter record, up to ``original_length`` (47 bytes).
 DEAD_LETTER_FIXED = Struct(
@@ -217,6 +249,7 @@ DEAD_LETTER_MIN_SIZE: int = DEAD_LETTER_FIXED_SIZE + _DEAD_LETTER_PREFIXES
 # short read returns short data instead of failing), so from_bytes uses the plain structs.
 TRANSMISSION_RECORD_COMPILED = TRANSMISSION_RECORD.compile()
 _PARSE_TRANSMISSION = TRANSMISSION_RECORD_COMPILED.parse
+_PARSE_TRANSMISSION_V1 = TRANSMISSION_RECORD_V1.compile().parse
 DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
 
 
@@ -272,20 +305,24 @@ def _cut_utf8(text: str, limit: int) -> str:
     return raw[:limit].decode("utf-8", "ignore")
 
 
-def _decode_error(kind: str, magic: bytes, version: int, header_size: int, data: bytes,
-                  exc: Exception) -> RecordError:
+def _decode_error(kind: str, magic: bytes, versions: tuple[int, ...], header_size: int,
+                  data: bytes, exc: Exception) -> RecordError:
     """Turn a parse failure into a RecordError that says what is wrong with ``data``."""
     found = bytes(data[: len(magic)])
     if found != magic[: len(found)]:
         return RecordError(f"not a {kind}: bad magic {found!r}, expected {magic!r}")
-    if len(data) > len(magic) and data[len(magic)] != version:
+    if len(data) > len(magic) and data[len(magic)] not in versions:
+        readable = " and ".join(map(str, versions))
         return RecordError(
-            f"unsupported {kind} version {data[len(magic)]} (this program reads version {version})"
+            f"unsupported {kind} version {data[len(magic)]} (this program reads version "
+            f"{readable})"
         )
     if len(data) < header_size:
         return RecordError(
             f"truncated {kind}: {len(data)} bytes, shorter than its {header_size}-byte header"
         )
+    if isinstance(exc, construct.ConstError):  # magic and version are right: the reserved bytes
+        return RecordError(f"{kind} has reserved bytes that are not zero")
     if isinstance(exc, construct.TerminatedError):
         return RecordError(f"{kind} of {len(data)} bytes has trailing bytes after the payload")
     if isinstance(exc, (UnicodeDecodeError, construct.StringError)):
@@ -307,7 +344,9 @@ class TransmissionRecord:
     """One application message waiting on the transmission queue.
 
     ``message_type`` is kept as read (any byte): :meth:`is_valid_type` tells the agent whether
-    it must dead-letter it with ``BAD_MESSAGE_TYPE``.
+    it must dead-letter it with ``BAD_MESSAGE_TYPE``. ``mtype``, ``priority`` and
+    ``expires_at_ms`` are the System V extras of spec section 6 (a version 1 record reads as the
+    defaults); a record with values out of their range cannot be made (or read).
     """
 
     message_type: int
@@ -317,6 +356,9 @@ class TransmissionRecord:
     producer_pid: int = 0
     sequence: int = 0
     enqueued_ns: int = 0
+    mtype: int = 1
+    priority: int = DEFAULT_PRIORITY
+    expires_at_ms: int = 0
 
     def __post_init__(self) -> None:
         _check_uint("message_type", self.message_type, _UINT8_MAX)
@@ -325,6 +367,12 @@ class TransmissionRecord:
         _check_uint("producer_pid", self.producer_pid, _UINT32_MAX)
         _check_uint("sequence", self.sequence, UINT64_MAX)
         _check_uint("enqueued_ns", self.enqueued_ns, UINT64_MAX)
+        _check_uint("priority", self.priority, MAX_PRIORITY)
+        _check_uint("expires_at_ms", self.expires_at_ms, UINT64_MAX)
+        if not isinstance(self.mtype, int) or isinstance(self.mtype, bool) or \
+                not 1 <= self.mtype <= INT64_MAX:
+            raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
+                             f"types are positive), got {self.mtype!r}")
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
         if not isinstance(self.payload, bytes):
@@ -345,39 +393,53 @@ class TransmissionRecord:
             "producer_pid": self.producer_pid,
             "sequence": self.sequence,
             "enqueued_ns": self.enqueued_ns,
+            "mtype": self.mtype,
+            "expires_at_ms": self.expires_at_ms,
+            "priority": self.priority,
             "payload": self.payload,
         }
 
     def to_bytes(self) -> bytes:
-        """The record as the bytes of one System V message (compiled builder)."""
+        """The record (version 2) as the bytes of one System V message (compiled builder)."""
         return TRANSMISSION_RECORD_COMPILED.build(self._fields())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "TransmissionRecord":
-        """Decode one System V message; :class:`RecordError` says what is wrong if it can't."""
+        """Decode one System V message (version 2 or 1); :class:`RecordError` says what is wrong
+        if it can't."""
         data = bytes(data)
+        v1 = len(data) > 4 and data[4] == 1
         try:
             # The record is a fixed header and then every remaining byte, so once the header is
             # all there the compiled parser (which checks the magic and version Consts but not
             # lengths) is safe, and about three times faster: this is the sender's hot path.
-            if len(data) >= TRANSMISSION_HEADER_SIZE:
+            if v1:
+                c = (_PARSE_TRANSMISSION_V1(data) if len(data) >= TRANSMISSION_HEADER_V1_SIZE
+                     else TRANSMISSION_RECORD_V1.parse(data))
+            elif len(data) >= TRANSMISSION_HEADER_SIZE:
                 c = _PARSE_TRANSMISSION(data)
             else:
                 c = TRANSMISSION_RECORD.parse(data)
         except (construct.ConstructError, UnicodeDecodeError) as exc:
             raise _decode_error(
-                "transmission record", TRANSMISSION_MAGIC, TRANSMISSION_VERSION,
-                TRANSMISSION_HEADER_SIZE, data, exc,
+                "transmission record", TRANSMISSION_MAGIC, (TRANSMISSION_VERSION, 1),
+                TRANSMISSION_HEADER_V1_SIZE if v1 else TRANSMISSION_HEADER_SIZE, data, exc,
             ) from None
-        return cls(
-            message_type=_known(MessageType, c.message_type),
-            queue_key=c.queue_key,
-            payload=c.payload,
-            flags=c.flags,
-            producer_pid=c.producer_pid,
-            sequence=c.sequence,
-            enqueued_ns=c.enqueued_ns,
-        )
+        extras = {} if v1 else {"mtype": c.mtype, "priority": c.priority,
+                                "expires_at_ms": c.expires_at_ms}
+        try:
+            return cls(
+                message_type=_known(MessageType, c.message_type),
+                queue_key=c.queue_key,
+                payload=c.payload,
+                flags=c.flags,
+                producer_pid=c.producer_pid,
+                sequence=c.sequence,
+                enqueued_ns=c.enqueued_ns,
+                **extras,
+            )
+        except ValueError as exc:
+            raise RecordError(f"transmission record: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +552,7 @@ class DeadLetterRecord:
             c = DEAD_LETTER_RECORD.parse(data)
         except (construct.ConstructError, UnicodeDecodeError) as exc:
             raise _decode_error(
-                "dead-letter record", DEAD_LETTER_MAGIC, DEAD_LETTER_VERSION,
+                "dead-letter record", DEAD_LETTER_MAGIC, (DEAD_LETTER_VERSION,),
                 DEAD_LETTER_MIN_SIZE, data, exc,
             ) from None
         return cls(**{name: c[name] for name in _FIELD_NAMES})

@@ -74,7 +74,7 @@ REASON_WEIGHTS: dict[str, float] = {
 
 #: ``reason_code`` of each reason, and who writes it: from the one table.
 REASON_CODES: dict[str, int] = {r.name: r.code for r in _reasons.REASONS}
-_AGENT = {r.name: r.by for r in _reasons.REASONS}
+_AGENT = {r.name: "receiver" if r.by == "both" else r.by for r in _reasons.REASONS}
 
 _DETAIL = {
     "QUEUE_FULL": "msgsnd: errno 11: Resource temporarily unavailable (still full after 5 tries)",
