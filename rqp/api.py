@@ -5,8 +5,8 @@ An application's message goes onto the local transmission queue as a transmissio
 host starts a sending MCA if none serves the transmission queue yet (spec 2).
 
 A local consumer needs nothing of ours: a message arrives in the destination System V queue as
-the application's bytes, with ``mtype`` 1 (:data:`rqp.protocol.constants.DEFAULT_MTYPE`), so
-``msgrcv(id, buf, size, 0, 0)`` in C reads it. :func:`receiveMessage` is that, in Python.
+the application's bytes, with the ``mtype`` given to :func:`sendMessage` (default 1), so
+``msgrcv(id, buf, size, type, 0)`` in C reads it. :func:`receiveMessage` is that, in Python.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
-from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import (
+    DEFAULT_PRIORITY, INT64_MAX, MAX_PRIORITY, MIN_PRIORITY, SURE_MSG, UNSURE_MSG,
+)
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
@@ -180,11 +182,21 @@ def _connection(handle: int) -> _Connection:
 
 
 def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
-                timeout: float | None = None, sync: bool = False) -> None:
+                timeout: float | None = None, sync: bool = False, mtype: int = 1,
+                priority: int = DEFAULT_PRIORITY, ttl: float | None = None,
+                expires_at: float | None = None) -> None:
     """Put ``data`` on the transmission queue for the handle's queue.
 
     Returns once the record is in the kernel's transmission queue; if that queue is full, waits
     (at most ``timeout`` seconds, if given) for the sending MCA to make room.
+
+    ``mtype``: the System V message type it is put with at the destination (1 or more), so a
+    consumer can select it with ``msgrcv``'s ``msgtyp``. ``priority`` 0..9 (default 4): waiting
+    messages of higher priority are sent first; the order within one priority is kept.
+    ``ttl`` (seconds from now) or ``expires_at`` (Unix time, seconds): after it the message is
+    never delivered but dead-lettered ``EXPIRED``. A host that speaks plain RQP/1 carries
+    priority and expiry on the sender's side only and cannot carry another ``mtype`` than 1
+    (the README has the table).
 
     ``sync=True`` (SURE messages): returns only once the sending MCA has the message in its
     journal on disk, so that nothing is lost even if the host's kernel queues are lost right
@@ -209,12 +221,39 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
             f"{TRANSMISSION_HEADER_SIZE}-byte transmission header); "
             "split it, or raise kernel.msgmax on every host (see the README)",
             size=len(data), limit=limit)
+    now_ns = time.time_ns()
     record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
                                 payload=bytes(data), producer_pid=os.getpid(),
-                                sequence=next(_sequence), enqueued_ns=time.time_ns())
+                                sequence=next(_sequence), enqueued_ns=now_ns,
+                                **_extras(mtype, priority, ttl, expires_at, now_ns))
     conn.producer.put(record, timeout=timeout, sync=sync,
                       sync_timeout=30.0 if timeout is None else timeout)
 
+
+def _extras(mtype: int = 1, priority: int = DEFAULT_PRIORITY, ttl: float | None = None,
+           expires_at: float | None = None, now_ns: int | None = None) -> dict:
+    """The record fields of sendMessage's ``mtype``, ``priority``, ``ttl`` and ``expires_at``,
+    checked, with errors that name the parameter."""
+    def integer(name, value, low, high):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise RQPError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    integer("mtype", mtype, 1, INT64_MAX)
+    integer("priority", priority, MIN_PRIORITY, MAX_PRIORITY)
+    if ttl is not None and expires_at is not None:
+        raise RQPError("give ttl or expires_at, not both")
+    expires_at_ms = 0
+    for name, value in (("ttl", ttl), ("expires_at", expires_at)):
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise RQPError(f"{name} must be a number of seconds, got {value!r}")
+        if name == "ttl" and value <= 0:
+            raise RQPError(f"ttl must be more than 0 seconds, got {value!r}")
+        base = 0 if name == "expires_at" else (time.time_ns() if now_ns is None else now_ns)
+        expires_at_ms = max(1, (base + int(value * 1e9)) // 1_000_000)
+        if expires_at_ms >= 1 << 64:
+            raise RQPError(f"{name} {value!r} is past the year 500 million")
+    return {"mtype": mtype, "priority": priority, "expires_at_ms": expires_at_ms}
 
 def closeConnection(handle: int) -> None:
     with _lock:
@@ -223,15 +262,20 @@ def closeConnection(handle: int) -> None:
 
 
 def receiveMessage(queue, timeout: float | None = None, *,
-                   rqprc: str | os.PathLike | None = None) -> bytes:
+                   rqprc: str | os.PathLike | None = None, mtype: int = 0,
+                   with_type: bool = False):
     """Take the next message from a local queue (a key, or a name from ``.rqprc``).
 
-    Blocks until one arrives, or raises :class:`rqp.system.queues.QueueEmpty` after ``timeout``.
+    ``mtype`` selects as System V's ``msgtyp`` does: 0 = the first message, > 0 = the first of
+    that type, < 0 = the first of the lowest type up to ``-mtype``. Returns the bytes, or
+    ``(bytes, mtype)`` with ``with_type=True``. Blocks until one arrives, or raises
+    :class:`rqp.system.queues.QueueEmpty` after ``timeout``.
     """
+    if not isinstance(mtype, int) or isinstance(mtype, bool) or not -INT64_MAX <= mtype <= INT64_MAX:
+        raise RQPError(f"mtype must be an integer (System V msgtyp), got {mtype!r}")
     if isinstance(queue, int):
         key = queue
     else:
         key = load_sender_config(find_rqprc(rqprc)).resolve_queue(queue)
     local = LocalQueue.open(key)
-    return local.get(block=True, timeout=timeout)
-
+    return local.get(block=True, timeout=timeout, mtype=mtype, with_type=with_type)

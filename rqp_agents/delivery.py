@@ -102,7 +102,8 @@ class LocalDelivery:
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
         for fresh in (key not in self._queues, True):
             try:
-                await self.retrying(_putter(self._queue(key), message.message),
+                await self.retrying(_putter(self._queue(key), message.message,
+                                            getattr(message, "mtype", DEFAULT_MTYPE)),
                                     self.put_budget, f"{name} (key={message.key:#018x})")
                 return None, ""
             except QueueNotFound as exc:
@@ -120,12 +121,12 @@ class LocalDelivery:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _putter(queue: LocalQueue, data: bytes) -> Callable[[], bool]:
-    """An attempt for :meth:`LocalDelivery.retrying`: put ``data`` on ``queue`` now, or say it
-    is full."""
+def _putter(queue: LocalQueue, data: bytes, mtype: int) -> Callable[[], bool]:
+    """An attempt for :meth:`LocalDelivery.retrying`: put ``data`` on ``queue`` (with System V
+    type ``mtype``: a MESSAGE_EX's, else 1) now, or say it is full."""
     def attempt() -> bool:
         try:
-            queue.put(data, mtype=DEFAULT_MTYPE, block=False)
+            queue.put(data, mtype=mtype, block=False)
         except QueueFull:
             return False
         return True

@@ -24,13 +24,14 @@ from rqp.protocol.errors import LocalProtocolError
 from rqp.protocol.events import OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
-from rqp.protocol.receiver import Ask, ReceiverConnection, Refuse
+from rqp.protocol.constants import KNOWN_EXTENSIONS
+from rqp.protocol.receiver import Ask, Batch, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.storage.dedup import DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
-from rqp.system.service import host_name, setup_logging
+from rqp.system.service import host_name, setup_logging, wall_ms
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
@@ -213,7 +214,8 @@ class Receiver(Daemon):
             "since": time.time(), "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0}
         self._comings.report("connection from %s%s", logging.INFO, peer,
                              f" ({who.identity})" if who.identity else "")
-        conn = ReceiverConnection(max_message_size=self.max_message_size)
+        conn = ReceiverConnection(max_message_size=self.max_message_size,
+                                  extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
         framed = False  # a complete frame has come
         try:
             while True:
@@ -279,6 +281,8 @@ class Receiver(Daemon):
             log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
                       "QUEUE_YES" if offered else "QUEUE_NO")
             return conn.answer_ask(request, offered)
+        if isinstance(request, Batch):
+            return await self._handle_batch(conn, request, who, info)
         if not self.gate.allows(who, request.message.queue_key):
             # Not this peer's to use: answered DELIVERED_ERROR, and nothing of it is kept,
             # not even a dead letter (a counter and a rate-limited line only).
@@ -290,7 +294,64 @@ class Receiver(Daemon):
                 await self._dead_letter(request.message, request.reason, request.detail, who)
                 info["dead_letters"] += 1
             return conn.answer_put(request, False)
-        message = request.message
+        reason, detail, repeat = await self._put(request.message, peer)
+        if repeat:
+            return conn.answer_put(request, True)
+        return await self._answered(conn, request, reason, detail, who, info)
+
+    async def _handle_batch(self, conn: ReceiverConnection, batch: Batch, who: Peer,
+                            info: dict) -> bytes:
+        """A spec section 6 batch: refused whole if one message of it is (each dead-lettered,
+        none put), else put in order and answered together. A put that fails part-way (a
+        queue still full after the retry budget) cannot take back the ones before it: the
+        batch is answered DELIVERED_ERROR, the rest dead-lettered; a SURE batch sent again is
+        then completed without duplicates (the put ones are in the dedup window)."""
+        peer = who.label
+        refused = batch.refused
+        if refused is None:
+            for message in batch.messages:
+                if not self.gate.allows(who, message.queue_key):
+                    info["refused"] += 1
+                    self.gate.deny(who, f"a MESSAGE_EX for queue {format_key(message.queue_key)}"
+                                   " in a batch")
+                    refused = Refuse(message, ReasonCode.QUEUE_NOT_OFFERED,
+                                     "not allowed for this peer", dead_letter=False)
+                    break
+                if not self.delivery.offers(message.queue_key):
+                    refused = Refuse(message, ReasonCode.QUEUE_NOT_OFFERED,
+                                     f"queue {format_key(message.queue_key)} is not offered here")
+                    break
+        failed = refused
+        if failed is None:
+            for i, message in enumerate(batch.messages):
+                reason, detail, repeat = await self._put(message, peer)
+                if repeat:
+                    continue
+                if reason is not None:
+                    failed = Refuse(message, reason, f"{detail} (message {i + 1} of a batch of "
+                                    f"{len(batch.messages)}; {i} put before it)")
+                    break
+                self.stats["messages"] += 1
+                info["messages"] += 1
+                self.by_queue[(message.queue_key, "put")] += 1
+        if failed is None:
+            return conn.answer_batch(batch, True)
+        if failed.dead_letter:
+            cause = next(i for i, m in enumerate(batch.messages) if m is failed.message)
+            for i, message in enumerate(batch.messages):
+                if refused is None and i < cause:
+                    continue  # put already
+                detail = failed.detail if i == cause else (
+                    f"batch of {len(batch.messages)} refused whole: message {cause + 1} "
+                    f"{failed.reason.name}: {failed.detail}")
+                await self._dead_letter(message, failed.reason if i == cause
+                                        else ReasonCode.PUT_FAILED, detail, who)
+                info["dead_letters"] += 1
+        return conn.answer_batch(batch, False)
+
+    async def _put(self, message, peer: str) -> tuple[ReasonCode | None, str, bool]:
+        """Put one message: (None, "", False), or why not; a SURE one once per key: a repeat
+        is not put again, (None, "", True)."""
         if message.message_type != SURE_MSG:
             reason, detail = await self.delivery.put(message)
         else:
@@ -303,7 +364,7 @@ class Receiver(Daemon):
                 self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
                                      "answered without putting it again", logging.INFO,
                                      message.key, format_key(message.queue_key), peer)
-                return conn.answer_put(request, True)
+                return None, "", True
             self._putting[key] = done = asyncio.Event()
             try:
                 reason, detail = await self.delivery.put(message)
@@ -312,6 +373,11 @@ class Receiver(Daemon):
             finally:
                 del self._putting[key]
                 done.set()
+        return reason, detail, False
+
+    async def _answered(self, conn: ReceiverConnection, request, reason, detail: str,
+                        who: Peer, info: dict) -> bytes:
+        message = request.message
         if reason is None:
             self.stats["messages"] += 1
             info["messages"] += 1

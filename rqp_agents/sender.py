@@ -33,7 +33,7 @@ from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
-    KeySource, ServingLock, host_name, setup_logging, write_file_atomically,
+    KeySource, ServingLock, host_name, setup_logging, wall_ms, write_file_atomically,
 )
 from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
@@ -78,7 +78,7 @@ class Sender(Daemon):
         self.keys = KeySource(self.state_dir, self.name)
         self.pid_file = self.state_dir / f"{self.name}.pid"
         write_file_atomically(self.pid_file, f"{os.getpid()}\n".encode())
-        self.core = SenderCore(Settings.from_config(config), self.keys)
+        self.core = SenderCore(Settings.from_config(config), self.keys, clock_ms=wall_ms)
         # SURE records are journaled before they are taken off the transmission queue and
         # released once delivered or dead-lettered here (spec 5.7).
         self.intake = Intake(config.transmission_queue, self.state_dir, self.name, self.keys,
@@ -189,8 +189,7 @@ class Sender(Daemon):
         first, leftovers = self.intake.recover()
         now = self.loop.time()
         for data, record, key, seq in first:
-            self.core.submit(record.message_type, record.queue_key, record.payload, now,
-                             origin=Taken(record, seq), key=key)
+            self._submit(record, now, Taken(record, seq), key)
         if leftovers:
             self._on_records(leftovers)
         self._run_actions()
@@ -203,9 +202,13 @@ class Sender(Daemon):
                 self._dead_letter_raw(data, record)
                 self.intake.budget.give(1)
                 continue
-            self.core.submit(record.message_type, record.queue_key, record.payload, now,
-                             origin=Taken(record, seq), key=key)
+            self._submit(record, now, Taken(record, seq), key)
         self._run_actions()
+
+    def _submit(self, record, now: float, origin: Taken, key: int) -> None:
+        self.core.submit(record.message_type, record.queue_key, record.payload, now,
+                         origin=origin, key=key, mtype=record.mtype, priority=record.priority,
+                         expires_at_ms=record.expires_at_ms)
 
     # --- connections --------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import EXT_MESSAGE
 from rqp.protocol.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
 from rqp.protocol.frames import FrameDecoder, encode
 from rqp.protocol.reasons import ReasonCode
@@ -16,6 +17,12 @@ from rqp.protocol.sender import (
 )
 
 Q1, Q2 = 0x52510001, 0x52510002
+
+
+def Ask(queue_key):  # noqa: N802 - reads like the frame
+    """The QUEUE_ASK a sending MCA sends: it offers MESSAGE_EX (spec section 6)."""
+    return QueueAsk(queue_key=queue_key, data=EXT_MESSAGE)
+
 YES, NO = encode(QueueYes()), encode(QueueNo())
 OK, ERR = encode(DeliveredYes()), encode(DeliveredError())
 
@@ -25,7 +32,10 @@ class Harness:
 
     def __init__(self, hosts=("b", "c"), **settings):
         self.keys = itertools.count(0x100000001)
-        self.core = SenderCore(Settings(hosts=tuple(hosts), **settings), lambda: next(self.keys))
+        #: The wall clock (Unix ms) the core reads for expiry: moves with ``advance``.
+        self.wall = 1_800_000_000_000
+        self.core = SenderCore(Settings(hosts=tuple(hosts), **settings), lambda: next(self.keys),
+                               clock_ms=lambda: self.wall)
         self.now = 100.0
         self.log: list = []
         self._seen = 0  # how much of the log sent() has looked at
@@ -35,8 +45,8 @@ class Harness:
         self.log += acts
         return acts
 
-    def submit(self, queue_key=Q1, message_type=SURE_MSG, payload=b"x"):
-        return self.core.submit(message_type, queue_key, payload, self.now)
+    def submit(self, queue_key=Q1, message_type=SURE_MSG, payload=b"x", **extras):
+        return self.core.submit(message_type, queue_key, payload, self.now, **extras)
 
     def sent(self, connect=True) -> list:
         """Frames sent since the last call, decoded, as (host, event). Connections succeed."""
@@ -82,6 +92,7 @@ class Harness:
             assert deadline is not None, "nothing is waiting for time to pass"
             seconds = max(deadline - self.now, 0)
         self.now += seconds
+        self.wall += round(seconds * 1000)
         self.core.tick(self.now)
         return seconds
 
@@ -89,9 +100,9 @@ class Harness:
 def test_asks_hosts_in_order_and_stops_at_first_yes_then_caches_the_route():
     h = Harness(hosts=("a", "b", "c"))
     h.submit()
-    assert h.sent() == [("a", QueueAsk(queue_key=Q1))]
+    assert h.sent() == [("a", Ask(Q1))]
     h.answer("a", NO)
-    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    assert h.sent() == [("b", Ask(Q1))]
     h.answer("b", YES)
     [(host, msg)] = h.sent()
     assert host == "b" and isinstance(msg, Message) and msg.queue_key == Q1
@@ -111,7 +122,7 @@ def test_unique_key_assigned_at_first_send_and_kept_across_retries():
     h.answer("b", YES)
     [(_, first)] = h.sent()
     h.answer("b", ERR)  # SURE: route dropped, whole send repeated from asking
-    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    assert h.sent() == [("b", Ask(Q1))]
     h.answer("b", NO)
     h.sent()
     h.answer("c", YES)
@@ -138,7 +149,7 @@ def test_unsure_error_counter_drops_route_after_error_limit():
     assert [n.detail for n in h.of(Note) if n.kind is NoteKind.ERROR_COUNTED] == [
         f"{i} of 3: DELIVERED_ERROR" for i in range(1, 5)]
     h.submit(message_type=UNSURE_MSG)
-    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]  # asks again
+    assert h.sent() == [("b", Ask(Q1))]  # asks again
 
 
 def test_unsure_success_resets_the_counter():
@@ -163,7 +174,7 @@ def test_sure_not_confirmed_drops_route_at_once_and_repeats_from_asking():
     h.answer("b", ERR)
     assert h.core.routes == {}
     assert [n.kind for n in h.of(Note)][-2:] == [NoteKind.ROUTE_DROPPED, NoteKind.RETRY_SCHEDULED]
-    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]  # first retry at once
+    assert h.sent() == [("b", Ask(Q1))]  # first retry at once
     h.answer("b", YES)
     h.sent()
     h.answer("b", OK)
@@ -184,8 +195,8 @@ def test_sure_retries_back_off_exponentially():
 def test_no_host_says_yes_unsure_dead_letter_sure_waits():
     h = Harness()
     h.submit(Q1, UNSURE_MSG, b"u")
-    assert [f for f in h.serve({})] == [("b", QueueAsk(queue_key=Q1)),
-                                        ("c", QueueAsk(queue_key=Q1))]
+    assert [f for f in h.serve({})] == [("b", Ask(Q1)),
+                                        ("c", Ask(Q1))]
     [dl] = h.of(DeadLetter)
     assert dl.reason is ReasonCode.NO_ROUTE and dl.message.payload == b"u"
     assert "(b: QUEUE_NO; c: QUEUE_NO)" in dl.detail  # why each host said no
@@ -225,7 +236,7 @@ def test_order_kept_when_a_pipelined_sure_message_fails():
     h.answer("b", YES)
     assert [m.message for _, m in h.sent()] == [b"0", b"1", b"2", b"3"]
     h.answer("b", OK, ERR, ERR, OK)  # 1 and 2 failed; 3 (a foreign receiver) took it
-    assert h.sent() == [("b", QueueAsk(queue_key=Q1))]
+    assert h.sent() == [("b", Ask(Q1))]
     h.answer("b", YES)
     assert [m.message for _, m in h.sent()] == [b"1", b"2"]
 
@@ -311,14 +322,14 @@ def test_unreachable_host_is_skipped_when_asking():
     assert h.sent(connect=False) == [] and h.of(Connect) == [Connect("b")]
     h.core.connect_failed("b", "Connection refused", h.now)
     frames = h.sent()
-    assert frames == [("c", QueueAsk(queue_key=Q1))]
+    assert frames == [("c", Ask(Q1))]
     h.submit(Q2)
-    assert h.sent() == [("c", QueueAsk(queue_key=Q2))]  # b is in back-off: skipped at once
+    assert h.sent() == [("c", Ask(Q2))]  # b is in back-off: skipped at once
     h.answer("c", YES, YES)
     assert [(host, type(e)) for host, e in h.sent()] == [("c", Message), ("c", Message)]
     h.advance(0.5)  # b's back-off is over: it is tried again when next needed
     h.submit(0x52510003)
-    assert h.sent() == [("b", QueueAsk(queue_key=0x52510003))]
+    assert h.sent() == [("b", Ask(0x52510003))]
 
 
 def test_route_unreachable_sure_reasks_at_once_unsure_counts():
@@ -334,14 +345,14 @@ def test_route_unreachable_sure_reasks_at_once_unsure_counts():
     assert h.sent(connect=False) == [] and h.of(Connect)[-1] == Connect("b")
     h.core.connect_failed("b", "refused", h.now)
     # SURE: route to b dropped at once and asked again (b is in back-off, so c)
-    assert h.sent() == [("c", QueueAsk(queue_key=Q2))]
+    assert h.sent() == [("c", Ask(Q2))]
     assert h.core.routes.get(Q1) == "b" and h.core.error_count("b", Q1) == 1
     h.answer("c", NO)
     h.advance()
     h.sent(connect=False)
     h.core.connect_failed("b", "refused", h.now)
     assert Q1 not in h.core.routes  # second error > error_limit 1: dropped, asked again
-    assert ("c", QueueAsk(queue_key=Q1)) in h.sent()
+    assert ("c", Ask(Q1)) in h.sent()
 
 
 def test_invalid_records_go_to_dead_letter():
@@ -398,6 +409,11 @@ def test_transition_table_matches_the_seed_diagram():
         ("Waiting for confirmation", "Delivered error or timeout, UNSURE",
          "Increase error counter"),
         ("Waiting for confirmation", "Delivered error or timeout, SURE", "Waiting for message"),
+        # spec section 6, not in the seed: expiry, and a message only MESSAGE_EX can carry
+        ("Waiting for message", "expiry time passed while waiting", "Put message to DEAD.LETTER.Q"),
+        ("Ask for queue", "expiry time passed while waiting", "Put message to DEAD.LETTER.Q"),
+        ("Ask for queue", "Queue_yes only from plain RQP/1 hosts, message needs MESSAGE_EX",
+         "Put message to DEAD.LETTER.Q"),
         ("Increase error counter", "error counted", "lost (UNSURE, not confirmed)"),
         ("Put message to DEAD.LETTER.Q", "dead-lettered", "in DEAD.LETTER.Q"),
     }
@@ -443,8 +459,8 @@ def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_fl
     h.answer("b", OK)  # the frame in flight on b is still answered and counted
     assert len(h.of(Delivered)) == 1
     h.submit(Q1, UNSURE_MSG)
-    assert h.serve({"d": {Q1}})[:2] == [("c", QueueAsk(queue_key=Q1)),
-                                        ("d", QueueAsk(queue_key=Q1))]
+    assert h.serve({"d": {Q1}})[:2] == [("c", Ask(Q1)),
+                                        ("d", Ask(Q1))]
 
 
 def test_unsure_then_sure_to_a_refusing_host_retries_the_sure_one():

@@ -107,7 +107,8 @@ def encode(event: Event) -> bytes:
     if answer is not None and event.data == 0:
         return answer
     if isinstance(event, MessageEx):
-        return encode_message_ex(event)
+        return encode_message_ex(event.message_type, event.key, event.queue_key, event.message,
+                                 event.mtype, event.priority, event.flags, event.expires_at_ms)
     if isinstance(event, Message):
         return encode_message(event.message_type, event.key, event.queue_key, event.message)
     if isinstance(event, QueueAsk):
@@ -123,12 +124,14 @@ def encode_message(message_type: int, key: int, queue_key: int, message: bytes) 
         {"message_type": message_type, "key": key, "queue_key": queue_key, "message": message})
 
 
-def encode_message_ex(event: MessageEx) -> bytes:
-    """A MESSAGE_EX frame from a (self-validated) :class:`MessageEx`."""
+def encode_message_ex(message_type: int, key: int, queue_key: int, message: bytes, mtype: int,
+                      priority: int, flags: int, expires_at_ms: int) -> bytes:
+    """A MESSAGE_EX frame from already-validated fields (the sender's hot path; the fields of
+    a transmission record are checked when it is read)."""
     return _BUILD[c.MESSAGE_EX].build(
-        {"message_type": event.message_type, "key": event.key, "queue_key": event.queue_key,
-         "mtype": event.mtype, "priority": event.priority, "flags": event.flags,
-         "expires_at_ms": event.expires_at_ms, "message": event.message})
+        {"message_type": message_type, "key": key, "queue_key": queue_key, "mtype": mtype,
+         "priority": priority, "flags": flags, "expires_at_ms": expires_at_ms,
+         "message": message})
 
 
 def _header_error(header: bytes) -> RemoteProtocolError:

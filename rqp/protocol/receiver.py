@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rqp.protocol.constants import (
@@ -137,7 +138,10 @@ class ReceiverConnection:
     """
 
     def __init__(self, *, max_message_size: int, hard_cap: int = HARD_MESSAGE_CAP,
-                 extensions: int = 0) -> None:
+                 extensions: int = 0, clock_ms: Callable[[], int] | None = None) -> None:
+        """``clock_ms``: the wall clock in Unix milliseconds; a ``MESSAGE_EX`` whose
+        ``expires_at_ms`` it has reached is refused ``EXPIRED`` (spec section 6)."""
+        self._clock_ms = clock_ms
         self.decoder = FrameDecoder(accept=REQUESTS, max_message_size=max_message_size,
                                     hard_cap=hard_cap)
         self.state = State.WAITING_FOR_MESSAGE
@@ -209,6 +213,11 @@ class ReceiverConnection:
         problem = queue_key_problem(event.queue_key)
         if problem:
             return Refuse(event, ReasonCode.INVALID_QUEUE_KEY, problem)
+        expires = getattr(event, "expires_at_ms", 0)
+        if expires and self._clock_ms is not None and (now := self._clock_ms()) >= expires:
+            return Refuse(event, ReasonCode.EXPIRED,
+                          f"expired on arrival, {(now - expires) / 1000:.3f}s ago by this "
+                          f"host's clock (expires_at_ms {expires})")
         if event.queue_key in self._held_keys:
             if event.message_type == SURE_MSG:  # the sender keeps it and sends it again
                 return Refuse(event, ReasonCode.PUT_FAILED,

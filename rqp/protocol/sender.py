@@ -16,7 +16,17 @@ send bytes, close, dead-letter, release). Every rule of the spec lives here:
 * no host says yes: UNSURE -> ``DEAD.LETTER.Q`` (NO_ROUTE); SURE waits with back-off, keeping its
   place: it holds back later messages of its own queue key only (spec 5.7, 5.8);
 * answers are matched by order; an overdue answer ends the connection (spec 5.2, 5.11);
-* one connection per receiving host, several frames in flight (``window``).
+* one connection per receiving host, several frames in flight (``window``);
+* extensions (spec section 6): every ``QUEUE_ASK`` offers ``EXT_MESSAGE``; the first answer on
+  a connection says whether that peer takes ``MESSAGE_EX``. A message with extras goes as
+  ``MESSAGE_EX`` where it may, as a plain ``MESSAGE`` elsewhere (priority and expiry are
+  honoured here anyway); one that needs it (an ``mtype`` other than 1) is never sent to a
+  plain peer: the hosts are asked for one that takes it, and if only plain ones offer the
+  queue it is dead-lettered ``EXTENSION_UNSUPPORTED``;
+* priority: waiting messages of a higher priority go first; within one priority of a queue
+  key the order is kept (decision 8 per priority);
+* expiry: a message whose ``expires_at_ms`` has passed (by the injected wall clock) is
+  dead-lettered ``EXPIRED`` instead of being sent, whenever that happens while it waits.
 
 Each message walks the seed's state diagram, :data:`TRANSITIONS`; the MCA as a whole is in
 *Waiting for message* once opened.
@@ -31,10 +41,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rqp.protocol import constants as C
-from rqp.protocol.constants import ERROR_LIMIT, SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import (
+    DEFAULT_PRIORITY, ERROR_LIMIT, EXT_MESSAGE, KNOWN_EXTENSIONS, SURE_MSG, UNSURE_MSG,
+)
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
-from rqp.protocol.frames import CLOSED, NEED_DATA, FrameDecoder, encode, encode_message
+from rqp.protocol.frames import (
+    CLOSED, NEED_DATA, FrameDecoder, encode, encode_message, encode_message_ex,
+)
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.reasons import ReasonCode
 
@@ -70,6 +84,8 @@ class Trigger(enum.Enum):
     QUEUE_NO_OR_TIMEOUT = "Queue_no or timeout"
     NO_HOST_LEFT_UNSURE = "Queue_no or timeout from every host, UNSURE"
     NO_HOST_LEFT_SURE = "Queue_no or timeout from every host, SURE"
+    NO_HOST_CAN_CARRY = "Queue_yes only from plain RQP/1 hosts, message needs MESSAGE_EX"
+    EXPIRED = "expiry time passed while waiting"
     SENT = "frame written"
     DELIVERED = "Delivered"
     ERROR_OR_TIMEOUT_UNSURE = "Delivered error or timeout, UNSURE"
@@ -86,12 +102,15 @@ TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
         T.NEW_MESSAGE_UNROUTED: S.ASK_FOR_QUEUE,
         T.INVALID_MESSAGE: S.PUT_TO_DEAD_LETTER_Q,
         T.RETRY_BUDGET_SPENT: S.PUT_TO_DEAD_LETTER_Q,
+        T.EXPIRED: S.PUT_TO_DEAD_LETTER_Q,
     },
     S.ASK_FOR_QUEUE: {
         T.QUEUE_YES: S.SENDING_MESSAGE,
         T.QUEUE_NO_OR_TIMEOUT: S.ASK_FOR_QUEUE,
         T.NO_HOST_LEFT_UNSURE: S.PUT_TO_DEAD_LETTER_Q,
         T.NO_HOST_LEFT_SURE: S.WAITING_FOR_MESSAGE,
+        T.NO_HOST_CAN_CARRY: S.PUT_TO_DEAD_LETTER_Q,
+        T.EXPIRED: S.PUT_TO_DEAD_LETTER_Q,
     },
     S.SENDING_MESSAGE: {T.SENT: S.WAITING_FOR_CONFIRMATION},
     S.WAITING_FOR_CONFIRMATION: {
@@ -119,6 +138,8 @@ class Settings:
     #: SURE retry budget; None = retry forever (the spec's rule).
     max_attempts: int | None = None
     max_age: float | None = None
+    #: The extension bits (spec section 6) offered in every QUEUE_ASK.
+    extensions: int = KNOWN_EXTENSIONS
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -158,6 +179,19 @@ class Outgoing:
     state: MsgState = MsgState.WAITING_FOR_MESSAGE
     host: object = None  # where it was sent last
     last_error: str = ""
+    mtype: int = 1  # spec section 6: the System V type it is put with
+    priority: int = DEFAULT_PRIORITY
+    expires_at_ms: int = 0  # Unix ms; 0 = never
+
+    @property
+    def needs_ex(self) -> bool:
+        """Only MESSAGE_EX can carry it: a plain RQP/1 peer would put it with mtype 1."""
+        return self.mtype != 1
+
+    @property
+    def wants_ex(self) -> bool:
+        """It has extras a MESSAGE_EX carries (a plain MESSAGE may carry it without them)."""
+        return self.mtype != 1 or self.priority != DEFAULT_PRIORITY or self.expires_at_ms != 0
 
 
 # --- actions: what the daemon must do --------------------------------------------------------
@@ -292,6 +326,9 @@ class _Link:
     retry_at: float = 0.0
     last_error: str = ""  # why it went down last
     waiting: dict = field(default_factory=dict)  # lanes waiting for it to be up or have room
+    #: Extension bits of this connection: fixed by its first answer to a QUEUE_ASK (None
+    #: before, and again after every reconnect).
+    agreed: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -304,16 +341,25 @@ class _Lane:
     asking: object = None  # the host being asked, while asking
     refusals: list = field(default_factory=list)  # why each host of this round said no
     retry_at: float = 0.0
+    #: The first host of this round that said QUEUE_YES on a plain RQP/1 connection while the
+    #: head needed MESSAGE_EX.
+    plain_yes: object = None
+    #: The earliest expiry (Unix ms) of a pending message; 0 = none expires.
+    next_expiry_ms: int = 0
 
 
 class SenderCore:
     """The sending MCA's decisions. Call a method, then :meth:`take_actions`."""
 
-    def __init__(self, settings: Settings, new_key: Callable[[], int]) -> None:
+    def __init__(self, settings: Settings, new_key: Callable[[], int],
+                 clock_ms: Callable[[], int] | None = None) -> None:
+        """``clock_ms``: the wall clock in Unix milliseconds, for expiry (messages with an
+        expiry are never dead-lettered as expired without one)."""
         if not settings.hosts:
             raise LocalProtocolError("a sending MCA needs at least one host to ask")
         self.settings = settings
         self._new_key = new_key
+        self._clock_ms = clock_ms
         self._links = {host: _Link(host) for host in settings.hosts}
         self._lanes: dict[int, _Lane] = {}
         self.routes: dict[int, object] = {}
@@ -351,20 +397,27 @@ class SenderCore:
                   if link.waiting and link.state is LinkState.DOWN and link.retry_at > self._now]
         times += [lane.retry_at for lane in self._lanes.values()
                   if lane.pending and lane.retry_at > self._now]
+        expiries = [lane.next_expiry_ms for lane in self._lanes.values()
+                    if lane.pending and lane.next_expiry_ms]
+        if expiries and self._clock_ms is not None:
+            times.append(self._now + max(0, min(expiries) - self._clock_ms()) / 1000)
         return min(times, default=None)
 
     # --- inputs -------------------------------------------------------------------------------
 
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
-               origin: object = None, key: int = 0) -> Outgoing:
+               origin: object = None, key: int = 0, *, mtype: int = 1,
+               priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0) -> Outgoing:
         """A record taken from the transmission queue.
 
         ``key``: the unique key already given to it (a SURE message is given its key when it is
         journaled, so that it keeps it across restarts); 0 = give one at the first send.
+        ``mtype``, ``priority``, ``expires_at_ms``: the record's extras (spec section 6).
         """
         self._now = now
         self._seq += 1
-        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin, key)
+        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin, key,
+                       mtype=mtype, priority=priority, expires_at_ms=expires_at_ms)
         problem = None
         if message_type not in (SURE_MSG, UNSURE_MSG):
             problem = (ReasonCode.BAD_MESSAGE_TYPE,
@@ -375,19 +428,62 @@ class SenderCore:
             self._fire(msg, T.INVALID_MESSAGE)
             self._dead_letter(msg, *problem)
             return msg
+        if self._expired(msg):
+            self._expire(msg)
+            return msg
         lane = self._lanes.get(queue_key)
         if lane is None:
             lane = self._lanes[queue_key] = _Lane(queue_key)
             self._info(queue_key)
-        lane.pending.append(msg)
+        self._enqueue(lane, msg)
         self._pump(lane)
         return msg
+
+    @staticmethod
+    def _enqueue(lane: _Lane, msg: Outgoing) -> None:
+        """Into its place: after every waiting message of its priority or a higher one that was
+        taken before it (the order within a priority is the order taken)."""
+        pending = lane.pending
+        if not pending or (pending[-1].priority >= msg.priority and pending[-1].seq < msg.seq):
+            pending.append(msg)  # the common case: one priority, in order
+        else:
+            pending.insert(bisect.bisect(pending, (-msg.priority, msg.seq), key=_place), msg)
+        if msg.expires_at_ms and (not lane.next_expiry_ms
+                                  or msg.expires_at_ms < lane.next_expiry_ms):
+            lane.next_expiry_ms = msg.expires_at_ms
+
+    def _expired(self, msg: Outgoing) -> bool:
+        return bool(msg.expires_at_ms) and self._clock_ms is not None and \
+            self._clock_ms() >= msg.expires_at_ms
+
+    def _expire(self, msg: Outgoing) -> None:
+        late = self._clock_ms() - msg.expires_at_ms
+        self._fire(msg, T.EXPIRED)
+        self._dead_letter(msg, ReasonCode.EXPIRED,
+                          f"expired {late / 1000:.3f}s ago (expires_at_ms {msg.expires_at_ms}) "
+                          f"before it could be sent" + (f"; last error: {msg.last_error}"
+                                                        if msg.last_error else ""))
+
+    def _drop_expired(self, lane: _Lane) -> None:
+        """Dead-letter every waiting message of ``lane`` whose expiry has passed."""
+        if not lane.next_expiry_ms or self._clock_ms is None or \
+                self._clock_ms() < lane.next_expiry_ms:
+            return
+        keep = deque()
+        for msg in lane.pending:
+            if self._expired(msg):
+                self._expire(msg)
+            else:
+                keep.append(msg)
+        lane.pending = keep
+        lane.next_expiry_ms = min((m.expires_at_ms for m in keep if m.expires_at_ms), default=0)
 
     def connected(self, host, now: float) -> None:
         self._now = now
         link = self._links[host]
         self._go(link, LinkEvent.CONNECTED)
         link.decoder = FrameDecoder(accept=ANSWERS)
+        link.agreed = None
         link.failures = 0
         self._note(NoteKind.CONNECTED, None, host)
         self._wake(link)
@@ -460,6 +556,11 @@ class SenderCore:
             elif link.waiting and link.state is LinkState.DOWN and link.retry_at <= now:
                 self._wake(link)
         for lane in list(self._lanes.values()):
+            if lane.pending and lane.next_expiry_ms:
+                self._drop_expired(lane)
+                if not lane.pending:
+                    self._forget_if_idle(lane)
+                    continue
             if lane.pending and lane.retry_at and lane.retry_at <= now:
                 lane.retry_at = 0.0
                 self._pump(lane)
@@ -487,6 +588,10 @@ class SenderCore:
                                   f"not delivered after {head.attempts} attempts; last error: "
                                   f"{head.last_error or 'none'}")
                 continue
+            if self._expired(head):
+                lane.pending.popleft()
+                self._expire(head)
+                continue
             if lane.retry_at > self._now:
                 return
             host = self.routes.get(lane.queue_key)
@@ -499,6 +604,14 @@ class SenderCore:
             if link.state is not LinkState.UP or len(link.outstanding) >= self.settings.window:
                 self._wait_for(link, lane)
                 return
+            if head.needs_ex and not (link.agreed or 0) & EXT_MESSAGE:
+                # Not on this connection: a plain RQP/1 peer, or one not asked since it
+                # connected. Ask (again), for a host that takes MESSAGE_EX (spec section 6).
+                self._drop_route(lane.queue_key, host,
+                                 f"mtype {head.mtype} needs MESSAGE_EX and this connection "
+                                 + ("is plain RQP/1" if link.agreed is not None
+                                    else "has not said whether it takes it yet"))
+                continue
             lane.pending.popleft()
             self._fire(head, T.NEW_MESSAGE_ROUTED if head.state is S.WAITING_FOR_MESSAGE
                        else T.QUEUE_YES)
@@ -514,7 +627,11 @@ class SenderCore:
         info.sent += 1
         info.sent_bytes += len(msg.payload)
         info.last_message_at = self._now
-        data = encode_message(msg.message_type, msg.key, msg.queue_key, msg.payload)
+        if msg.wants_ex and (link.agreed or 0) & EXT_MESSAGE:
+            data = encode_message_ex(msg.message_type, msg.key, msg.queue_key, msg.payload,
+                                     msg.mtype, msg.priority, 0, msg.expires_at_ms)
+        else:
+            data = encode_message(msg.message_type, msg.key, msg.queue_key, msg.payload)
         self._push(link, _Frame(lane, msg, self.settings.confirm_timeout, 0.0), data)
         self._fire(msg, T.SENT)
 
@@ -528,6 +645,7 @@ class SenderCore:
         self._asked_for(lane.pending[0])
         if index == 0:
             lane.refusals = []
+            lane.plain_yes = None
         hosts = self.settings.hosts
         while index < len(hosts):
             link = self._links[hosts[index]]
@@ -543,7 +661,8 @@ class SenderCore:
                 # it has just lost), that wait is over; _wake() must not ask a second time.
                 link.waiting.pop(lane, None)
                 self._push(link, _Frame(lane, None, self.settings.ask_timeout, 0.0),
-                           encode(QueueAsk(queue_key=lane.queue_key)))
+                           encode(QueueAsk(queue_key=lane.queue_key,
+                                           data=self.settings.extensions)))
             else:
                 self._wait_for(link, lane)
             return
@@ -561,6 +680,10 @@ class SenderCore:
         hosts = ", ".join(map(str, self.settings.hosts))
         why = "; ".join(lane.refusals) or f"asked {hosts}"
         lane.refusals = []
+        plain, lane.plain_yes = lane.plain_yes, None
+        if plain is not None and lane.pending and lane.pending[0].needs_ex:
+            self._cannot_carry(lane, plain, why)
+            return
         self._note(NoteKind.NO_ROUTE, lane.queue_key, None, why)
         while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
             msg = lane.pending.popleft()
@@ -579,6 +702,24 @@ class SenderCore:
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
         else:
             self._forget_if_idle(lane)
+
+    def _cannot_carry(self, lane: _Lane, plain, why: str) -> None:
+        """Only plain RQP/1 hosts offer the queue: the messages at the head that need
+        MESSAGE_EX are dead-lettered (never put with the wrong mtype); the rest go to the
+        first of those hosts."""
+        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"for MESSAGE_EX: {why}")
+        while lane.pending and lane.pending[0].needs_ex:
+            msg = lane.pending.popleft()
+            self._asked_for(msg)
+            self._fire(msg, T.NO_HOST_CAN_CARRY)
+            self._dead_letter(msg, ReasonCode.EXTENSION_UNSUPPORTED,
+                              f"mtype {msg.mtype} needs MESSAGE_EX (spec section 6), and the "
+                              f"hosts that offer queue {lane.queue_key:#x} do not take it ({why})")
+        if lane.pending:
+            self.routes[lane.queue_key] = plain
+            self._note(NoteKind.ROUTE_FOUND, lane.queue_key, plain, "plain RQP/1")
+            self._pump(lane)
+        self._forget_if_idle(lane)
 
     def _retry_later(self, lane: _Lane, msg: Outgoing) -> None:
         delay = self.settings.backoff(msg.failures)
@@ -599,7 +740,17 @@ class SenderCore:
             nxt.deadline = max(nxt.deadline, self._now + nxt.timeout)
         lane = frame.lane
         if frame.msg is None:
-            self._ask_answered(link, lane, isinstance(event, QueueYes), "QUEUE_NO")
+            if link.agreed is None:  # the first answer fixes the bits (spec section 6)
+                link.agreed = event.data & self.settings.extensions
+            yes = isinstance(event, QueueYes)
+            head = lane.pending[0] if lane.pending else None
+            if yes and head is not None and head.needs_ex and not link.agreed & EXT_MESSAGE:
+                if lane.plain_yes is None:
+                    lane.plain_yes = link.host
+                self._ask_answered(link, lane, False, f"QUEUE_YES, but plain RQP/1 cannot "
+                                   f"carry mtype {head.mtype}")
+            else:
+                self._ask_answered(link, lane, yes, "QUEUE_NO")
         else:
             if isinstance(event, DeliveredYes):
                 self._confirmed(link, lane, frame.msg)
@@ -696,9 +847,8 @@ class SenderCore:
         self._forget_if_idle(lane)
 
     def _requeue(self, lane: _Lane, msg: Outgoing) -> None:
-        """Put ``msg`` back in its place (by the order it was taken in)."""
-        seqs = [m.seq for m in lane.pending]
-        lane.pending.insert(bisect.bisect(seqs, msg.seq), msg)
+        """Put ``msg`` back in its place (by priority, then the order it was taken in)."""
+        self._enqueue(lane, msg)
 
     def _drop_route(self, queue_key: int, host, why: str) -> None:
         if self.routes.get(queue_key) == host:
@@ -868,3 +1018,8 @@ class SenderCore:
             lane.retry_at = 0.0
             self._forget_if_idle(lane)
         return sorted(out, key=lambda m: m.seq)
+
+
+def _place(msg: Outgoing) -> tuple[int, int]:
+    """Where a message waits in its lane: higher priority first, then the order taken."""
+    return (-msg.priority, msg.seq)

@@ -451,8 +451,8 @@ class LocalQueue:
     # -- get -----------------------------------------------------------------------------
 
     def get(self, *, block: bool = True, timeout: float | None = None, mtype: int = 0,
-            stop: Callable[[], bool] | None = None) -> bytes:
-        """Take one message and return its bytes.
+            stop: Callable[[], bool] | None = None, with_type: bool = False):
+        """Take one message and return its bytes (``with_type``: ``(bytes, mtype)``).
 
         ``mtype`` is msgrcv's ``msgtyp``: 0 = the first message of any type, > 0 = the first
         of that type, < 0 = the first of the lowest type <= -mtype. ``block=False``:
@@ -460,22 +460,30 @@ class LocalQueue:
         after that many seconds (polling, see the class doc); ``block=True`` and no timeout:
         wait as long as it takes.
         """
+        got = self._get(block, timeout, mtype, stop)
+        return got if with_type else got[0]
+
+    def _get(self, block: bool, timeout: float | None, mtype: int,
+             stop: Callable[[], bool] | None) -> tuple[bytes, int]:
         if block and timeout is None:
             return self._retry_eintr("getting a message", lambda: self._receive(mtype, True), stop)
-        data = self._receive(mtype, False)
-        if data is not None:
-            return data
+        got = self._receive(mtype, False)
+        if got is not None:
+            return got
+        which = "" if mtype == 0 else f" of type {mtype}" if mtype > 0 else \
+            f" of type {-mtype} or lower"
         if block:
             for wait in _backoff_waits(timeout):
                 time.sleep(wait)
-                data = self._receive(mtype, False)
-                if data is not None:
-                    return data
+                got = self._receive(mtype, False)
+                if got is not None:
+                    return got
             raise QueueEmpty(
-                f"queue {format_key(self._key)}: no message after {timeout:g} s",
+                f"queue {format_key(self._key)}: no message{which} after {timeout:g} s",
                 queue_key=self._key,
             )
-        raise QueueEmpty(f"queue {format_key(self._key)} is empty", queue_key=self._key)
+        raise QueueEmpty(f"queue {format_key(self._key)} " + (
+            f"has no message{which}" if which else "is empty"), queue_key=self._key)
 
     def peek(self, index: int = 0) -> tuple[bytes, int] | None:
         """A copy of the message at ``index`` (0 = the next one ``get`` would take) and its
@@ -508,11 +516,11 @@ class LocalQueue:
         raise QueueError(f"queue {format_key(self._key)}: msgrcv(MSG_COPY) failed: "
                          f"{os.strerror(err)}", queue_key=self._key)
 
-    def _receive(self, mtype: int, block: bool) -> bytes | None:
-        """One msgrcv. None if non-blocking and there is no message."""
+    def _receive(self, mtype: int, block: bool) -> tuple[bytes, int] | None:
+        """One msgrcv: (bytes, mtype). None if non-blocking and there is no message."""
         for _ in range(2):
             try:
-                return self._mq.receive(block=block, type=mtype)[0]
+                return self._mq.receive(block=block, type=mtype)
             except sysv_ipc.BusyError:
                 return None
             except OSError as exc:

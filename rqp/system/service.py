@@ -237,6 +237,12 @@ class Doorbell:
         return True
 
 
+def wall_ms() -> int:
+    """The wall clock in Unix milliseconds: what expiry times (spec section 6) are compared
+    with, by both agents."""
+    return time.time_ns() // 1_000_000
+
+
 # --- systemd --------------------------------------------------------------------------------
 
 def notify(state: str) -> bool:
