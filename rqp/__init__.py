@@ -20,18 +20,28 @@ from rqp.protocol.errors import (
 )
 
 #: The API's names, imported from :mod:`rqp.api` on first use (PEP 562).
-_API = ("AgentStartError", "HandleError", "openConnection", "sendMessage", "closeConnection",
+_API = ("AgentStartError", "HandleError", "QueueEmpty", "openConnection", "sendMessage",
+        "closeConnection",
         "receiveMessage")
 
 __version__ = "0.1.0"
+
+
+def get_include() -> str:
+    """The directory holding ``rqp.h``, the header-only C API for producers and consumers
+    (as ``numpy.get_include()``): ``cc -I"$(python -m rqp --include)"``."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent / "include")
+
 
 __all__ = [
     "MESSAGE", "DELIVERED_YES", "DELIVERED_ERROR", "QUEUE_ASK", "QUEUE_YES", "QUEUE_NO",
     "SURE_MSG", "UNSURE_MSG", "ERROR_LIMIT", "MessageCode", "MessageType",
     "RQPError", "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "ConfigError",
     "QueueError", "QueueNotFound", "QueuePermissionDenied", "QueueFull", "MessageTooBig",
-    "RecordError", "HandleError", "AgentStartError",
-    "openConnection", "sendMessage", "closeConnection", "receiveMessage",
+    "RecordError", "HandleError", "AgentStartError", "QueueEmpty",
+    "openConnection", "sendMessage", "closeConnection", "receiveMessage", "get_include",
 ]
 
 

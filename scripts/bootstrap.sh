@@ -107,6 +107,7 @@ setup_demo() {  # what the main job needs: the project, Java for Spark, unshare
 setup_test() {  # and what the tests need besides
     setup_demo
     check_tool ip iproute2 "the multi-host tests build network namespaces with it"
+    check_tool gcc gcc "the tests compile C producers and consumers against rqp.h"
     check_tool chromium chromium "the report's browser test renders the HTML with it"
     # systemd-analyze verify looks up each unit's Documentation=man: page with man(1).
     check_tool man man-db "the unit test runs systemd-analyze verify, which calls man"

@@ -65,6 +65,7 @@ def test_the_wheel_holds_every_package_of_the_checkout(installed):
         for module in source.rglob("*.py"):
             inside = f"{package}/{module.relative_to(source).as_posix()}"
             assert inside in names, f"{inside} is not in {wheel.name}"
+    assert "rqp/include/rqp.h" in names  # the C API (rqp.get_include())
 
 
 def test_the_wheel_declares_the_scripts_of_setup_cfg(installed):

@@ -1,0 +1,183 @@
+"""rqp.h, the header-only C API: compiled here with gcc, run as real producers and consumers.
+
+The record a C producer builds is checked byte by byte against the Python declaration; then a
+C producer on host a sends through the real agents to host b, where a C consumer that knows
+nothing of RQP (plain msgget/msgrcv) dispatches on mtype.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rqp
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
+from tests.agents import dead_letters, make_queue, start_receiver, start_sender, write_rqprc
+
+Q1 = 0x52510001
+
+BUILD = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <rqp.h>
+/* build KIND QUEUE_KEY MTYPE PRIORITY EXPIRES_AT_MS PAYLOAD [CAP]: the record on stdout */
+int main(int argc, char **argv) {
+    unsigned char buf[1024];
+    struct rqp_extras e = rqp_default_extras();
+    size_t cap = argc > 7 ? strtoul(argv[7], NULL, 0) : sizeof buf;
+    e.mtype = strtol(argv[3], NULL, 0);
+    e.priority = atoi(argv[4]);
+    e.expires_at_ms = strtoull(argv[5], NULL, 0);
+    ssize_t n = rqp_build_record(buf, cap, atoi(argv[1]), (key_t)strtoul(argv[2], NULL, 0),
+                                 argv[6], strlen(argv[6]), &e, 42);
+    if (n < 0) { perror("rqp_build_record"); return 3; }
+    fwrite(buf, 1, (size_t)n, stdout);
+    return 0;
+}
+"""
+
+PRODUCER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <rqp.h>
+/* producer QUEUE_KEY (MTYPE PAYLOAD)...: SURE messages through the default transmission queue */
+int main(int argc, char **argv) {
+    int xmit = rqp_open_transmission_queue(RQP_DEFAULT_TRANSMISSION_QUEUE);
+    if (xmit < 0) { perror("rqp_open_transmission_queue"); return 1; }
+    for (int i = 2; i + 1 < argc; i += 2) {
+        struct rqp_extras e = rqp_default_extras();
+        e.mtype = strtol(argv[i], NULL, 0);
+        e.expires_at_ms = rqp_expiry_in(600000);  /* ten minutes */
+        if (rqp_put(xmit, RQP_DEFAULT_TRANSMISSION_QUEUE, RQP_SURE_MSG,
+                    (key_t)strtoul(argv[1], NULL, 0), argv[i + 1], strlen(argv[i + 1]), &e,
+                    (uint64_t)i, 0) < 0) {
+            perror("rqp_put");
+            return 1;
+        }
+    }
+    return 0;
+}
+"""
+
+# A consumer as any System V program is written: it has never heard of RQP.
+CONSUMER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/ipc.h>
+#include <sys/msg.h>
+/* consumer QUEUE_KEY MSGTYP...: one message per msgtyp, printed as "TYPE PAYLOAD" */
+int main(int argc, char **argv) {
+    struct { long mtype; char mtext[8192]; } m;
+    int id = msgget((key_t)strtoul(argv[1], NULL, 0), 0);
+    if (id < 0) { perror("msgget"); return 1; }
+    for (int i = 2; i < argc; i++) {
+        ssize_t n = msgrcv(id, &m, sizeof m.mtext, strtol(argv[i], NULL, 0), 0);
+        if (n < 0) { perror("msgrcv"); return 1; }
+        printf("%ld %.*s\n", m.mtype, (int)n, m.mtext);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cc(tmp_path_factory):
+    """Compile a C program against the installed rqp.h, warnings as errors."""
+    gcc = shutil.which("gcc")
+    if gcc is None:  # scripts/test installs it; a bare pytest run must say so, not skip
+        pytest.fail("gcc is missing: run scripts/test (it installs gcc) or apt-get install gcc")
+    out = tmp_path_factory.mktemp("c")
+
+    def build(name: str, source: str) -> Path:
+        src, exe = out / f"{name}.c", out / name
+        src.write_text(source)
+        subprocess.run([gcc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1",
+                        f"-I{rqp.get_include()}", str(src), "-o", str(exe)],
+                       check=True, capture_output=True, text=True)
+        return exe
+
+    return build
+
+
+def test_the_header_is_found_the_way_python_packages_hand_out_headers():
+    out = subprocess.run([sys.executable, "-m", "rqp", "--include"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == rqp.get_include() and (Path(out) / "rqp.h").is_file()
+    assert subprocess.run([sys.executable, "-m", "rqp"], capture_output=True).returncode == 2
+
+
+@pytest.mark.parametrize("kind,mtype,priority,expires,payload", [
+    (0, 1, 4, 0, "hello"),
+    (1, 5, 9, 1_800_000_000_123, "typed"),
+    (0, (1 << 63) - 1, 0, (1 << 64) - 1, ""),
+])
+def test_a_c_record_is_the_python_record_byte_for_byte(cc, kind, mtype, priority, expires,
+                                                       payload):
+    exe = cc("build", BUILD)
+    raw = subprocess.run([exe, str(kind), hex(Q1), str(mtype), str(priority), str(expires),
+                          payload], check=True, capture_output=True).stdout
+    record = TransmissionRecord.from_bytes(raw)
+    assert (record.message_type, record.queue_key, record.mtype, record.priority,
+            record.expires_at_ms, record.payload, record.sequence) == \
+        (kind, Q1, mtype, priority, expires, payload.encode(), 42)
+    assert record.to_bytes() == raw and len(raw) == TRANSMISSION_HEADER_SIZE + len(payload)
+
+
+@pytest.mark.parametrize("args,error", [
+    (["2", hex(Q1), "1", "4", "0", "x"], "Invalid argument"),  # message_type
+    (["0", hex(Q1), "0", "4", "0", "x"], "Invalid argument"),  # mtype 0
+    (["0", hex(Q1), "-3", "4", "0", "x"], "Invalid argument"),
+    (["0", hex(Q1), "1", "10", "0", "x"], "Invalid argument"),  # priority
+    (["0", hex(Q1), "1", "4", "0", "toolong", "66"], "Message too long"),
+])
+def test_a_c_record_out_of_range_is_refused_with_errno(cc, args, error):
+    exe = cc("build", BUILD)
+    done = subprocess.run([exe, *args], capture_output=True, text=True)
+    assert done.returncode == 3 and f"rqp_build_record: {error}" in done.stderr
+
+
+def test_c_producer_to_c_consumer_dispatching_on_mtype(cc, testbed_factory):
+    producer, consumer = cc("producer", PRODUCER), cc("consumer", CONSUMER)
+    bed = testbed_factory()
+    a, b = bed.add_host("a"), bed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    start_sender(a, write_rqprc(a, [b]))
+    a.run([producer, hex(Q1), "2", "two", "3", "three", "1", "one", "3", "three-again"])
+    got = b.run([consumer, hex(Q1), "3", "3", "-2", "0"], timeout=30).stdout.splitlines()
+    # type 3 first (in order), then the lowest type up to 2 (1), then what is left (2)
+    assert got == ["3 three", "3 three-again", "1 one", "2 two"]
+    assert dead_letters(a) == [] and dead_letters(b) == []
+
+
+def test_python_receive_selects_by_type_and_returns_it(testbed_factory):
+    bed = testbed_factory()
+    a, b = bed.add_host("a"), bed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    start_sender(a, rqprc)
+    a.python(r"""
+import sys, rqp
+h = rqp.openConnection(int(sys.argv[2]), rqprc=sys.argv[1], start_sender=False)
+for mtype, text in ((7, b"seven"), (2, b"two"), (7, b"seven-b")):
+    rqp.sendMessage(h, text, mtype=mtype)
+rqp.closeConnection(h)
+""", str(rqprc), str(Q1))
+    out = b.python(r"""
+import sys, rqp
+q = int(sys.argv[1])
+print(rqp.receiveMessage(q, 30, mtype=7, with_type=True))
+print(rqp.receiveMessage(q, 30, mtype=-5, with_type=True))
+print(rqp.receiveMessage(q, 30))
+try:
+    rqp.receiveMessage(q, 0.05, mtype=9)
+except rqp.QueueEmpty as e:
+    print(e)
+""", str(Q1))
+    assert out.splitlines() == ["(b'seven', 7)", "(b'two', 2)", "b'seven-b'",
+                                f"queue {Q1:#010x}: no message of type 9 after 0.05 s"]
