@@ -13,6 +13,8 @@ as its second argument (default "yes"):
     early N   answers an ask with QUEUE_YES and N DELIVERED_YES in one packet (answers before
               their questions), then nothing more on that connection
 
+It is a plain RQP/1 peer: it ignores the data octet of QUEUE_ASK and answers with 0, and any
+code but 1 and 4 (MESSAGE_EX too) is UNEXPECTED. Each frame line has its bytes ("raw", hex).
 It prints {"confirmed": BODY} for each MESSAGE it answers with DELIVERED_YES.
     hold N    answers an ask at once; otherwise answers nothing until N frames are outstanding,
               then answers them all (yes);
@@ -57,10 +59,13 @@ def serve(conn, mode_path, lock):
                 _, mtype, key, qkey, length = HEADER.unpack(bytes([code]) + rest)
                 body = read_exact(conn, length)
                 frame = {"frame": "MESSAGE", "type": mtype, "key": key, "queue_key": qkey,
-                         "body": body.decode(errors="replace")}
+                         "body": body.decode(errors="replace"),
+                         "raw": (bytes([code]) + rest + body).hex()}
             elif code == 4:
-                data, qkey = struct.unpack(">BQ", read_exact(conn, 9))
-                frame = {"frame": "QUEUE_ASK", "queue_key": qkey}
+                rest = read_exact(conn, 9)
+                data, qkey = struct.unpack(">BQ", rest)
+                frame = {"frame": "QUEUE_ASK", "queue_key": qkey, "data": data,
+                         "raw": (bytes([code]) + rest).hex()}
             else:
                 frame = {"frame": "UNEXPECTED", "code": code}
             with lock:

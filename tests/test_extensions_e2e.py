@@ -1,0 +1,201 @@
+"""Spec section 6 with real daemons on simulated hosts, and RQP/1 kept byte for byte.
+
+The plain RQP/1 ends are written in the tests from the spec's bytes, not from our frame code:
+``tests/fake_receiver.py`` (a receiving MCA with ``struct`` and sockets) and
+``tests/rqp_peer.py`` (a raw sending side).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rqp import SURE_MSG, UNSURE_MSG
+from tests.agents import (
+    PORT, dead_letters, make_queue, start_receiver, start_sender, write_rqprc,
+)
+from tests.rqp_peer import DELIVERED_ERROR, DELIVERED_YES, QUEUE_YES, Peer, ask, msg, raw
+from tests.test_receiver_agent import rig
+from tests.testbed import wait_for
+
+Q1 = 0x52510001
+FAKE = str(Path(__file__).with_name("fake_receiver.py"))
+BIG_QUEUES = {"kernel.msgmnb": 1 << 22}
+
+SEND = r"""
+import json, sys, rqp
+rqprc, key, messages = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+h = rqp.openConnection(key, rqprc=rqprc, start_sender=False)
+for m in messages:
+    text = m.pop("text").encode()
+    rqp.sendMessage(h, text, m.pop("type", 0), **m)
+rqp.closeConnection(h)
+"""
+
+
+def send(host, rqprc, messages: list[dict]) -> None:
+    host.python(SEND, str(rqprc), str(Q1), json.dumps(messages))
+
+
+def drain(host, key: int = Q1) -> list[tuple[int, str]]:
+    out = host.python(r"""
+import json, sys, sysv_ipc
+q, got = sysv_ipc.MessageQueue(int(sys.argv[1])), []
+while True:
+    try:
+        data, mtype = q.receive(block=False)
+    except sysv_ipc.BusyError:
+        break
+    got.append([mtype, data.decode()])
+print(json.dumps(got))
+""", str(key))
+    return [tuple(x) for x in json.loads(out)]
+
+
+def gather(into: list, host) -> list:
+    """``into`` with what is now on ``host``'s DEAD.LETTER.Q added (reading takes it off)."""
+    into += dead_letters(host)
+    return into
+
+
+def depth(host, key: int) -> int:
+    return int(host.python("import sys, sysv_ipc; "
+                           "print(sysv_ipc.MessageQueue(int(sys.argv[1])).current_messages)",
+                           str(key)))
+
+
+def pack_message_ex(message_type, key, queue_key, mtype, priority, flags, expires_at_ms,
+                    body: bytes) -> bytes:
+    """MESSAGE_EX exactly as spec section 6 lays it out."""
+    return struct.pack(">BBQQqBBQQ", 7, message_type, key, queue_key, mtype, priority, flags,
+                       expires_at_ms, len(body)) + body
+
+
+def test_the_spec_example_of_message_ex():
+    spec = bytes.fromhex(
+        "07 00 00 00 00 01 00 00 00 01 00 00 00 00 52 51 00 01 00 00 00 00 00 00 00 05 09 00"
+        "00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 02 68 69")
+    assert pack_message_ex(0, 0x0000000100000001, 0x52510001, 5, 9, 0, 0, b"hi") == spec
+
+
+# --- our sending MCA, a plain RQP/1 receiving MCA --------------------------------------------
+
+class Fake:
+    def __init__(self, host):
+        self.host = host
+        self.proc = host.popen([sys.executable, FAKE, f"{host.address}:{PORT}",
+                                str(host.workdir / "fake-mode")])
+        wait_for(lambda: self.frames("listening"), timeout=20, message="fake did not start")
+
+    def frames(self, kind: str) -> list[dict]:
+        lines = [json.loads(x) for x in self.host.output(self.proc).splitlines() if x]
+        return [e for e in lines if kind in e or e.get("frame") == kind]
+
+
+def test_a_plain_receiver_sees_rqp1_byte_for_byte_and_a_typed_message_is_never_put_as_type_1(
+        testbed):
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    fake = Fake(b)
+    rqprc = write_rqprc(a, [b])
+    start_sender(a, rqprc)
+    send(a, rqprc, [{"text": "plain"}, {"text": "typed", "mtype": 5},
+                    {"text": "urgent", "priority": 9, "ttl": 600},
+                    {"text": "unsure-typed", "type": UNSURE_MSG, "mtype": 2},
+                    {"text": "last", "type": UNSURE_MSG}])
+    wait_for(lambda: len(fake.frames("confirmed")) == 3, timeout=30,
+             message="the plain messages did not arrive")
+    dead = []  # reading DEAD.LETTER.Q takes the records off it: keep what was read
+    wait_for(lambda: len(gather(dead, a)) == 2 or None, timeout=30,
+             message="the typed messages were not dead-lettered")
+    assert fake.frames("UNEXPECTED") == []  # never a MESSAGE_EX
+    for ask_frame in fake.frames("QUEUE_ASK"):  # the data octet offers EXT_MESSAGE; ignored
+        assert bytes.fromhex(ask_frame["raw"]) == struct.pack(">BBQ", 4, 1, Q1)
+    sent = fake.frames("MESSAGE")
+    assert [m["body"] for m in sent] == ["urgent", "plain", "last"]  # 9 overtook the ask
+    for m in sent:  # exactly spec section 4: code, type, key, queue_key, length, body
+        body = m["body"].encode()
+        assert bytes.fromhex(m["raw"]) == struct.pack(">BBQQQ", 1, m["type"], m["key"], Q1,
+                                                      len(body)) + body
+    dead = {d["payload"]: d for d in dead}
+    assert {p: d["reason"] for p, d in dead.items()} == {
+        "typed": "EXTENSION_UNSUPPORTED", "unsure-typed": "EXTENSION_UNSUPPORTED"}
+    assert "mtype 5 needs MESSAGE_EX" in dead["typed"]["detail"]
+
+
+# --- a plain RQP/1 sending side, our receiving MCA --------------------------------------------
+
+def test_a_plain_sender_gets_rqp1_answers_byte_for_byte_and_message_ex_unasked_is_refused(
+        testbed):
+    r = rig(testbed, {}, queues={Q1: 0o666})
+    r.pb.connect("plain", r.a.address, PORT)
+    got = r.pb.exchange("plain", [ask(Q1), msg(Q1, b"hello", key=1)])
+    assert got == QUEUE_YES + DELIVERED_YES  # 05 00 02 00: data 0 to a peer that sent 0
+    assert r.qa.drain(Q1) == [(1, b"hello")]
+    # A MESSAGE_EX where the bit was never agreed: a protocol error, the connection ends.
+    r.pb.send("plain", [raw(pack_message_ex(SURE_MSG, 2, Q1, 5, 4, 0, 0, b"sneaky"))])
+    end = r.pb.read_to_eof("plain")
+    assert end["data"] == b"" and (end["eof"] or end["reset"])
+    assert r.qa.drain(Q1) == []
+    wait_for(lambda: "MESSAGE_EX" in r.log() or None, timeout=10, message="not logged")
+
+
+def test_message_ex_is_put_with_its_mtype_and_an_expired_one_is_dead_lettered(testbed):
+    r = rig(testbed, {}, queues={Q1: 0o666})
+    r.pb.connect("ex", r.a.address, PORT)
+    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))  # QUEUE_YES, EXT_MESSAGE
+    future = int(time.time() * 1000) + 3_600_000
+    r.pb.send("ex", [
+        raw(pack_message_ex(SURE_MSG, 11, Q1, 5, 9, 0, future, b"five")),
+        raw(pack_message_ex(UNSURE_MSG, 12, Q1, 1, 0, 0, 0, b"one")),
+        raw(pack_message_ex(UNSURE_MSG, 13, Q1, 3, 4, 0, 1, b"stale")),  # expired in 1970
+        msg(Q1, b"plain-on-ex", key=14),
+    ])
+    got = r.pb.recv("ex", 8)["data"]
+    assert got == DELIVERED_YES + DELIVERED_YES + DELIVERED_ERROR + DELIVERED_YES
+    assert r.qa.drain(Q1) == [(5, b"five"), (1, b"one"), (1, b"plain-on-ex")]
+    [dead] = r.qa.dead_letters()
+    assert (dead["reason"], dead["payload"], dead["message_key"]) == (7, b"stale", 13)
+    assert "expired on arrival" in dead["detail"]
+
+
+# --- priority and expiry through the real agents ----------------------------------------------
+
+def test_priority_overtakes_under_a_backlog_and_survives_a_sender_kill(testbed_factory):
+    bed = testbed_factory(sysctls=BIG_QUEUES)
+    a, b = bed.add_host("a"), bed.add_host("b")
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc)  # b has no receiver yet: a backlog builds
+    plan = [("a4", 4), ("b0", 0), ("c9", 9), ("d4", 4), ("e9", 9), ("f0", 0), ("g4", 4)]
+    send(a, rqprc, [{"text": t, "priority": p} for t, p in plan])
+    wait_for(lambda: depth(a, 0x52510000) == 0, timeout=30,
+             message="the sending MCA did not take the backlog")
+    a.kill(sender)  # kill -9: the journal keeps them, and their order
+    start_sender(a, rqprc)
+    start_receiver(b)
+    wait_for(lambda: depth(b, Q1) == len(plan) or None, timeout=60,
+             message="the backlog was not delivered")
+    assert [text for _, text in drain(b)] == ["c9", "e9", "a4", "d4", "g4", "b0", "f0"]
+    assert dead_letters(a) == [] and dead_letters(b) == []
+
+
+def test_expiry_at_the_sender_while_a_sure_message_waits_for_a_route(testbed_factory):
+    bed = testbed_factory(sysctls=BIG_QUEUES)
+    a, b = bed.add_host("a"), bed.add_host("b")
+    rqprc = write_rqprc(a, [b])
+    start_sender(a, rqprc)
+    start_receiver(b)  # running, but Q1 does not exist on b yet: QUEUE_NO, SURE retries
+    send(a, rqprc, [{"text": "brief", "ttl": 1.5}, {"text": "patient"}])
+    dead = []  # reading DEAD.LETTER.Q takes the records off it: keep what was read
+    wait_for(lambda: gather(dead, a), timeout=30,
+             message="the expired message was not dead-lettered")
+    make_queue(b, Q1)
+    wait_for(lambda: depth(b, Q1) == 1 or None, timeout=30, message="patient not delivered")
+    assert drain(b) == [(1, "patient")]
+    assert [(d["payload"], d["reason"]) for d in dead] == [("brief", "EXPIRED")]
+    assert "before it could be sent" in dead[0]["detail"]
