@@ -509,6 +509,10 @@ class Bench:
     sent: int = 0  # messages this process has put in, for the watchdog
     raw_put: int = 0  # messages put in the raw pipeline
     tag: int = 0  # the last case's tag (every run of a pipeline is a case of its own)
+    #: The System V type the RQP pipeline's messages are sent with: 1 goes as MESSAGE, 2 as
+    #: MESSAGE_EX (spec section 6); and the label of the variant being measured.
+    mtype: int = 1
+    label: str = "plaintext"
 
     @property
     def isolation(self) -> str:
@@ -662,8 +666,9 @@ class Bench:
 
     def _put_rqp(self, msg_type: int, tag: int, count: int, size: int) -> None:
         send, handle, pack, tail = rqp.sendMessage, self.handle, PAYLOAD_HEAD.pack, filler(size)
+        mtype = self.mtype
         for seq in range(count):
-            send(handle, pack(tag, seq) + tail, msg_type)
+            send(handle, pack(tag, seq) + tail, msg_type, mtype=mtype)
             self.sent += 1
 
     def _put_raw(self, msg_type: int, tag: int, count: int, size: int) -> None:
@@ -716,7 +721,7 @@ class Bench:
     def throughput(self, msg_type: int, size: int, count: int, rounds: int) -> CaseResult:
         """``rounds`` timed runs of each pipeline, alternating, after one warm-up run each."""
         result = CaseResult(f"{type_label(msg_type)} {size_label(size)}", type_label(msg_type),
-                            size, count, rounds, self.transport)
+                            size, count, rounds, self.label)
         warmup = max(20, min(1000, count // 10))
         for pipe in (self.rqp, self.raw):
             self._run_once(pipe, msg_type, warmup, size)
@@ -738,7 +743,7 @@ class Bench:
             payload = PAYLOAD_HEAD.pack(tag, seq) + tail
             if pipe is self.rqp:
                 t0 = clock()
-                send(handle, payload, SURE_MSG)
+                send(handle, payload, SURE_MSG, mtype=self.mtype)
                 data = get()
                 t1 = clock()
             else:
@@ -759,7 +764,7 @@ class Bench:
         return out
 
     def measure_latency(self, samples: int, size: int = 100) -> Latency:
-        lat = Latency(samples, size, self.transport)
+        lat = Latency(samples, size, self.label)
         rqp_ns = self._latency_samples(self.rqp, samples, size)
         raw_ns = self._latency_samples(self.raw, samples, size)
         lat.rqp_median_ms, lat.rqp_p99_ms = (percentile(rqp_ns, p) / 1e6 for p in (50, 99))
@@ -769,10 +774,12 @@ class Bench:
     def run(self) -> None:
         self.watchdog.armed = True
         try:
-            for transport in self.args.transports:
+            for transport, mtype in self.args.variants:
                 if transport != self.transport:  # the same queues, consumers and raw pipeline
                     self._stop_agents(check=True)
                     self._start_agents(transport)
+                self.mtype = mtype
+                self.label = transport if mtype == 1 else "MESSAGE_EX"
                 for size in SIZES:
                     for msg_type in (SURE_MSG, UNSURE_MSG):
                         self.results.append(self.throughput(msg_type, size,
@@ -890,19 +897,20 @@ class Bench:
             "",
             f"{'case':<22}{'RQP msg/s':>13}{'raw msg/s':>12}{'RQP/raw':>10}",
         ]
-        several = len(self.args.transports) > 1
+        several = len(self.args.variants) > 1
         for r in self.results:
             case = f"{r.message_type:<6} {size_label(r.size)}" + (f" {r.transport}" if several
                                                                    else "")
             lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{r.raw_msg_per_s:>12,.0f}"
                          f"{r.ratio:>10.3f}")
-        if several:  # TLS against plaintext, case by case, both against the same raw pipeline
-            plain = {(r.message_type, r.size): r for r in self.results
-                     if r.transport == "plaintext"}
-            lines += ["", "TLS / plaintext, msg/s: " + ", ".join(
-                f"{r.message_type} {size_label(r.size)} "
-                f"{r.rqp_msg_per_s / plain[(r.message_type, r.size)].rqp_msg_per_s:.3f}"
-                for r in self.results if r.transport == "TLS")]
+        # TLS and MESSAGE_EX against plaintext MESSAGE, case by case, the same raw pipeline
+        plain = {(r.message_type, r.size): r for r in self.results if r.transport == "plaintext"}
+        for label, title in (("TLS", "TLS / plaintext"), ("MESSAGE_EX", "MESSAGE_EX / MESSAGE")):
+            if any(r.transport == label for r in self.results):
+                lines += ["", f"{title}, msg/s: " + ", ".join(
+                    f"{r.message_type} {size_label(r.size)} "
+                    f"{r.rqp_msg_per_s / plain[(r.message_type, r.size)].rqp_msg_per_s:.3f}"
+                    for r in self.results if r.transport == label)]
         for lat in self.latencies:
             lines += ["", f"single SURE latency ({size_label(lat.size)}, {lat.samples} samples"
                       f"{', ' + lat.transport if several else ''}): "
@@ -915,6 +923,7 @@ class Bench:
             "isolation": self.isolation, "msgmnb": self.msgmnb, "msgmax": self.msgmax,
             "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": self.load,
             "rounds": self.args.rounds, "transports": self.args.transports,
+            "variants": [label for label in dict.fromkeys(r.transport for r in self.results)],
             "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
                            raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio) for r in self.results],
             "latency": asdict(self.latencies[0]) if self.latencies else None,
@@ -947,6 +956,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tls", action="store_true",
                         help="run every case again with the agents talking mutual TLS (same run, "
                         "same queues and raw pipeline): TLS against plaintext")
+    parser.add_argument("--extensions", action="store_true",
+                        help="run every case again with each message sent with mtype 2, so as "
+                        "MESSAGE_EX (spec section 6): MESSAGE_EX against MESSAGE, same run")
     parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
                         help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
                         f"(default {DEFAULT_MSGMNB})")
@@ -958,6 +970,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--messages must be at least 1")
     args.count = {s: args.messages or n for s, n in base.items()}
     args.transports = ["plaintext", "TLS"] if args.tls else ["plaintext"]
+    #: (transport, mtype) of each pass over the cases
+    args.variants = [(t, 1) for t in args.transports] + (
+        [("plaintext", 2)] if args.extensions else [])
     if args.rounds is None:
         args.rounds = 1 if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
