@@ -23,14 +23,16 @@ SCENARIOS = ("kill-sender", "kill-receiver", "cut-link", "fill-queue", "remove-q
 PRODUCER = r"""
 import random, sys, rqp
 rqprc, seed, sure, unsure = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mtype = int(sys.argv[5])  # 1: plain MESSAGE frames; 2: MESSAGE_EX (spec section 6)
 kinds = ["S"] * sure + ["U"] * unsure
 random.Random(seed).shuffle(kinds)
 h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
 n = {"S": 0, "U": 0}
 for k in kinds:
-    rqp.sendMessage(h, f"{k}{n[k]}".encode(), rqp.SURE_MSG if k == "S" else rqp.UNSURE_MSG)
+    rqp.sendMessage(h, f"{k}{n[k]}".encode(), rqp.SURE_MSG if k == "S" else rqp.UNSURE_MSG,
+                    mtype=mtype)
     n[k] += 1
-rqp.sendMessage(h, b"END", rqp.SURE_MSG)
+rqp.sendMessage(h, b"END", rqp.SURE_MSG, mtype=mtype)
 print("produced", flush=True)
 """
 
@@ -46,8 +48,8 @@ while True:
         continue
     try:
         while True:
-            data, _ = q.receive()
-            out.write(data.decode() + "\n")
+            data, mtype = q.receive()
+            out.write(f"{mtype}:{data.decode()}\n")
             if data == b"END":
                 out.flush()
                 sys.exit(0)
@@ -73,6 +75,7 @@ class Report:
     unsure_duplicated: int = 0
     unsure_out_of_order: int = 0
     dead_letters: dict = field(default_factory=dict)
+    wrong_mtype: int = 0  # messages that arrived with another System V type than sent
     faults: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -109,8 +112,9 @@ def _count(report: Report, received: list[str]) -> None:
 
 
 def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_000,
-        faults: int = 3, timeout: float = 240.0) -> Report:
-    """One run on the testbed ``bed`` (hosts a and b are added to it)."""
+        faults: int = 3, timeout: float = 240.0, mtype: int = 1) -> Report:
+    """One run on the testbed ``bed`` (hosts a and b are added to it). ``mtype`` 2 sends
+    every message as MESSAGE_EX (spec section 6) instead of MESSAGE."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
     rng = random.Random(seed)
@@ -128,7 +132,7 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
     sender = start_sender(a, rqprc, log_level="INFO")
     consumer = b.popen([sys.executable, "-c", CONSUMER])
     a.popen([sys.executable, "-c", PRODUCER, str(rqprc), str(seed), str(sure),
-                        str(unsure)])
+             str(unsure), str(mtype)])
 
     def delivered() -> int:
         return b.output(consumer).count("\n")
@@ -170,7 +174,9 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
         report.faults.append(f"{scenario} after {delivered()} messages")
     wait_for(lambda: consumer.poll() is not None, timeout=max(deadline - time.monotonic(), 1),
              message=f"{scenario} seed {seed}: END never arrived")
-    received = [m for m in b.output(consumer).splitlines() if m and m != "END"]
+    typed = [line.split(":", 1) for line in b.output(consumer).splitlines() if line]
+    report.wrong_mtype = sum(1 for t, _ in typed if int(t) != mtype)
+    received = [m for _, m in typed if m != "END"]
     _count(report, received)
     for host in (a, b):
         for dl in dead_letters(host):

@@ -18,7 +18,16 @@ SEEDS = [int(s) for s in os.environ.get("RQP_FAULT_SEEDS", "1,2").split(",")]
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_sure_messages_survive(testbed, scenario, seed):
-    report = run(testbed, scenario, seed)
+    check(run(testbed, scenario, seed))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_sure_messages_survive_in_message_ex_frames(testbed, scenario):
+    """The same faults with every message sent as MESSAGE_EX (mtype 2, spec section 6)."""
+    check(run(testbed, scenario, SEEDS[0], mtype=2))
+
+
+def check(report: Report) -> None:
     print("\n" + Report.HEADER + "\n" + report.row())
     assert len(report.faults) == 3, report.faults
     assert (report.sure_lost, report.sure_out_of_order) == (0, 0), report.row()
@@ -30,3 +39,4 @@ def test_sure_messages_survive(testbed, scenario, seed):
     assert report.sure_delivered == report.sure_sent
     assert report.unsure_duplicated == 0, report.row()
     assert report.unsure_delivered + report.unsure_lost == report.unsure_sent
+    assert report.wrong_mtype == 0, report.row()

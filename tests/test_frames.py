@@ -359,3 +359,31 @@ def test_message_ex_round_trips(message_type, key, queue_key, mtype, priority, f
     data = encode(event)
     assert decode(data) == event
     assert FrameDecoder(accept=REQUESTS_EX).events(data) == [event]
+
+
+@given(st.binary(min_size=44, max_size=44))
+def test_the_struct_readers_of_the_hot_path_read_what_construct_declares(data):
+    """The decoder splits fixed headers with struct readers derived from the declarations."""
+    from rqp.protocol import frames as F
+
+    for header, unpack in ((F.MESSAGE_HEADER, F._UNPACK_HEADER),
+                           (F.MESSAGE_EX_HEADER, F._UNPACK_EX_HEADER)):
+        raw = bytes((header.subcons[0].subcon.value, data[1] & 1)) + data[2:header.sizeof()]
+        parsed = header.parse(raw)
+        names = [sub.name for sub in header.subcons]
+        assert unpack(bytearray(b"xx" + raw), 2) == tuple(parsed[n] for n in names)
+
+
+@given(st.sampled_from([0, 1]), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+       st.integers(1, 2**63 - 1), st.integers(0, 9), st.sampled_from([0, 1]),
+       st.integers(0, 2**64 - 1), st.binary(max_size=64))
+def test_the_struct_writers_of_the_hot_path_build_what_construct_declares(
+        kind, key, queue_key, mtype, priority, flags, expires, body):
+    from rqp.protocol import frames as F
+
+    assert F.encode_message(kind, key, queue_key, body) == F.MESSAGE.build(
+        {"message_type": kind, "key": key, "queue_key": queue_key, "message": body})
+    assert F.encode_message_ex(kind, key, queue_key, body, mtype, priority, flags, expires) == \
+        F.MESSAGE_EX.build({"message_type": kind, "key": key, "queue_key": queue_key,
+                            "mtype": mtype, "priority": priority, "flags": flags,
+                            "expires_at_ms": expires, "message": body})
