@@ -34,7 +34,7 @@ def check(report: Report) -> None:
     # The documented duplicate window: a receiving MCA killed between putting messages and
     # committing their keys puts them again when they are re-sent: at most one batch of
     # answers per connection (one connection here) per kill. Nowhere else.
-    window = ANSWER_BATCH * len(report.faults) if scenario == "kill-receiver" else 0
+    window = ANSWER_BATCH * len(report.faults) if report.scenario == "kill-receiver" else 0
     assert report.sure_duplicated <= window, report.row()
     assert report.sure_delivered == report.sure_sent
     assert report.unsure_duplicated == 0, report.row()
