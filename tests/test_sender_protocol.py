@@ -65,9 +65,12 @@ class Harness:
     def answer(self, host, *frames):
         self.core.data_received(host, b"".join(frames), self.now)
 
-    def serve(self, offers: dict, deliver=lambda host, msg: True, rounds=100) -> list:
+    def serve(self, offers: dict, deliver=lambda host, msg: True, rounds=100,
+              ext=frozenset()) -> list:
         """Play the receiving MCAs until nothing more is sent: ``offers`` maps a host to the
-        queue keys it offers; ``deliver`` says whether a MESSAGE is put. Returns the frames."""
+        queue keys it offers; ``deliver`` says whether a MESSAGE is put; hosts in ``ext``
+        answer asks with EXT_MESSAGE (spec section 6), the others as plain RQP/1 (data 0).
+        Returns the frames."""
         frames = []
         for _ in range(rounds):
             batch = self.sent()
@@ -76,7 +79,9 @@ class Harness:
             frames += batch
             for host, ev in batch:
                 if isinstance(ev, QueueAsk):
-                    self.answer(host, YES if ev.queue_key in offers.get(host, ()) else NO)
+                    bits = EXT_MESSAGE if host in ext else 0
+                    offered = ev.queue_key in offers.get(host, ())
+                    self.answer(host, encode((QueueYes if offered else QueueNo)(data=bits)))
                 else:
                     self.answer(host, OK if deliver(host, ev) else ERR)
         raise AssertionError("the sender never went quiet")
