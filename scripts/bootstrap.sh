@@ -107,7 +107,10 @@ setup_demo() {  # what the main job needs: the project, Java for Spark, unshare
 setup_test() {  # and what the tests need besides
     setup_demo
     check_tool ip iproute2 "the multi-host tests build network namespaces with it"
-    check_tool gcc gcc "the tests compile C producers and consumers against rqp.h"
+    # (gcc without recommends has no C library headers: libc6-dev brings stdio.h and sys/msg.h)
+    if ! command -v gcc >/dev/null 2>&1 || [ ! -e /usr/include/stdio.h ]; then
+        apt_install gcc libc6-dev || die "a C compiler with the C library headers is missing (the tests compile C producers and consumers against rqp.h). Install the Debian packages gcc and libc6-dev and run this again."
+    fi
     check_tool chromium chromium "the report's browser test renders the HTML with it"
     # systemd-analyze verify looks up each unit's Documentation=man: page with man(1).
     check_tool man man-db "the unit test runs systemd-analyze verify, which calls man"

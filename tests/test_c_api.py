@@ -95,9 +95,10 @@ def cc(tmp_path_factory):
     def build(name: str, source: str) -> Path:
         src, exe = out / f"{name}.c", out / name
         src.write_text(source)
-        subprocess.run([gcc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1",
-                        f"-I{rqp.get_include()}", str(src), "-o", str(exe)],
-                       check=True, capture_output=True, text=True)
+        done = subprocess.run([gcc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1",
+                               f"-I{rqp.get_include()}", str(src), "-o", str(exe)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"gcc could not build {name}.c:\n{done.stderr}"
         return exe
 
     return build
