@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
-from rqp.protocol.constants import (
-    DEFAULT_PRIORITY, INT64_MAX, MAX_PRIORITY, MIN_PRIORITY, SURE_MSG, UNSURE_MSG,
-)
+from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
@@ -222,38 +220,36 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
             "split it, or raise kernel.msgmax on every host (see the README)",
             size=len(data), limit=limit)
     now_ns = time.time_ns()
-    record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
-                                payload=bytes(data), producer_pid=os.getpid(),
-                                sequence=next(_sequence), enqueued_ns=now_ns,
-                                **_extras(mtype, priority, ttl, expires_at, now_ns))
+    try:  # the record checks mtype and priority, in words that name them
+        record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
+                                    payload=bytes(data), producer_pid=os.getpid(),
+                                    sequence=next(_sequence), enqueued_ns=now_ns, mtype=mtype,
+                                    priority=priority,
+                                    expires_at_ms=_expires_at_ms(ttl, expires_at, now_ns))
+    except ValueError as exc:
+        raise RQPError(str(exc)) from None
     conn.producer.put(record, timeout=timeout, sync=sync,
                       sync_timeout=30.0 if timeout is None else timeout)
 
 
-def _extras(mtype: int = 1, priority: int = DEFAULT_PRIORITY, ttl: float | None = None,
-           expires_at: float | None = None, now_ns: int | None = None) -> dict:
-    """The record fields of sendMessage's ``mtype``, ``priority``, ``ttl`` and ``expires_at``,
-    checked, with errors that name the parameter."""
-    def integer(name, value, low, high):
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise RQPError(f"{name} must be an integer in {low}..{high}, got {value!r}")
-    integer("mtype", mtype, 1, INT64_MAX)
-    integer("priority", priority, MIN_PRIORITY, MAX_PRIORITY)
+def _expires_at_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
+    """sendMessage's ``ttl`` (seconds from now) or ``expires_at`` (Unix seconds) as the
+    record's ``expires_at_ms`` (0: never), with errors that name the parameter."""
     if ttl is not None and expires_at is not None:
         raise RQPError("give ttl or expires_at, not both")
-    expires_at_ms = 0
-    for name, value in (("ttl", ttl), ("expires_at", expires_at)):
+    for name, value, base in (("ttl", ttl, now_ns), ("expires_at", expires_at, 0)):
         if value is None:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
             raise RQPError(f"{name} must be a number of seconds, got {value!r}")
         if name == "ttl" and value <= 0:
             raise RQPError(f"ttl must be more than 0 seconds, got {value!r}")
-        base = 0 if name == "expires_at" else (time.time_ns() if now_ns is None else now_ns)
         expires_at_ms = max(1, (base + int(value * 1e9)) // 1_000_000)
         if expires_at_ms >= 1 << 64:
             raise RQPError(f"{name} {value!r} is past the year 500 million")
-    return {"mtype": mtype, "priority": priority, "expires_at_ms": expires_at_ms}
+        return expires_at_ms
+    return 0
+
 
 def closeConnection(handle: int) -> None:
     with _lock:

@@ -171,3 +171,23 @@ except rqp.QueueFull as e:
 """)
     n, message = out
     assert n == 4 and "still full after 0.2 s" in message  # 16384-byte queue, 4064-byte records
+
+
+def test_extras_out_of_range_are_refused_naming_the_parameter(host):
+    out = run(host, """
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+res = []
+for kwargs in ({"mtype": 0}, {"mtype": True}, {"priority": 10}, {"ttl": 0},
+               {"ttl": 1, "expires_at": 2}, {"expires_at": "soon"}):
+    try:
+        rqp.sendMessage(h, b"x", **kwargs)
+        res.append("accepted")
+    except rqp.RQPError as e:
+        res.append(str(e))
+print(json.dumps(res))
+""")
+    assert [line.split(",")[0].split(" (")[0] for line in out] == [
+        "mtype must be an integer in 1..9223372036854775807",
+        "mtype must be an integer in 1..9223372036854775807",
+        "priority must be an integer in 0..9", "ttl must be more than 0 seconds",
+        "give ttl or expires_at", "expires_at must be a number of seconds"]

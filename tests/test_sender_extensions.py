@@ -14,11 +14,6 @@ from tests.test_sender_protocol import ERR, Q1, Ask, Harness
 YES_EX = encode(QueueYes(data=EXT_MESSAGE))
 
 
-def serve(h: Harness, offers: dict, ext=frozenset()) -> list:
-    """Play receiving MCAs (hosts in ``ext`` take MESSAGE_EX); every message is put."""
-    return h.serve(offers, ext=ext)
-
-
 def messages(frames) -> list:
     return [(host, ev) for host, ev in frames if isinstance(ev, Message)]
 
@@ -28,7 +23,7 @@ def test_asks_offer_the_extension_and_a_taking_peer_gets_message_ex_only_when_ne
     h.submit(payload=b"plain")
     h.submit(payload=b"typed", mtype=5)
     h.submit(payload=b"urgent", priority=9)
-    frames = serve(h, {"b": {Q1}}, ext={"b"})
+    frames = h.serve({"b": {Q1}}, ext={"b"})
     assert frames[0] == ("b", Ask(Q1))
     sent = messages(frames)
     # priority 9 overtook the two waiting behind the ask; defaults go as a plain MESSAGE
@@ -42,7 +37,7 @@ def test_asks_offer_the_extension_and_a_taking_peer_gets_message_ex_only_when_ne
 def test_a_plain_peer_gets_plain_messages_priority_and_expiry_honoured_here():
     h = Harness()
     h.submit(payload=b"a", priority=9, expires_at_ms=h.wall + 60_000)
-    frames = serve(h, {"b": {Q1}})
+    frames = h.serve({"b": {Q1}})
     [(host, ev)] = messages(frames)
     assert host == "b" and type(ev) is Message and ev.message == b"a"
 
@@ -50,7 +45,7 @@ def test_a_plain_peer_gets_plain_messages_priority_and_expiry_honoured_here():
 def test_an_mtype_a_plain_host_cannot_carry_goes_to_the_next_host_that_can():
     h = Harness()
     h.submit(payload=b"typed", mtype=7)
-    frames = serve(h, {"b": {Q1}, "c": {Q1}}, ext={"c"})
+    frames = h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"})
     assert [f for f in frames if not isinstance(f[1], Message)] == [("b", Ask(Q1)),
                                                                       ("c", Ask(Q1))]
     [(host, ev)] = messages(frames)
@@ -64,7 +59,7 @@ def test_only_plain_hosts_offer_it_the_typed_message_is_dead_lettered_never_put_
         h.submit(message_type=kind, payload=b"t1", mtype=3)
         h.submit(message_type=kind, payload=b"t2", mtype=3)
         h.submit(message_type=kind, payload=b"plain")
-        frames = serve(h, {"b": {Q1}, "c": {Q1}})
+        frames = h.serve({"b": {Q1}, "c": {Q1}})
         assert [ev.message for _, ev in messages(frames)] == [b"plain"]
         dead = h.of(DeadLetter)
         assert [(d.message.payload, d.reason) for d in dead] == [
@@ -76,10 +71,10 @@ def test_only_plain_hosts_offer_it_the_typed_message_is_dead_lettered_never_put_
 def test_a_route_to_a_plain_host_is_asked_again_for_a_typed_message():
     h = Harness()
     h.submit(payload=b"first")
-    serve(h, {"b": {Q1}, "c": {Q1}}, ext={"c"})
+    h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"})
     assert h.core.routes == {Q1: "b"}
     h.submit(payload=b"typed", mtype=2)
-    frames = serve(h, {"b": {Q1}, "c": {Q1}}, ext={"c"})
+    frames = h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"})
     assert [(host, type(ev).__name__) for host, ev in frames] == [
         ("b", "QueueAsk"), ("c", "QueueAsk"), ("c", "MessageEx")]
     drops = [n for n in h.of(Note) if n.kind is NoteKind.ROUTE_DROPPED]
@@ -89,11 +84,11 @@ def test_a_route_to_a_plain_host_is_asked_again_for_a_typed_message():
 def test_bits_are_learned_again_on_every_connection():
     h = Harness(hosts=("b",))
     h.submit(payload=b"one", mtype=4)
-    serve(h, {"b": {Q1}}, ext={"b"})
+    h.serve({"b": {Q1}}, ext={"b"})
     h.core.connection_lost("b", "reset", h.now)  # the peer was replaced by a plain one
     h.submit(payload=b"two", mtype=4)
     h.advance()  # the reconnect's back-off
-    frames = serve(h, {"b": {Q1}})
+    frames = h.serve({"b": {Q1}})
     assert frames[0] == ("b", Ask(Q1)) and not messages(frames)
     assert [d.reason for d in h.of(DeadLetter)] == [ReasonCode.EXTENSION_UNSUPPORTED]
 
@@ -103,7 +98,7 @@ def test_priority_order_under_a_backlog_and_order_kept_within_a_priority():
     order = [(b"a4", 4), (b"b4", 4), (b"c9", 9), (b"d0", 0), (b"e9", 9), (b"f4", 4), (b"g0", 0)]
     for payload, priority in order:
         h.submit(payload=payload, priority=priority)
-    frames = serve(h, {"b": {Q1}}, ext={"b"})
+    frames = h.serve({"b": {Q1}}, ext={"b"})
     assert [ev.message for _, ev in messages(frames)] == [
         b"c9", b"e9", b"a4", b"b4", b"f4", b"d0", b"g0"]
 
@@ -117,7 +112,7 @@ def test_failed_sure_messages_go_back_to_their_places_by_priority():
     assert [ev.message for _, ev in messages(h.sent())] == [b"x9", b"y9", b"z4"]
     h.answer("b", ERR * 3)  # refused (the receiver holds the rest back after the first)
     h.core.submit(SURE_MSG, Q1, b"w9", h.now, priority=9)  # arrives while they wait
-    sent = [ev.message for _, ev in messages(serve(h, {"b": {Q1}}, ext={"b"}))]
+    sent = [ev.message for _, ev in messages(h.serve({"b": {Q1}}, ext={"b"}))]
     assert sent == [b"x9", b"y9", b"w9", b"z4"]
 
 
@@ -133,12 +128,12 @@ def test_a_sure_message_waiting_for_a_route_expires_by_the_clock_not_by_a_sleep(
     h = Harness(hosts=("b",), backoff_initial=10.0, backoff_max=60.0)
     h.submit(payload=b"soon", expires_at_ms=h.wall + 25_000)
     h.submit(payload=b"never")
-    serve(h, {})  # nobody offers Q1: SURE retries with back-off
+    h.serve({})  # nobody offers Q1: SURE retries with back-off
     assert not h.of(DeadLetter)
     waited = 0.0
     while not h.of(DeadLetter):
         waited += h.advance()
-        serve(h, {})
+        h.serve({})
     [dead] = h.of(DeadLetter)
     assert dead.message.payload == b"soon" and dead.reason is ReasonCode.EXPIRED
     assert 25.0 <= waited <= 25.0 + 1e-6  # woken at the expiry, not at the next retry
@@ -150,8 +145,8 @@ def test_expired_in_the_middle_of_a_lane_leaves_the_rest_in_order():
     h.submit(payload=b"1")
     h.submit(payload=b"2", expires_at_ms=h.wall + 1000)
     h.submit(payload=b"3")
-    serve(h, {})
+    h.serve({})
     h.advance(2.0)  # (the retry's QUEUE_ASK goes out now too)
     assert [d.message.payload for d in h.of(DeadLetter)] == [b"2"]
-    sent = [ev.message for _, ev in messages(serve(h, {"b": {Q1}}))]
+    sent = [ev.message for _, ev in messages(h.serve({"b": {Q1}}))]
     assert sent == [b"1", b"3"]
