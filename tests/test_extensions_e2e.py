@@ -13,13 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
 from tests.agents import (
     PORT, dead_letters, make_queue, start_receiver, start_sender, write_rqprc,
 )
-from tests.rqp_peer import DELIVERED_ERROR, DELIVERED_YES, QUEUE_YES, Peer, ask, msg, raw
+from tests.rqp_peer import DELIVERED_ERROR, DELIVERED_YES, QUEUE_YES, ask, msg, raw
 from tests.test_receiver_agent import rig
 from tests.testbed import wait_for
 
