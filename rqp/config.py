@@ -63,7 +63,7 @@ from rqp.protocol.constants import (
 )
 from rqp.protocol.access import PATTERN_CHARS, PeerRule, QueueSet, identity_pattern_problem
 from rqp.protocol.errors import ConfigError
-from rqp.protocol.keys import normalize_key, queue_key_problem
+from rqp.protocol.keys import is_broadcast_name, normalize_key, queue_key_problem
 
 __all__ = [
     "DEFAULT_ASK_TIMEOUT",
@@ -614,6 +614,11 @@ class SenderConfig:
         """The first name configured for ``key``, else its built-in name, else None."""
         return _queue_name(self.queues, self.builtin_queues, key)
 
+    @functools.cached_property
+    def broadcast_keys(self) -> frozenset[int]:
+        """The keys of the broadcast names of ``queues`` (spec section 6: ``PROD_ALL_BA``)."""
+        return frozenset(key for name, key in self.queues.items() if is_broadcast_name(name))
+
     @property
     def agent_name(self) -> str:
         """The name of the sending MCA that serves this transmission queue,
@@ -918,6 +923,14 @@ class _Fields:
                 self.bad(path, name, f"expected a name of your own: {name} is built in (it names "
                          f"{_RESERVED_NAMES[name]}) and cannot be redefined")
             names[name] = self.parse(path, key, parse_queue_key)
+        kinds: dict[int, str] = {}
+        for name, key in names.items():  # a key is a broadcast channel or not, never both
+            other = kinds.setdefault(key, name)
+            if is_broadcast_name(other) != is_broadcast_name(name):
+                cast, plain = (other, name) if is_broadcast_name(other) else (name, other)
+                self.bad(f"queues.{name}", names[name], f"a key of its own: {key:#010x} "
+                         f"is already named {other}, and {cast} is a broadcast name (its part "
+                         f"after the prefix is ALL: every host gets a copy) while {plain} is not")
         return types.MappingProxyType(names)
 
     def queue_set(self, path: str, value: object, names: Mapping[str, int]) -> QueueSet:

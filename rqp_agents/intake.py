@@ -38,7 +38,8 @@ READ_BATCH = 256
 #: that do not ring the doorbell (C programs writing records themselves).
 IDLE_POLL = 0.05
 
-#: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq]``.
+#: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
+#: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
 Item = list
 
 
@@ -105,6 +106,8 @@ class Intake:
             log.error("journal %s: %s", state_dir / f"{name}.journal", problem)
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
+        #: (broadcast queue keys, hosts): what a broadcast record is copied to (spec section 6).
+        self.fanout: tuple[frozenset, tuple] = (frozenset(), ())
 
     # --- start: what the journal holds ---------------------------------------------------------
 
@@ -126,7 +129,7 @@ class Intake:
             self._take_off(head[:last + 1])
         self.budget.force(len(entries) + len(leftovers))
         first = [[entry.record, TransmissionRecord.from_bytes(entry.record), entry.key,
-                  entry.seq] for entry in entries]
+                  entry.seq, entry.copies] for entry in entries]
         log.info("journal: %d SURE message(s) to send again first%s", len(entries),
                  f" ({last + 1 - len(leftovers)} of them also still on the transmission queue, "
                  "taken off)" if last >= 0 else "")
@@ -189,21 +192,28 @@ class Intake:
         return batch
 
     def _journal(self, batch: list[bytes]) -> list[Item]:
-        """Parse, give keys, journal the SURE records (one fsync): [data, record, key, seq]."""
+        """Parse, give keys, journal the SURE records (one fsync): [data, record, key, seq,
+        copies]. A broadcast record gets a key per copy (one copy per host), journaled with it,
+        so that each copy keeps its key across restarts."""
         items, sure = [], []
+        broadcast, hosts = self.fanout
         for data in batch:
             try:
                 record = TransmissionRecord.from_bytes(data)
             except RecordError as exc:
-                items.append([data, exc, 0, None])
+                items.append([data, exc, 0, None, None])
                 continue
             key = self.keys()
             if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence:
                 key = record.sequence  # a replayed dead letter keeps its original key
+            copies = None
+            if record.queue_key in broadcast:
+                copies = tuple((key if i == 0 else self.keys(), str(host))
+                               for i, host in enumerate(hosts))
             if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
                 sure.append(len(items))
-            items.append([data, record, key, None])
-        seqs = self.journal.append([(items[i][2], items[i][0]) for i in sure])
+            items.append([data, record, key, None, copies])
+        seqs = self.journal.append([(items[i][2], items[i][0], items[i][4]) for i in sure])
         for i, seq in zip(sure, seqs):
             items[i][3] = seq
         return items

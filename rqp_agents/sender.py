@@ -26,8 +26,8 @@ from rqp.protocol.records import (
     UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
 )
 from rqp.protocol.sender import (
-    Close, Connect, DeadLetter, Delivered, Lost, Note, NoteKind, Send, SenderCore,
-    Settings,
+    Close, Connect, DeadLetter, Declined, Delivered, FanoutEnded, Lost, Note, NoteKind, Send,
+    SenderCore, Settings,
 )
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
@@ -83,7 +83,9 @@ class Sender(Daemon):
         # released once delivered or dead-lettered here (spec 5.7).
         self.intake = Intake(config.transmission_queue, self.state_dir, self.name, self.keys,
                              budget_size(config.window, len(config.hosts)))
+        self.intake.fanout = (config.broadcast_keys, config.hosts)
         self._releases: list[int] = []
+        self._copies_done: list[tuple[int, int]] = []  # (journal seq, copy key)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.links = Links(on_connected=self._connected, on_failed=self._connect_failed,
                            on_data=self._data, on_lost=self._lost, guard=self.guarded,
@@ -142,6 +144,7 @@ class Sender(Daemon):
             raise RQPError(f"certificates not reloaded: {exc}") from None
         self.tls = tls
         self.core.update_settings(Settings.from_config(new), self.loop.time())
+        self.intake.fanout = (new.broadcast_keys, new.hosts)
         self.intake.budget.resize(budget_size(new.window, len(new.hosts)))
         self.config = new
         log.info("reloaded %s: hosts %s", new.source, ", ".join(map(str, new.hosts)))
@@ -162,6 +165,7 @@ class Sender(Daemon):
         # SURE messages not confirmed stay in the journal: the next start sends them first, in
         # order, with their keys. UNSURE ones not sent yet go back to the transmission queue.
         back = [m for m in self.core.drain_pending() if m.message_type != SURE_MSG]
+        self._run_actions()  # (UNSURE broadcast copies that cannot go back: counted lost)
         if back:
             await self.intake.put_back(back, self.loop.time() + STOP_GRACE, STOP_GRACE)
         self.stop_service()
@@ -188,27 +192,27 @@ class Sender(Daemon):
         """Journaled SURE messages first, in order, with their keys (before any new record)."""
         first, leftovers = self.intake.recover()
         now = self.loop.time()
-        for data, record, key, seq in first:
-            self._submit(record, now, Taken(record, seq), key)
+        for data, record, key, seq, copies in first:
+            self._submit(record, now, Taken(record, seq), key, copies)
         if leftovers:
             self._on_records(leftovers)
         self._run_actions()
 
     def _on_records(self, items: list) -> None:
         now = self.loop.time()
-        for data, record, key, seq in items:
+        for data, record, key, seq, copies in items:
             self.stats["taken"] += 1
             if isinstance(record, RecordError):
                 self._dead_letter_raw(data, record)
                 self.intake.budget.give(1)
                 continue
-            self._submit(record, now, Taken(record, seq), key)
+            self._submit(record, now, Taken(record, seq), key, copies)
         self._run_actions()
 
-    def _submit(self, record, now: float, origin: Taken, key: int) -> None:
+    def _submit(self, record, now: float, origin: Taken, key: int, copies) -> None:
         self.core.submit(record.message_type, record.queue_key, record.payload, now,
                          origin=origin, key=key, mtype=record.mtype, priority=record.priority,
-                         expires_at_ms=record.expires_at_ms)
+                         expires_at_ms=record.expires_at_ms, copies=copies)
 
     # --- connections --------------------------------------------------------------------------
 
@@ -241,9 +245,14 @@ class Sender(Daemon):
                     out[act.host] = frames = []
                 frames.append(act.data)
             elif kind is Delivered:
+                msg = act.message
+                if msg.fanout is not None:  # a broadcast copy: its message may go on
+                    self._copy_done(msg)
+                    self.stats["copies_delivered"] += 1
+                    continue
                 delivered += 1
-                if act.message.origin.seq is not None:
-                    self._releases.append(act.message.origin.seq)
+                if msg.origin.seq is not None:
+                    self._releases.append(msg.origin.seq)
             elif kind is Connect:
                 self.spawn(self.links.connect(act.host, self.config.connect_timeout),
                            f"connecting to {act.host}")
@@ -254,13 +263,21 @@ class Sender(Daemon):
                 self.links.close(act.host)
             elif kind is Lost:
                 self.stats["lost"] += 1
-                finished += 1
+                finished += act.message.fanout is None
                 log.warning("UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
                             act.message.key, format_key(act.message.queue_key), act.host,
                             act.detail)
             elif kind is DeadLetter:
                 self._dead_letter(act)
-                finished += 1
+                finished += act.message.fanout is None
+            elif kind is Declined:
+                self._copy_done(act.message)
+                log.info("broadcast queue %s: no copy for %s (key=%#018x): %s",
+                         self._queue_text(act.message.queue_key), act.host, act.message.key,
+                         act.detail)
+            elif kind is FanoutEnded:
+                finished += 1  # the message's place in memory (its copies were one message)
+                self.stats["broadcasts"] += 1
             elif kind is Note:
                 self._log_note(act)
         for host, frames in out.items():
@@ -268,13 +285,21 @@ class Sender(Daemon):
         if finished or delivered:
             self.stats["delivered"] += delivered
             self.intake.budget.give(finished + delivered)
-        if self._releases:
+        if self._releases or self._copies_done:
             self._release_journaled()
         self._schedule()
 
+    def _copy_done(self, msg) -> None:
+        """A journaled broadcast copy is done (the journal releases the message with its last)."""
+        if msg.origin.seq is not None:
+            self._copies_done.append((msg.origin.seq, msg.key))
+
     def _release_journaled(self) -> None:
-        """Journal RELEASE entries (no fsync of their own: a lost release only means a re-send
-        after a crash, which the receiver recognises by its key)."""
+        """Journal RELEASE and COPY_DONE entries (no fsync of their own: a lost one only means
+        a re-send after a crash, which the receiver recognises by its key)."""
+        if self._copies_done:
+            self.intake.journal.copy_done(self._copies_done)
+            self._copies_done = []
         if self._releases:
             self.intake.release(self._releases)
             self._releases = []
@@ -293,14 +318,17 @@ class Sender(Daemon):
         self.core.tick(self.loop.time())
         self._run_actions()
 
+    def _queue_text(self, key: int) -> str:
+        name = self.config.queue_name(key)
+        return format_key(key) + (f"({name})" if name else "")
+
     def _log_note(self, note: Note) -> None:
         level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED,
                                               NoteKind.CONNECTION_CLOSED) \
             else logging.WARNING
         fields = []
         if note.queue_key is not None:
-            name = self.config.queue_name(note.queue_key)
-            fields.append(f"queue={format_key(note.queue_key)}" + (f"({name})" if name else ""))
+            fields.append(f"queue={self._queue_text(note.queue_key)}")
         if note.host is not None:
             fields.append(f"peer={note.host}")
         if note.key:
@@ -315,10 +343,11 @@ class Sender(Daemon):
         record = DeadLetterRecord.from_transmission(
             msg.origin.record, reason=act.reason, agent=AgentKind.SENDER, message_key=msg.key,
             attempts=msg.attempts, host=self.host, source_host=self.host,
-            destination_host=str(msg.host or ""), detail=act.detail)
+            destination_host=str(msg.host or msg.target or ""), detail=act.detail)
         log.warning("dead letter reason=%s queue=%s key=%#018x: %s", act.reason.name,
                     format_key(msg.queue_key), msg.key, act.detail)
-        self._put_dead_letter(record, msg.origin.seq)
+        seq = msg.origin.seq
+        self._put_dead_letter(record, seq if msg.fanout is None or seq is None else (seq, msg.key))
 
     def _dead_letter_raw(self, data: bytes, exc: RecordError) -> None:
         record = DeadLetterRecord(
@@ -328,8 +357,9 @@ class Sender(Daemon):
         log.warning("dead letter reason=MALFORMED_RECORD: %s", exc)
         self._put_dead_letter(record)
 
-    def _put_dead_letter(self, record: DeadLetterRecord, seq: int | None = None) -> None:
-        """Onto DEAD.LETTER.Q; a journaled message is released once the record is there."""
+    def _put_dead_letter(self, record: DeadLetterRecord, seq=None) -> None:
+        """Onto DEAD.LETTER.Q; a journaled message is released once the record is there
+        (``seq``; a broadcast copy: ``(seq, copy key)``, marked done)."""
         self.stats["dead_lettered"] += 1
         self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
         self._flush_dead_letters()
@@ -344,7 +374,9 @@ class Sender(Daemon):
                 self.loop.call_later(0.5, self._flush_dead_letters)
                 return
             self._dead_letter_backlog.popleft()
-            if seq is not None:
+            if isinstance(seq, tuple):
+                self._copies_done.append(seq)
+            elif seq is not None:
                 self._releases.append(seq)
         self._release_journaled()
 

@@ -42,9 +42,10 @@ def sender_status(agent) -> dict:
     for route in routes:
         route["queue"] = format_key(route["queue_key"])
         route["name"] = agent.config.queue_name(route["queue_key"])
-        for field in ("since", "last_error_at", "last_message_at"):
-            if route[field] is not None:
-                route[field] += to_wall
+        for row in (route, *route.get("copies", ())):
+            for field in ("since", "last_error_at", "last_message_at"):
+                if row.get(field) is not None:
+                    row[field] += to_wall
     return {
         "agent": "sender", "pid": os.getpid(), "host": agent.host,
         "started_at": agent.started, "uptime": time.time() - agent.started,
@@ -73,6 +74,9 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_error_counter", "gauge", "the UNSURE error counter of the route"),
         ("rqp_sender_in_flight", "gauge", "messages sent and not answered, by queue"),
         ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
+        ("rqp_sender_copies_total", "counter",
+         "broadcast copies finished, by queue, host and outcome"),
+        ("rqp_sender_copies_waiting", "gauge", "broadcast copies not sent yet, by queue and host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
@@ -91,6 +95,11 @@ def sender_metrics(agent) -> str:
         m["rqp_sender_in_flight"].add(r["in_flight"], **q)
         for state in ROUTE_STATES:  # every route in every state, not only the healthy ones
             m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
+        for c in r.get("copies", ()):
+            h = {**q, "peer": c["peer"]}
+            for outcome in ("delivered", "declined", "lost", "dead_lettered"):
+                m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
+            m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)

@@ -25,6 +25,8 @@ from rqp.storage.journal import (
     JournalEntry,
     JournalError,
     encode_append,
+    encode_copies,
+    encode_copy_done,
     encode_header,
     encode_release,
 )
@@ -48,7 +50,7 @@ def side_files(directory: Path, kind: str) -> list[Path]:
 
 
 def test_format_vectors():
-    assert encode_header(1) == b"RQPJ" + b"\x01" + b"\0\0\0" + (1).to_bytes(8, "big")
+    assert encode_header(1) == b"RQPJ" + b"\x02" + b"\0\0\0" + (1).to_bytes(8, "big")
     body = b"\x01" + (5).to_bytes(8, "big") + (0x1122334455667788).to_bytes(8, "big") \
         + (3).to_bytes(4, "big") + b"abc"
     assert encode_append(5, 0x1122334455667788, b"abc") == \
@@ -57,6 +59,62 @@ def test_format_vectors():
     body = b"\x02" + (9).to_bytes(8, "big")
     assert encode_release(9) == b"\0\0\0\x09" + zlib.crc32(body).to_bytes(4, "big") + body
     assert RELEASE_ENTRY_SIZE == 17 and FILE_HEADER_SIZE == 16 and ENTRY_PREFIX_SIZE == 8
+
+
+def test_broadcast_entry_vectors():
+    body = b"\x03" + (5).to_bytes(8, "big") + (2).to_bytes(2, "big") \
+        + (0x10).to_bytes(8, "big") + b"\x0ehostA.lan:7777" + (0x11).to_bytes(8, "big") \
+        + b"\x0bhostB:77770"
+    assert encode_copies(5, ((0x10, "hostA.lan:7777"), (0x11, "hostB:77770"))) == \
+        len(body).to_bytes(4, "big") + zlib.crc32(body).to_bytes(4, "big") + body
+    body = b"\x04" + (5).to_bytes(8, "big") + (0x11).to_bytes(8, "big")
+    assert encode_copy_done(5, 0x11) == \
+        len(body).to_bytes(4, "big") + zlib.crc32(body).to_bytes(4, "big") + body
+
+
+def test_broadcast_copies_done_one_by_one(tmp_path):
+    copies = ((0x10, "a:1"), (0x11, "b:1"), (0x12, "c:1"))
+    with Journal(tmp_path) as j:
+        assert j.append([(0x10, b"rec", copies), (0x20, b"plain")]) == [1, 2]
+        assert j.copy_done([(1, 0x11), (1, 0x11), (1, 0x99), (2, 0x20)]) == []
+        assert j.live_entries()[0] == JournalEntry(1, 0x10, b"rec", ((0x10, "a:1"), (0x12, "c:1")))
+    with Journal(tmp_path) as j:  # the copies done survive a restart
+        assert j.recovered == [JournalEntry(1, 0x10, b"rec", ((0x10, "a:1"), (0x12, "c:1"))),
+                               JournalEntry(2, 0x20, b"plain")]
+        j.compact()  # and a compaction
+    with Journal(tmp_path) as j:
+        assert j.recovered[0].copies == ((0x10, "a:1"), (0x12, "c:1"))
+        assert j.copy_done([(1, 0x10), (1, 0x12)]) == [1]  # the last one releases it
+        assert live(j) == {2: (0x20, b"plain")}
+    with Journal(tmp_path) as j:
+        assert live(j) == {2: (0x20, b"plain")}
+        with pytest.raises(ValueError, match="1..65535 copies"):
+            j.append([(1, b"x", ())])
+
+
+def test_broadcast_release_torn_off_after_last_copy(tmp_path):
+    with Journal(tmp_path) as j:
+        j.append([(0x10, b"rec", ((0x10, "a:1"),))])
+        j.copy_done([(1, 0x10)])
+    path = tmp_path / "sender.journal"
+    path.write_bytes(path.read_bytes()[:-RELEASE_ENTRY_SIZE])  # a crash between the two
+    with Journal(tmp_path) as j:
+        assert j.recovered == [] and j.problems == []
+    with Journal(tmp_path) as j:
+        assert j.recovered == []
+
+
+def test_version_1_journal_is_read_and_rewritten(tmp_path):
+    path = tmp_path / "sender.journal"
+    path.write_bytes(b"RQPJ\x01\0\0\0" + (1).to_bytes(8, "big") + encode_append(1, 7, b"old")
+                     + encode_append(2, 8, b"gone") + encode_release(2))
+    with Journal(tmp_path) as j:
+        assert recovered(j) == {1: (7, b"old")}
+        assert len(j.problems) == 1 and "rewritten as version 2" in j.problems[0]
+        assert j.append([(9, b"new")]) == [3]
+    assert path.read_bytes()[4] == 2
+    with Journal(tmp_path) as j:
+        assert recovered(j) == {1: (7, b"old"), 3: (9, b"new")} and j.problems == []
 
 
 def test_new_journal_file(tmp_path):
@@ -314,9 +372,9 @@ def test_bad_header_moved_aside(tmp_path, content):
 
 
 def test_other_version_is_refused_untouched(tmp_path):
-    content = b"RQPJ\x02\x00\x00\x00" + (1).to_bytes(8, "big") + b"future entries"
+    content = b"RQPJ\x03\x00\x00\x00" + (1).to_bytes(8, "big") + b"future entries"
     (tmp_path / "sender.journal").write_bytes(content)
-    with pytest.raises(JournalError, match="version 2"):
+    with pytest.raises(JournalError, match="version 3"):
         Journal(tmp_path)
     assert (tmp_path / "sender.journal").read_bytes() == content
     assert list(tmp_path.glob("*corrupt*")) == []

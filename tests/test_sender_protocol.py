@@ -48,15 +48,19 @@ class Harness:
     def submit(self, queue_key=Q1, message_type=SURE_MSG, payload=b"x", **extras):
         return self.core.submit(message_type, queue_key, payload, self.now, **extras)
 
-    def sent(self, connect=True) -> list:
-        """Frames sent since the last call, decoded, as (host, event). Connections succeed."""
+    def sent(self, connect=True, down=()) -> list:
+        """Frames sent since the last call, decoded, as (host, event). Connections succeed,
+        but to the hosts in ``down``."""
         out = []
         self.actions()
         while self._seen < len(self.log):
             act = self.log[self._seen]
             self._seen += 1
             if isinstance(act, Connect) and connect:
-                self.core.connected(act.host, self.now)
+                if act.host in down:
+                    self.core.connect_failed(act.host, "Connection refused", self.now)
+                else:
+                    self.core.connected(act.host, self.now)
                 self.actions()
             elif isinstance(act, Send):
                 out += [(act.host, ev) for ev in FrameDecoder().events(act.data)]
@@ -66,14 +70,14 @@ class Harness:
         self.core.data_received(host, b"".join(frames), self.now)
 
     def serve(self, offers: dict, deliver=lambda host, msg: True, rounds=100,
-              ext=frozenset()) -> list:
+              ext=frozenset(), down=()) -> list:
         """Play the receiving MCAs until nothing more is sent: ``offers`` maps a host to the
         queue keys it offers; ``deliver`` says whether a MESSAGE is put; hosts in ``ext``
         answer asks with EXT_MESSAGE (spec section 6), the others as plain RQP/1 (data 0).
-        Returns the frames."""
+        Connections to the hosts in ``down`` fail. Returns the frames."""
         frames = []
         for _ in range(rounds):
-            batch = self.sent()
+            batch = self.sent(down=down)
             if not batch:
                 return frames
             frames += batch
@@ -419,13 +423,18 @@ def test_transition_table_matches_the_seed_diagram():
         ("Ask for queue", "expiry time passed while waiting", "Put message to DEAD.LETTER.Q"),
         ("Ask for queue", "Queue_yes only from plain RQP/1 hosts, message needs MESSAGE_EX",
          "Put message to DEAD.LETTER.Q"),
+        # spec section 6, broadcast: a copy its host declines; the last copy, if none went out
+        ("Ask for queue", "Queue_no (or, UNSURE, no answer) from a broadcast copy's host",
+         "not for this host (a broadcast copy its host declined)"),
+        ("Ask for queue", "Queue_no from every host of a broadcast (the last copy)",
+         "Put message to DEAD.LETTER.Q"),
         ("Increase error counter", "error counted", "lost (UNSURE, not confirmed)"),
         ("Put message to DEAD.LETTER.Q", "dead-lettered", "in DEAD.LETTER.Q"),
     }
     table_arrows = {(state.value, trigger.value, nxt.value)
                     for state, row in TRANSITIONS.items() for trigger, nxt in row.items()}
     assert table_arrows == seed_arrows
-    for final in (MsgState.DELIVERED, MsgState.LOST, MsgState.DEAD_LETTERED):
+    for final in (MsgState.DELIVERED, MsgState.LOST, MsgState.DEAD_LETTERED, MsgState.DECLINED):
         assert TRANSITIONS[final] == {}
 
 

@@ -9,9 +9,15 @@ System V adapter, the sending MCA (which dead-letters ``NO_QUEUE_KEY``) and the 
 
 from __future__ import annotations
 
+import re
+
 from rqp.protocol.constants import IPC_PRIVATE, KEY_T_MAX
 
-__all__ = ["KEY_T_MIN", "queue_key_problem", "normalize_key"]
+__all__ = ["KEY_T_MIN", "queue_key_problem", "normalize_key", "is_broadcast_name"]
+
+#: A broadcast name (spec section 6, NetarchiveSuite's ``<ENV>_ALL_<REPLICA>...``): its part
+#: after the environment prefix is ``ALL`` (``PROD_ALL_BA``), or it starts with ``ALL_``.
+_BROADCAST_NAME = re.compile(r"(?:[^_]+_)?ALL_.+")
 
 #: The most negative ``key_t``; ``-1`` is the same key as ``0xffffffff``.
 KEY_T_MIN = -(1 << 31)
@@ -32,3 +38,10 @@ def normalize_key(key: int) -> int:
     """A ``key_t`` written either way (``-1`` or ``0xffffffff``) as the unsigned number; other
     numbers unchanged (then :func:`queue_key_problem` says what is wrong with them)."""
     return key & KEY_T_MAX if KEY_T_MIN <= key < 0 else key
+
+
+def is_broadcast_name(name: str) -> bool:
+    """Whether a queue name names a broadcast channel: every host of ``.rqprc`` that offers it
+    gets a copy (spec section 6). ``PROD_ALL_BA_TWO`` and ``ALL_BA`` do; ``PROD_ANY_BA``,
+    ``PROD_THE_ALL_X`` and ``PROD_ALL`` do not."""
+    return _BROADCAST_NAME.fullmatch(name) is not None

@@ -26,7 +26,13 @@ send bytes, close, dead-letter, release). Every rule of the spec lives here:
 * priority: waiting messages of a higher priority go first; within one priority of a queue
   key the order is kept (decision 8 per priority);
 * expiry: a message whose ``expires_at_ms`` has passed (by the injected wall clock) is
-  dead-lettered ``EXPIRED`` instead of being sent, whenever that happens while it waits.
+  dead-lettered ``EXPIRED`` instead of being sent, whenever that happens while it waits;
+* broadcast (spec section 6): a message for a broadcast queue key becomes one copy per host of
+  ``.rqprc``, each with its own key, in a lane of its own (queue key, host) that asks only its
+  host. ``QUEUE_YES``: the copy is sent and assured like any message of its type; ``QUEUE_NO``
+  (or, UNSURE, no answer): that host gets none (:class:`Declined`); a SURE copy whose host does
+  not answer is asked again with back-off. If no copy was sent anywhere, the last one is
+  dead-lettered ``NO_ROUTE`` (a message never vanishes without a word).
 
 Each message walks the seed's state diagram, :data:`TRANSITIONS`; the MCA as a whole is in
 *Waiting for message* once opened.
@@ -55,7 +61,7 @@ from rqp.protocol.reasons import ReasonCode
 __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
     "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
-    "RouteInfo", "ROUTE_STATES",
+    "RouteInfo", "ROUTE_STATES", "Declined", "FanoutEnded", "Fanout",
 ]
 
 
@@ -72,6 +78,7 @@ class MsgState(enum.Enum):
     DELIVERED = "delivered"
     LOST = "lost (UNSURE, not confirmed)"
     DEAD_LETTERED = "in DEAD.LETTER.Q"
+    DECLINED = "not for this host (a broadcast copy its host declined)"
 
 
 class Trigger(enum.Enum):
@@ -86,6 +93,8 @@ class Trigger(enum.Enum):
     NO_HOST_LEFT_SURE = "Queue_no or timeout from every host, SURE"
     NO_HOST_CAN_CARRY = "Queue_yes only from plain RQP/1 hosts, message needs MESSAGE_EX"
     EXPIRED = "expiry time passed while waiting"
+    NO_HOST_TAKES_COPY = "Queue_no from every host of a broadcast (the last copy)"
+    DECLINED = "Queue_no (or, UNSURE, no answer) from a broadcast copy's host"
     SENT = "frame written"
     DELIVERED = "Delivered"
     ERROR_OR_TIMEOUT_UNSURE = "Delivered error or timeout, UNSURE"
@@ -111,6 +120,8 @@ TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
         T.NO_HOST_LEFT_SURE: S.WAITING_FOR_MESSAGE,
         T.NO_HOST_CAN_CARRY: S.PUT_TO_DEAD_LETTER_Q,
         T.EXPIRED: S.PUT_TO_DEAD_LETTER_Q,
+        T.NO_HOST_TAKES_COPY: S.PUT_TO_DEAD_LETTER_Q,
+        T.DECLINED: S.DECLINED,
     },
     S.SENDING_MESSAGE: {T.SENT: S.WAITING_FOR_CONFIRMATION},
     S.WAITING_FOR_CONFIRMATION: {
@@ -120,7 +131,7 @@ TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
     },
     S.INCREASE_ERROR_COUNTER: {T.COUNTED: S.LOST},
     S.PUT_TO_DEAD_LETTER_Q: {T.DEAD_LETTERED: S.DEAD_LETTERED},
-    S.DELIVERED: {}, S.LOST: {}, S.DEAD_LETTERED: {},
+    S.DELIVERED: {}, S.LOST: {}, S.DEAD_LETTERED: {}, S.DECLINED: {},
 }
 
 
@@ -140,6 +151,8 @@ class Settings:
     max_age: float | None = None
     #: The extension bits (spec section 6) offered in every QUEUE_ASK.
     extensions: int = KNOWN_EXTENSIONS
+    #: The broadcast queue keys (spec section 6): a copy for every host.
+    broadcast: frozenset = frozenset()
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -147,7 +160,7 @@ class Settings:
                    confirm_timeout=config.confirm_timeout, error_limit=config.error_limit,
                    window=config.window, backoff_initial=config.retry_backoff_initial,
                    backoff_max=config.retry_backoff_max, max_attempts=config.retry_max_attempts,
-                   max_age=config.retry_max_age)
+                   max_age=config.retry_max_age, broadcast=config.broadcast_keys)
 
     def backoff(self, failures: int) -> float:
         """Wait before attempt ``failures + 1``: the first retry is at once (the spec's "repeat
@@ -182,6 +195,9 @@ class Outgoing:
     mtype: int = 1  # spec section 6: the System V type it is put with
     priority: int = DEFAULT_PRIORITY
     expires_at_ms: int = 0  # Unix ms; 0 = never
+    #: A broadcast copy: the host it is for (None: an ordinary message) and its message's copies.
+    target: object = None
+    fanout: "Fanout | None" = field(default=None, repr=False)
 
     @property
     def needs_ex(self) -> bool:
@@ -192,6 +208,18 @@ class Outgoing:
     def wants_ex(self) -> bool:
         """It has extras a MESSAGE_EX carries (a plain MESSAGE may carry it without them)."""
         return self.mtype != 1 or self.priority != DEFAULT_PRIORITY or self.expires_at_ms != 0
+
+
+@dataclass(eq=False, slots=True)
+class Fanout:
+    """The copies of one broadcast message: how many have not ended, and what became of them."""
+
+    copies: int
+    remaining: int
+    #: Copies sent somewhere (delivered, lost after sending, or dead-lettered).
+    reached: int = 0
+    #: Why each host that declined gave none.
+    declined: list = field(default_factory=list)
 
 
 # --- actions: what the daemon must do --------------------------------------------------------
@@ -226,6 +254,23 @@ class DeadLetter:
 class Delivered:
     message: Outgoing
     host: object
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """A broadcast copy its host does not take (``QUEUE_NO``; UNSURE: no answer): it is done."""
+
+    message: Outgoing
+    host: object
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class FanoutEnded:
+    """Every copy of a broadcast message has ended (after the action of the last one)."""
+
+    message: Outgoing  # the last copy
+    fanout: Fanout
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +314,7 @@ class RouteInfo:
     delivered: int = 0
     lost: int = 0
     dead_lettered: int = 0
+    declined: int = 0  # broadcast copies the host did not take
     errors: int = 0  # unconfirmed attempts, all time
     route_changes: int = 0
     last_error: str = ""
@@ -333,9 +379,12 @@ class _Link:
 
 @dataclass(eq=False, slots=True)
 class _Lane:
-    """Everything the sender holds for one queue key, in order."""
+    """Everything the sender holds for one queue key (or one host's copies of a broadcast
+    key), in order."""
 
     queue_key: int
+    #: The host whose copies these are (broadcast); None: the lane asks every host.
+    target: object = None
     pending: deque = field(default_factory=deque)  # Outgoing not yet sent, by seq
     inflight: int = 0
     asking: object = None  # the host being asked, while asking
@@ -346,6 +395,13 @@ class _Lane:
     plain_yes: object = None
     #: The earliest expiry (Unix ms) of a pending message; 0 = none expires.
     next_expiry_ms: int = 0
+    #: A copies lane's host said QUEUE_NO in this round.
+    declined: bool = False
+
+    @property
+    def id(self):
+        """Its key in the lanes, routes and error counters: the queue key, or (key, host)."""
+        return self.queue_key if self.target is None else (self.queue_key, self.target)
 
 
 class SenderCore:
@@ -368,6 +424,8 @@ class SenderCore:
         self._seq = 0
         self._now = 0.0
         self.info: dict[int, RouteInfo] = {}
+        #: Per (broadcast queue key, host): how its copies fared (rqpctl status).
+        self.copies_info: dict[tuple[int, object], RouteInfo] = {}
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -407,12 +465,16 @@ class SenderCore:
 
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
                origin: object = None, key: int = 0, *, mtype: int = 1,
-               priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0) -> Outgoing:
+               priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0,
+               copies=None) -> Outgoing:
         """A record taken from the transmission queue.
 
         ``key``: the unique key already given to it (a SURE message is given its key when it is
         journaled, so that it keeps it across restarts); 0 = give one at the first send.
         ``mtype``, ``priority``, ``expires_at_ms``: the record's extras (spec section 6).
+        ``copies``: for a broadcast queue key, ``((key, host), ...)``, the copies not done yet
+        (journaled with the message; a host by its ``str``); None: one per host, keys given
+        here. Returns the message (a broadcast one: its first copy).
         """
         self._now = now
         self._seq += 1
@@ -431,13 +493,45 @@ class SenderCore:
         if self._expired(msg):
             self._expire(msg)
             return msg
-        lane = self._lanes.get(queue_key)
+        if queue_key in self.settings.broadcast:
+            return self._fan_out(msg, copies)
+        self._place(msg, None)
+        return msg
+
+    def _place(self, msg: Outgoing, target) -> None:
+        """Into the lane of its queue key (of its host, for a copy), and on as far as it goes."""
+        lane_id = msg.queue_key if target is None else (msg.queue_key, target)
+        lane = self._lanes.get(lane_id)
         if lane is None:
-            lane = self._lanes[queue_key] = _Lane(queue_key)
-            self._info(queue_key)
+            lane = self._lanes[lane_id] = _Lane(msg.queue_key, target)
+            self._info(msg.queue_key)
         self._enqueue(lane, msg)
         self._pump(lane)
-        return msg
+
+    def _fan_out(self, msg: Outgoing, copies) -> Outgoing:
+        """One copy of ``msg`` per host (spec section 6, broadcast names)."""
+        by_name = {str(host): host for host in self.settings.hosts}
+        if copies is None:
+            copies = [(self._new_key(), host) for host in self.settings.hosts]
+        copies = [(key, by_name.get(str(host), host)) for key, host in copies]
+        fanout = Fanout(len(copies), len(copies))
+        made = []
+        for key, host in copies:
+            self._seq += 1
+            made.append(Outgoing(self._seq, msg.message_type, msg.queue_key, msg.payload,
+                                 msg.taken_at, msg.origin, key, mtype=msg.mtype,
+                                 priority=msg.priority, expires_at_ms=msg.expires_at_ms,
+                                 target=host, fanout=fanout))
+        for copy in made:
+            if copy.target in self._links and copy.target in self.settings.hosts:
+                self._copy_info(copy.queue_key, copy.target)
+                self._place(copy, copy.target)
+            else:
+                self._fire(copy, T.INVALID_MESSAGE)
+                self._dead_letter(copy, ReasonCode.NO_ROUTE,
+                                  f"copy for host {copy.target} of broadcast queue "
+                                  f"{copy.queue_key:#x}: the host is no longer in .rqprc")
+        return made[0] if made else msg
 
     @staticmethod
     def _enqueue(lane: _Lane, msg: Outgoing) -> None:
@@ -594,7 +688,7 @@ class SenderCore:
                 continue
             if lane.retry_at > self._now:
                 return
-            host = self.routes.get(lane.queue_key)
+            host = self.routes.get(lane.id)
             if host is None:
                 if lane.inflight:
                     return  # let the frames already sent settle first, to keep the order
@@ -607,7 +701,7 @@ class SenderCore:
             if head.needs_ex and not (link.agreed or 0) & EXT_MESSAGE:
                 # Not on this connection: a plain RQP/1 peer, or one not asked since it
                 # connected. Ask (again), for a host that takes MESSAGE_EX (spec section 6).
-                self._drop_route(lane.queue_key, host,
+                self._drop_route(lane.id, host,
                                  f"mtype {head.mtype} needs MESSAGE_EX and this connection "
                                  + ("is plain RQP/1" if link.agreed is not None
                                     else "has not said whether it takes it yet"))
@@ -627,6 +721,10 @@ class SenderCore:
         info.sent += 1
         info.sent_bytes += len(msg.payload)
         info.last_message_at = self._now
+        if msg.target is not None:
+            copy_info = self._copy_info(msg.queue_key, msg.target)
+            copy_info.sent += 1
+            copy_info.last_message_at = self._now
         if msg.wants_ex and (link.agreed or 0) & EXT_MESSAGE:
             data = encode_message_ex(msg.message_type, msg.key, msg.queue_key, msg.payload,
                                      msg.mtype, msg.priority, 0, msg.expires_at_ms)
@@ -646,7 +744,8 @@ class SenderCore:
         if index == 0:
             lane.refusals = []
             lane.plain_yes = None
-        hosts = self.settings.hosts
+            lane.declined = False
+        hosts = self._hosts_for(lane)
         while index < len(hosts):
             link = self._links[hosts[index]]
             if link.state is LinkState.DOWN and link.retry_at > self._now:
@@ -668,6 +767,12 @@ class SenderCore:
             return
         self._no_route(lane)
 
+    def _hosts_for(self, lane: _Lane) -> tuple:
+        """Whom ``lane`` asks, in order: every host of ``.rqprc``, or a copy's own host."""
+        if lane.target is None:
+            return self.settings.hosts
+        return (lane.target,) if lane.target in self.settings.hosts else ()
+
     def _asked_for(self, msg: Outgoing) -> None:
         """``msg`` is (now) the head of a lane whose queue is being asked for. The answer is
         about the queue key, so it counts for whichever message heads the lane when it comes
@@ -677,9 +782,13 @@ class SenderCore:
 
     def _no_route(self, lane: _Lane) -> None:
         lane.asking = None
-        hosts = ", ".join(map(str, self.settings.hosts))
-        why = "; ".join(lane.refusals) or f"asked {hosts}"
+        hosts = ", ".join(map(str, self._hosts_for(lane)))
+        why = "; ".join(lane.refusals) or (f"asked {hosts}" if hosts else
+                                           f"host {lane.target} is no longer in .rqprc")
         lane.refusals = []
+        if lane.target is not None and (lane.declined or not hosts):
+            self._decline(lane, why)
+            return
         plain, lane.plain_yes = lane.plain_yes, None
         if plain is not None and lane.pending and lane.pending[0].needs_ex:
             self._cannot_carry(lane, plain, why)
@@ -688,6 +797,9 @@ class SenderCore:
         while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
             msg = lane.pending.popleft()
             self._asked_for(msg)
+            if msg.target is not None:  # an UNSURE copy: its host did not say yes
+                self._declined(msg, why)
+                continue
             self._fire(msg, T.NO_HOST_LEFT_UNSURE)
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
                               f"no host offers queue {lane.queue_key:#x} ({why})")
@@ -698,10 +810,52 @@ class SenderCore:
             head.failures += 1
             head.last_error = f"no host offers queue {lane.queue_key:#x} ({why})"
             self._error(lane.queue_key, head.last_error)
+            if lane.target is not None:
+                info = self._copy_info(lane.queue_key, lane.target)
+                info.last_error, info.last_error_at = head.last_error, self._now
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
         else:
             self._forget_if_idle(lane)
+
+    def _decline(self, lane: _Lane, why: str) -> None:
+        """A copies lane's host said QUEUE_NO: its waiting copies are done. If it has left
+        ``.rqprc``, its waiting SURE copies are dead-lettered (never dropped unseen)."""
+        removed = not self._hosts_for(lane)
+        self._note(NoteKind.NO_ROUTE, lane.queue_key, lane.target, f"no copy: {why}")
+        while lane.pending:
+            msg = lane.pending.popleft()
+            self._asked_for(msg)
+            if removed and msg.message_type == SURE_MSG:
+                self._fire(msg, T.NO_HOST_TAKES_COPY)
+                self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy of broadcast queue "
+                                  f"{msg.queue_key:#x} for a host no longer in .rqprc ({why})")
+            else:
+                self._declined(msg, why)
+        self._forget_if_idle(lane)
+
+    def _declined(self, msg: Outgoing, why: str) -> None:
+        """``msg`` (a copy in Ask for queue) goes to none: its host declined it. The last copy
+        of a message that reached no host is dead-lettered instead (NO_ROUTE)."""
+        fanout = msg.fanout
+        fanout.declined.append(why)
+        if fanout.remaining == 1 and not fanout.reached:
+            self._fire(msg, T.NO_HOST_TAKES_COPY)
+            self._dead_letter(msg, ReasonCode.NO_ROUTE,
+                              f"no host takes broadcast queue {msg.queue_key:#x} ("
+                              + "; ".join(fanout.declined) + ")")
+            return
+        self._fire(msg, T.DECLINED)
+        self._copy_info(msg.queue_key, msg.target).declined += 1
+        self._actions.append(Declined(msg, msg.target, why))
+        self._copy_ended(msg, reached=False)
+
+    def _copy_ended(self, msg: Outgoing, reached: bool) -> None:
+        fanout = msg.fanout
+        fanout.remaining -= 1
+        fanout.reached += reached
+        if not fanout.remaining:
+            self._actions.append(FanoutEnded(msg, fanout))
 
     def _cannot_carry(self, lane: _Lane, plain, why: str) -> None:
         """Only plain RQP/1 hosts offer the queue: the messages at the head that need
@@ -716,7 +870,7 @@ class SenderCore:
                               f"mtype {msg.mtype} needs MESSAGE_EX (spec section 6), and the "
                               f"hosts that offer queue {lane.queue_key:#x} do not take it ({why})")
         if lane.pending:
-            self.routes[lane.queue_key] = plain
+            self.routes[lane.id] = plain
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, plain, "plain RQP/1")
             self._pump(lane)
         self._forget_if_idle(lane)
@@ -750,6 +904,7 @@ class SenderCore:
                 self._ask_answered(link, lane, False, f"QUEUE_YES, but plain RQP/1 cannot "
                                    f"carry mtype {head.mtype}")
             else:
+                lane.declined = lane.declined or not yes
                 self._ask_answered(link, lane, yes, "QUEUE_NO")
         else:
             if isinstance(event, DeliveredYes):
@@ -771,8 +926,8 @@ class SenderCore:
             raise LocalProtocolError(f"answer to an ask not pending for {link.host}")
         if yes:
             lane.asking = None
-            self.routes[lane.queue_key] = link.host
-            self.errors.pop((link.host, lane.queue_key), None)
+            self.routes[lane.id] = link.host
+            self.errors.pop((link.host, lane.id), None)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
             self._pump(lane)
             self._forget_if_idle(lane)
@@ -781,14 +936,14 @@ class SenderCore:
             if lane.pending:
                 self._asked_for(lane.pending[0])
                 self._fire(lane.pending[0], T.QUEUE_NO_OR_TIMEOUT)
-                self._ask(lane, self._next_index(link.host))
+                self._ask(lane, self._next_index(lane, link.host))
             else:  # the messages were taken out meanwhile (a graceful stop)
                 lane.asking = None
 
-    def _next_index(self, host) -> int:
+    def _next_index(self, lane: _Lane, host) -> int:
         """Where asking goes on after ``host``: the host after it in ``.rqprc`` (the end of
         the list, if a reload removed it, so the round ends there)."""
-        hosts = self.settings.hosts
+        hosts = self._hosts_for(lane)
         return hosts.index(host) + 1 if host in hosts else len(hosts)
 
     def update_settings(self, settings: Settings, now: float) -> None:
@@ -806,26 +961,36 @@ class SenderCore:
             if host in removed:
                 self._drop_route(key, host, "host removed from .rqprc")
         for lane in list(self._lanes.values()):
+            if lane.target in removed and lane.asking is None:
+                lane.retry_at = 0.0  # its copies are done with now, not after a back-off
             self._pump(lane)
 
     def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         lane.inflight -= 1
-        self.errors.pop((link.host, lane.queue_key), None)
+        self.errors.pop((link.host, lane.id), None)
         self._fire(msg, T.DELIVERED)
         self._info(msg.queue_key).delivered += 1
         self._actions.append(Delivered(msg, link.host))
+        if msg.fanout is not None:
+            self._copy_info(msg.queue_key, msg.target).delivered += 1
+            self._copy_ended(msg, reached=True)
         self._pump(lane)
         self._forget_if_idle(lane)
 
     def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
         lane.inflight -= 1
         msg.last_error = f"{why} from {link.host}"
-        key = lane.queue_key
-        info = self._error(key, msg.last_error)
+        key = lane.id
+        info = self._error(lane.queue_key, msg.last_error)
         info.errors += 1
+        copy_info = None if msg.target is None else self._copy_info(msg.queue_key, msg.target)
+        if copy_info is not None:
+            copy_info.errors += 1
+            copy_info.last_error, copy_info.last_error_at = msg.last_error, self._now
         if msg.message_type == UNSURE_MSG:
             info.lost += 1
-        if msg.message_type == UNSURE_MSG:
+            if copy_info is not None:
+                copy_info.lost += 1
             self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
@@ -836,6 +1001,8 @@ class SenderCore:
                                  f"{self.settings.error_limit}")
             self._fire(msg, T.COUNTED)
             self._actions.append(Lost(msg, link.host, msg.last_error))
+            if msg.fanout is not None:
+                self._copy_ended(msg, reached=True)
         else:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
             msg.failures += 1
@@ -850,11 +1017,13 @@ class SenderCore:
         """Put ``msg`` back in its place (by priority, then the order it was taken in)."""
         self._enqueue(lane, msg)
 
-    def _drop_route(self, queue_key: int, host, why: str) -> None:
-        if self.routes.get(queue_key) == host:
-            del self.routes[queue_key]
-            self.errors.pop((host, queue_key), None)
-            self._note(NoteKind.ROUTE_DROPPED, queue_key, host, why)
+    def _drop_route(self, route, host, why: str) -> None:
+        """``route``: a lane's id (a queue key, or (queue key, host) for broadcast copies)."""
+        if self.routes.get(route) == host:
+            del self.routes[route]
+            self.errors.pop((host, route), None)
+            self._note(NoteKind.ROUTE_DROPPED, route if isinstance(route, int) else route[0],
+                       host, why)
 
     # --- connections --------------------------------------------------------------------------
 
@@ -890,7 +1059,7 @@ class SenderCore:
                 self._forget_if_idle(lane)
             elif lane.asking == link.host:
                 lane.asking = None  # the ask could not be sent yet: send it now
-                hosts = self.settings.hosts
+                hosts = self._hosts_for(lane)
                 self._ask(lane, hosts.index(link.host) if link.host in hosts else len(hosts))
             else:
                 self._pump(lane)
@@ -917,11 +1086,11 @@ class SenderCore:
                 self._not_confirmed(link, frame.lane, frame.msg, why)
         # Lanes that were waiting for this link to come up (and were not just dealt with).
         for lane in waiting:
-            if lane in link.waiting or lane.queue_key not in self._lanes:
+            if lane in link.waiting or lane.id not in self._lanes:
                 continue
             if lane.asking == link.host:
                 self._ask_answered(link, lane, False, why)
-            elif lane.pending and self.routes.get(lane.queue_key) == link.host:
+            elif lane.pending and self.routes.get(lane.id) == link.host:
                 self._route_unreachable(link, lane, why)
             else:
                 self._pump(lane)
@@ -929,9 +1098,9 @@ class SenderCore:
     def _route_unreachable(self, link: _Link, lane: _Lane, why: str) -> None:
         """A routed lane's receiver cannot be reached: an unconfirmed attempt for its head."""
         head = lane.pending[0]
-        key = lane.queue_key
+        key = lane.id
         head.last_error = f"{link.host}: {why}"
-        self._error(key, head.last_error)
+        self._error(lane.queue_key, head.last_error)
         if head.message_type == SURE_MSG:
             self._drop_route(key, link.host, f"SURE message waiting and {why}")
         else:
@@ -954,10 +1123,13 @@ class SenderCore:
             self._info(msg.queue_key).dead_lettered += 1
         self._actions.append(DeadLetter(msg, reason, detail))
         self._fire(msg, T.DEAD_LETTERED)
+        if msg.fanout is not None:
+            self._copy_info(msg.queue_key, msg.target).dead_lettered += 1
+            self._copy_ended(msg, reached=True)
 
     def _forget_if_idle(self, lane: _Lane) -> None:
         if not lane.pending and not lane.inflight and lane.asking is None:
-            self._lanes.pop(lane.queue_key, None)
+            self._lanes.pop(lane.id, None)
             for link in self._links.values():
                 link.waiting.pop(lane, None)
 
@@ -975,48 +1147,106 @@ class SenderCore:
         info.last_error, info.last_error_at = text, self._now
         return info
 
+    def _copy_info(self, queue_key: int, host) -> RouteInfo:
+        info = self.copies_info.get((queue_key, host))
+        if info is None:
+            info = self.copies_info[(queue_key, host)] = RouteInfo(queue_key, since=self._now)
+        return info
+
     def _info(self, queue_key: int) -> RouteInfo:
         info = self.info.get(queue_key)
         if info is None:
             info = self.info[queue_key] = RouteInfo(queue_key, since=self._now)
         return info
 
+    def _lane_state(self, lane: _Lane | None, host, info: RouteInfo) -> str:
+        if lane is not None and lane.asking is not None:
+            return "asking"
+        if lane is not None and lane.pending and lane.retry_at > self._now:
+            return "retrying"
+        if host is not None:
+            return "running" if self._links[host].state is LinkState.UP else "connecting"
+        if info.last_event == NoteKind.NO_ROUTE.value:
+            return "no route"
+        return "idle"
+
+    def _copies_status(self, key: int) -> list[dict]:
+        """Per host, how the copies of broadcast queue ``key`` fare."""
+        out = []
+        for (queue_key, host), info in self.copies_info.items():
+            if queue_key != key:
+                continue
+            lane, route = self._lanes.get((key, host)), self.routes.get((key, host))
+            state = ("declined" if info.declined and lane is None and route is None
+                     else self._lane_state(lane, route, info))
+            out.append({
+                "peer": str(host), "state": state, "sent": info.sent,
+                "delivered": info.delivered, "declined": info.declined, "lost": info.lost,
+                "dead_lettered": info.dead_lettered, "errors": info.errors,
+                "in_flight": lane.inflight if lane is not None else 0,
+                "waiting": len(lane.pending) if lane is not None else 0,
+                "last_error": info.last_error, "last_error_at": info.last_error_at,
+                "last_message_at": info.last_message_at,
+            })
+        return out
+
     def route_status(self) -> list[dict]:
-        """Every queue key this sending MCA has handled: its route and its state in words."""
+        """Every queue key this sending MCA has handled: its route and its state in words; a
+        broadcast key: its copies per host under ``copies``."""
         out = []
         for key in sorted(self.info):
             info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
-            if lane is not None and lane.asking is not None:
-                state = "asking"
-            elif lane is not None and lane.pending and lane.retry_at > self._now:
-                state = "retrying"
-            elif host is not None:
-                state = "running" if self._links[host].state is LinkState.UP else "connecting"
-            elif info.last_event == NoteKind.NO_ROUTE.value:
-                state = "no route"
+            copies = self._copies_status(key) if key in self.settings.broadcast else None
+            if copies:
+                states = {c["state"] for c in copies}
+                state = next((s for s in ("retrying", "asking", "connecting", "running")
+                              if s in states), "idle")
+                in_flight = sum(c["in_flight"] for c in copies)
+                waiting = sum(c["waiting"] for c in copies)
             else:
-                state = "idle"
+                state = self._lane_state(lane, host, info)
+                in_flight = lane.inflight if lane is not None else 0
+                waiting = len(lane.pending) if lane is not None else 0
             out.append({
                 "queue_key": key, "peer": None if host is None else str(host), "state": state,
                 "since": info.since, "sent": info.sent, "sent_bytes": info.sent_bytes,
                 "delivered": info.delivered, "lost": info.lost,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "error_counter": self.errors.get((host, key), 0) if host is not None else 0,
-                "in_flight": lane.inflight if lane is not None else 0,
-                "waiting": len(lane.pending) if lane is not None else 0,
+                "in_flight": in_flight, "waiting": waiting,
                 "route_changes": info.route_changes, "last_error": info.last_error,
                 "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
             })
+            if copies is not None:
+                out[-1]["broadcast"] = True
+                out[-1]["copies"] = copies
         return out
 
     def drain_pending(self) -> list[Outgoing]:
-        """Take out every message not in flight, in the order taken (for a graceful stop)."""
-        out = []
+        """Take out every message not in flight, in the order taken (for a graceful stop).
+
+        A broadcast message none of whose copies has been sent or ended comes out once (its
+        first copy); UNSURE copies of one partly sent end :class:`Lost` (putting the record
+        back would send it to the hosts that have it again); SURE ones stay journaled."""
+        out, copies = [], {}
         for lane in list(self._lanes.values()):
-            out += lane.pending
+            for msg in lane.pending:
+                if msg.fanout is None:
+                    out.append(msg)
+                else:
+                    copies.setdefault(msg.fanout, []).append(msg)
             lane.pending.clear()
             lane.retry_at = 0.0
             self._forget_if_idle(lane)
+        for fanout, msgs in copies.items():
+            if len(msgs) == fanout.copies and not any(m.attempts for m in msgs):
+                out.append(min(msgs, key=lambda m: m.seq))
+                continue
+            for msg in msgs:
+                if msg.message_type == UNSURE_MSG:
+                    self._actions.append(Lost(msg, msg.target, "the sending MCA stopped before "
+                                              "this broadcast copy was sent"))
+                    self._copy_ended(msg, reached=False)
         return sorted(out, key=lambda m: m.seq)
 
 

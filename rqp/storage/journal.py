@@ -15,7 +15,8 @@ File header
 offset  size  field       meaning
 ======  ====  ==========  ====================================================================
 0       4     magic       the bytes ``"RQPJ"`` (0x52 0x51 0x50 0x4A)
-4       1     version     1
+4       1     version     2 (a version-1 file, which cannot hold broadcast entries, is read
+                          and rewritten as version 2 at open)
 5       3     reserved    0 0 0
 8       8     base_seq    the first seq this file may contain: 1 for a new journal; after a
                           compaction the smallest live seq, or the next seq if none is live
@@ -30,22 +31,34 @@ offset  size  field           meaning
 0       4     length          L: the number of bytes after the crc, from ``kind`` to the end of
                               the entry (9 for RELEASE, 21 + n for APPEND); at most 64 MiB
 4       4     crc32           ``zlib.crc32`` of those L bytes (offsets 8 .. 8+L-1)
-8       1     kind            1 = APPEND, 2 = RELEASE
+8       1     kind            1 = APPEND, 2 = RELEASE, 3 = COPIES, 4 = COPY_DONE
 9       8     seq             journal sequence number (see below)
 ------  ----  --------------  ---- APPEND only ---------------------------------------------
 17      8     key             the RQP unique message key given to the message
 25      4     record_length   n = L - 21
 29      n     record          the transmission record exactly as taken from the queue
+------  ----  --------------  ---- COPIES only ---------------------------------------------
+17      2     count           c: the copies of a broadcast message (spec section 6), one per
+                              host of ``.rqprc`` when it was taken; then c times:
++0      8     key             the copy's own RQP key
++8      1     host_length     h
++9      h     host            the host, as written in ``.rqprc`` (``host:port``), UTF-8
+------  ----  --------------  ---- COPY_DONE only -------------------------------------------
+17      8     key             the copy with this key is finished (delivered, declined by its
+                              host with QUEUE_NO, or dead-lettered)
 ======  ====  ==============  ================================================================
 
-An APPEND entry is 29 + n bytes, a RELEASE entry 17 bytes.
+An APPEND entry is 29 + n bytes, a RELEASE entry 17 bytes, a COPY_DONE entry 25 bytes. A COPIES
+entry follows the APPEND of its seq in the same write; a COPIES or COPY_DONE of a seq that is
+not live is ignored. A broadcast message is released when all its copies are done.
 
 Sequence numbers
 ================
 
 Every APPEND gets the next seq; seqs are strictly increasing over the whole life of the journal,
 across compactions and restarts, and never repeat. A RELEASE names the seq of an earlier APPEND.
-On replay, the *live* messages are the APPENDs without a later RELEASE of the same seq, and
+On replay, the *live* messages are the APPENDs without a later RELEASE of the same seq (with
+their copies not done, for a broadcast message), and
 numbering continues after the largest seq seen in the file, released ones included. So that a
 compaction does not forget the largest seq when it was released, the compacted file ends with a
 RELEASE of that seq (a "high-water mark": it releases nothing, it only carries the number).
@@ -131,7 +144,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import construct
-from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Rebuild, Struct, len_, this
+from construct import (
+    Array, Bytes, Const, Int8ub, Int16ub, Int32ub, Int64ub, PascalString, Rebuild, Struct, len_,
+    this,
+)
 
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
@@ -139,6 +155,8 @@ from rqp.storage.log import LogFile, ReplaceFailed
 
 __all__ = [
     "APPEND_BODY",
+    "COPIES_BODY",
+    "COPY_DONE_BODY",
     "APPEND_FIXED",
     "APPEND_FIXED_SIZE",
     "ENTRY_PREFIX",
@@ -148,6 +166,9 @@ __all__ = [
     "JOURNAL_MAGIC",
     "JOURNAL_VERSION",
     "KIND_APPEND",
+    "KIND_COPIES",
+    "KIND_COPY_DONE",
+    "MAX_COPIES",
     "KIND_RELEASE",
     "MAX_ENTRY_LENGTH",
     "MAX_RECORD_SIZE",
@@ -157,14 +178,20 @@ __all__ = [
     "JournalEntry",
     "JournalError",
     "encode_append",
+    "encode_copies",
+    "encode_copy_done",
     "encode_header",
     "encode_release",
 ]
 
 JOURNAL_MAGIC = b"RQPJ"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
+#: Versions this program reads (1 has no COPIES/COPY_DONE; it is rewritten as 2 at open).
+READABLE_VERSIONS = (1, 2)
 KIND_APPEND = 1
 KIND_RELEASE = 2
+KIND_COPIES = 3
+KIND_COPY_DONE = 4
 #: The largest ``length`` an entry may have; anything larger is taken for corruption.
 MAX_ENTRY_LENGTH = 64 << 20
 
@@ -212,6 +239,24 @@ RELEASE_BODY = Struct(
 _RELEASE_BODY_SIZE: int = RELEASE_BODY.sizeof()
 RELEASE_ENTRY_SIZE: int = ENTRY_PREFIX_SIZE + _RELEASE_BODY_SIZE
 
+#: The checksummed part of a COPIES entry: the copies of a broadcast message, key and host each.
+COPIES_BODY = Struct(
+    "kind" / Const(KIND_COPIES, Int8ub),
+    "seq" / Int64ub,
+    "count" / Rebuild(Int16ub, len_(this.copies)),
+    "copies" / Array(this.count, Struct("key" / Int64ub, "host" / PascalString(Int8ub, "utf8"))),
+)
+
+#: The checksummed part of a COPY_DONE entry (17 bytes).
+COPY_DONE_BODY = Struct(
+    "kind" / Const(KIND_COPY_DONE, Int8ub),
+    "seq" / Int64ub,
+    "key" / Int64ub,
+)
+_COPY_DONE_BODY_SIZE: int = COPY_DONE_BODY.sizeof()
+#: Most copies one message may have (the count is a uint16).
+MAX_COPIES = 0xFFFF
+
 #: The largest transmission record an APPEND can hold.
 MAX_RECORD_SIZE = MAX_ENTRY_LENGTH - APPEND_FIXED_SIZE
 
@@ -222,6 +267,11 @@ _HEADER_C = FILE_HEADER.compile()
 _PREFIX_C = ENTRY_PREFIX.compile()
 _APPEND_C = APPEND_BODY.compile()
 _RELEASE_C = RELEASE_BODY.compile()
+_COPIES_C = COPIES_BODY.compile()
+_COPY_DONE_C = COPY_DONE_BODY.compile()
+
+#: A broadcast message's copies still to be done: ``((key, host), ...)``.
+Copies = tuple
 
 
 def encode_header(base_seq: int) -> bytes:
@@ -243,6 +293,25 @@ def encode_release(seq: int) -> bytes:
     return _entry(_RELEASE_C.build({"seq": seq}))
 
 
+def encode_copies(seq: int, copies: Copies) -> bytes:
+    """One whole COPIES entry: ``copies`` is ``((key, host), ...)``."""
+    return _entry(_COPIES_C.build({"seq": seq, "copies": [{"key": k, "host": h}
+                                                          for k, h in copies]}))
+
+
+def encode_copy_done(seq: int, key: int) -> bytes:
+    """One whole COPY_DONE entry."""
+    return _entry(_COPY_DONE_C.build({"seq": seq, "key": key}))
+
+
+def _encode_live(seq: int, key: int, record: bytes, copies) -> bytes:
+    """An APPEND, with the COPIES of a broadcast message (``copies``: ``{key: host}`` or pairs)."""
+    data = encode_append(seq, key, record)
+    if copies is not None:
+        data += encode_copies(seq, tuple(copies.items()) if isinstance(copies, dict) else copies)
+    return data
+
+
 def _describe(exc: BaseException) -> str:
     """An error for a message: an OSError's text ("[Errno 28] No space left on device"), else
     what it is (KeyboardInterrupt has no text of its own)."""
@@ -253,11 +322,12 @@ def _append_size(record: bytes) -> int:
     return ENTRY_PREFIX_SIZE + APPEND_FIXED_SIZE + len(record)
 
 
-def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, bytes, int]:
+def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, object, int]:
     """Decode the entry at ``offset``: ``(kind, seq, key, record, end offset)``.
 
-    ``key`` and ``record`` are 0 and ``b""`` for a RELEASE. Raises :class:`RecordError` saying
-    what is wrong (a torn tail: the file ends inside an entry; or a bad entry).
+    ``key`` and ``record`` are 0 and ``b""`` for a RELEASE; for COPIES ``record`` is the
+    copies, ``((key, host), ...)``. Raises :class:`RecordError` saying what is wrong (a torn
+    tail: the file ends inside an entry; or a bad entry).
     """
     available = len(data) - offset
     if available < ENTRY_PREFIX_SIZE:
@@ -291,6 +361,21 @@ def _decode_entry(data: bytes, offset: int) -> tuple[int, int, int, bytes, int]:
         if length != _RELEASE_BODY_SIZE:
             raise RecordError(f"RELEASE entry of length {length} (must be {_RELEASE_BODY_SIZE})")
         return kind, _RELEASE_C.parse(body).seq, 0, b"", end
+    if kind == KIND_COPY_DONE:
+        if length != _COPY_DONE_BODY_SIZE:
+            raise RecordError(f"COPY_DONE entry of length {length} (must be "
+                              f"{_COPY_DONE_BODY_SIZE})")
+        c = _COPY_DONE_C.parse(body)
+        return kind, c.seq, c.key, b"", end
+    if kind == KIND_COPIES:
+        try:
+            c = COPIES_BODY.parse(body)
+        except (construct.ConstructError, UnicodeDecodeError) as exc:
+            raise RecordError(f"COPIES entry of length {length} is malformed: {exc}") from None
+        if len(COPIES_BODY.build(c)) != length:
+            raise RecordError(f"COPIES entry of length {length} has bytes after its "
+                              f"{c.count} copies")
+        return kind, c.seq, 0, tuple((x.key, x.host) for x in c.copies), end
     raise RecordError(f"unknown entry kind {kind}")
 
 
@@ -310,6 +395,8 @@ class JournalEntry:
     seq: int       #: journal sequence number
     key: int       #: the RQP unique message key given to the message
     record: bytes  #: the transmission record exactly as taken from the queue
+    #: A broadcast message's copies not done yet, ``((key, host), ...)``; None: not broadcast.
+    copies: Copies | None = None
 
 
 class Journal:
@@ -335,6 +422,7 @@ class Journal:
         self._fsync = fsync
         self._cond = threading.Condition(threading.Lock())
         self._live: dict[int, tuple[int, bytes]] = {}  # seq -> (key, record), in seq order
+        self._copies: dict[int, dict[int, str]] = {}  # live broadcast seq -> {key: host} not done
         self._live_bytes = 0
         self._next_seq = 1
         self._retired: list[int] = []  # descriptors of replaced files still used by a syncer
@@ -350,7 +438,7 @@ class Journal:
             os.close(self._lock_fd)
             self._closed = True
             raise
-        self.recovered = [JournalEntry(s, k, r) for s, (k, r) in self._live.items()]
+        self.recovered = self._entries()
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -383,9 +471,10 @@ class Journal:
                 else None
         except construct.ConstructError:
             header = None
-        if header is not None and header.version != JOURNAL_VERSION:
+        if header is not None and header.version not in READABLE_VERSIONS:
             raise JournalError(f"journal {self.path} has version {header.version}; this program "
-                               f"reads version {JOURNAL_VERSION} (left untouched)")
+                               f"reads versions {', '.join(map(str, READABLE_VERSIONS))} (left "
+                               f"untouched)")
         if header is None:
             aside = self._file.move_aside("corrupt")
             what = (f"{len(data)} bytes, shorter than the {FILE_HEADER_SIZE}-byte header"
@@ -397,6 +486,16 @@ class Journal:
             self._create(1)
             return
         self._replay(data, header.base_seq)
+        finished = [seq for seq, left in self._copies.items() if not left]
+        if finished:  # every copy done, the RELEASE torn off: released now
+            self._write(b"".join(encode_release(seq) for seq in finished))
+            for seq in finished:
+                self._live_bytes -= _append_size(self._live.pop(seq)[1])
+                del self._copies[seq]
+        if header.version != JOURNAL_VERSION:
+            self._compact_locked()  # nothing else uses it yet; a version-1 reader would drop
+            self._report(f"version-{header.version} journal rewritten as version "  # kinds 3, 4
+                         f"{JOURNAL_VERSION} ({len(self._live)} live message(s) kept)")
 
     def _replay(self, data: bytes, base_seq: int) -> None:
         live = self._live
@@ -419,10 +518,18 @@ class Journal:
                                  f"(largest seq before it {max_seq}, base_seq {base_seq}); kept")
                 live[seq] = (key, record)
                 self._live_bytes += _append_size(record)
+            elif kind == KIND_COPIES:
+                if seq in live:
+                    self._copies[seq] = dict(record)
+            elif kind == KIND_COPY_DONE:
+                self._copies.get(seq, {}).pop(key, None)
+                offset = end
+                continue  # (names an APPEND's seq: not a seq of its own)
             else:
                 # A RELEASE of a seq that is not live is the high-water mark of a compaction.
                 if seq in live:
                     self._live_bytes -= _append_size(live.pop(seq)[1])
+                    self._copies.pop(seq, None)
             max_seq = max(max_seq, seq)
             offset = end
         self._file.size = offset
@@ -484,7 +591,12 @@ class Journal:
     def live_entries(self) -> list[JournalEntry]:
         """The live entries now, in seq order."""
         with self._cond:
-            return [JournalEntry(s, k, r) for s, (k, r) in self._live.items()]
+            return self._entries()
+
+    def _entries(self) -> list[JournalEntry]:
+        copies = self._copies
+        return [JournalEntry(s, k, r, tuple(copies[s].items()) if s in copies else None)
+                for s, (k, r) in self._live.items()]
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -522,16 +634,21 @@ class Journal:
                     self._retired.clear()
                     self._cond.notify_all()
 
-    def append(self, entries: Iterable[tuple[int, bytes]]) -> list[int]:
+    def append(self, entries: Iterable[tuple]) -> list[int]:
         """Append one APPEND per ``(key, record)`` and make them all durable with one fsync.
 
-        Returns their seqs. When it returns, the entries survive a crash of the machine.
+        A broadcast message is ``(key, record, copies)``, ``copies`` = ``((key, host), ...)``:
+        its COPIES entry is written with it. Returns their seqs. When it returns, the entries survive a crash of the machine.
         Raises :class:`JournalError` if the write or the fsync fails (after a failed write
         nothing was appended; after a failed fsync the journal is unusable), ``ValueError`` or
         ``TypeError`` for a bad key or record.
         """
-        items: list[tuple[int, bytes]] = []
-        for key, record in entries:
+        items: list[tuple[int, bytes, Copies | None]] = []
+        for key, record, *more in entries:
+            copies = tuple(more[0]) if more and more[0] is not None else None
+            if copies is not None and not 0 < len(copies) <= MAX_COPIES:
+                raise ValueError(f"a broadcast message has 1..{MAX_COPIES} copies, got "
+                                 f"{len(copies)}")
             if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key <= UINT64_MAX:
                 raise ValueError(f"key must be an integer in 0..{UINT64_MAX}, got {key!r}")
             if not isinstance(record, (bytes, bytearray, memoryview)):
@@ -540,7 +657,7 @@ class Journal:
             if len(record) > MAX_RECORD_SIZE:
                 raise ValueError(f"record of {len(record)} bytes is over the journal's limit of "
                                  f"{MAX_RECORD_SIZE}")
-            items.append((key, record))
+            items.append((key, record, copies))
         if not items:
             return []
         with self._cond:
@@ -549,12 +666,14 @@ class Journal:
             if first + len(items) - 1 > UINT64_MAX:
                 raise JournalError(f"journal {self.path} has run out of sequence numbers")
             seqs = list(range(first, first + len(items)))
-            self._write(b"".join(encode_append(seq, key, record)
-                                 for seq, (key, record) in zip(seqs, items)))
+            self._write(b"".join(_encode_live(seq, key, record, copies)
+                                 for seq, (key, record, copies) in zip(seqs, items)))
             self._next_seq = first + len(items)
-            for seq, (key, record) in zip(seqs, items):
+            for seq, (key, record, copies) in zip(seqs, items):
                 self._live[seq] = (key, record)
                 self._live_bytes += _append_size(record)
+                if copies is not None:
+                    self._copies[seq] = dict(copies)
             fd = self._file.fd
             self._syncers += 1
         self._sync(fd)
@@ -573,6 +692,33 @@ class Journal:
             self._write(b"".join(encode_release(seq) for seq in todo))
             for seq in todo:
                 self._live_bytes -= _append_size(self._live.pop(seq)[1])
+                self._copies.pop(seq, None)
+
+    def copy_done(self, done: Iterable[tuple[int, int]]) -> list[int]:
+        """A COPY_DONE for every ``(seq, copy key)`` of a live broadcast message, and a RELEASE
+        for each message whose copies are then all done (returned). Not fsynced, like
+        :meth:`release` (a copy sent again is recognised by its key). Others are ignored."""
+        with self._cond:
+            self._check_usable()
+            parts, released, pending = [], [], {}
+            for seq, key in done:
+                left = pending.setdefault(seq, dict(self._copies.get(seq, {})))
+                if key in left:
+                    del left[key]
+                    parts.append(encode_copy_done(seq, key))
+                    if not left:
+                        parts.append(encode_release(seq))
+                        released.append(seq)
+            if not parts:
+                return []
+            self._write(b"".join(parts))
+            for seq, left in pending.items():
+                if seq in self._copies:
+                    self._copies[seq] = left
+            for seq in released:
+                self._live_bytes -= _append_size(self._live.pop(seq)[1])
+                del self._copies[seq]
+            return released
 
     def flush(self, fsync: bool = True) -> None:
         """Make everything written so far durable (releases included).
@@ -619,7 +765,8 @@ class Journal:
         live = list(self._live.items())
         base_seq = live[0][0] if live else self._next_seq
         parts = [encode_header(base_seq)]
-        parts.extend(encode_append(seq, key, record) for seq, (key, record) in live)
+        parts.extend(_encode_live(seq, key, record, self._copies.get(seq))
+                     for seq, (key, record) in live)
         high = self._next_seq - 1
         if live and high > live[-1][0]:
             parts.append(encode_release(high))  # high-water mark: seqs never repeat

@@ -102,10 +102,15 @@ def _print_sender(st: dict) -> None:
           f"{'flight':>6} {'errors':>6} {'counter':>7} {'last msg':>8}  last error")
     for r in st["routes"]:
         queue = r["queue"] + (f" {r['name']}" if r["name"] else "")
-        print(f"  {queue[:34]:34} {(r['peer'] or '-')[:22]:22} {r['state']:10} "
+        print(f"  {queue[:34]:34} {(r['peer'] or ('(broadcast)' if r.get('broadcast') else '-'))[:22]:22} {r['state']:10} "
               f"{_ago(r['since'], now):>7} {r['sent']:>8} {r['sent_bytes']:>10} "
               f"{r['in_flight']:>6} {r['errors']:>6} {r['error_counter']:>7} "
               f"{_ago(r['last_message_at'], now):>8}  {r['last_error'] or '-'}")
+        for c in r.get("copies", ()):  # a broadcast queue: each host's copies
+            print(f"    copies to {c['peer'][:22]:22} {c['state']:10} {c['delivered']:>6} "
+                  f"delivered {c['declined']:>4} declined {c['waiting']:>6} waiting "
+                  f"{c['in_flight']:>4} in flight {c['lost']:>4} lost "
+                  f"{c['dead_lettered']:>4} dead  {c['last_error'] or '-'}")
 
 
 def _print_receiver(st: dict) -> None:

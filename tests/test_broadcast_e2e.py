@@ -1,0 +1,87 @@
+"""Broadcast names end to end (spec section 6): real daemons on simulated hosts. Host a sends to
+the broadcast name PROD_ALL_BA; b, c and d offer it, d is down for a while (and the sender is
+killed meanwhile): each host gets every copy once, in order, d when it is back."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from rqp import SURE_MSG, UNSURE_MSG
+from tests.agents import (
+    dead_letters, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
+)
+from tests.test_ops import rqpctl
+from tests.testbed import wait_for
+
+BQ = 0x52510AAA
+DEPTH = "import sys, sysv_ipc; print(sysv_ipc.MessageQueue(int(sys.argv[1])).current_messages)"
+
+
+def depth(host, key: int) -> int:
+    return int(host.python(DEPTH, str(key)))
+
+
+def sender_status(host, rqprc) -> dict:
+    out = rqpctl(host, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+    return next(iter(json.loads(out.stdout).values()))
+
+
+def copies(status: dict) -> dict:
+    [route] = [r for r in status["routes"] if r["queue_key"] == BQ]
+    assert route["broadcast"] and route["name"] == "PROD_ALL_BA"
+    return {c["peer"].split(":")[0]: c for c in route["copies"]}
+
+
+def test_broadcast_to_three_hosts_one_down_and_back_across_a_sender_kill(testbed):
+    a, b, c, d = (testbed.add_host(n) for n in "abcd")
+    for host in (b, c, d):
+        make_queue(host, BQ)
+    start_receiver(b)
+    start_receiver(c)
+    rqprc = write_rqprc(a, [b, c, d], queues={"PROD_ALL_BA": BQ, "PROD_THE_BA": 0x52510001})
+    sender = start_sender(a, rqprc)
+    sure = [f"sure-{i}" for i in range(5)]
+    send(a, rqprc, BQ, sure, SURE_MSG)
+    send(a, rqprc, BQ, ["unsure"], UNSURE_MSG)
+    for host in (b, c):
+        assert receive(host, BQ, 6) == [*sure, "unsure"]
+    # d is down: its SURE copies wait (and are retried), the UNSURE one waits behind them in
+    # order, as for an ordinary queue (only memory holds it: the kill below loses it)
+    wait_for(lambda: copies(sender_status(a, rqprc))[d.address]["waiting"] == 6, timeout=30,
+             message="d's six copies never showed as waiting")
+    st = sender_status(a, rqprc)
+    per_host = copies(st)
+    assert (per_host[b.address]["delivered"], per_host[c.address]["delivered"]) == (6, 6)
+    assert per_host[d.address]["delivered"] == 0 and per_host[d.address]["state"] in (
+        "retrying", "asking", "connecting")
+    assert st["journal_depth"] == 5  # each message stays journaled until its last copy is done
+    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert text.returncode == 4, text.stdout  # a broadcast with a host behind is not healthy
+    assert f"copies to {d.address}" in text.stdout and "(broadcast)" in text.stdout
+    # the sender is killed: the copies done (b, c) stay done, d's stay owed
+    a.kill(sender, signal.SIGKILL)
+    sender = start_sender(a, rqprc)
+    start_receiver(d)
+    assert receive(d, BQ, 5) == sure
+    wait_for(lambda: sender_status(a, rqprc)["journal_depth"] == 0, timeout=30,
+             message="the journal kept broadcast messages whose copies were all delivered")
+    assert "journal: 5 SURE message(s) to send again first" in \
+        "\n".join(log_lines(a, sender, "journal:"))
+    for host in (b, c, d):  # once each: nothing sent again to b and c after the kill
+        assert depth(host, BQ) == 0
+        assert dead_letters(host) == []
+    assert dead_letters(a) == []
+
+
+def test_no_host_offers_the_broadcast_one_dead_letter(testbed):
+    a, b, c = (testbed.add_host(n) for n in "abc")
+    start_receiver(b)
+    start_receiver(c)
+    rqprc = write_rqprc(a, [b, c], queues={"ALL_NOWHERE": BQ})
+    start_sender(a, rqprc)
+    send(a, rqprc, BQ, ["lonely"], UNSURE_MSG)
+    wait_for(lambda: depth(a, 0x5251DEAD) == 1, timeout=30, message="no dead letter")
+    [dead] = dead_letters(a)
+    assert dead["reason"] == "NO_ROUTE" and dead["payload"] == "lonely"
+    assert "no host takes broadcast queue" in dead["detail"]

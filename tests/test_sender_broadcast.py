@@ -1,0 +1,174 @@
+"""The sending MCA core's broadcast names (spec section 6): one copy per host that answers
+QUEUE_YES, each with its own key, each SURE copy assured on its own. Events and bytes only."""
+
+from __future__ import annotations
+
+from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol.events import Message, QueueAsk
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.sender import (
+    DeadLetter, Declined, Delivered, FanoutEnded, Lost, MsgState, Settings,
+)
+from tests.test_sender_protocol import OK, Q1, Q2, YES, Harness
+
+BQ = 0x52510AAA  # a broadcast key (PROD_ALL_BA in a real .rqprc)
+
+
+def cast(hosts=("a", "b", "c"), **settings) -> Harness:
+    return Harness(hosts=hosts, broadcast=frozenset({BQ}), **settings)
+
+
+def delivered(h: Harness) -> list:
+    return sorted((d.host, d.message.payload) for d in h.of(Delivered))
+
+
+def test_every_host_that_says_yes_gets_one_copy_with_its_own_key():
+    h = cast()
+    h.submit(BQ, payload=b"hello")
+    frames = h.serve({"a": {BQ}, "b": set(), "c": {BQ}})
+    asks = sorted(host for host, ev in frames if isinstance(ev, QueueAsk))
+    assert asks == ["a", "b", "c"]  # every host is asked, not just up to the first yes
+    sent = [(host, ev) for host, ev in frames if isinstance(ev, Message)]
+    assert sorted((host, ev.message) for host, ev in sent) == [("a", b"hello"), ("c", b"hello")]
+    assert len({ev.key for _, ev in sent}) == 2
+    assert delivered(h) == [("a", b"hello"), ("c", b"hello")]
+    [declined] = h.of(Declined)
+    assert declined.host == "b" and declined.message.state is MsgState.DECLINED
+    [ended] = h.of(FanoutEnded)
+    assert (ended.fanout.copies, ended.fanout.remaining, ended.fanout.reached) == (3, 0, 2)
+    assert h.log.index(ended) == len(h.log) - 1 or not [
+        a for a in h.log[h.log.index(ended):] if isinstance(a, (Delivered, Declined))]
+    assert h.of(DeadLetter) == [] and h.core.held == 0
+
+
+def test_an_ordinary_key_still_stops_at_the_first_yes():
+    h = cast()
+    h.submit(Q1, payload=b"one")
+    frames = h.serve({"a": {Q1}, "b": {Q1}, "c": {Q1}})
+    assert [host for host, ev in frames if isinstance(ev, QueueAsk)] == ["a"]
+    assert delivered(h) == [("a", b"one")] and h.of(FanoutEnded) == []
+
+
+def test_sure_copy_for_a_host_that_is_down_waits_with_backoff_and_goes_when_it_is_back():
+    h = cast(backoff_initial=1.0, backoff_max=4.0)
+    for n in range(3):
+        h.submit(BQ, payload=b"m%d" % n)
+    h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+    assert delivered(h) == sorted([(host, b"m%d" % n) for host in "ac" for n in range(3)])
+    assert h.of(FanoutEnded) == [] and h.of(Declined) == [] and h.of(DeadLetter) == []
+    status = {c["peer"]: c for c in h.core.route_status()[0]["copies"]}
+    assert status["b"]["waiting"] == 3 and status["b"]["state"] == "retrying"
+    assert "Connection refused" in status["b"]["last_error"]
+    assert status["a"]["delivered"] == 3 and status["a"]["waiting"] == 0
+    for _ in range(3):  # b stays down a while: asked again with back-off, nothing lost
+        h.advance()
+        h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+    h.advance()
+    frames = h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}})  # b is back
+    assert [ev.message for host, ev in frames if isinstance(ev, Message)] == [b"m0", b"m1", b"m2"]
+    assert delivered(h) == sorted([(host, b"m%d" % n) for host in "abc" for n in range(3)])
+    assert len(h.of(FanoutEnded)) == 3 and h.core.held == 0
+
+
+def test_unsure_copy_for_a_host_that_does_not_answer_is_declined_not_dead_lettered():
+    h = cast()
+    h.submit(BQ, message_type=UNSURE_MSG, payload=b"u")
+    h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+    assert delivered(h) == [("a", b"u"), ("c", b"u")]
+    [declined] = h.of(Declined)
+    assert declined.host == "b" and "Connection refused" in declined.detail
+    assert len(h.of(FanoutEnded)) == 1 and h.of(DeadLetter) == []
+
+
+def test_no_host_takes_it_one_dead_letter_for_the_message_not_one_per_host():
+    for kind in (SURE_MSG, UNSURE_MSG):
+        h = cast()
+        h.submit(BQ, message_type=kind, payload=b"nobody")
+        h.serve({"a": set(), "b": set(), "c": set()})
+        [dead] = h.of(DeadLetter)
+        assert dead.reason is ReasonCode.NO_ROUTE and "no host takes broadcast queue" in dead.detail
+        assert all(f"{host}: QUEUE_NO" in dead.detail for host in "abc")
+        assert len(h.of(Declined)) == 2 and len(h.of(FanoutEnded)) == 1
+
+
+def test_a_failed_copy_is_retried_to_its_own_host_only_with_the_same_key():
+    h = cast()
+    h.submit(BQ, payload=b"x")
+    failed = []
+
+    def deliver(host, msg):
+        if host == "c" and not failed:
+            failed.append(msg.key)
+            return False
+        return True
+
+    frames = h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, deliver=deliver)  # (retry at once)
+    to_c = [ev.key for host, ev in frames if host == "c" and isinstance(ev, Message)]
+    assert to_c == failed * 2  # sent again, with its key, to c only
+    assert sorted(host for host, ev in frames if isinstance(ev, Message)) == ["a", "b", "c", "c"]
+    assert delivered(h) == [("a", b"x"), ("b", b"x"), ("c", b"x")]
+
+
+def test_journaled_copies_resume_only_those_not_done_with_their_keys():
+    h = cast()
+    h.submit(BQ, payload=b"again", copies=((0x77, "c"), (0x78, "gone:1")))
+    frames = h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}})
+    [(host, ev)] = [(host, ev) for host, ev in frames if isinstance(ev, Message)]
+    assert (host, ev.key) == ("c", 0x77)
+    [dead] = h.of(DeadLetter)  # a host that left .rqprc: its SURE copy is not dropped unseen
+    assert dead.message.key == 0x78 and "no longer in .rqprc" in dead.detail
+    assert len(h.of(FanoutEnded)) == 1
+
+
+def test_a_host_removed_by_reload_gets_its_waiting_sure_copies_dead_lettered():
+    h = cast()
+    h.submit(BQ, payload=b"r")
+    h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"c"})
+    h.core.update_settings(Settings(hosts=("a", "b"), broadcast=frozenset({BQ})), h.now)
+    [dead] = h.of(DeadLetter)
+    assert dead.message.target == "c" and dead.reason is ReasonCode.NO_ROUTE
+    assert len(h.of(FanoutEnded)) == 1 and h.core.held == 0
+
+
+def test_order_within_a_host_and_priority_overtaking_per_host():
+    h = cast(hosts=("a", "b"))
+    h.submit(BQ, payload=b"low1", priority=1)
+    h.submit(BQ, payload=b"low2", priority=1)
+    h.submit(BQ, payload=b"high", priority=9)
+    frames = h.serve({"a": {BQ}, "b": {BQ}})
+    for host in "ab":
+        got = [ev.message for hh, ev in frames if hh == host and isinstance(ev, Message)]
+        assert got == [b"high", b"low1", b"low2"]
+
+
+def test_graceful_stop_returns_an_untouched_broadcast_once_and_loses_partly_sent_unsure():
+    h = cast()
+    h.submit(BQ, message_type=UNSURE_MSG, payload=b"untouched")
+    back = h.core.drain_pending()
+    assert [m.payload for m in back] == [b"untouched"] and h.core.held == 0
+    h = cast()
+    h.submit(BQ, message_type=UNSURE_MSG, payload=b"partly")
+    h.sent(connect=False)  # b and c are still connecting when the stop comes
+    h.core.connected("a", h.now)
+    assert h.sent(connect=False) == [("a", QueueAsk(queue_key=BQ, data=1))]
+    h.answer("a", YES)
+    assert [ev.message for _, ev in h.sent(connect=False)] == [b"partly"]
+    assert h.core.drain_pending() == []  # not put back: a has it (or will)
+    lost = h.of(Lost)
+    assert sorted(x.host for x in lost) == ["b", "c"] and "stopped before" in lost[0].detail
+    h.answer("a", OK)
+    assert delivered(h) == [("a", b"partly")] and len(h.of(FanoutEnded)) == 1
+
+
+def test_status_shows_each_hosts_progress():
+    h = cast()
+    h.submit(BQ, payload=b"s")
+    h.submit(Q2, payload=b"plain")
+    h.serve({"a": {BQ, Q2}, "b": set(), "c": {BQ}}, down={"c"})
+    rows = {row["queue_key"]: row for row in h.core.route_status()}
+    assert rows[BQ]["broadcast"] and "copies" not in rows[Q2]
+    copies = {c["peer"]: (c["state"], c["delivered"], c["declined"], c["waiting"])
+              for c in rows[BQ]["copies"]}
+    assert copies == {"a": ("running", 1, 0, 0), "b": ("declined", 0, 1, 0),
+                      "c": ("retrying", 0, 0, 1)}
+    assert rows[BQ]["waiting"] == 1 and rows[BQ]["state"] == "retrying"
