@@ -21,8 +21,8 @@ from rqp.protocol.errors import (
 
 #: The API's names, imported from :mod:`rqp.api` on first use (PEP 562).
 _API = ("AgentStartError", "HandleError", "QueueEmpty", "openConnection", "sendMessage",
-        "closeConnection",
-        "receiveMessage")
+        "closeConnection", "receiveMessage", "beginBatch", "commitBatch", "rollbackBatch",
+        "batch", "Batch")
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "QueueError", "QueueNotFound", "QueuePermissionDenied", "QueueFull", "MessageTooBig",
     "RecordError", "HandleError", "AgentStartError", "QueueEmpty",
     "openConnection", "sendMessage", "closeConnection", "receiveMessage", "get_include",
+    "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
 ]
 
 

@@ -11,6 +11,7 @@ the application's bytes, with the ``mtype`` given to :func:`sendMessage` (defaul
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -21,13 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
-from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, MAX_BATCH, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import MessageTooBig, RQPError
-from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
+from rqp.protocol.records import (
+    BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
+    encode_batch,
+)
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
 from rqp.system.service import Doorbell, sender_serving, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
+           "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
            "ensure_sender", "Producer", "HandleError", "AgentStartError", "QueueEmpty"]
 
 #: How long openConnection waits for a sending MCA it started to take its queue.
@@ -95,8 +100,48 @@ class _Connection:
     producer: Producer
 
 
+class Batch:
+    """The messages of an atomic batch being built on a handle (:func:`batch`,
+    :func:`beginBatch`): they enter the channel together at commit, or not at all."""
+
+    def __init__(self, handle: int, msg_type: int, priority: int, expires_at_ms: int) -> None:
+        self.handle = handle
+        self.msg_type = msg_type
+        self.priority = priority
+        self.expires_at_ms = expires_at_ms
+        self.members: list[tuple[int, bytes]] = []
+        self.size = 0  # the payload of the batch record so far
+
+    def send(self, data: bytes, mtype: int = 1) -> None:
+        """Add a message (put with ``mtype`` at the destination) to the batch."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
+            raise RQPError(f"mtype must be an integer in 1..{INT64_MAX} (System V message types "
+                           f"are positive), got {mtype!r}")
+        if len(self.members) >= MAX_BATCH:
+            raise RQPError(f"a batch holds at most {MAX_BATCH} messages (spec section 6); "
+                           "commit this one and begin another")
+        limit = _connection(self.handle).producer.limit
+        size = self.size + BATCH_MEMBER_HEADER_SIZE + len(data)
+        if size > limit:
+            raise MessageTooBig(
+                f"the batch would be {size} bytes with this {len(data)}-byte message (each "
+                f"message takes {BATCH_MEMBER_HEADER_SIZE} bytes more), over the {limit}-byte "
+                f"limit of one System V message (kernel msgmax {limit + TRANSMISSION_HEADER_SIZE}"
+                f" minus the {TRANSMISSION_HEADER_SIZE}-byte header): a batch is one record, so "
+                "that its commit is atomic; commit a smaller one, or raise kernel.msgmax (see "
+                "the README)", size=size, limit=limit)
+        self.members.append((mtype, bytes(data)))
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+
 _lock = threading.Lock()
 _handles: dict[int, _Connection] = {}
+_batches: dict[int, Batch] = {}
 _next_handle = itertools.count(1)
 _sequence = itertools.count(1)
 
@@ -204,9 +249,21 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
     kernel's memory only until the sending MCA takes it: a reboot in between loses it.
     """
     conn = _connection(handle)
-    if msg_type not in (SURE_MSG, UNSURE_MSG):
-        raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
-                       f"got {msg_type!r}")
+    _check_msg_type(msg_type)
+    open_batch = _batches.get(handle)
+    if open_batch is not None:  # between beginBatch and commitBatch: into the batch
+        given = [name for name, value, default in (
+            ("priority", priority, DEFAULT_PRIORITY), ("ttl", ttl, None),
+            ("expires_at", expires_at, None), ("timeout", timeout, None), ("sync", sync, False))
+            if value != default]
+        if given or msg_type != open_batch.msg_type:
+            raise RQPError(
+                "a batch has one message type, priority and expiry, given to beginBatch, and "
+                "is put by commitBatch (which takes timeout and sync): "
+                + (f"{', '.join(given)} given to sendMessage" if given else
+                   f"msg_type {msg_type} here, {open_batch.msg_type} for the batch"))
+        open_batch.send(data, mtype)
+        return
     if sync and msg_type != SURE_MSG:
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -232,6 +289,87 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
                       sync_timeout=30.0 if timeout is None else timeout)
 
 
+def _check_msg_type(msg_type) -> None:
+    if msg_type not in (SURE_MSG, UNSURE_MSG):
+        raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
+                       f"got {msg_type!r}")
+
+
+def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIORITY,
+               ttl: float | None = None, expires_at: float | None = None) -> Batch:
+    """Start an atomic batch on ``handle``: the next ``sendMessage`` calls on it (or
+    ``Batch.send``) add to it, :func:`commitBatch` puts them all at once, :func:`rollbackBatch`
+    (or ``closeConnection``, or the process ending) drops them. Every message of it enters the
+    channel or none does; the consumer never sees part of it (spec section 6). One message
+    type, priority and expiry for the whole batch; each message has its own ``mtype``."""
+    _connection(handle)
+    _check_msg_type(msg_type)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+        raise RQPError(f"priority must be an integer in 0..9, got {priority!r}")
+    expires_at_ms = _expires_at_ms(ttl, expires_at, time.time_ns())
+    with _lock:
+        if handle in _batches:
+            raise RQPError(f"handle {handle} has a batch open already: commit or roll it back "
+                           "first")
+        _batches[handle] = opened = Batch(handle, msg_type, priority, expires_at_ms)
+    return opened
+
+
+def commitBatch(handle: int, *, timeout: float | None = None, sync: bool = False) -> int:
+    """Put the open batch of ``handle`` on the transmission queue as one record (one
+    ``msgsnd``: all of it or nothing) and close it. Returns how many messages it held (an
+    empty batch puts nothing). ``timeout`` and ``sync`` as for :func:`sendMessage`. If the
+    put fails, the batch stays open (commit again, or roll it back)."""
+    conn = _connection(handle)
+    open_batch = _batches.get(handle)
+    if open_batch is None:
+        raise RQPError(f"handle {handle} has no batch open (beginBatch first)")
+    if sync and open_batch.msg_type != SURE_MSG:
+        raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
+    if open_batch.members:
+        record = TransmissionRecord(
+            message_type=open_batch.msg_type, queue_key=conn.queue_key,
+            payload=encode_batch(open_batch.members), flags=TransmissionFlags.BATCH,
+            producer_pid=os.getpid(), sequence=next(_sequence), enqueued_ns=time.time_ns(),
+            priority=open_batch.priority, expires_at_ms=open_batch.expires_at_ms)
+        conn.producer.put(record, timeout=timeout, sync=sync,
+                          sync_timeout=30.0 if timeout is None else timeout)
+    with _lock:
+        _batches.pop(handle, None)
+    return len(open_batch.members)
+
+
+def rollbackBatch(handle: int) -> int:
+    """Drop the open batch of ``handle`` (nothing of it was put). Returns how many messages it
+    held."""
+    _connection(handle)
+    with _lock:
+        open_batch = _batches.pop(handle, None)
+    if open_batch is None:
+        raise RQPError(f"handle {handle} has no batch open (beginBatch first)")
+    return len(open_batch.members)
+
+
+@contextlib.contextmanager
+def batch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIORITY,
+          ttl: float | None = None, expires_at: float | None = None,
+          timeout: float | None = None, sync: bool = False):
+    """``with rqp.batch(h) as b: b.send(data, mtype=5) ...``: committed when the block ends,
+    rolled back if it raises (see :func:`beginBatch`)."""
+    opened = beginBatch(handle, msg_type, priority=priority, ttl=ttl, expires_at=expires_at)
+    try:
+        yield opened
+    except BaseException:
+        with _lock:
+            _batches.pop(handle, None)
+        raise
+    try:
+        commitBatch(handle, timeout=timeout, sync=sync)
+    finally:
+        with _lock:
+            _batches.pop(handle, None)
+
+
 def _expires_at_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
     """sendMessage's ``ttl`` (seconds from now) or ``expires_at`` (Unix seconds) as the
     record's ``expires_at_ms`` (0: never), with errors that name the parameter."""
@@ -252,7 +390,9 @@ def _expires_at_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> 
 
 
 def closeConnection(handle: int) -> None:
+    """Close ``handle``; a batch still open on it is dropped (rolled back)."""
     with _lock:
+        _batches.pop(handle, None)
         if _handles.pop(handle, None) is None:
             raise HandleError(f"handle {handle!r} is not open (never opened, or closed already)")
 

@@ -203,12 +203,13 @@ class Intake:
             except RecordError as exc:
                 items.append([data, exc, 0, None, None])
                 continue
-            key = self.keys()
-            if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence:
+            n = len(record.members()) if record.is_batch else 1  # a batch: a key per message
+            key = self.keys.block(n)
+            if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence and n == 1:
                 key = record.sequence  # a replayed dead letter keeps its original key
             copies = None
             if record.queue_key in broadcast:
-                copies = tuple((key if i == 0 else self.keys(), str(host))
+                copies = tuple((key if i == 0 else self.keys.block(n), str(host))
                                for i, host in enumerate(hosts))
             if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
                 sure.append(len(items))

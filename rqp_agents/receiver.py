@@ -100,7 +100,7 @@ class Receiver(Daemon):
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.by_queue: dict[tuple[int, str], int] = collections.Counter()
         self.bytes_by_queue: dict[int, int] = collections.Counter()
-        self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0,
+        self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
                       "timed_out_connections": 0}
 
     # --- serving ------------------------------------------------------------------------------
@@ -334,6 +334,10 @@ class Receiver(Daemon):
                 self.stats["messages"] += 1
                 info["messages"] += 1
                 self.by_queue[(message.queue_key, "put")] += 1
+        self.stats["batches"] += 1
+        log.debug("MESSAGE_EX batch of %d for queue %s from=%s: %s", len(batch.messages),
+                  format_key(batch.messages[0].queue_key), peer,
+                  "put" if failed is None else f"refused whole ({failed.reason.name})")
         if failed is None:
             return conn.answer_batch(batch, True)
         if failed.dead_letter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import sys
@@ -212,7 +213,8 @@ class Sender(Daemon):
     def _submit(self, record, now: float, origin: Taken, key: int, copies) -> None:
         self.core.submit(record.message_type, record.queue_key, record.payload, now,
                          origin=origin, key=key, mtype=record.mtype, priority=record.priority,
-                         expires_at_ms=record.expires_at_ms, copies=copies)
+                         expires_at_ms=record.expires_at_ms, copies=copies,
+                         members=record.members() if record.is_batch else None)
 
     # --- connections --------------------------------------------------------------------------
 
@@ -339,15 +341,30 @@ class Sender(Daemon):
     # --- dead letters -------------------------------------------------------------------------
 
     def _dead_letter(self, act: DeadLetter) -> None:
+        """One dead-letter record (a batch: one per message of it, with its key and mtype;
+        the journal entry is released with the last)."""
         msg = act.message
-        record = DeadLetterRecord.from_transmission(
-            msg.origin.record, reason=act.reason, agent=AgentKind.SENDER, message_key=msg.key,
-            attempts=msg.attempts, host=self.host, source_host=self.host,
-            destination_host=str(msg.host or msg.target or ""), detail=act.detail)
-        log.warning("dead letter reason=%s queue=%s key=%#018x: %s", act.reason.name,
-                    format_key(msg.queue_key), msg.key, act.detail)
+        common = dict(reason=act.reason, agent=AgentKind.SENDER, attempts=msg.attempts,
+                      host=self.host, source_host=self.host,
+                      destination_host=str(msg.host or msg.target or ""))
+        record = msg.origin.record
+        if msg.members is None:
+            records = [DeadLetterRecord.from_transmission(record, message_key=msg.key,
+                                                          detail=act.detail, **common)]
+        else:
+            n = len(msg.members)
+            records = [dataclasses.replace(DeadLetterRecord.from_transmission(
+                record, message_key=msg.key + i, detail=f"{act.detail} (message {i + 1} of a "
+                f"batch of {n}, mtype {mtype}; none of it was delivered)", **common),
+                payload=data, original_length=len(data)) for i, (mtype, data) in
+                enumerate(msg.members)]
+        log.warning("dead letter reason=%s queue=%s key=%#018x%s: %s", act.reason.name,
+                    format_key(msg.queue_key), msg.key,
+                    f" (a batch of {msg.count})" if msg.members is not None else "", act.detail)
         seq = msg.origin.seq
-        self._put_dead_letter(record, seq if msg.fanout is None or seq is None else (seq, msg.key))
+        done = seq if msg.fanout is None or seq is None else (seq, msg.key)
+        for i, one in enumerate(records):
+            self._put_dead_letter(one, done if i == len(records) - 1 else None)
 
     def _dead_letter_raw(self, data: bytes, exc: RecordError) -> None:
         record = DeadLetterRecord(

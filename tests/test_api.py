@@ -191,3 +191,55 @@ print(json.dumps(res))
         "mtype must be an integer in 1..9223372036854775807",
         "priority must be an integer in 0..9", "ttl must be more than 0 seconds",
         "give ttl or expires_at", "expires_at must be a number of seconds"]
+
+
+def test_batch_errors_say_what_to_do_and_put_nothing(host):
+    out = run(host, """
+errors = {}
+def err(name, fn):
+    try:
+        fn()
+        errors[name] = None
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+err("commit_none", lambda: rqp.commitBatch(h))
+err("rollback_none", lambda: rqp.rollbackBatch(h))
+b = rqp.beginBatch(h, rqp.SURE_MSG, priority=7)
+err("twice", lambda: rqp.beginBatch(h))
+err("priority_in_batch", lambda: rqp.sendMessage(h, b"x", priority=2))
+err("type_in_batch", lambda: rqp.sendMessage(h, b"x", rqp.UNSURE_MSG))
+err("mtype", lambda: b.send(b"x", mtype=0))
+err("too_big", lambda: b.send(b"y" * 9000))
+for i in range(256):
+    b.send(b"")
+err("too_many", lambda: b.send(b""))
+rolled = rqp.rollbackBatch(h)
+try:
+    with rqp.batch(h) as b:
+        b.send(b"never")
+        raise KeyError("the application failed")
+except KeyError:
+    pass
+rqp.beginBatch(h)
+rqp.sendMessage(h, b"dropped at close")
+rqp.closeConnection(h)
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+with rqp.batch(h, rqp.UNSURE_MSG) as b:
+    pass  # an empty batch puts nothing
+rqp.sendMessage(h, b"marker")
+got = rqp.receiveMessage(0x52510001, timeout=20)
+import sysv_ipc
+print(json.dumps([errors, rolled, got.decode(), sysv_ipc.MessageQueue(0x52510001).current_messages]))
+""")
+    errors, rolled, got, left = out
+    assert errors["commit_none"].startswith("RQPError: handle") and "beginBatch first" in \
+        errors["commit_none"] and "beginBatch first" in errors["rollback_none"]
+    assert "has a batch open already" in errors["twice"]
+    assert "priority given to sendMessage" in errors["priority_in_batch"]
+    assert "msg_type 1 here, 0 for the batch" in errors["type_in_batch"]
+    assert "mtype must be an integer in 1.." in errors["mtype"]
+    assert errors["too_big"].startswith("MessageTooBig: the batch would be 9012 bytes")
+    assert "at most 256 messages" in errors["too_many"]
+    assert rolled == 256
+    assert got == "marker" and left == 0  # nothing of the rolled-back, failed or closed batches

@@ -216,7 +216,8 @@ u64 = st.integers(0, UINT64_MAX)
 transmission_records = st.builds(
     TransmissionRecord,
     message_type=u8, queue_key=u64, payload=st.binary(max_size=300),
-    flags=u16, producer_pid=u32, sequence=u64, enqueued_ns=u64,
+    flags=u16.map(lambda f: f & ~0x0004),  # (BATCH needs a batch payload: tested below)
+    producer_pid=u32, sequence=u64, enqueued_ns=u64,
     mtype=st.integers(1, (1 << 63) - 1), priority=st.integers(0, 9), expires_at_ms=u64,
 )
 
@@ -242,6 +243,7 @@ def test_transmission_round_trip(rec):
 def test_transmission_parse_then_build_is_identity(rest):
     raw = b"RQPX\x02" + rest[:31] + b"\x00\x00\x00\x00\x00\x00\x00\x01" + rest[31:39] \
         + b"\x04" + bytes(11) + rest[39:]
+    raw = raw[:7] + bytes([raw[7] & ~0x04]) + raw[8:]  # (BATCH: a batch payload, tested below)
     assert TransmissionRecord.from_bytes(raw).to_bytes() == raw
 
 
@@ -439,3 +441,39 @@ def test_fit_spill_failure_leaves_no_temp_file(tmp_path):
     with pytest.raises(OSError):
         fit_dead_letter(rec, 1000, spill_dir=missing)
     assert os.listdir(tmp_path) == []
+
+
+def test_batch_record_members_and_malformed_batches():
+    from rqp.protocol.records import TransmissionFlags, decode_batch, encode_batch
+    payload = encode_batch([(5, b"hi"), (1, b"")])
+    assert payload == bytes.fromhex("0000000000000005 00000002 6869 0000000000000001 00000000")
+    record = TransmissionRecord(message_type=0, queue_key=0x52510001, payload=payload,
+                                flags=TransmissionFlags.BATCH)
+    back = TransmissionRecord.from_bytes(record.to_bytes())
+    assert back.is_batch and back.members() == ((5, b"hi"), (1, b""))
+    for bad, words in ((payload[:-1], "too few"), (payload + b"\0", "too few"),
+                       (b"", "no messages"), (encode_batch([(1, b"x")])[:-1], "claims 1 bytes")):
+        broken = TransmissionRecord(message_type=0, queue_key=1, payload=b"").to_bytes()
+        broken = broken[:6] + b"\x00\x04" + broken[8:] + bad  # flags BATCH
+        with pytest.raises(RecordError, match=words):
+            TransmissionRecord.from_bytes(broken)
+        with pytest.raises(ValueError, match=words):  # nor can one be made
+            TransmissionRecord(message_type=0, queue_key=1, payload=bad,
+                               flags=TransmissionFlags.BATCH)
+    with pytest.raises(RecordError, match="more than 256"):
+        decode_batch(encode_batch([(1, b"")] * 256) + encode_batch([(1, b"")]))
+    for members, words in (([], "1..256"), ([(0, b"")], "mtype must be"),
+                           ([(1, b"")] * 257, "1..256")):
+        with pytest.raises(ValueError, match=words):
+            encode_batch(members)
+
+
+def test_key_blocks_are_consecutive_and_never_reused(tmp_path):
+    from rqp.system.service import KeySource
+    keys = KeySource(tmp_path, "s")
+    first = keys()
+    block = keys.block(3)
+    assert block == first + 1 and keys() == first + 4
+    keys._counter = 0xFFFFFFFF - 1  # a block that would pass the counter's end
+    start = keys.block(5)
+    assert start >> 32 == (first >> 32) + 1 and start & 0xFFFFFFFF == 1

@@ -12,6 +12,9 @@
  * carries the System V `mtype` the message is put with at the destination, its priority
  * (0..9, default 4) and its expiry (Unix milliseconds, 0 = never).
  *
+ * An atomic batch (rqp_batch_begin / _add / _commit / _rollback) is one record holding all its
+ * messages, put with one msgsnd: every message of it enters the channel or none does.
+ *
  * A consumer needs nothing of this: at the destination the message is the application's bytes
  * with its `mtype`, so msgrcv(id, &buf, size, TYPE, 0) reads it as for any System V queue.
  * rqp_receive() below is that, with the key looked up.
@@ -43,6 +46,9 @@
 #define RQP_MAX_PRIORITY 9
 #define RQP_DEFAULT_PRIORITY 4
 #define RQP_NEVER 0 /* expires_at_ms: the message does not expire */
+#define RQP_FLAG_BATCH 0x0004 /* transmission record flag: the payload is a batch's members */
+#define RQP_MAX_BATCH 256
+#define RQP_MEMBER_HEADER_SIZE 12 /* int64 mtype, uint32 length, before each member's bytes */
 /* The transmission queue of a default .rqprc ("RQ" 0000) and DEAD.LETTER.Q ("RQ" DEAD). */
 #define RQP_DEFAULT_TRANSMISSION_QUEUE ((key_t)0x52510000)
 #define RQP_DEFAULT_DEAD_LETTER_QUEUE ((key_t)0x5251DEAD)
@@ -77,6 +83,25 @@ static inline void rqp_be_(unsigned char *p, uint64_t v, int n) {
     }
 }
 
+/* The 64-byte header (values already checked). */
+static inline void rqp_header_(unsigned char *p, int message_type, unsigned flags,
+                               key_t queue_key, const struct rqp_extras *e, uint64_t sequence) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    memcpy(p, "RQPX", 4);
+    p[4] = RQP_RECORD_VERSION;
+    p[5] = (unsigned char)message_type;
+    rqp_be_(p + 6, flags, 2);
+    rqp_be_(p + 8, (uint64_t)(uint32_t)queue_key, 8);      /* key_t in the low 32 bits */
+    rqp_be_(p + 16, (uint64_t)(uint32_t)getpid(), 4);      /* producer_pid */
+    rqp_be_(p + 20, sequence, 8);
+    rqp_be_(p + 28, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec, 8);
+    rqp_be_(p + 36, (uint64_t)(int64_t)e->mtype, 8);
+    rqp_be_(p + 44, e->expires_at_ms, 8);
+    p[52] = (unsigned char)e->priority;
+    memset(p + 53, 0, 11);                                 /* reserved */
+}
+
 /* Write the record of one message into buf (cap bytes): its length, or -1 (errno EINVAL for a
  * bad message_type, mtype or priority; EMSGSIZE if cap is too small). queue_key is the
  * destination key_t; sequence is any per-producer number (0 if unused). */
@@ -85,7 +110,6 @@ static inline ssize_t rqp_build_record(void *buf, size_t cap, int message_type, 
                                        const struct rqp_extras *extras, uint64_t sequence) {
     struct rqp_extras e = extras ? *extras : rqp_default_extras();
     unsigned char *p = (unsigned char *)buf;
-    struct timespec ts;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) || e.mtype < 1 ||
         e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY ||
         (len && payload == NULL)) {
@@ -96,23 +120,12 @@ static inline ssize_t rqp_build_record(void *buf, size_t cap, int message_type, 
         errno = EMSGSIZE;
         return -1;
     }
-    clock_gettime(CLOCK_REALTIME, &ts);
-    memcpy(p, "RQPX", 4);
-    p[4] = RQP_RECORD_VERSION;
-    p[5] = (unsigned char)message_type;
-    rqp_be_(p + 6, 0, 2);                                  /* flags */
-    rqp_be_(p + 8, (uint64_t)(uint32_t)queue_key, 8);      /* key_t in the low 32 bits */
-    rqp_be_(p + 16, (uint64_t)(uint32_t)getpid(), 4);      /* producer_pid */
-    rqp_be_(p + 20, sequence, 8);
-    rqp_be_(p + 28, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec, 8);
-    rqp_be_(p + 36, (uint64_t)(int64_t)e.mtype, 8);
-    rqp_be_(p + 44, e.expires_at_ms, 8);
-    p[52] = (unsigned char)e.priority;
-    memset(p + 53, 0, 11);                                 /* reserved */
+    rqp_header_(p, message_type, 0, queue_key, &e, sequence);
     if (len)
         memcpy(p + RQP_HEADER_SIZE, payload, len);
     return (ssize_t)(RQP_HEADER_SIZE + len);
 }
+
 
 /* The transmission queue with key `xmit_key` (created if missing, mode 0660, as the agents
  * do): its id for rqp_put(), or -1. */
@@ -159,6 +172,98 @@ static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t q
         errno = saved;
         return -1;
     }
+    return rqp_ring_doorbell(xmit_key);
+}
+
+/* An atomic batch being built: every message of it for one queue, with one message type,
+ * priority and expiry (each with its own mtype). */
+struct rqp_batch {
+    long *msg;           /* System V message: type 1, then the record */
+    size_t cap;          /* the largest record (the kernel's msgmax) */
+    size_t len;          /* the record so far */
+    int count;           /* messages in it */
+    int message_type;
+    key_t queue_key;
+    struct rqp_extras extras;
+};
+
+/* Start a batch whose record may be up to `cap` bytes (the kernel's msgmax, 8192 by default).
+ * extras: priority and expiry for the whole batch (its mtype is ignored; NULL: defaults).
+ * 0, or -1 (EINVAL; ENOMEM). */
+static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_type,
+                                  key_t queue_key, const struct rqp_extras *extras) {
+    struct rqp_extras e = extras ? *extras : rqp_default_extras();
+    e.mtype = 1;
+    if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) ||
+        e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY ||
+        cap < RQP_HEADER_SIZE + RQP_MEMBER_HEADER_SIZE) {
+        errno = EINVAL;
+        return -1;
+    }
+    b->msg = (long *)malloc(sizeof(long) + cap);
+    if (b->msg == NULL)
+        return -1;
+    b->cap = cap;
+    b->len = RQP_HEADER_SIZE;
+    b->count = 0;
+    b->message_type = message_type;
+    b->queue_key = queue_key;
+    b->extras = e;
+    return 0;
+}
+
+/* Add a message, put with `mtype` (1 or more) at the destination. 0, or -1: EINVAL (mtype),
+ * E2BIG (already RQP_MAX_BATCH messages), EMSGSIZE (the record would pass cap; the batch is
+ * unchanged). */
+static inline int rqp_batch_add(struct rqp_batch *b, const void *data, size_t len, long mtype) {
+    unsigned char *p = (unsigned char *)(b->msg + 1) + b->len;
+    if (mtype < 1 || (len && data == NULL) || len > 0xFFFFFFFFu) {
+        errno = EINVAL;
+        return -1;
+    }
+    if (b->count >= RQP_MAX_BATCH) {
+        errno = E2BIG;
+        return -1;
+    }
+    if (RQP_MEMBER_HEADER_SIZE + len > b->cap - b->len) {
+        errno = EMSGSIZE;
+        return -1;
+    }
+    rqp_be_(p, (uint64_t)(int64_t)mtype, 8);
+    rqp_be_(p + 8, (uint64_t)len, 4);
+    if (len)
+        memcpy(p + RQP_MEMBER_HEADER_SIZE, data, len);
+    b->len += RQP_MEMBER_HEADER_SIZE + len;
+    b->count++;
+    return 0;
+}
+
+/* Drop the batch (nothing of it was put) and free it. */
+static inline void rqp_batch_rollback(struct rqp_batch *b) {
+    free(b->msg);
+    b->msg = NULL;
+    b->count = 0;
+}
+
+/* Put the whole batch with one msgsnd on transmission queue `xmit_id` and ring the doorbell
+ * of `xmit_key`; then free it. An empty batch puts nothing. 0, or -1 with errno from msgsnd
+ * (the batch is kept: commit again or roll back). */
+static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_key,
+                                   uint64_t sequence, int msgflg) {
+    int rc;
+    if (b->count == 0) {
+        rqp_batch_rollback(b);
+        return 0;
+    }
+    b->msg[0] = 1;
+    rqp_header_((unsigned char *)(b->msg + 1), b->message_type, RQP_FLAG_BATCH, b->queue_key,
+                &b->extras, sequence);
+    do {
+        rc = msgsnd(xmit_id, b->msg, b->len, msgflg);
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0)
+        return -1;
+    rqp_batch_rollback(b);
     return rqp_ring_doorbell(xmit_key);
 }
 

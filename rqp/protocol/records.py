@@ -26,7 +26,8 @@ offset  size  field            meaning
                                ``sequence`` holds the message's original RQP key (a dead
                                letter put back by ``rqpctl dlq replay``); the sending MCA
                                sends it with that key instead of a new one, so the receiving
-                               MCA recognises a repeat. Other bits are 0.
+                               MCA recognises a repeat. bit 2 = BATCH: the payload is an
+                               atomic batch (below). Other bits are 0.
 8       8     queue_key        destination queue key: the ``key_t`` in the low 32 bits;
                                0 (``IPC_PRIVATE``) means "none".
 16      4     producer_pid     pid of the producing process (0 if unknown)
@@ -46,6 +47,22 @@ offset  size  field            meaning
 The header is :data:`TRANSMISSION_HEADER_SIZE` (64) bytes, so the largest application payload
 is ``msgmax - 64`` bytes (:func:`rqp.system.queues.max_payload`). A record whose ``mtype`` is
 below 1, whose priority is over 9 or whose reserved bytes are not zero is malformed.
+
+**Batch** (flag BATCH): the messages of one atomic batch (``rqp.batch``, spec section 6) in one
+record, so that the kernel's ``msgsnd`` makes the commit atomic: the record is on the
+transmission queue whole, or not at all. The header's ``message_type``, ``queue_key``,
+``priority`` and ``expires_at_ms`` hold for every message of it, its ``mtype`` is 1; the payload
+is 1 .. 256 members, one after the other, up to the end of the record:
+
+======  ====  ===============  ==============================================================
+offset  size  field            meaning
+======  ====  ===============  ==============================================================
++0      8     mtype            signed, 1 or more: the member's System V ``mtype``
++8      4     length           n: the member's size
++12     n     data             the member's bytes
+======  ====  ===============  ==============================================================
+
+A batch's members together (12 bytes each plus their data) must fit ``msgmax - 64``.
 
 Dead-letter record
 ==================
@@ -126,13 +143,18 @@ from construct import (
 )
 
 from rqp.protocol.constants import (
-    DEFAULT_PRIORITY, INT64_MAX, MAX_PRIORITY, SURE_MSG, UINT64_MAX, UNSURE_MSG, MessageType,
+    DEFAULT_PRIORITY, INT64_MAX, MAX_BATCH, MAX_PRIORITY, SURE_MSG, UINT64_MAX, UNSURE_MSG,
+    MessageType,
 )
 from rqp.protocol.errors import RecordError
 from rqp.protocol.reasons import ReasonCode, describe
 
 __all__ = [
     "AgentKind",
+    "BATCH_MEMBER",
+    "BATCH_MEMBER_HEADER_SIZE",
+    "decode_batch",
+    "encode_batch",
     "DEAD_LETTER_FIXED",
     "DEAD_LETTER_FIXED_SIZE",
     "DEAD_LETTER_MAGIC",
@@ -199,6 +221,14 @@ TRANSMISSION_RECORD = Struct(
     *TRANSMISSION_HEADER.subcons,
     "payload" / GreedyBytes,
 )
+
+#: One member of a batch record's payload (flag BATCH).
+BATCH_MEMBER = Struct(
+    "mtype" / Int64sb,
+    "length" / Rebuild(Int32ub, len_(this.data)),
+    "data" / Bytes(this.length),
+)
+BATCH_MEMBER_HEADER_SIZE = 12
 
 #: Version 1 (read only): the first 36 bytes of version 2, then the payload.
 TRANSMISSION_RECORD_V1 = Struct(
@@ -271,6 +301,7 @@ class TransmissionFlags(enum.IntFlag):
 
     SYNC = 1 << 0
     REPLAY_KEY = 1 << 1  # ``sequence`` is the RQP message key to send it with
+    BATCH = 1 << 2  # the payload is the members of an atomic batch
 
 
 class DeadLetterFlags(enum.IntFlag):
@@ -377,6 +408,11 @@ class TransmissionRecord:
             raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
         if not isinstance(self.payload, bytes):
             object.__setattr__(self, "payload", bytes(self.payload))
+        if self.flags & TransmissionFlags.BATCH:
+            try:
+                decode_batch(self.payload)
+            except RecordError as exc:
+                raise ValueError(str(exc)) from None
 
     @property
     def sync(self) -> bool:
@@ -384,6 +420,15 @@ class TransmissionRecord:
 
     def is_valid_type(self) -> bool:
         return self.message_type in (SURE_MSG, UNSURE_MSG)
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.flags & TransmissionFlags.BATCH)
+
+    def members(self) -> tuple[tuple[int, bytes], ...]:
+        """A batch record's messages, ``((mtype, data), ...)``; :class:`RecordError` says what
+        is wrong with a malformed one."""
+        return decode_batch(self.payload)
 
     def _fields(self) -> dict:
         return {
@@ -427,6 +472,8 @@ class TransmissionRecord:
             ) from None
         extras = {} if v1 else {"mtype": c.mtype, "priority": c.priority,
                                 "expires_at_ms": c.expires_at_ms}
+        if c.flags & TransmissionFlags.BATCH:
+            decode_batch(c.payload)  # a malformed batch is a malformed record (in its words)
         try:
             return cls(
                 message_type=_known(MessageType, c.message_type),
@@ -440,6 +487,49 @@ class TransmissionRecord:
             )
         except ValueError as exc:
             raise RecordError(f"transmission record: {exc}") from None
+
+
+def encode_batch(members) -> bytes:
+    """The payload of a batch record: ``members`` is ``[(mtype, data), ...]``, 1..256 of them,
+    each ``mtype`` 1 or more (ValueError otherwise)."""
+    members = list(members)
+    if not 1 <= len(members) <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1..{MAX_BATCH} messages, got {len(members)}")
+    out = []
+    for mtype, data in members:
+        if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
+            raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
+                             f"types are positive), got {mtype!r}")
+        out.append(_BUILD_MEMBER({"mtype": mtype, "data": bytes(data)}))
+    return b"".join(out)
+
+
+def decode_batch(payload: bytes) -> tuple[tuple[int, bytes], ...]:
+    """The members of a batch record's payload; :class:`RecordError` if it is malformed."""
+    members, offset, size = [], 0, len(payload)
+    while offset < size:
+        if len(members) == MAX_BATCH:
+            raise RecordError(f"batch record: more than {MAX_BATCH} messages")
+        if size - offset < BATCH_MEMBER_HEADER_SIZE:
+            raise RecordError(f"batch record: {size - offset} bytes at offset {offset} are too "
+                              f"few for a message's {BATCH_MEMBER_HEADER_SIZE}-byte header")
+        try:
+            c = BATCH_MEMBER.parse(payload[offset:])
+        except construct.ConstructError:
+            length = int.from_bytes(payload[offset + 8:offset + 12], "big")
+            raise RecordError(f"batch record: message {len(members) + 1} claims {length} bytes, "
+                              f"{size - offset - BATCH_MEMBER_HEADER_SIZE} are left") from None
+        if c.mtype < 1:
+            raise RecordError(f"batch record: message {len(members) + 1} has mtype {c.mtype} "
+                              f"(System V message types are 1 or more)")
+        members.append((c.mtype, bytes(c.data)))
+        offset += BATCH_MEMBER_HEADER_SIZE + c.length
+    if not members:
+        raise RecordError("batch record: no messages in it")
+    return tuple(members)
+
+
+_BUILD_MEMBER = BATCH_MEMBER.compile().build
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,13 @@ send bytes, close, dead-letter, release). Every rule of the spec lives here:
   host. ``QUEUE_YES``: the copy is sent and assured like any message of its type; ``QUEUE_NO``
   (or, UNSURE, no answer): that host gets none (:class:`Declined`); a SURE copy whose host does
   not answer is asked again with back-off. If no copy was sent anywhere, the last one is
-  dead-lettered ``NO_ROUTE`` (a message never vanishes without a word).
+  dead-lettered ``NO_ROUTE`` (a message never vanishes without a word);
+* atomic batches (spec section 6): the messages of one batch record are one unit here (one
+  place in the lane, one expiry, one retry, one journal entry), sent as consecutive
+  ``MESSAGE_EX`` frames with ``BATCH_MORE`` on all but the last, keys ``key``, ``key + 1``, ...;
+  the unit is delivered when every frame is answered ``DELIVERED_YES``, else (SURE) sent again
+  whole with the same keys. A plain RQP/1 peer cannot carry a batch's all-or-nothing: as for
+  an ``mtype`` other than 1.
 
 Each message walks the seed's state diagram, :data:`TRANSITIONS`; the MCA as a whole is in
 *Waiting for message* once opened.
@@ -48,7 +54,7 @@ from typing import Callable
 
 from rqp.protocol import constants as C
 from rqp.protocol.constants import (
-    DEFAULT_PRIORITY, ERROR_LIMIT, EXT_MESSAGE, KNOWN_EXTENSIONS, SURE_MSG, UNSURE_MSG,
+    BATCH_MORE, DEFAULT_PRIORITY, ERROR_LIMIT, EXT_MESSAGE, KNOWN_EXTENSIONS, SURE_MSG, UNSURE_MSG,
 )
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
@@ -198,16 +204,33 @@ class Outgoing:
     #: A broadcast copy: the host it is for (None: an ordinary message) and its message's copies.
     target: object = None
     fanout: "Fanout | None" = field(default=None, repr=False)
+    #: An atomic batch: its messages ``((mtype, data), ...)``, keys ``key + i``; None: one message.
+    members: tuple | None = field(default=None, repr=False)
+    unanswered: int = 0  # a batch in flight: frames not answered yet
+    batch_error: str = ""  # a batch in flight: why a frame of it was not confirmed
 
     @property
     def needs_ex(self) -> bool:
-        """Only MESSAGE_EX can carry it: a plain RQP/1 peer would put it with mtype 1."""
-        return self.mtype != 1
+        """Only MESSAGE_EX can carry it: a plain RQP/1 peer would put it with mtype 1, or a
+        batch's messages one by one."""
+        return self.mtype != 1 or self.members is not None
 
     @property
     def wants_ex(self) -> bool:
         """It has extras a MESSAGE_EX carries (a plain MESSAGE may carry it without them)."""
-        return self.mtype != 1 or self.priority != DEFAULT_PRIORITY or self.expires_at_ms != 0
+        return self.mtype != 1 or self.priority != DEFAULT_PRIORITY or self.expires_at_ms != 0 \
+            or self.members is not None
+
+    @property
+    def count(self) -> int:
+        """How many application messages it is (a batch: its members)."""
+        return 1 if self.members is None else len(self.members)
+
+    @property
+    def why_ex(self) -> str:
+        """What only MESSAGE_EX can carry of it, in words."""
+        return (f"a batch of {len(self.members)}" if self.members is not None
+                else f"mtype {self.mtype}")
 
 
 @dataclass(eq=False, slots=True)
@@ -466,7 +489,7 @@ class SenderCore:
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
                origin: object = None, key: int = 0, *, mtype: int = 1,
                priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0,
-               copies=None) -> Outgoing:
+               copies=None, members=None) -> Outgoing:
         """A record taken from the transmission queue.
 
         ``key``: the unique key already given to it (a SURE message is given its key when it is
@@ -474,12 +497,14 @@ class SenderCore:
         ``mtype``, ``priority``, ``expires_at_ms``: the record's extras (spec section 6).
         ``copies``: for a broadcast queue key, ``((key, host), ...)``, the copies not done yet
         (journaled with the message; a host by its ``str``); None: one per host, keys given
-        here. Returns the message (a broadcast one: its first copy).
+        here. ``members``: an atomic batch, ``((mtype, data), ...)``, sent with keys ``key``,
+        ``key + 1``, ... Returns the message (a broadcast one: its first copy).
         """
         self._now = now
         self._seq += 1
         msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin, key,
-                       mtype=mtype, priority=priority, expires_at_ms=expires_at_ms)
+                       mtype=mtype, priority=priority, expires_at_ms=expires_at_ms,
+                       members=None if members is None else tuple(members))
         problem = None
         if message_type not in (SURE_MSG, UNSURE_MSG):
             problem = (ReasonCode.BAD_MESSAGE_TYPE,
@@ -512,7 +537,7 @@ class SenderCore:
         """One copy of ``msg`` per host (spec section 6, broadcast names)."""
         by_name = {str(host): host for host in self.settings.hosts}
         if copies is None:
-            copies = [(self._new_key(), host) for host in self.settings.hosts]
+            copies = [(self._keys(msg.count), host) for host in self.settings.hosts]
         copies = [(key, by_name.get(str(host), host)) for key, host in copies]
         fanout = Fanout(len(copies), len(copies))
         made = []
@@ -521,7 +546,7 @@ class SenderCore:
             made.append(Outgoing(self._seq, msg.message_type, msg.queue_key, msg.payload,
                                  msg.taken_at, msg.origin, key, mtype=msg.mtype,
                                  priority=msg.priority, expires_at_ms=msg.expires_at_ms,
-                                 target=host, fanout=fanout))
+                                 target=host, fanout=fanout, members=msg.members))
         for copy in made:
             if copy.target in self._links and copy.target in self.settings.hosts:
                 self._copy_info(copy.queue_key, copy.target)
@@ -702,7 +727,7 @@ class SenderCore:
                 # Not on this connection: a plain RQP/1 peer, or one not asked since it
                 # connected. Ask (again), for a host that takes MESSAGE_EX (spec section 6).
                 self._drop_route(lane.id, host,
-                                 f"mtype {head.mtype} needs MESSAGE_EX and this connection "
+                                 f"{head.why_ex} needs MESSAGE_EX and this connection "
                                  + ("is plain RQP/1" if link.agreed is not None
                                     else "has not said whether it takes it yet"))
                 continue
@@ -711,26 +736,53 @@ class SenderCore:
                        else T.QUEUE_YES)
             self._send_message(link, lane, head)
 
+    def _keys(self, n: int) -> int:
+        """The first of ``n`` consecutive new keys."""
+        block = getattr(self._new_key, "block", None)
+        if block is not None:
+            return block(n)
+        first = self._new_key()
+        for _ in range(n - 1):
+            self._new_key()
+        return first
+
     def _send_message(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         if not msg.key:
-            msg.key = self._new_key()
+            msg.key = self._keys(msg.count)
         msg.attempts += 1
         msg.host = link.host
         lane.inflight += 1
         info = self._info(msg.queue_key)
-        info.sent += 1
+        info.sent += msg.count
         info.sent_bytes += len(msg.payload)
         info.last_message_at = self._now
         if msg.target is not None:
             copy_info = self._copy_info(msg.queue_key, msg.target)
-            copy_info.sent += 1
+            copy_info.sent += msg.count
             copy_info.last_message_at = self._now
+        if msg.members is not None:
+            self._send_batch(link, lane, msg)
+            return
         if msg.wants_ex and (link.agreed or 0) & EXT_MESSAGE:
             data = encode_message_ex(msg.message_type, msg.key, msg.queue_key, msg.payload,
                                      msg.mtype, msg.priority, 0, msg.expires_at_ms)
         else:
             data = encode_message(msg.message_type, msg.key, msg.queue_key, msg.payload)
         self._push(link, _Frame(lane, msg, self.settings.confirm_timeout, 0.0), data)
+        self._fire(msg, T.SENT)
+
+    def _send_batch(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
+        """All frames of a batch at once (the window may be passed: the receiver answers none
+        before the last), ``BATCH_MORE`` on all but the last."""
+        last = len(msg.members) - 1
+        msg.unanswered, msg.batch_error = last + 1, ""
+        data = [encode_message_ex(msg.message_type, msg.key + i, msg.queue_key, payload, mtype,
+                                  msg.priority, BATCH_MORE if i < last else 0, msg.expires_at_ms)
+                for i, (mtype, payload) in enumerate(msg.members)]
+        timeout = self.settings.confirm_timeout
+        for i in range(last):
+            link.outstanding.append(_Frame(lane, msg, timeout, self._now + timeout))
+        self._push(link, _Frame(lane, msg, timeout, 0.0), b"".join(data))
         self._fire(msg, T.SENT)
 
     def _push(self, link: _Link, frame: _Frame, data: bytes) -> None:
@@ -867,7 +919,7 @@ class SenderCore:
             self._asked_for(msg)
             self._fire(msg, T.NO_HOST_CAN_CARRY)
             self._dead_letter(msg, ReasonCode.EXTENSION_UNSUPPORTED,
-                              f"mtype {msg.mtype} needs MESSAGE_EX (spec section 6), and the "
+                              f"{msg.why_ex} needs MESSAGE_EX (spec section 6), and the "
                               f"hosts that offer queue {lane.queue_key:#x} do not take it ({why})")
         if lane.pending:
             self.routes[lane.id] = plain
@@ -902,16 +954,28 @@ class SenderCore:
                 if lane.plain_yes is None:
                     lane.plain_yes = link.host
                 self._ask_answered(link, lane, False, f"QUEUE_YES, but plain RQP/1 cannot "
-                                   f"carry mtype {head.mtype}")
+                                   f"carry {head.why_ex}")
             else:
                 lane.declined = lane.declined or not yes
                 self._ask_answered(link, lane, yes, "QUEUE_NO")
         else:
-            if isinstance(event, DeliveredYes):
-                self._confirmed(link, lane, frame.msg)
-            else:
-                self._not_confirmed(link, lane, frame.msg, "DELIVERED_ERROR")
+            self._settled(link, lane, frame.msg, isinstance(event, DeliveredYes),
+                          "DELIVERED_ERROR")
         self._wake(link)
+
+    def _settled(self, link: _Link, lane: _Lane, msg: Outgoing, ok: bool, why: str) -> None:
+        """A MESSAGE frame answered (or never to be): a batch is settled by its last frame."""
+        if msg.members is not None:
+            msg.unanswered -= 1
+            if not ok and not msg.batch_error:
+                msg.batch_error = why
+            if msg.unanswered:
+                return
+            ok, why = not msg.batch_error, msg.batch_error
+        if ok:
+            self._confirmed(link, lane, msg)
+        else:
+            self._not_confirmed(link, lane, msg, why)
 
     @staticmethod
     def _check_answer(frame: _Frame, event) -> None:
@@ -969,10 +1033,10 @@ class SenderCore:
         lane.inflight -= 1
         self.errors.pop((link.host, lane.id), None)
         self._fire(msg, T.DELIVERED)
-        self._info(msg.queue_key).delivered += 1
+        self._info(msg.queue_key).delivered += msg.count
         self._actions.append(Delivered(msg, link.host))
         if msg.fanout is not None:
-            self._copy_info(msg.queue_key, msg.target).delivered += 1
+            self._copy_info(msg.queue_key, msg.target).delivered += msg.count
             self._copy_ended(msg, reached=True)
         self._pump(lane)
         self._forget_if_idle(lane)
@@ -988,9 +1052,9 @@ class SenderCore:
             copy_info.errors += 1
             copy_info.last_error, copy_info.last_error_at = msg.last_error, self._now
         if msg.message_type == UNSURE_MSG:
-            info.lost += 1
+            info.lost += msg.count
             if copy_info is not None:
-                copy_info.lost += 1
+                copy_info.lost += msg.count
             self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
@@ -1083,7 +1147,7 @@ class SenderCore:
             if frame.msg is None:
                 self._ask_answered(link, frame.lane, False, why)
             else:
-                self._not_confirmed(link, frame.lane, frame.msg, why)
+                self._settled(link, frame.lane, frame.msg, False, why)
         # Lanes that were waiting for this link to come up (and were not just dealt with).
         for lane in waiting:
             if lane in link.waiting or lane.id not in self._lanes:
@@ -1120,7 +1184,7 @@ class SenderCore:
 
     def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str) -> None:
         if msg.queue_key in self.info or not queue_key_problem(msg.queue_key):
-            self._info(msg.queue_key).dead_lettered += 1
+            self._info(msg.queue_key).dead_lettered += msg.count
         self._actions.append(DeadLetter(msg, reason, detail))
         self._fire(msg, T.DEAD_LETTERED)
         if msg.fanout is not None:

@@ -69,12 +69,18 @@ class KeySource:
         self._counter = 0
 
     def __call__(self) -> int:
+        return self.block(1)
+
+    def block(self, n: int) -> int:
+        """The first of ``n`` consecutive unused keys (a batch's messages: key, key + 1, ...)."""
+        if not 1 <= n <= 0xFFFF:
+            raise ValueError(f"a block of 1..65535 keys, not {n}")
         with self._lock:  # the reader thread and the event loop both take keys
-            self._counter += 1
-            if self._counter > 0xFFFFFFFF:
+            if self._counter + n > 0xFFFFFFFF:
                 self._advance()
-                self._counter = 1
-            return self.incarnation << 32 | self._counter
+            first = self._counter + 1
+            self._counter += n
+            return self.incarnation << 32 | first
 
 
 # --- who serves a transmission queue -------------------------------------------------------

@@ -1,0 +1,102 @@
+"""The sending MCA core's atomic batches (spec section 6): one unit, consecutive MESSAGE_EX
+frames with BATCH_MORE on all but the last, all-or-nothing retries, never to a plain peer."""
+
+from __future__ import annotations
+
+from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import BATCH_MORE
+from rqp.protocol.events import Message, MessageEx
+from rqp.protocol.reasons import ReasonCode
+from rqp.protocol.sender import DeadLetter, Delivered, Lost
+from tests.test_sender_protocol import ERR, OK, Q1, Harness
+
+MEMBERS = ((1, b"one"), (7, b"two"), (3, b"three"))
+
+
+def batch_frames(frames) -> list:
+    return [(host, ev) for host, ev in frames if isinstance(ev, (Message, MessageEx))]
+
+
+def test_a_batch_goes_as_consecutive_message_ex_frames_and_is_delivered_whole():
+    h = Harness()
+    h.submit(payload=b"before")
+    h.submit(payload=b"", members=MEMBERS, priority=6)
+    h.submit(payload=b"after")
+    frames = batch_frames(h.serve({"b": {Q1}}, ext={"b"}))
+    # priority 6 overtakes the plain messages waiting behind the ask
+    got = [(type(ev).__name__, ev.message, getattr(ev, "mtype", 1), getattr(ev, "flags", 0))
+           for _, ev in frames]
+    assert got == [("MessageEx", b"one", 1, BATCH_MORE), ("MessageEx", b"two", 7, BATCH_MORE),
+                   ("MessageEx", b"three", 3, 0), ("Message", b"before", 1, 0),
+                   ("Message", b"after", 1, 0)]
+    keys = [ev.key for _, ev in frames[:3]]
+    assert keys == [keys[0], keys[0] + 1, keys[0] + 2]
+    assert all(ev.priority == 6 for _, ev in frames[:3])
+    delivered = h.of(Delivered)
+    assert [d.message.count for d in delivered] == [3, 1, 1]
+    assert h.core.route_status()[0]["delivered"] == 5
+
+
+def test_one_refused_frame_fails_the_unit_sure_sends_it_again_whole_with_the_same_keys():
+    h = Harness()
+    h.submit(members=MEMBERS)
+    answers = iter([OK, OK, ERR])  # the receiver refused it (as a whole, it answers all ERR;
+    # a mixed answer must still fail the unit)
+
+    def deliver(host, msg):
+        return next(answers, OK) is OK
+
+    frames = batch_frames(h.serve({"b": {Q1}}, ext={"b"}, deliver=deliver))
+    assert [ev.message for _, ev in frames] == [b"one", b"two", b"three"] * 2
+    assert [ev.key for _, ev in frames[:3]] == [ev.key for _, ev in frames[3:]]
+    [done] = h.of(Delivered)
+    assert done.message.attempts == 2
+
+
+def test_an_unsure_batch_not_confirmed_is_lost_as_a_whole():
+    h = Harness()
+    h.submit(message_type=UNSURE_MSG, members=MEMBERS)
+    h.serve({"b": {Q1}}, ext={"b"}, deliver=lambda host, msg: False)
+    [lost] = h.of(Lost)
+    assert lost.message.count == 3 and h.of(Delivered) == []
+    assert h.core.route_status()[0]["lost"] == 3
+
+
+def test_a_plain_peer_never_gets_a_batch():
+    for kind in (SURE_MSG, UNSURE_MSG):
+        h = Harness()
+        h.submit(message_type=kind, members=MEMBERS)
+        frames = h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"})
+        assert {host for host, _ in batch_frames(frames)} == {"c"}
+        h = Harness()
+        h.submit(message_type=kind, members=MEMBERS)
+        assert batch_frames(h.serve({"b": {Q1}, "c": {Q1}})) == []
+        [dead] = h.of(DeadLetter)
+        assert dead.reason is ReasonCode.EXTENSION_UNSUPPORTED
+        assert "a batch of 3 needs MESSAGE_EX" in dead.detail
+
+
+def test_an_expired_batch_is_dead_lettered_whole_before_sending():
+    h = Harness()
+    h.submit(members=MEMBERS, expires_at_ms=h.wall + 1000)
+    h.advance(2)
+    assert batch_frames(h.serve({"b": {Q1}}, ext={"b"})) == []
+    [dead] = h.of(DeadLetter)
+    assert dead.reason is ReasonCode.EXPIRED and dead.message.count == 3
+
+
+def test_a_connection_lost_mid_batch_settles_the_unit_once():
+    h = Harness()
+    h.submit(members=MEMBERS)
+    h.sent()
+    h.answer("b", b"\x05\x01")  # QUEUE_YES with EXT_MESSAGE
+    assert len(batch_frames(h.sent())) == 3
+    h.answer("b", OK)  # one answer, then the connection drops
+    h.core.connection_lost("b", "reset", h.now)
+    h.actions()
+    assert h.core.held == 1 and h.core.in_flight == 0  # back to waiting, once
+    frames = batch_frames(h.serve({"b": {Q1}}, ext={"b"}))  # (c is asked: it says no)
+    h.advance()  # b's reconnect back-off
+    frames += batch_frames(h.serve({"b": {Q1}}, ext={"b"}))
+    assert [ev.message for _, ev in frames] == [b"one", b"two", b"three"]
+    assert len(h.of(Delivered)) == 1 and h.core.held == 0
