@@ -21,7 +21,7 @@ from rqp.cli import add_log_level, listen_address
 from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_host
 from rqp.protocol.access import Allowance, Peer
 from rqp.protocol.errors import LocalProtocolError
-from rqp.protocol.events import OversizedMessage
+from rqp.protocol.events import MessageEx, OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.constants import KNOWN_EXTENSIONS
@@ -416,7 +416,7 @@ class Receiver(Daemon):
             queue_key=message.queue_key, message_key=message.key, attempts=1,
             original_length=message.message_length, host=self.host, source_host=peer,
             destination_host=self.host, detail=detail,
-            payload=b"" if header_only else message.message)
+            payload=b"" if header_only else message.message, **_extras(message))
         data = None
         try:
             data = self.dead_letters.encode(record)
@@ -451,6 +451,18 @@ def _peer(peer) -> str:
         return "?"
     host, port = peer[0], peer[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _extras(message) -> dict:
+    """A MESSAGE_EX's mtype, priority and expiry for its dead letter (a MESSAGE: the defaults)."""
+    extras = getattr(message, "extras", None)  # an oversized MESSAGE_EX
+    if extras is not None:
+        mtype, priority, _flags, expires_at_ms = extras
+    elif isinstance(message, MessageEx):
+        mtype, priority, expires_at_ms = message.mtype, message.priority, message.expires_at_ms
+    else:
+        return {}
+    return {"mtype": mtype, "priority": priority, "expires_at_ms": expires_at_ms}
 
 
 def main(argv: list[str] | None = None) -> int:

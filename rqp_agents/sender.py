@@ -356,7 +356,7 @@ class Sender(Daemon):
             records = [dataclasses.replace(DeadLetterRecord.from_transmission(
                 record, message_key=msg.key + i, detail=f"{act.detail} (message {i + 1} of a "
                 f"batch of {n}, mtype {mtype}; none of it was delivered)", **common),
-                payload=data, original_length=len(data)) for i, (mtype, data) in
+                payload=data, original_length=len(data), mtype=mtype) for i, (mtype, data) in
                 enumerate(msg.members)]
         log.warning("dead letter reason=%s queue=%s key=%#018x%s: %s", act.reason.name,
                     format_key(msg.queue_key), msg.key,

@@ -137,7 +137,8 @@ try:
         out.append({"reason": r.reason.name, "queue_key": r.queue_key, "key": r.message_key,
                     "type": r.message_type, "payload": r.payload.decode(errors="replace"),
                     "detail": r.detail, "host": r.host, "source": r.source_host,
-                    "destination": r.destination_host, "attempts": r.attempts})
+                    "destination": r.destination_host, "attempts": r.attempts,
+                    "mtype": r.mtype, "priority": r.priority})
 except sysv_ipc.ExistentialError:
     pass
 print(json.dumps(out))

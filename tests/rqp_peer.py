@@ -318,6 +318,8 @@ class PeerProcess:
                 "host": rec.host, "source_host": rec.source_host,
                 "destination_host": rec.destination_host, "detail": rec.detail,
                 "spill_path": rec.spill_path, "payload": rec.payload.hex(),
+                "record_mtype": rec.mtype, "priority": rec.priority,
+                "expires_at_ms": rec.expires_at_ms,
             })
         return out
 

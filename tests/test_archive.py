@@ -27,7 +27,7 @@ SPEC_KEYS = [
     "queue_key", "queue_key_hex", "queue_name", "message_key", "message_type", "timestamp",
     "timestamp_ns", "attempts", "original_length", "payload_length", "truncated",
     "header_only", "source_host", "destination_host", "detail", "spill_path", "payload_b64",
-    "payload_preview",
+    "payload_preview", "record_version", "mtype", "priority", "expires_at_ms",
 ]
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 
@@ -41,6 +41,7 @@ def full_record(**changes) -> DeadLetterRecord:
         original_length=100_000, host="höst-ä", source_host="src.example",
         destination_host="10.0.0.2:7460", detail="errno 90: Message too long — ünïcode",
         spill_path="/var/lib/rqp/spill/dl-1.payload", payload=b"\x00\xffbin\\ary\n",
+        mtype=(1 << 63) - 1, priority=9, expires_at_ms=1_700_000_060_000,
     )
     fields.update(changes)
     return DeadLetterRecord(**fields)
@@ -53,7 +54,7 @@ def test_every_field_goes_into_the_row_and_comes_back():
                         archived_at_ns=1_700_000_100_000_000_000)
     assert list(row) == SPEC_KEYS == list(ROW_KEYS)
     assert row == {
-        "schema": 1,
+        "schema": 2,
         "id": hashlib.sha256(raw).hexdigest()[:32],
         "archived_by": "drainer",
         "archived_at": "2023-11-14T22:15:00.000000Z",
@@ -79,12 +80,29 @@ def test_every_field_goes_into_the_row_and_comes_back():
         "spill_path": "/var/lib/rqp/spill/dl-1.payload",
         "payload_b64": base64.b64encode(b"\x00\xffbin\\ary\n").decode(),
         "payload_preview": "\\x00\\xffbin\\x5cary\\x0a",
+        "record_version": 2,
+        "mtype": (1 << 63) - 1,
+        "priority": 9,
+        "expires_at_ms": 1_700_000_060_000,
     }
     assert row_to_record(row) == record
     assert row_raw_bytes(row) == raw and record_id(row_raw_bytes(row)) == row["id"]
     # through JSON, as it is stored
     again = json.loads(json.dumps(row))
     assert row_to_record(again) == record
+
+
+def test_schema_1_rows_and_version_1_records_read_and_keep_their_ids():
+    record = full_record(version=1, mtype=1, priority=4, expires_at_ms=0)
+    raw = record.to_bytes()
+    assert raw[4] == 1 and len(raw) == len(full_record(mtype=1).to_bytes()) - 17
+    row = record_to_row(raw, archived_by="drainer")
+    assert (row["record_version"], row["mtype"], row["priority"]) == (1, 1, 4)
+    old = {k: v for k, v in row.items()
+           if k not in ("record_version", "mtype", "priority", "expires_at_ms")}
+    old["schema"] = 1  # a row a drain of the previous version wrote
+    assert row_to_record(old) == record
+    assert record_id(row_raw_bytes(old)) == old["id"] == record_id(raw)
 
 
 def test_queue_name_comes_from_the_rqprc_names_and_is_null_otherwise():

@@ -180,7 +180,7 @@ def test_a_plain_rqp1_receiver_never_gets_part_of_a_batch(testbed):
     fake = Fake(b)
     rqprc = write_rqprc(a, [b])
     start_sender(a, rqprc)
-    a.python(SEND_BATCH, str(rqprc), str(SURE_MSG), json.dumps([[1, "b1"], [1, "b2"]]))
+    a.python(SEND_BATCH, str(rqprc), str(SURE_MSG), json.dumps([[3, "b1"], [4, "b2"]]))
     send(a, rqprc, Q1, ["marker"], SURE_MSG)
     wait_for(lambda: fake.frames("confirmed"), timeout=30, message="the marker did not arrive")
     assert [m["body"] for m in fake.frames("MESSAGE")] == ["marker"]
@@ -189,5 +189,6 @@ def test_a_plain_rqp1_receiver_never_gets_part_of_a_batch(testbed):
     dead = dead_letters(a)
     assert [(d["payload"], d["reason"]) for d in dead] == [
         ("b1", "EXTENSION_UNSUPPORTED"), ("b2", "EXTENSION_UNSUPPORTED")]
+    assert [d["mtype"] for d in dead] == [3, 4]  # kept, so that a replay puts them so
     assert "a batch of 2 needs MESSAGE_EX" in dead[0]["detail"]
     assert "message 2 of a batch of 2" in dead[1]["detail"]

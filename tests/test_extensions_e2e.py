@@ -160,6 +160,8 @@ def test_message_ex_is_put_with_its_mtype_and_an_expired_one_is_dead_lettered(te
     assert r.qa.drain(Q1) == [(5, b"five"), (1, b"one"), (1, b"plain-on-ex")]
     [dead] = r.qa.dead_letters()
     assert (dead["reason"], dead["payload"], dead["message_key"]) == (7, b"stale", 13)
+    # the dead letter keeps what MESSAGE_EX carried, so that a replay puts it with its type
+    assert (dead["record_mtype"], dead["priority"], dead["expires_at_ms"]) == (3, 4, 1)
     assert "expired on arrival" in dead["detail"]
 
 

@@ -80,8 +80,13 @@ DEAD_LETTER = DeadLetterRecord(
     detail="é",
     spill_path="/s",
     payload=b"abc",
+    mtype=5,
+    priority=9,
+    expires_at_ms=0x0A0B0C0D0E0F1011,
 )
-DEAD_LETTER_BYTES = (
+DEAD_LETTER_V1 = dataclasses.replace(DEAD_LETTER, mtype=1, priority=4, expires_at_ms=0,
+                                     version=1)
+DEAD_LETTER_V1_BYTES = (
     b"RQDL"  # magic
     b"\x01"  # version 1
     b"\x00\x16"  # reason 22 QUEUE_FULL
@@ -101,12 +106,28 @@ DEAD_LETTER_BYTES = (
     b"\x00\x00\x00\x03"  # payload_length 3
     b"abc"  # payload
 )
+DEAD_LETTER_BYTES = (
+    b"RQDL" b"\x02" + DEAD_LETTER_V1_BYTES[5:47]  # version 2, then as version 1 up to offset 47
+    + b"\x00\x00\x00\x00\x00\x00\x00\x05"  # mtype 5
+    + b"\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11"  # expires_at_ms
+    + b"\x09"  # priority 9
+    + DEAD_LETTER_V1_BYTES[47:]  # the strings and the payload
+)
 
 
 def test_sizes():
     assert TRANSMISSION_HEADER_SIZE == 64
-    assert DEAD_LETTER_FIXED_SIZE == 47
-    assert DEAD_LETTER_MIN_SIZE == 58
+    assert DEAD_LETTER_FIXED_SIZE == 64
+    assert DEAD_LETTER_MIN_SIZE == 75
+
+
+def test_dead_letter_version_1_is_read_and_written_back_as_it_was():
+    parsed = DeadLetterRecord.from_bytes(DEAD_LETTER_V1_BYTES)
+    assert parsed == DEAD_LETTER_V1 and parsed.version == 1
+    assert parsed.to_bytes() == DEAD_LETTER_V1_BYTES  # (so its archive id stays)
+    assert parsed.encoded_size() == len(DEAD_LETTER_V1_BYTES)
+    with pytest.raises(ValueError, match="version-1 dead-letter record has no mtype"):
+        dataclasses.replace(parsed, mtype=2)
 
 
 def test_transmission_vector():

@@ -4,6 +4,7 @@ MCA to a receiving MCA (and to tests/fake_receiver.py, which shows the message k
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.archive import (
     ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, record_to_row,
-    write_drain_state,
+    row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
 from rqp.tools.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
@@ -149,14 +150,17 @@ class FakeSend:
         self.archive = archive
         self.fail = fail
         self.calls: list[tuple[int, bytes, int]] = []
+        self.extras: list[tuple[int, int]] = []  # (mtype, priority) of each call
         self.times: list[float] = []
 
-    def __call__(self, queue_key: int, payload: bytes, replay_key: int) -> None:
+    def __call__(self, queue_key: int, payload: bytes, replay_key: int, *, mtype: int,
+                 priority: int) -> None:
         self.times.append(time.monotonic())
         assert self.archive_has(payload)  # never removed before it is confirmed
         if payload in self.fail:
             raise RQPError(f"cannot send {payload!r}")
         self.calls.append((queue_key, payload, replay_key))
+        self.extras.append((mtype, priority))
 
     def archive_has(self, payload: bytes) -> bool:
         return any(base64.b64decode(r["payload_b64"]) in (payload, payload[:4])
@@ -376,7 +380,7 @@ rules:
     args = ["--archive", str(archive), "--rules", str(rules), "--rqprc", str(rqprc)]
     done = a.run([*REPLAY, *args], check=False, timeout=90)
     assert done.returncode == 1, done.stdout + done.stderr  # one record could not be put back
-    assert done.stdout.splitlines()[-1] == \
+    assert done.stdout.splitlines() and done.stdout.splitlines()[-1] == \
         "replayed 3, forwarded 1, discarded 1, kept 1, failed 1"
     assert "gone.payload cannot be read here" in done.stdout
     # in the original queue, in order; the forwarded one in the other queue
@@ -399,3 +403,20 @@ rules:
              timeout=20, message="the receiver did not see the repeat")
     assert int(b.python(DEPTH, str(Q1))) == 0
     assert archived_ids(archive) == {r["id"] for r in read_archive(archive)}
+
+
+def test_a_replay_keeps_the_messages_type_and_priority(tmp_path):
+    archive = tmp_path / "archive"
+    typed = row(key=0x51, payload=b"typed")
+    record = dataclasses.replace(row_to_record(typed), mtype=7, priority=9,
+                                 expires_at_ms=1)  # (a replay does not expire)
+    typed = record_to_row(record.to_bytes(), archived_by="drainer")
+    old = row(key=0x52, payload=b"schema one")
+    old = {k: v for k, v in old.items()
+           if k not in ("record_version", "mtype", "priority", "expires_at_ms")}
+    old["schema"] = 1
+    write_archive(archive, [typed, old])
+    send = FakeSend(archive)
+    replayer, _ = replay(archive, RULES, send)
+    assert [c[1] for c in send.calls] == [b"typed", b"schema one"]
+    assert send.extras == [(7, 9), (1, 4)]

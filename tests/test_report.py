@@ -376,7 +376,7 @@ def test_job_writes_every_output(spark, report):
 def test_job_summary_totals(report):
     out, stdout, stderr = report
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["archive_schema"] == 1
+    assert summary["archive_schema"] == 2
     assert summary["totals"] == {
         "files": 3, "lines": 14, "unreadable_lines": 1, "duplicates_dropped": 1,
         "dead_letters": 12, "reasons": 7, "queues": 5, "source_hosts": 3,
@@ -402,16 +402,16 @@ def test_job_summary_totals(report):
     assert "1 line(s)" in stderr and "dlq-0003.jsonl" in stderr
 
 
-def test_job_rejects_a_schema_2_file_naming_it(spark, archive, tmp_path, capsys):
+def test_job_rejects_a_schema_3_file_naming_it(spark, archive, tmp_path, capsys):
     newer = tmp_path / "newer"
     newer.mkdir()
-    line = dict(LINES[0], schema=2, id="e01")
+    line = dict(LINES[0], schema=3, id="e01")
     (newer / "dlq-from-the-future.jsonl").write_text(json.dumps(line) + "\n")
     status = job.main(["--input", str(archive), str(newer / "*.jsonl"),
                        "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert status == 2
-    assert "dlq-from-the-future.jsonl" in err and "schema 2" in err
+    assert "dlq-from-the-future.jsonl" in err and "schema 3" in err
     assert "dlq-0001" not in err  # only the offending file is named
     assert not (tmp_path / "out" / "summary.json").exists()
     with pytest.raises(ArchiveSchemaError, match="dlq-from-the-future.jsonl"):
@@ -646,7 +646,7 @@ def test_generate_writes_schema_valid_rows(spark, tmp_path):
             if name == "queue_name" and value is None:
                 continue
             assert type(value) is python_types[types[name]], (name, value)
-        assert d["schema"] == 1
+        assert d["schema"] == 2
         payload = base64.b64decode(d["payload_b64"], validate=True)
         assert len(payload) == d["payload_length"] <= d["original_length"]
         assert d["truncated"] == (d["payload_length"] < d["original_length"] and

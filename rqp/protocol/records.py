@@ -68,15 +68,17 @@ Dead-letter record
 ==================
 
 What an agent puts on ``DEAD.LETTER.Q`` (also with ``mtype = 1``) when it cannot deliver a
-message; IBM MQ's MQDLH is the model. The first 47 bytes are fixed, then come five
+message; IBM MQ's MQDLH is the model. The first 64 bytes are fixed, then come five
 length-prefixed UTF-8 strings (the length counts bytes, there is no terminating NUL) and the
-length-prefixed payload. The record ends exactly at the end of the payload.
+length-prefixed payload. The record ends exactly at the end of the payload. Version 2 is
+written; version 1 (without the 17 bytes at offset 47: no strings move but by 17) is still
+read, as ``mtype`` 1, priority 4, no expiry.
 
 ======  ====  =================  ============================================================
 offset  size  field              meaning
 ======  ====  =================  ============================================================
 0       4     magic              the bytes ``"RQDL"`` (0x52 0x51 0x44 0x4C)
-4       1     version            1
+4       1     version            2 (1: no offsets 47..63, everything after them 17 earlier)
 5       2     reason             :class:`ReasonCode` (readers must accept unknown numbers)
 7       1     message_type       0 = SURE, 1 = UNSURE, 255 = unknown
 8       2     flags              bit 0 = TRUNCATED: the payload was cut to fit ``msgmax``; the
@@ -90,9 +92,13 @@ offset  size  field              meaning
 27      8     timestamp_ns       unix time in nanoseconds when it was dead-lettered
 35      4     attempts           delivery attempts made
 39      8     original_length    length in bytes of the original payload
-47      1     H                  length of host
-48      H     host               host name where it was dead-lettered
-A=48+H  1     S                  length of source_host
+47      8     mtype              (version 2) signed: the System V type the message was to be
+                                 put with (1 or more), so that a replay keeps it
+55      8     expires_at_ms      (version 2) its expiry, Unix ms; 0 = never
+63      1     priority           (version 2) its priority, 0..9
+64      1     H                  length of host
+65      H     host               host name where it was dead-lettered
+A=65+H  1     S                  length of source_host
 A+1     S     source_host        host the message came from ('' if local)
 B=A+1+S 1     D                  length of destination_host
 B+1     D     destination_host   host it was going to ('' if unknown)
@@ -105,7 +111,7 @@ F+4     N     payload            the (possibly truncated) payload; F+4+N = messa
 ======  ====  =================  ============================================================
 
 The strings are UTF-8 without a terminating NUL; their lengths count bytes. With all strings
-empty and no payload a dead-letter record is :data:`DEAD_LETTER_MIN_SIZE` (58) bytes. Strings
+empty and no payload a dead-letter record is :data:`DEAD_LETTER_MIN_SIZE` (75) bytes. Strings
 longer than their length field allows are cut at a UTF-8 character boundary when the record is
 made. A record must fit in one System V message (``msgmax``):
 :func:`rqp.storage.deadletters.fit_dead_letter` cuts the payload (flag TRUNCATED) and can spill
@@ -180,7 +186,7 @@ __all__ = [
 TRANSMISSION_MAGIC = b"RQPX"
 TRANSMISSION_VERSION = 2
 DEAD_LETTER_MAGIC = b"RQDL"
-DEAD_LETTER_VERSION = 1
+DEAD_LETTER_VERSION = 2
 
 #: ``message_type`` of a dead-letter record whose message type is not known.
 UNKNOWN_MESSAGE_TYPE = 255
@@ -239,10 +245,8 @@ TRANSMISSION_RECORD_V1 = Struct(
 )
 TRANSMISSION_HEADER_V1_SIZE = 36
 
-#: The fixed part of a dead-letter record, up to ``original_length`` (47 bytes).
-DEAD_LETTER_FIXED = Struct(
-    "magic" / Const(DEAD_LETTER_MAGIC),
-    "version" / Const(DEAD_LETTER_VERSION, Int8ub),
+#: What version 1 and 2 share at the start of a dead-letter record (after the version byte).
+_DEAD_LETTER_COMMON = (
     "reason" / Int16ub,
     "message_type" / Int8ub,
     "flags" / Int16ub,
@@ -254,11 +258,20 @@ DEAD_LETTER_FIXED = Struct(
     "original_length" / Int64ub,
 )
 
+#: The fixed part of a dead-letter record (version 2), up to ``priority`` (64 bytes).
+DEAD_LETTER_FIXED = Struct(
+    "magic" / Const(DEAD_LETTER_MAGIC),
+    "version" / Const(DEAD_LETTER_VERSION, Int8ub),
+    *_DEAD_LETTER_COMMON,
+    "mtype" / Int64sb,
+    "expires_at_ms" / Int64ub,
+    "priority" / Int8ub,
+)
+
 DEAD_LETTER_FIXED_SIZE: int = DEAD_LETTER_FIXED.sizeof()
 
-#: A whole dead-letter record. The record must end exactly where the payload ends.
-DEAD_LETTER_RECORD = Struct(
-    *DEAD_LETTER_FIXED.subcons,
+#: What follows the fixed part in both versions: the strings and the payload.
+_DEAD_LETTER_TAIL = (
     "host" / PascalString(Int8ub, "utf8"),
     "source_host" / PascalString(Int8ub, "utf8"),
     "destination_host" / PascalString(Int8ub, "utf8"),
@@ -267,6 +280,17 @@ DEAD_LETTER_RECORD = Struct(
     "payload_length" / Rebuild(Int32ub, len_(this.payload)),
     "payload" / Bytes(this.payload_length),
     Terminated,
+)
+
+#: A whole dead-letter record. The record must end exactly where the payload ends.
+DEAD_LETTER_RECORD = Struct(*DEAD_LETTER_FIXED.subcons, *_DEAD_LETTER_TAIL)
+
+#: Version 1 (read, and written again only as it was read): no mtype, expiry, priority.
+DEAD_LETTER_RECORD_V1 = Struct(
+    "magic" / Const(DEAD_LETTER_MAGIC),
+    "version" / Const(1, Int8ub),
+    *_DEAD_LETTER_COMMON,
+    *_DEAD_LETTER_TAIL,
 )
 
 #: Size of the prefixes that follow the fixed part: 3 x uint8, 2 x uint16, 1 x uint32.
@@ -281,6 +305,7 @@ TRANSMISSION_RECORD_COMPILED = TRANSMISSION_RECORD.compile()
 _PARSE_TRANSMISSION = TRANSMISSION_RECORD_COMPILED.parse
 _PARSE_TRANSMISSION_V1 = TRANSMISSION_RECORD_V1.compile().parse
 DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
+_DEAD_LETTER_V1_COMPILED = DEAD_LETTER_RECORD_V1.compile()
 
 
 # --------------------------------------------------------------------------------------------
@@ -561,6 +586,13 @@ class DeadLetterRecord:
     detail: str = ""
     spill_path: str = ""
     payload: bytes = field(default=b"", repr=False)
+    #: The message's System V extras (spec section 6), so that a replay keeps them.
+    mtype: int = 1
+    priority: int = DEFAULT_PRIORITY
+    expires_at_ms: int = 0
+    #: The version it is encoded in: 2, or 1 for a record read as version 1 (which then
+    #: encodes to the same bytes, and so keeps its archive id).
+    version: int = DEAD_LETTER_VERSION
 
     def __post_init__(self) -> None:
         setf = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -584,6 +616,16 @@ class DeadLetterRecord:
         _check_uint("attempts", self.attempts, _UINT32_MAX)
         _check_uint("original_length", self.original_length, UINT64_MAX)
         _check_uint("payload length", len(self.payload), _UINT32_MAX)
+        _check_uint("priority", self.priority, _UINT8_MAX)
+        _check_uint("expires_at_ms", self.expires_at_ms, UINT64_MAX)
+        if not isinstance(self.mtype, int) or isinstance(self.mtype, bool) or \
+                not -INT64_MAX - 1 <= self.mtype <= INT64_MAX:
+            raise ValueError(f"mtype must be an int64, got {self.mtype!r}")
+        if self.version not in (1, DEAD_LETTER_VERSION):
+            raise ValueError(f"version must be 1 or {DEAD_LETTER_VERSION}, got {self.version!r}")
+        if self.version == 1 and (self.mtype, self.priority, self.expires_at_ms) != \
+                (1, DEFAULT_PRIORITY, 0):
+            raise ValueError("a version-1 dead-letter record has no mtype, priority or expiry")
         setf("reason", _known(ReasonCode, self.reason))
         setf("agent", _known(AgentKind, self.agent))
         for name, limit in _STRING_LIMITS.items():
@@ -612,24 +654,30 @@ class DeadLetterRecord:
     @classmethod
     def from_transmission(cls, record: TransmissionRecord, *, reason: int, agent: int,
                           **fields) -> "DeadLetterRecord":
-        """The dead-letter record of a transmission record (type, key and payload copied)."""
+        """The dead-letter record of a transmission record (type, key, payload and the
+        extras ``mtype``, priority, expiry copied)."""
         mtype = record.message_type if record.is_valid_type() else UNKNOWN_MESSAGE_TYPE
         if not record.is_valid_type() and "detail" not in fields:
             fields["detail"] = f"message type {record.message_type}"
+        extras = {"mtype": record.mtype, "priority": record.priority,
+                  "expires_at_ms": record.expires_at_ms}
         return cls(reason=reason, agent=agent, message_type=mtype, queue_key=record.queue_key,
-                   payload=record.payload, **fields)
+                   payload=record.payload, **{**extras, **fields})
 
     def _fields(self) -> dict:
         return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     def to_bytes(self) -> bytes:
-        """The record as the bytes of one System V message (compiled builder)."""
+        """The record as the bytes of one System V message (compiled builder), in its
+        ``version``."""
+        if self.version == 1:
+            return _DEAD_LETTER_V1_COMPILED.build(self._fields())
         return DEAD_LETTER_RECORD_COMPILED.build(self._fields())
 
     def encoded_size(self) -> int:
         """``len(self.to_bytes())`` without building it."""
         return (
-            DEAD_LETTER_MIN_SIZE
+            DEAD_LETTER_MIN_SIZE - (_V2_EXTRAS_SIZE if self.version == 1 else 0)
             + sum(len(getattr(self, name).encode("utf-8")) for name in _STRING_LIMITS)
             + len(self.payload)
         )
@@ -638,14 +686,20 @@ class DeadLetterRecord:
     def from_bytes(cls, data: bytes) -> "DeadLetterRecord":
         """Decode one System V message; :class:`RecordError` says what is wrong if it can't."""
         data = bytes(data)
+        v1 = len(data) > 4 and data[4] == 1
         try:
-            c = DEAD_LETTER_RECORD.parse(data)
+            c = (DEAD_LETTER_RECORD_V1 if v1 else DEAD_LETTER_RECORD).parse(data)
         except (construct.ConstructError, UnicodeDecodeError) as exc:
             raise _decode_error(
-                "dead-letter record", DEAD_LETTER_MAGIC, (DEAD_LETTER_VERSION,),
-                DEAD_LETTER_MIN_SIZE, data, exc,
+                "dead-letter record", DEAD_LETTER_MAGIC, (DEAD_LETTER_VERSION, 1),
+                DEAD_LETTER_MIN_SIZE - (_V2_EXTRAS_SIZE if v1 else 0), data, exc,
             ) from None
-        return cls(**{name: c[name] for name in _FIELD_NAMES})
+        if v1:
+            return cls(**{name: c[name] for name in _FIELD_NAMES if name in c})  # version 1
+        try:
+            return cls(**{name: c[name] for name in _FIELD_NAMES})
+        except ValueError as exc:
+            raise RecordError(f"dead-letter record: {exc}") from None
 
 
 _STRING_LIMITS = {
@@ -656,3 +710,5 @@ _STRING_LIMITS = {
     "spill_path": _UINT16_MAX,
 }
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(DeadLetterRecord))
+#: The bytes version 2 adds to the fixed part (mtype, expires_at_ms, priority).
+_V2_EXTRAS_SIZE = 17

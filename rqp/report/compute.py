@@ -27,6 +27,7 @@ from rqp.report import html as report_html
 from rqp.report.common import PROG, ReportError, local_path
 from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
+    READABLE_SCHEMAS,
     ArchiveSchemaError,
 )
 from rqp.system.files import write_file_atomically
@@ -39,7 +40,8 @@ FILE_COLUMN = "_file"
 #: Archive columns the report never looks at (the payload itself is by far the largest: not
 #: even parsed, as Spark reads only the columns a query uses).
 UNUSED_COLUMNS = ("payload_b64", "reason_code", "message_key", "payload_length", "truncated",
-                  "header_only", "spill_path")
+                  "header_only", "spill_path", "record_version", "mtype", "priority",
+                  "expires_at_ms")
 #: Columns the tables need after normalize (what is kept in memory).
 DEAD_COLUMNS = (
     "id", "timestamp", "hour", "host", "agent", "reason", "queue_key", "queue_key_hex",
@@ -128,11 +130,11 @@ class ArchiveCheck:
 
 def prepare(raw: DataFrame) -> DataFrame:
     """The columns the report uses, plus what :func:`check_archives` needs: ``_valid`` (a
-    readable line of schema 1), and for the other lines ``_file``, ``_schema`` and
+    readable line of a schema it reads), and for the other lines ``_file``, ``_schema`` and
     ``_unreadable``. Lines that are not valid get no id, so that normalize keeps every one of
     them apart from the dead letters."""
     corrupt = F.col(CORRUPT_RECORD_COLUMN).isNotNull()
-    valid = ~corrupt & F.coalesce(F.col("schema") == ARCHIVE_SCHEMA_VERSION, F.lit(False))
+    valid = ~corrupt & F.coalesce(F.col("schema").isin(*READABLE_SCHEMAS), F.lit(False))
     used = [c for c in ARCHIVE_FIELDS if c not in UNUSED_COLUMNS and c != "schema"]
     return raw.select(
         *[(F.when(valid, F.col("id")) if c == "id" else F.col(c)).alias(c) for c in used],
@@ -145,8 +147,8 @@ def prepare(raw: DataFrame) -> DataFrame:
 
 def check_archives(rows: DataFrame, files: int) -> ArchiveCheck:
     """Count what :func:`prepare` and normalize made of the archive lines; raise
-    :class:`ArchiveSchemaError` naming every file with a line whose ``schema`` is not
-    :data:`ARCHIVE_SCHEMA_VERSION`."""
+    :class:`ArchiveSchemaError` naming every file with a line whose ``schema`` is none of
+    :data:`READABLE_SCHEMAS`."""
     wrong = ~F.col("_valid") & ~F.col("_unreadable")
     per_file = (
         rows.groupBy(FILE_COLUMN)  # null for every valid line: one group for them all
@@ -166,8 +168,8 @@ def check_archives(rows: DataFrame, files: int) -> ArchiveCheck:
             for r in bad[:20])
         more = f"\n  ... and {len(bad) - 20} more files" if len(bad) > 20 else ""
         raise ArchiveSchemaError(
-            f"not a version-{ARCHIVE_SCHEMA_VERSION} dead-letter archive (this report reads "
-            f"archive schema {ARCHIVE_SCHEMA_VERSION} only):\n{shown}{more}")
+            f"not a dead-letter archive this report reads (archive schemas "
+            f"{', '.join(map(str, READABLE_SCHEMAS))}):\n{shown}{more}")
     valid = [r for r in per_file if r[FILE_COLUMN] is None]
     dead_letters = valid[0]["rows"] if valid else 0
     valid_lines = valid[0]["lines"] if valid else 0
@@ -309,7 +311,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         check = check_archives(rows, files)
         if check.unreadable_lines:
             err.write(f"{PROG}: warning: {check.unreadable_lines} line(s) are not dead-letter "
-                      f"records of schema {ARCHIVE_SCHEMA_VERSION}; left out:\n")
+                      f"records of schema {', '.join(map(str, READABLE_SCHEMAS))}; left out:\n")
             for name, n in check.unreadable_files[:20]:
                 err.write(f"  {name}: {n}\n")
         dead = rows.where(F.col("_valid")).select(*DEAD_COLUMNS)

@@ -1,4 +1,4 @@
-"""Synthetic dead-letter archives (schema version 1) for tests and benchmarks.
+"""Synthetic dead-letter archives (schema version 2) for tests and benchmarks.
 
 ``python -m rqp.report.generate --records N --output DIR --seed S`` writes N archive lines as
 ``dlq-S-00000.jsonl.gz``, ``dlq-S-00001.jsonl.gz``, ... (``--per-file`` lines each, 200,000 by
@@ -182,12 +182,13 @@ class _Clock:
 
 
 _LINE = (
-    '{"schema":1,"id":"%s","archived_by":"%s","archived_at":"%s","host":"%s","agent":"%s",'
+    '{"schema":2,"id":"%s","archived_by":"%s","archived_at":"%s","host":"%s","agent":"%s",'
     '"reason":"%s","reason_code":%d,"queue_key":%d,"queue_key_hex":"%s","queue_name":%s,'
     '"message_key":"0x%016x","message_type":"%s","timestamp":"%s","timestamp_ns":%d,'
     '"attempts":%d,"original_length":%d,"payload_length":%d,"truncated":%s,"header_only":%s,'
     '"source_host":"%s","destination_host":"%s","detail":%s,"spill_path":"%s",'
-    '"payload_b64":"%s","payload_preview":%s}\n'
+    '"payload_b64":"%s","payload_preview":%s,"record_version":2,"mtype":1,"priority":4,'
+    '"expires_at_ms":0}\n'
 )
 
 
@@ -337,7 +338,7 @@ def generate(records: int, output: str, seed: int = 1, per_file: int = DEFAULT_P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rqp.report.generate",
-        description="Write synthetic dead-letter archives (schema 1) with realistic skew.")
+        description="Write synthetic dead-letter archives (schema 2) with realistic skew.")
     parser.add_argument("--records", type=int, required=True, help="number of archive lines")
     parser.add_argument("--output", required=True, help="directory to write the files in")
     parser.add_argument("--seed", type=int, default=1)

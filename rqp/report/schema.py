@@ -4,8 +4,9 @@ The drain tool (``rqp-dlq-drain``) archives dead letters as JSON Lines, one obje
 in files named ``*.jsonl.gz`` or ``*.jsonl``. This module is the report's copy of that format,
 version :data:`ARCHIVE_SCHEMA_VERSION`: the report never infers a schema (inference reads the
 whole archive once more, and would silently follow whatever the files happen to contain).
-A file whose ``schema`` field is not :data:`ARCHIVE_SCHEMA_VERSION` is rejected with
-:class:`ArchiveSchemaError`, which names the file.
+A file with a line whose ``schema`` field is none of :data:`READABLE_SCHEMAS` is rejected with
+:class:`ArchiveSchemaError`, which names the file. Schema 1 lines lack the keys schema 2 added
+(the message's ``mtype``, priority, expiry): they read as null there.
 
 ``timestamp`` and ``archived_at`` are read as the strings they are in the file (ISO-8601 UTC,
 ``Z``) and turned into timestamps by :func:`rqp.report.analysis.normalize`; ``timestamp_ns``
@@ -22,6 +23,7 @@ __all__ = [
     "ARCHIVE_FILE_GLOB",
     "ARCHIVE_SCHEMA",
     "ARCHIVE_SCHEMA_VERSION",
+    "READABLE_SCHEMAS",
     "CORRUPT_RECORD_COLUMN",
     "READ_SCHEMA",
     "ArchiveSchemaError",
@@ -31,7 +33,9 @@ __all__ = [
 ]
 
 #: The archive format version this report understands (the ``schema`` key of every line).
-ARCHIVE_SCHEMA_VERSION = 1
+ARCHIVE_SCHEMA_VERSION = 2
+#: Every archive schema this report reads (a later one only adds keys).
+READABLE_SCHEMAS = (1, 2)
 
 #: Which files of a directory (or a glob) are archives: Hadoop glob syntax, file names only.
 ARCHIVE_FILE_GLOB = "*.{jsonl,jsonl.gz}"
@@ -39,7 +43,7 @@ ARCHIVE_FILE_GLOB = "*.{jsonl,jsonl.gz}"
 #: Spark puts a line that is not a JSON object here (and nulls in every other column).
 CORRUPT_RECORD_COLUMN = "_corrupt_record"
 
-#: Every field of a version-1 line, with its Spark type: declared once, as plain names, so that
+#: Every field of a version-2 line, with its Spark type: declared once, as plain names, so that
 #: this module imports without PySpark (``rqp-dlq-report --help`` and its checks need none).
 _FIELDS: tuple[tuple[str, str], ...] = (
     ("schema", "integer"),
@@ -68,6 +72,10 @@ _FIELDS: tuple[tuple[str, str], ...] = (
     ("spill_path", "string"),
     ("payload_b64", "string"),
     ("payload_preview", "string"),
+    ("record_version", "integer"),
+    ("mtype", "long"),
+    ("priority", "integer"),
+    ("expires_at_ms", "long"),
 )
 
 ARCHIVE_FIELDS: tuple[str, ...] = tuple(name for name, _ in _FIELDS)

@@ -1,4 +1,4 @@
-"""The dead-letter archive: gzip-compressed JSON Lines files, schema version 1.
+"""The dead-letter archive: gzip-compressed JSON Lines files, schema version 2.
 
 ``rqp-dlq-drain`` (:mod:`rqp_agents.drain`) moves dead-letter records off ``DEAD.LETTER.Q``
 into an archive directory; ``rqpctl dlq replay`` (:mod:`rqp.tools.replay`) puts them back with rules;
@@ -25,7 +25,7 @@ replayed rows) is done the same way and renamed over the old file. Hidden entrie
 batch: ``{"files": [names], "queue": "0x5251dead", "done": false|true}``. See
 :mod:`rqp_agents.drain` for how it prevents both loss and duplicates.
 
-Rows (schema 1)
+Rows (schema 2)
 ===============
 
 Exactly these keys, always all present (:data:`ROW_KEYS`):
@@ -33,7 +33,9 @@ Exactly these keys, always all present (:data:`ROW_KEYS`):
 =================  =========  =================================================================
 key                type       meaning
 =================  =========  =================================================================
-schema             int        1
+schema             int        2 (1: written before the keys marked 2 below existed; a reader
+                              takes their defaults: record_version 1, mtype 1, priority 4,
+                              expires_at_ms 0)
 id                 string     first 32 hex digits of the SHA-256 of the raw record bytes: the
                               record's identity. Two rows with the same id are the same dead
                               letter archived twice: readers drop duplicates by id.
@@ -67,6 +69,11 @@ payload_b64        string     the payload kept, base64 (standard alphabet, padde
 payload_preview    string     the first 64 payload bytes for a human: printable ASCII kept
                               (except ``\\``), every other byte as ``\\xNN``; then ``…`` if the
                               payload is longer. Safe in any terminal or viewer.
+record_version     int        (2) the dead-letter record's version (1 or 2; 0 for MALFORMED)
+mtype              int        (2) the System V type the message was to be put with: a replay
+                              puts it with that type (0 for MALFORMED)
+priority           int        (2) its priority 0..9 (kept by a replay)
+expires_at_ms      int        (2) its expiry, Unix ms, 0 = never (a replay does not expire)
 =================  =========  =================================================================
 
 A record that :meth:`DeadLetterRecord.from_bytes` rejects is archived anyway, never dropped:
@@ -129,6 +136,7 @@ __all__ = [
     "record_id",
     "record_to_row",
     "rewrite_archive_file",
+    "row_extras",
     "row_payload",
     "row_raw_bytes",
     "row_to_record",
@@ -137,7 +145,9 @@ __all__ = [
     "write_drain_state",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: What a schema-1 row (written before the extras existed) means for the keys schema 2 added.
+SCHEMA_1_DEFAULTS = {"record_version": 1, "mtype": 1, "priority": 4, "expires_at_ms": 0}
 #: The reason (and its code) of the row of a record the drain cannot read: from the one table.
 MALFORMED = reasons.MALFORMED.name
 MALFORMED_CODE = reasons.MALFORMED.code
@@ -152,7 +162,7 @@ ROW_KEYS: tuple[str, ...] = (
     "queue_key", "queue_key_hex", "queue_name", "message_key", "message_type", "timestamp",
     "timestamp_ns", "attempts", "original_length", "payload_length", "truncated",
     "header_only", "source_host", "destination_host", "detail", "spill_path", "payload_b64",
-    "payload_preview",
+    "payload_preview", "record_version", "mtype", "priority", "expires_at_ms",
 )
 
 _FILE_RE = re.compile(
@@ -207,7 +217,7 @@ def _key_hex(key: int) -> str:
 
 def record_to_row(raw: bytes, *, archived_by: str, queue_names: Mapping[str, int] | None = None,
                   archived_at_ns: int | None = None) -> dict:
-    """The archive row (schema 1) of one raw message taken from ``DEAD.LETTER.Q``.
+    """The archive row (schema 2) of one raw message taken from ``DEAD.LETTER.Q``.
 
     ``queue_names``: the ``queues`` map of a ``.rqprc`` (name -> key); the first name of a key
     fills ``queue_name``. Bytes that are not a dead-letter record give a ``MALFORMED`` row.
@@ -227,7 +237,8 @@ def record_to_row(raw: bytes, *, archived_by: str, queue_names: Mapping[str, int
                    header_only=False, source_host="", destination_host="",
                    detail=f"not a dead-letter record: {exc}", spill_path="",
                    payload_b64=base64.b64encode(raw).decode("ascii"),
-                   payload_preview=payload_preview(raw))
+                   payload_preview=payload_preview(raw), record_version=0, mtype=0,
+                   priority=0, expires_at_ms=0)
         return row
     reason = reasons.reason_name(r.reason)
     agent = _AGENT_NAMES.get(r.agent, str(int(r.agent)))
@@ -242,9 +253,18 @@ def record_to_row(raw: bytes, *, archived_by: str, queue_names: Mapping[str, int
         truncated=r.truncated, header_only=r.header_only, source_host=r.source_host,
         destination_host=r.destination_host, detail=r.detail, spill_path=r.spill_path,
         payload_b64=base64.b64encode(r.payload).decode("ascii"),
-        payload_preview=payload_preview(r.payload),
+        payload_preview=payload_preview(r.payload), record_version=r.version, mtype=r.mtype,
+        priority=r.priority, expires_at_ms=r.expires_at_ms,
     )
     return row
+
+
+def row_extras(row: Mapping) -> dict:
+    """``record_version``, ``mtype``, ``priority``, ``expires_at_ms`` of a row of either
+    schema (a schema-1 row: the defaults)."""
+    if row.get("schema") == 1:
+        return dict(SCHEMA_1_DEFAULTS)
+    return {name: int(row[name]) for name in SCHEMA_1_DEFAULTS}
 
 
 def _decode_payload(row: Mapping) -> bytes:
@@ -266,6 +286,7 @@ def row_to_record(row: Mapping) -> DeadLetterRecord:
         raise ArchiveError(f"row {row.get('id')} is a MALFORMED record: it has no fields, only "
                            "raw bytes (row_raw_bytes gives them)")
     try:
+        extras = row_extras(row)
         agent = row["agent"]
         mtype = row["message_type"]
         flags = (DeadLetterFlags.TRUNCATED if row["truncated"] else 0) | \
@@ -287,13 +308,15 @@ def row_to_record(row: Mapping) -> DeadLetterRecord:
             detail=row["detail"],
             spill_path=row["spill_path"],
             payload=_decode_payload(row),
+            version=extras["record_version"], mtype=extras["mtype"],
+            priority=extras["priority"], expires_at_ms=extras["expires_at_ms"],
         )
     except KeyError as exc:
-        raise ArchiveError(f"row {row.get('id')} is not a schema-1 dead-letter row: it has no "
-                           f"key {exc.args[0]!r}") from None
+        raise ArchiveError(f"row {row.get('id')} is not a schema-{row.get('schema')} dead-letter "
+                           f"row: it has no key {exc.args[0]!r}") from None
     except (ValueError, TypeError, AttributeError) as exc:  # a value of the wrong kind
-        raise ArchiveError(f"row {row.get('id')} is not a schema-1 dead-letter row: a bad "
-                           f"value ({exc})") from None
+        raise ArchiveError(f"row {row.get('id')} is not a schema-{row.get('schema')} dead-letter "
+                           f"row: a bad value ({exc})") from None
 
 
 def row_raw_bytes(row: Mapping) -> bytes:

@@ -49,13 +49,13 @@ class _LazyPutter:
         self.rqprc = rqprc
         self.putter: TransmissionPutter | None = None
 
-    def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0) -> None:
+    def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0, **extras) -> None:
         if self.putter is None:
             try:
                 self.putter = TransmissionPutter(self.config, self.rqprc)
             except RQPError as exc:
                 raise NotConfirmed(str(exc)) from None
-        self.putter(queue_key, payload, replay_key)
+        self.putter(queue_key, payload, replay_key, **extras)
 
 
 def _replay(args) -> int:

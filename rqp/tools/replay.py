@@ -70,12 +70,12 @@ from rqp.config import (
     QUEUE_NAME_RE, SenderConfig, did_you_mean, parse_queue_key, read_yaml, show_value,
 )
 from rqp.protocol import reasons
-from rqp.protocol.constants import SURE_MSG, UINT64_MAX
+from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.storage.archive import (
     MALFORMED, ArchiveError, all_drain_states, archive_files, archived_spill, lock_file,
-    read_archive_file, rewrite_archive_file, row_payload,
+    read_archive_file, rewrite_archive_file, row_extras, row_payload,
 )
 from rqp.system.queues import format_key
 
@@ -393,7 +393,8 @@ class TransmissionPutter:
         self.producer = api.Producer(config)
         self.limit = self.producer.limit
 
-    def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0) -> None:
+    def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0, *, mtype: int = 1,
+                 priority: int = DEFAULT_PRIORITY) -> None:
         if len(payload) > self.limit:
             raise MessageTooBig(
                 f"payload of {len(payload)} bytes is too big to put back: a transmission "
@@ -404,7 +405,7 @@ class TransmissionPutter:
         record = TransmissionRecord(
             message_type=SURE_MSG, queue_key=queue_key, payload=payload,
             flags=TransmissionFlags.REPLAY_KEY if replay_key else 0, producer_pid=os.getpid(),
-            sequence=replay_key, enqueued_ns=time.time_ns())
+            sequence=replay_key, enqueued_ns=time.time_ns(), mtype=mtype, priority=priority)
         try:
             self.producer.put(record, timeout=self.timeout, sync=True,
                               sync_timeout=self.timeout)
@@ -479,7 +480,7 @@ class Replayer:
     """
 
     def __init__(self, archive: str | os.PathLike, rules: list[Rule], *,
-                 send: Callable[[int, bytes, int], None] | None = None, dry_run: bool = False,
+                 send: Callable[..., None] | None = None, dry_run: bool = False,
                  rate: float = DEFAULT_RATE, limit: int | None = None,
                  config: SenderConfig | None = None, out: Callable[[str], None] = print,
                  now_ns: int | None = None, stop: threading.Event | None = None,
@@ -607,6 +608,7 @@ class Replayer:
         # retry / forward
         try:
             payload = replay_payload(row, self.archive)
+            extras = row_extras(row)  # the message's System V type and priority go with it
             if action == "retry":
                 queue_key = int(row["queue_key"])
                 if not 0 < queue_key <= 0xFFFFFFFF:
@@ -627,7 +629,8 @@ class Replayer:
             return
         self.bucket.take()
         try:
-            self.send(queue_key, payload, replay_key)
+            self.send(queue_key, payload, replay_key, mtype=max(1, extras["mtype"]),
+                      priority=min(max(extras["priority"], 0), 9))
         except RQPError as exc:
             self._seen[row_id] = False
             self.counts["failed"] += 1
