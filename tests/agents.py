@@ -58,6 +58,18 @@ def start_sender(host, rqprc: Path, log_level: str = "DEBUG"):
     return proc
 
 
+class Pair:
+    """Host a with a sending MCA, host b with a receiving MCA (or none yet) and a queue."""
+
+    def __init__(self, bed, queue: int, *, receiver: bool = True,
+                 receiver_config: str | None = None) -> None:
+        self.a, self.b = bed.add_host("a"), bed.add_host("b")
+        self.receiver = start_receiver(self.b, config=receiver_config) if receiver else None
+        make_queue(self.b, queue)
+        self.rqprc = write_rqprc(self.a, [self.b])
+        self.sender = start_sender(self.a, self.rqprc)
+
+
 def make_queue(host, key: int, mode: int = 0o600) -> None:
     host.python("import sys, sysv_ipc; sysv_ipc.MessageQueue(int(sys.argv[1]), "
                 "sysv_ipc.IPC_CREAT, mode=int(sys.argv[2]))", str(key), str(mode))

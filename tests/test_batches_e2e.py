@@ -12,7 +12,7 @@ import sys
 from rqp import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord, encode_batch
 from tests.agents import (
-    DLQ, dead_letters, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
+    DLQ, Pair, dead_letters, log_lines, receive, send, start_receiver, start_sender, write_rqprc,
 )
 from tests.test_broadcast_e2e import depth, sender_status
 from tests.test_c_api import cc  # noqa: F401 - the fixture
@@ -91,12 +91,8 @@ def test_a_c_batch_record_is_the_python_record_byte_for_byte(cc):  # noqa: F811
 
 def test_python_and_c_batches_arrive_whole_in_order_with_their_types(cc, testbed_factory):  # noqa: F811
     exe = cc("batch_build", BATCH_BUILD)
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    receiver = start_receiver(b)
-    make_queue(b, Q1)
-    rqprc = write_rqprc(a, [b])
-    start_sender(a, rqprc)
+    p = Pair(testbed_factory(), Q1)
+    a, b, rqprc, receiver = p.a, p.b, p.rqprc, p.receiver
     send(a, rqprc, Q1, ["before"], SURE_MSG)
     assert a.python(SEND_BATCH, str(rqprc), str(SURE_MSG),
                     json.dumps([[2, "p-one"], [9, "p-two"], [2, "p-three"]])).strip() == "3"
@@ -111,12 +107,8 @@ def test_python_and_c_batches_arrive_whole_in_order_with_their_types(cc, testbed
 
 
 def test_a_producer_killed_before_commit_leaves_nothing(testbed_factory):
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    start_receiver(b)
-    make_queue(b, Q1)
-    rqprc = write_rqprc(a, [b])
-    start_sender(a, rqprc)
+    p = Pair(testbed_factory(), Q1)
+    a, b, rqprc = p.a, p.b, p.rqprc
     producer = a.popen([sys.executable, "-c", r"""
 import sys, rqp
 h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
@@ -134,11 +126,8 @@ sys.stdin.read()  # until killed
 
 
 def test_sender_killed_while_a_sure_batch_waits_it_arrives_whole_once(testbed_factory):
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    make_queue(b, Q1)
-    rqprc = write_rqprc(a, [b])
-    sender = start_sender(a, rqprc)
+    p = Pair(testbed_factory(), Q1, receiver=False)
+    a, b, rqprc, sender = p.a, p.b, p.rqprc, p.sender
     a.python(SEND_BATCH, str(rqprc), str(SURE_MSG), json.dumps([[1, "x1"], [1, "x2"], [5, "x3"]]))
     wait_for(lambda: sender_status(a, rqprc)["journal_depth"] == 1, timeout=30,
              message="the batch was never journaled (as one entry)")
@@ -152,12 +141,8 @@ def test_sender_killed_while_a_sure_batch_waits_it_arrives_whole_once(testbed_fa
 
 
 def test_the_receiver_puts_all_of_a_batch_or_none(testbed_factory):
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    receiver = start_receiver(b, config="max_message_size: 16\n")
-    make_queue(b, Q1)
-    rqprc = write_rqprc(a, [b])
-    sender = start_sender(a, rqprc)
+    p = Pair(testbed_factory(), Q1, receiver_config="max_message_size: 16\n")
+    a, b, rqprc, sender, receiver = p.a, p.b, p.rqprc, p.sender, p.receiver
     a.python(SEND_BATCH, str(rqprc), str(UNSURE_MSG),
              json.dumps([[1, "small"], [1, "far too big for this receiver"], [1, "small"]]))
     wait_for(lambda: depth(b, DLQ) == 3, timeout=30,

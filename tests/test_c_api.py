@@ -16,7 +16,7 @@ import pytest
 
 import rqp
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE, TransmissionRecord
-from tests.agents import dead_letters, make_queue, start_receiver, start_sender, write_rqprc
+from tests.agents import Pair, dead_letters
 
 Q1 = 0x52510001
 
@@ -143,11 +143,8 @@ def test_a_c_record_out_of_range_is_refused_with_errno(cc, args, error):
 
 def test_c_producer_to_c_consumer_dispatching_on_mtype(cc, testbed_factory):
     producer, consumer = cc("producer", PRODUCER), cc("consumer", CONSUMER)
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    start_receiver(b)
-    make_queue(b, Q1)
-    start_sender(a, write_rqprc(a, [b]))
+    p = Pair(testbed_factory(), Q1)
+    a, b = p.a, p.b
     a.run([producer, hex(Q1), "2", "two", "3", "three", "1", "one", "3", "three-again"])
     got = b.run([consumer, hex(Q1), "3", "3", "-2", "0"], timeout=30).stdout.splitlines()
     # type 3 first (in order), then the lowest type up to 2 (1), then what is left (2)
@@ -156,12 +153,8 @@ def test_c_producer_to_c_consumer_dispatching_on_mtype(cc, testbed_factory):
 
 
 def test_python_receive_selects_by_type_and_returns_it(testbed_factory):
-    bed = testbed_factory()
-    a, b = bed.add_host("a"), bed.add_host("b")
-    start_receiver(b)
-    make_queue(b, Q1)
-    rqprc = write_rqprc(a, [b])
-    start_sender(a, rqprc)
+    p = Pair(testbed_factory(), Q1)
+    a, b, rqprc = p.a, p.b, p.rqprc
     a.python(r"""
 import sys, rqp
 h = rqp.openConnection(int(sys.argv[2]), rqprc=sys.argv[1], start_sender=False)
