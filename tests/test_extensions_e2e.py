@@ -177,6 +177,9 @@ def test_priority_overtakes_under_a_backlog_and_survives_a_sender_kill(testbed_f
     send(a, rqprc, [{"text": t, "priority": p} for t, p in plan])
     wait_for(lambda: depth(a, 0x52510000) == 0, timeout=30,
              message="the sending MCA did not take the backlog")
+    from tests.test_broadcast_e2e import sender_status
+    [route] = sender_status(a, rqprc)["routes"]  # what waits, by priority, for an operator
+    assert route["waiting_by_priority"] == {"9": 2, "4": 3, "0": 2}
     a.kill(sender)  # kill -9: the journal keeps them, and their order
     start_sender(a, rqprc)
     start_receiver(b)

@@ -172,3 +172,4 @@ def test_status_shows_each_hosts_progress():
     assert copies == {"a": ("running", 1, 0, 0), "b": ("declined", 0, 1, 0),
                       "c": ("retrying", 0, 0, 1)}
     assert rows[BQ]["waiting"] == 1 and rows[BQ]["state"] == "retrying"
+    assert rows[BQ]["waiting_by_priority"] == {"4": 1}

@@ -1244,7 +1244,7 @@ class SenderCore:
             state = ("declined" if info.declined and lane is None and route is None
                      else self._lane_state(lane, route, info))
             out.append({
-                "peer": str(host), "state": state, "sent": info.sent,
+                "peer": str(host), "peer_host": host, "state": state, "sent": info.sent,
                 "delivered": info.delivered, "declined": info.declined, "lost": info.lost,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "in_flight": lane.inflight if lane is not None else 0,
@@ -1271,6 +1271,11 @@ class SenderCore:
                 state = self._lane_state(lane, host, info)
                 in_flight = lane.inflight if lane is not None else 0
                 waiting = len(lane.pending) if lane is not None else 0
+            by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
+            for each in ([lane] if lane is not None else []) + [
+                    self._lanes.get((key, c["peer_host"])) for c in copies or ()]:
+                for msg in each.pending if each is not None else ():
+                    by_priority[msg.priority] = by_priority.get(msg.priority, 0) + 1
             out.append({
                 "queue_key": key, "peer": None if host is None else str(host), "state": state,
                 "since": info.since, "sent": info.sent, "sent_bytes": info.sent_bytes,
@@ -1278,10 +1283,14 @@ class SenderCore:
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "error_counter": self.errors.get((host, key), 0) if host is not None else 0,
                 "in_flight": in_flight, "waiting": waiting,
+                "waiting_by_priority": {str(p): n for p, n in sorted(by_priority.items(),
+                                                                     reverse=True)},
                 "route_changes": info.route_changes, "last_error": info.last_error,
                 "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
             })
             if copies is not None:
+                for c in copies:
+                    del c["peer_host"]  # (the host object: not for JSON)
                 out[-1]["broadcast"] = True
                 out[-1]["copies"] = copies
         return out

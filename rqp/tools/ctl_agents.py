@@ -106,6 +106,10 @@ def _print_sender(st: dict) -> None:
               f"{_ago(r['since'], now):>7} {r['sent']:>8} {r['sent_bytes']:>10} "
               f"{r['in_flight']:>6} {r['errors']:>6} {r['error_counter']:>7} "
               f"{_ago(r['last_message_at'], now):>8}  {r['last_error'] or '-'}")
+        by_priority = r.get("waiting_by_priority") or {}
+        if len(by_priority) > 1:  # several priorities waiting: how many of each
+            print("    waiting by priority: " + ", ".join(f"{p}: {n}"
+                                                      for p, n in by_priority.items()))
         for c in r.get("copies", ()):  # a broadcast queue: each host's copies
             print(f"    copies to {c['peer'][:22]:22} {c['state']:10} {c['delivered']:>6} "
                   f"delivered {c['declined']:>4} declined {c['waiting']:>6} waiting "
