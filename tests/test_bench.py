@@ -28,17 +28,25 @@ def test_quick_run_prints_the_table(tmp_path):
     headers = [line for line in lines if line.split()[:1] == ["case"]]
     assert len(headers) == 1, proc.stdout
     assert headers[0].split() == ["case", "RQP", "msg/s", "raw", "msg/s", "RQP/raw"]
+    assert [line.split()[:2] for line in lines if line.startswith("CPU µs/msg")] == [
+        ["CPU", "µs/msg"]]
     for case in CASES:
         rows = [line for line in lines if line.split()[:3] == case.split()]
-        assert len(rows) == 1, f"no single row for {case!r} in:\n{proc.stdout}"
+        assert len(rows) == 2, f"not one row per table for {case!r} in:\n{proc.stdout}"
         cells = rows[0].split()[3:]
         assert len(cells) == 3, rows[0]  # RQP msg/s, raw msg/s and the ratio column
         rqp_rate, raw_rate, ratio = (float(cell.replace(",", "")) for cell in cells)
         assert rqp_rate > 0 and raw_rate > 0 and ratio > 0, rows[0]
+        cpu = [float(cell) for cell in rows[1].split()[3:]]  # per process, and the total
+        assert len(cpu) == 5 and cpu[4] > 0 and all(x >= 0 for x in cpu), rows[1]
     assert any(line.startswith("single SURE latency") for line in lines), proc.stdout
     assert "msgmnb" in proc.stdout
     data = json.loads(figures.read_text())
     assert [c["case"] for c in data["cases"]] == list(CASES)
+    for c in data["cases"]:
+        assert set(c["cpu_us_per_message"]) == {"producer", "sending MCA", "receiving MCA",
+                                                "consumer"}
+        assert sum(c["cpu_us_per_message"].values()) > 0
     assert data["latency"]["samples"] > 0
 
 

@@ -450,6 +450,12 @@ class CaseResult:
     #: Seconds from the first put to the last take, one per round.
     rqp_seconds: list = field(default_factory=list)
     raw_seconds: list = field(default_factory=list)
+    #: CPU microseconds per message of each RQP process, one list (per round) per process.
+    cpu_us: dict = field(default_factory=dict)
+
+    def cpu_median(self, process: str) -> float:
+        return statistics.median(self.cpu_us[process]) if self.cpu_us.get(process) \
+            else float("nan")
 
     @property
     def rqp_msg_per_s(self) -> float:
@@ -473,6 +479,29 @@ class Latency:
     rqp_p99_ms: float = 0.0
     raw_median_ms: float = 0.0
     raw_p99_ms: float = 0.0
+
+
+#: The processes of the RQP pipeline whose CPU time per message is reported.
+CPU_PROCESSES = ("producer", "sending MCA", "receiving MCA", "consumer")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU time a process's live threads have used: the sum of ``/proc/PID/task/*/schedstat``
+    (nanoseconds), or, where the kernel has no schedstat, ``/proc/PID/stat`` (clock ticks)."""
+    total, found = 0, False
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+            found = True
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile, or no schedstat
+    if found:
+        return total
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _TICK  # utime, stime
 
 
 def percentile(values: list[int], p: float) -> int:
@@ -693,14 +722,30 @@ class Bench:
             raise BenchError(f"{pipe.name} consumer: {reply[1]}")
         return reply[1], reply[2]
 
-    def _run_once(self, pipe: Pipeline, msg_type: int, count: int, size: int) -> float:
-        """Put ``count`` messages through ``pipe``; seconds from the first put to the last take."""
+    def _cpu_now(self, pipe: Pipeline) -> dict:
+        """CPU ns used so far by each process of the RQP pipeline (the producer: this thread)."""
+        return {"producer": time.thread_time_ns(),
+                "sending MCA": process_cpu_ns(self.sender.pid),
+                "receiving MCA": process_cpu_ns(self.receiver.pid),
+                "consumer": process_cpu_ns(pipe.consumer.pid)}
+
+    def _run_once(self, pipe: Pipeline, msg_type: int, count: int, size: int,
+                  cpu: dict | None = None) -> float:
+        """Put ``count`` messages through ``pipe``; seconds from the first put to the last take.
+        ``cpu``: for the RQP pipeline, each process's CPU µs per message is added to it."""
         tag = self._next_tag()
         pipe.conn.send(("consume", tag, count, size, msg_type == SURE_MSG))
         put = self._put_rqp if pipe is self.rqp else self._put_raw
+        before = self._cpu_now(pipe) if cpu is not None else None
         start = time.monotonic_ns()
         put(msg_type, tag, count, size)
         _, last = self._collect(pipe)
+        if cpu is not None:
+            # The agents have answered everything once the consumer has the last message but
+            # the last confirmations; that tail is within a tick of the whole.
+            after = self._cpu_now(pipe)
+            for name in CPU_PROCESSES:
+                cpu.setdefault(name, []).append((after[name] - before[name]) / 1000 / count)
         self._check_clean(pipe)
         return (last - start) / 1e9
 
@@ -726,7 +771,8 @@ class Bench:
         for pipe in (self.rqp, self.raw):
             self._run_once(pipe, msg_type, warmup, size)
         for _ in range(rounds):
-            result.rqp_seconds.append(self._run_once(self.rqp, msg_type, count, size))
+            result.rqp_seconds.append(self._run_once(self.rqp, msg_type, count, size,
+                                                     result.cpu_us))
             result.raw_seconds.append(self._run_once(self.raw, msg_type, count, size))
         return result
 
@@ -911,6 +957,16 @@ class Bench:
                     f"{r.message_type} {size_label(r.size)} "
                     f"{r.rqp_msg_per_s / plain[(r.message_type, r.size)].rqp_msg_per_s:.3f}"
                     for r in self.results if r.transport == label)]
+        lines += ["", "CPU per message, µs (median of the rounds; producer = sendMessage's "
+                  "thread, every thread of the others, from /proc):",
+                  f"{'CPU µs/msg':<22}" + "".join(f"{name:>15}" for name in CPU_PROCESSES)
+                  + f"{'total':>10}"]
+        for r in self.results:
+            case = f"{r.message_type:<6} {size_label(r.size)}" + (f" {r.transport}" if several
+                                                                   else "")
+            figures = [r.cpu_median(name) for name in CPU_PROCESSES]
+            lines.append(f"{case:<22}" + "".join(f"{x:>15.1f}" for x in figures)
+                         + f"{sum(figures):>10.1f}")
         for lat in self.latencies:
             lines += ["", f"single SURE latency ({size_label(lat.size)}, {lat.samples} samples"
                       f"{', ' + lat.transport if several else ''}): "
@@ -925,7 +981,10 @@ class Bench:
             "rounds": self.args.rounds, "transports": self.args.transports,
             "variants": [label for label in dict.fromkeys(r.transport for r in self.results)],
             "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
-                           raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio) for r in self.results],
+                           raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio,
+                           cpu_us_per_message={name: r.cpu_median(name)
+                                               for name in CPU_PROCESSES})
+                      for r in self.results],
             "latency": asdict(self.latencies[0]) if self.latencies else None,
             "latencies": [asdict(lat) for lat in self.latencies],
         }
