@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
-from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, MAX_BATCH, SURE_MSG, UNSURE_MSG
+from rqp.protocol.constants import (
+    DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_PRIORITY, DEFAULT_TRANSMISSION_QUEUE, INT64_MAX, MAX_BATCH,
+    SURE_MSG, UNSURE_MSG,
+)
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import (
     BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
@@ -34,6 +37,9 @@ from rqp.system.service import Doorbell, sender_serving, spawn_lock
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
            "ensure_sender", "Producer", "HandleError", "AgentStartError", "QueueEmpty"]
+
+#: An ``expires_at`` this big (in seconds: the year 5138) is surely milliseconds by mistake.
+EXPIRES_AT_MS_LOOKALIKE = 100_000_000_000
 
 #: How long openConnection waits for a sending MCA it started to take its queue.
 START_TIMEOUT = 15.0
@@ -208,6 +214,13 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     path = find_rqprc(rqprc)
     config = load_sender_config(path)
     queue_key = config.resolve_queue(queue)
+    own = {DEFAULT_TRANSMISSION_QUEUE: "the default transmission queue",
+           DEFAULT_DEAD_LETTER_QUEUE: "the default DEAD.LETTER.Q",
+           config.transmission_queue: "the transmission queue",
+           config.dead_letter_queue: "DEAD.LETTER.Q"}
+    if queue_key in own:  # no receiving MCA offers them: a SURE message would wait forever
+        raise RQPError(f"queue {queue!r} ({format_key(queue_key)}) is {own[queue_key]} of the "
+                       f"agents, not a destination (no receiving MCA offers it)")
     if start_sender:
         ensure_sender(config, path.resolve())
     producer = Producer(config)
@@ -382,6 +395,13 @@ def _expires_at_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> 
             raise RQPError(f"{name} must be a number of seconds, got {value!r}")
         if name == "ttl" and value <= 0:
             raise RQPError(f"ttl must be more than 0 seconds, got {value!r}")
+        if name == "expires_at" and value >= EXPIRES_AT_MS_LOOKALIKE:
+            raise RQPError(f"expires_at is a Unix time in seconds (like time.time()); "
+                           f"{value!r} is after the year 5000: milliseconds? (rqp.h's "
+                           "expires_at_ms is in milliseconds, this is not)")
+        if value in (float("inf"), float("-inf")) or abs(value) >= 1 << 64:
+            raise RQPError(f"{name} {value!r} is past the year 500 million (no expiry: leave "
+                           f"{name} out)")
         expires_at_ms = max(1, (base + int(value * 1e9)) // 1_000_000)
         if expires_at_ms >= 1 << 64:
             raise RQPError(f"{name} {value!r} is past the year 500 million")

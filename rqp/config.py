@@ -928,7 +928,7 @@ class _Fields:
             other = kinds.setdefault(key, name)
             if is_broadcast_name(other) != is_broadcast_name(name):
                 cast, plain = (other, name) if is_broadcast_name(other) else (name, other)
-                self.bad(f"queues.{name}", names[name], f"a key of its own: {key:#010x} "
+                self.bad(f"queues.{name}", f"{names[name]:#010x}", f"a key of its own: {key:#010x} "
                          f"is already named {other}, and {cast} is a broadcast name (its part "
                          f"after the prefix is ALL: every host gets a copy) while {plain} is not")
         return types.MappingProxyType(names)

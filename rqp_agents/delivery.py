@@ -94,6 +94,27 @@ class LocalDelivery:
             await asyncio.sleep(min(wait, deadline - now))
             wait = min(wait * 2, self.config.put_retry_interval)
 
+    async def reserve(self, needs: dict[int, int]) -> tuple[ReasonCode, str, int] | None:
+        """Wait (as a put waits for a full queue) until each queue key of ``needs`` has room
+        for that many bytes, so that a batch is put whole; None, or why not and for which
+        key. (Another writer may still fill a queue between this and the puts.)"""
+        for key, need in needs.items():
+            name = f"queue {format_key(key)}"
+            try:
+                queue = self._queue(key)
+                if need > queue.stat().max_size:
+                    return (ReasonCode.QUEUE_FULL, f"the batch needs {need} bytes of {name}, "
+                            f"which holds at most {queue.stat().max_size} (msg_qbytes)", key)
+                await self.retrying(lambda: queue.room() >= need, self.put_budget,
+                                    f"{name} (room for a batch of {need} bytes)")
+            except QueueFull:
+                return (ReasonCode.QUEUE_FULL, f"{name} had no room for the batch's {need} "
+                        f"bytes within {self.put_budget:g}s", key)
+            except (QueueError, MessageTooBig) as exc:
+                self._queues.pop(key, None)
+                return exc.reason, str(exc), key
+        return None
+
     async def put(self, message) -> tuple[ReasonCode | None, str]:
         """Put the message in its queue; (None, "") or why not."""
         key = message.queue_key

@@ -321,15 +321,25 @@ class Receiver(Daemon):
                     refused = Refuse(message, ReasonCode.QUEUE_NOT_OFFERED,
                                      f"queue {format_key(message.queue_key)} is not offered here")
                     break
+        if refused is None:  # room for all of it first: a full queue must not split it
+            needs: dict[int, int] = {}
+            for message in batch.messages:
+                needs[message.queue_key] = needs.get(message.queue_key, 0) + len(message.message)
+            short = await self.delivery.reserve(needs)
+            if short is not None:
+                reason, detail, key = short
+                refused = Refuse(next(m for m in batch.messages if m.queue_key == key), reason,
+                                 detail)
         failed = refused
         if failed is None:
             for i, message in enumerate(batch.messages):
                 reason, detail, repeat = await self._put(message, peer)
                 if repeat:
                     continue
-                if reason is not None:
+                if reason is not None:  # filled by another writer since the room was there
                     failed = Refuse(message, reason, f"{detail} (message {i + 1} of a batch of "
-                                    f"{len(batch.messages)}; {i} put before it)")
+                                    f"{len(batch.messages)}; {i} put before it: the queue "
+                                    "filled up meanwhile)")
                     break
                 self.stats["messages"] += 1
                 info["messages"] += 1
@@ -347,7 +357,9 @@ class Receiver(Daemon):
                     continue  # put already
                 detail = failed.detail if i == cause else (
                     f"batch of {len(batch.messages)} refused whole: message {cause + 1} "
-                    f"{failed.reason.name}: {failed.detail}")
+                    f"{failed.reason.name}: {failed.detail}" if refused is not None else
+                    f"batch of {len(batch.messages)}: message {cause + 1} {failed.reason.name} "
+                    f"after {cause} of it were put; this one was not: {failed.detail}")
                 await self._dead_letter(message, failed.reason if i == cause
                                         else ReasonCode.PUT_FAILED, detail, who)
                 info["dead_letters"] += 1

@@ -250,6 +250,7 @@ class Sender(Daemon):
                 msg = act.message
                 if msg.fanout is not None:  # a broadcast copy: its message may go on
                     self._copy_done(msg)
+                    self.stats["delivered"] += 1  # (a message delivered to one destination)
                     self.stats["copies_delivered"] += 1
                     continue
                 delivered += 1
@@ -279,7 +280,7 @@ class Sender(Daemon):
                          act.detail)
             elif kind is FanoutEnded:
                 finished += 1  # the message's place in memory (its copies were one message)
-                self.stats["broadcasts"] += 1
+                self.stats["broadcasts_finished"] += 1  # every copy delivered or declined
             elif kind is Note:
                 self._log_note(act)
         for host, frames in out.items():

@@ -107,6 +107,7 @@ print(json.dumps([serving_pid(0x52510000), rqp.receiveMessage(0x52510001, timeou
 
 def test_errors_say_what_to_do(host):
     out = run(host, """
+import time
 from rqp.system.queues import max_payload
 res = {}
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
@@ -129,6 +130,17 @@ try:
     rqp.sendMessage(h, b"x", 7)
 except rqp.RQPError as e:
     res["type"] = str(e)
+for queue in ("DEAD.LETTER.Q", 0x52510000):
+    try:
+        rqp.openConnection(queue, rqprc=rqprc)
+    except rqp.RQPError as e:
+        res.setdefault("own", []).append(str(e))
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+for kwargs in ({"ttl": float("inf")}, {"ttl": 1e300}, {"expires_at": time.time() * 1000}):
+    try:
+        rqp.sendMessage(h, b"x", **kwargs)
+    except rqp.RQPError as e:
+        res.setdefault("time", []).append(str(e))
 print(json.dumps(res))
 """)
     big, size, limit = out["big"]
@@ -137,6 +149,10 @@ print(json.dumps(res))
     assert "PROD_THE_SCHED_COMMON" in out["name"]
     assert len(out["handle"]) == 2 and all("is not open" in e for e in out["handle"])
     assert "handle" in out["type"] or "msg_type" in out["type"]
+    assert len(out["own"]) == 2 and "is DEAD.LETTER.Q of the agents" in out["own"][0]
+    assert "transmission queue of the agents" in out["own"][1]
+    assert len(out["time"]) == 3  # RQPError, not OverflowError, and milliseconds are caught
+    assert "past the year 500 million" in out["time"][0] and "milliseconds?" in out["time"][2]
 
 
 def test_no_sending_mca_can_be_started_says_why(testbed):

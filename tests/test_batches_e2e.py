@@ -177,3 +177,65 @@ def test_a_plain_rqp1_receiver_never_gets_part_of_a_batch(testbed):
     assert [d["mtype"] for d in dead] == [3, 4]  # kept, so that a replay puts them so
     assert "a batch of 2 needs MESSAGE_EX" in dead[0]["detail"]
     assert "message 2 of a batch of 2" in dead[1]["detail"]
+
+
+FILL = r"""
+import sys, sysv_ipc
+q = sysv_ipc.MessageQueue(int(sys.argv[1]), max_message_size=8192)
+while True:
+    try:
+        q.send(b"f" * 8000, block=False)
+    except sysv_ipc.BusyError:
+        break
+print(q.current_messages)
+"""
+
+
+def test_a_full_destination_queue_never_gets_part_of_a_batch(testbed_factory):
+    p = Pair(testbed_factory(), Q1,
+             receiver_config="put_retry_count: 3\nput_retry_interval: 0.1\n")
+    a, b, rqprc, receiver = p.a, p.b, p.rqprc, p.receiver
+    assert b.python(FILL, str(Q1)).strip() == "2"  # 16000 of its 16384 bytes
+    a.python(SEND_BATCH, str(rqprc), str(SURE_MSG),
+             json.dumps([[10, "m" * 200], [11, "m" * 200], [12, "m" * 200]]))
+    wait_for(lambda: depth(b, DLQ) >= 3, timeout=30,
+             message="the receiver did not refuse the batch it had no room for")
+    assert depth(b, Q1) == 2  # nothing of it was put beside the two fillers
+    dead = dead_letters(b)
+    assert dead[0]["reason"] == "QUEUE_FULL" and "no room for the batch's 600 bytes" in \
+        dead[0]["detail"]
+    assert all("refused whole" in d["detail"] for d in dead[1:3])
+    assert typed(b, 1) == [("f" * 8000, 1)]  # a consumer makes room: the SURE batch, whole
+    assert typed(b, 4) == [("f" * 8000, 1), ("m" * 200, 10), ("m" * 200, 11), ("m" * 200, 12)]
+    assert not log_lines(b, receiver, "put before it")
+
+
+MISUSE = r"""
+#include <stdio.h>
+#include <rqp.h>
+/* the C batch calls in the wrong order, or with what no queue can take */
+int main(void) {
+    struct rqp_batch b;
+    int xmit = rqp_open_transmission_queue(RQP_DEFAULT_TRANSMISSION_QUEUE);
+    printf("begin key 0: %d\n", rqp_batch_begin(&b, 8192, RQP_SURE_MSG, 0, NULL));
+    if (rqp_batch_begin(&b, 8192, RQP_SURE_MSG, (key_t)0x52510001, NULL) < 0) return 3;
+    printf("add mtype 0: %d\n", rqp_batch_add(&b, "x", 1, 0));
+    static char big[9000];
+    int rc = rqp_batch_add(&b, big, sizeof big, 1);
+    printf("add too big: %d %s\n", rc, strerror(errno));
+    rqp_batch_rollback(&b);
+    printf("add after rollback: %d\n", rqp_batch_add(&b, "x", 1, 1));
+    printf("commit after rollback: %d\n",
+           rqp_batch_commit(&b, xmit, RQP_DEFAULT_TRANSMISSION_QUEUE, 0, IPC_NOWAIT));
+    return 0;
+}
+"""
+
+
+def test_c_batch_calls_out_of_order_fail_with_einval_never_crash(cc, testbed):  # noqa: F811
+    exe = cc("misuse", MISUSE)
+    host = testbed.add_host("a")  # (its own IPC namespace: the transmission queue is ours)
+    out = host.run([exe]).stdout
+    assert out.splitlines() == ["begin key 0: -1", "add mtype 0: -1",
+                                "add too big: -1 Message too long",
+                                "add after rollback: -1", "commit after rollback: -1"]

@@ -134,6 +134,7 @@ def test_a_c_record_is_the_python_record_byte_for_byte(cc, kind, mtype, priority
     (["0", hex(Q1), "-3", "4", "0", "x"], "Invalid argument"),
     (["0", hex(Q1), "1", "10", "0", "x"], "Invalid argument"),  # priority
     (["0", hex(Q1), "1", "4", "0", "toolong", "66"], "Message too long"),
+    (["0", "0", "1", "4", "0", "x"], "Invalid argument"),  # queue key 0: IPC_PRIVATE
 ])
 def test_a_c_record_out_of_range_is_refused_with_errno(cc, args, error):
     exe = cc("build", BUILD)

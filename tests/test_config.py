@@ -249,13 +249,14 @@ def test_configs_are_frozen_and_hashable(tmp_path: Path) -> None:
 def test_broadcast_names(tmp_path) -> None:
     from rqp.protocol.keys import is_broadcast_name
     assert [n for n in ("PROD_ALL_BA_TWO", "ALL_BA", "PROD_ANY_BA", "PROD_THE_ALL_X", "PROD_ALL",
-                        "PROD_ALLX_BA", "CALL_BA", "ALL") if is_broadcast_name(n)] == \
-        ["PROD_ALL_BA_TWO", "ALL_BA"]
+                        "PROD_ALLX_BA", "CALL_BA", "ALL", "prod_all_ba") if is_broadcast_name(n)] \
+        == ["PROD_ALL_BA_TWO", "ALL_BA", "prod_all_ba"]
     cfg = load_sender(tmp_path, "hosts: [a]\nqueues: {PROD_ALL_BA: 5, ALIAS_ALL_BA: 5, "
                                 "PROD_THE_BA: 6}\n")
     assert cfg.broadcast_keys == frozenset({5})
     err = sender_error(tmp_path, "hosts: [a]\nqueues: {PROD_ALL_BA: 5, PROD_THE_BA: 5}\n")
     assert "queues.PROD_THE_BA" in str(err) and "PROD_ALL_BA is a broadcast name" in str(err)
+    assert "'0x00000005'" in str(err)  # the key as keys are written
 
 
 def test_resolve_queue_and_queue_name() -> None:

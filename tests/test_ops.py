@@ -122,6 +122,19 @@ def test_queues_send_and_receive(site):
     assert out.returncode == 0 and "journaled" in out.stdout
     out = b.run([*RQPCTL, "receive", "0x52510001", "--timeout", "20"], check=False)
     assert out.returncode == 0 and out.stdout.strip() == "hello operator"
+    for text, mtype in (("typed seven", 7), ("typed two", 2)):
+        out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", text, "--mtype", str(mtype),
+                     "--priority", "9", "--ttl", "600", "--sync", "--rqprc", str(rqprc))
+        assert out.returncode == 0, out.stderr
+    out = b.run([*RQPCTL, "receive", "0x52510001", "--mtype", "-5", "--with-type",
+                 "--timeout", "20"], check=False)  # the lowest type up to 5 first
+    assert out.returncode == 0 and out.stdout == "2\ttyped two\n"
+    out = b.run([*RQPCTL, "receive", "0x52510001", "--with-type", "--timeout", "20"],
+                check=False)
+    assert out.stdout == "7\ttyped seven\n"
+    out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--priority", "10", "--rqprc",
+                 str(rqprc))
+    assert out.returncode == 2 and "--priority" in out.stderr
 
 
 def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):

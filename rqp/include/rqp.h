@@ -112,7 +112,7 @@ static inline ssize_t rqp_build_record(void *buf, size_t cap, int message_type, 
     unsigned char *p = (unsigned char *)buf;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) || e.mtype < 1 ||
         e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY ||
-        (len && payload == NULL)) {
+        (len && payload == NULL) || queue_key == 0 /* IPC_PRIVATE names no queue */) {
         errno = EINVAL;
         return -1;
     }
@@ -187,15 +187,16 @@ struct rqp_batch {
     struct rqp_extras extras;
 };
 
-/* Start a batch whose record may be up to `cap` bytes (the kernel's msgmax, 8192 by default).
- * extras: priority and expiry for the whole batch (its mtype is ignored; NULL: defaults).
- * 0, or -1 (EINVAL; ENOMEM). */
+/* Start a batch whose record may be up to `cap` bytes: the kernel's msgmax
+ * (/proc/sys/kernel/msgmax, 8192 by default; a bigger cap lets rqp_batch_commit fail with
+ * EINVAL). extras: priority and expiry for the whole batch (its mtype is ignored; NULL:
+ * defaults). 0, or -1 (EINVAL; ENOMEM). After commit or rollback, begin again before adding. */
 static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_type,
                                   key_t queue_key, const struct rqp_extras *extras) {
     struct rqp_extras e = extras ? *extras : rqp_default_extras();
     e.mtype = 1;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) ||
-        e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY ||
+        e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY || queue_key == 0 ||
         cap < RQP_HEADER_SIZE + RQP_MEMBER_HEADER_SIZE) {
         errno = EINVAL;
         return -1;
@@ -216,7 +217,12 @@ static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_t
  * E2BIG (already RQP_MAX_BATCH messages), EMSGSIZE (the record would pass cap; the batch is
  * unchanged). */
 static inline int rqp_batch_add(struct rqp_batch *b, const void *data, size_t len, long mtype) {
-    unsigned char *p = (unsigned char *)(b->msg + 1) + b->len;
+    unsigned char *p;
+    if (b->msg == NULL) { /* committed or rolled back: not begun */
+        errno = EINVAL;
+        return -1;
+    }
+    p = (unsigned char *)(b->msg + 1) + b->len;
     if (mtype < 1 || (len && data == NULL) || len > 0xFFFFFFFFu) {
         errno = EINVAL;
         return -1;
@@ -246,11 +252,16 @@ static inline void rqp_batch_rollback(struct rqp_batch *b) {
 }
 
 /* Put the whole batch with one msgsnd on transmission queue `xmit_id` and ring the doorbell
- * of `xmit_key`; then free it. An empty batch puts nothing. 0, or -1 with errno from msgsnd
- * (the batch is kept: commit again or roll back). */
+ * of `xmit_key`; then free it. An empty batch puts nothing. 0, or -1: EINVAL if it was not
+ * begun (or was committed or rolled back already), else errno from msgsnd (the batch is kept:
+ * commit again or roll back). */
 static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_key,
                                    uint64_t sequence, int msgflg) {
     int rc;
+    if (b->msg == NULL) {
+        errno = EINVAL;
+        return -1;
+    }
     if (b->count == 0) {
         rqp_batch_rollback(b);
         return 0;

@@ -16,8 +16,9 @@ from rqp.protocol.constants import IPC_PRIVATE, KEY_T_MAX
 __all__ = ["KEY_T_MIN", "queue_key_problem", "normalize_key", "is_broadcast_name"]
 
 #: A broadcast name (spec section 6, NetarchiveSuite's ``<ENV>_ALL_<REPLICA>...``): its part
-#: after the environment prefix is ``ALL`` (``PROD_ALL_BA``), or it starts with ``ALL_``.
-_BROADCAST_NAME = re.compile(r"(?:[^_]+_)?ALL_.+")
+#: after the environment prefix is ``ALL`` (``PROD_ALL_BA``), or it starts with ``ALL_``; in
+#: any case (``prod_all_ba`` too).
+_BROADCAST_NAME = re.compile(r"(?:[^_]+_)?ALL_.+", re.IGNORECASE)
 
 #: The most negative ``key_t``; ``-1`` is the same key as ``0xffffffff``.
 KEY_T_MIN = -(1 << 31)
@@ -42,6 +43,6 @@ def normalize_key(key: int) -> int:
 
 def is_broadcast_name(name: str) -> bool:
     """Whether a queue name names a broadcast channel: every host of ``.rqprc`` that offers it
-    gets a copy (spec section 6). ``PROD_ALL_BA_TWO`` and ``ALL_BA`` do; ``PROD_ANY_BA``,
-    ``PROD_THE_ALL_X`` and ``PROD_ALL`` do not."""
+    gets a copy (spec section 6). ``PROD_ALL_BA_TWO``, ``ALL_BA`` and ``prod_all_ba`` do;
+    ``PROD_ANY_BA``, ``PROD_THE_ALL_X`` and ``PROD_ALL`` (no replica part) do not."""
     return _BROADCAST_NAME.fullmatch(name) is not None

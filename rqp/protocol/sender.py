@@ -314,6 +314,7 @@ class NoteKind(enum.Enum):
     CONNECTION_FAILED = "connection failed"
     CONNECTION_CLOSED = "connection closed while idle"
     CONNECTED = "connected"
+    COPIES_WAIT = "a broadcast host does not answer: its SURE copies wait"
 
 
 @dataclass(frozen=True, slots=True)
@@ -845,7 +846,10 @@ class SenderCore:
         if plain is not None and lane.pending and lane.pending[0].needs_ex:
             self._cannot_carry(lane, plain, why)
             return
-        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, why)
+        if lane.target is not None:
+            self._note(NoteKind.COPIES_WAIT, lane.queue_key, lane.target, why)
+        else:
+            self._note(NoteKind.NO_ROUTE, lane.queue_key, None, why)
         while lane.pending and lane.pending[0].message_type == UNSURE_MSG:
             msg = lane.pending.popleft()
             self._asked_for(msg)
@@ -860,7 +864,9 @@ class SenderCore:
             self._asked_for(head)
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
-            head.last_error = f"no host offers queue {lane.queue_key:#x} ({why})"
+            head.last_error = (f"no host offers queue {lane.queue_key:#x} ({why})"
+                               if lane.target is None else
+                               f"no answer for broadcast queue {lane.queue_key:#x} ({why})")
             self._error(lane.queue_key, head.last_error)
             if lane.target is not None:
                 info = self._copy_info(lane.queue_key, lane.target)

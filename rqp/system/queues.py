@@ -330,6 +330,13 @@ class LocalQueue:
         """IPC_STAT: owner, mode, depth, max_size. Needs read permission on the queue."""
         return self._call("reading its status", lambda: _stat(self._mq))
 
+    def room(self) -> int:
+        """Bytes that may be put on it now (``msg_qbytes`` minus the bytes in it), read from
+        ``/proc/sysvipc/msg``; what the kernel checks a put against."""
+        qbytes = self._call("reading the size of", lambda: self._mq.max_size)
+        used = next((q.bytes for q in list_queues() if q.id == self.id), 0)
+        return qbytes - used
+
     @property
     def depth(self) -> int:
         """Number of messages on the queue (IPC_STAT: needs read permission)."""

@@ -96,7 +96,8 @@ def _list(args) -> int:
     archive = Path(args.archive)
     if not archive.is_dir():
         raise ConfigError(f"{archive}: no such directory (--archive)")
-    header = ("TIMESTAMP", "REASON", "QUEUE", "TYPE", "MESSAGE KEY", "HOST", "BYTES", "PREVIEW")
+    header = ("TIMESTAMP", "REASON", "QUEUE", "TYPE", "MTYPE", "PRIO", "MESSAGE KEY", "HOST",
+              "BYTES", "PREVIEW")
     table = []
     total = files = 0
     for path in archive_files(archive):
@@ -110,6 +111,8 @@ def _list(args) -> int:
                 str(row.get("reason", "")),
                 row.get("queue_name") or str(row.get("queue_key_hex", "")),
                 str(row.get("message_type", "")),
+                str(row.get("mtype", 1)),  # (a schema-1 row: 1 and 4)
+                str(row.get("priority", 4)),
                 str(row.get("message_key", "")),
                 _cut(str(row.get("host", "")), 20),
                 str(row.get("original_length", "")) + ("+" if row.get("truncated") else ""),

@@ -203,7 +203,8 @@ def send(args) -> int:
     data = args.message.encode() if args.message is not None else sys.stdin.buffer.read()
     kind = rqp.UNSURE_MSG if args.unsure else rqp.SURE_MSG
     try:
-        rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout)
+        rqp.sendMessage(handle, data, kind, sync=args.sync, timeout=args.timeout,
+                        mtype=args.mtype, priority=args.priority, ttl=args.ttl)
     finally:
         rqp.closeConnection(handle)
     print(f"put {len(data)} bytes for {args.queue} on the transmission queue"
@@ -236,13 +237,15 @@ def receive(args) -> int:
                               f"its key): {exc}") from None
     for n in range(args.count):
         try:
-            data = rqp.receiveMessage(args.queue, timeout=args.timeout, rqprc=args.rqprc)
+            data, mtype = rqp.receiveMessage(args.queue, timeout=args.timeout,
+                                             rqprc=args.rqprc, mtype=args.mtype,
+                                             with_type=True)
         except QueueEmpty:
             print(f"no message within {args.timeout:g}s")
             return 1 if n == 0 else 0
         text = data.decode("utf-8", "replace")
         printable = text.isprintable() and "\ufffd" not in text
-        print(text if printable else data.hex(" "))
+        print((f"{mtype}\t" if args.with_type else "") + (text if printable else data.hex(" ")))
     return 0
 
 
@@ -282,6 +285,12 @@ def add_commands(groups) -> None:
                    "./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
     p.add_argument("--no-start", action="store_true", help="do not start a sending MCA if "
                    "none runs (the message then waits on the transmission queue; exit 3)")
+    p.add_argument("--mtype", type=positive_int, metavar="N", default=1,
+                   help="the System V type it is put with at the destination (default 1)")
+    p.add_argument("--priority", type=int, choices=range(10), metavar="0-9", default=4,
+                   help="0 (lowest) to 9 (highest), default 4")
+    p.add_argument("--ttl", type=seconds, metavar="SECONDS", default=None,
+                   help="dead-letter it EXPIRED if not delivered within this long")
     p.set_defaults(run=send)
     p = groups.add_parser("receive", help="take messages from a local queue")
     p.add_argument("queue", type=queue_argument, help="queue key or name from .rqprc")
@@ -290,6 +299,11 @@ def add_commands(groups) -> None:
     p.add_argument("--timeout", type=seconds, metavar="SECONDS", default=5.0,
                    help="wait at most this long for each message (default 5)")
     p.add_argument("--rqprc", metavar="FILE", help="where queue names are looked up")
+    p.add_argument("--mtype", type=int, metavar="N", default=0,
+                   help="which message, as msgrcv's msgtyp: 0 the first (default), N the "
+                   "first of type N, -N the first of the lowest type up to N")
+    p.add_argument("--with-type", action="store_true",
+                   help="print each message's type before it (TYPE, a tab, the message)")
     p.set_defaults(run=receive)
 
 
