@@ -29,7 +29,7 @@ from rqp.protocol.constants import (
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import (
     BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
-    encode_batch,
+    check_extras, encode_batch, encode_transmission,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
 from rqp.system.service import Doorbell, sender_serving, spawn_lock
@@ -70,7 +70,11 @@ class Producer:
             sync: bool = False, sync_timeout: float = 30.0) -> None:
         """Put ``record`` (waiting up to ``timeout`` for room, None: as long as it takes) and
         ring the doorbell; with ``sync``, wait until the sending MCA has journaled it."""
-        raw = record.to_bytes()
+        self.put_raw(record.to_bytes(), timeout=timeout, sync=sync, sync_timeout=sync_timeout)
+
+    def put_raw(self, raw: bytes, *, timeout: float | None = None, sync: bool = False,
+                sync_timeout: float = 30.0) -> None:
+        """:meth:`put` of a record already encoded."""
         self.transmission_queue.put(raw, block=True, timeout=timeout)
         self.doorbell.ring()
         if sync:
@@ -145,6 +149,19 @@ class Batch:
         return len(self.members)
 
 
+class _Pid:
+    """This process's pid, kept (``os.getpid`` costs a syscall per message) and renewed in a
+    forked child."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self.pid = os.getpid()
+
+
+_PID = _Pid()
 _lock = threading.Lock()
 _handles: dict[int, _Connection] = {}
 _batches: dict[int, Batch] = {}
@@ -290,16 +307,17 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
             "split it, or raise kernel.msgmax on every host (see the README)",
             size=len(data), limit=limit)
     now_ns = time.time_ns()
-    try:  # the record checks mtype and priority, in words that name them
-        record = TransmissionRecord(message_type=msg_type, queue_key=conn.queue_key,
-                                    payload=bytes(data), producer_pid=os.getpid(),
-                                    sequence=next(_sequence), enqueued_ns=now_ns, mtype=mtype,
-                                    priority=priority,
-                                    expires_at_ms=_expires_at_ms(ttl, expires_at, now_ns))
+    try:  # in words that name them
+        check_extras(mtype, priority)
     except ValueError as exc:
         raise RQPError(str(exc)) from None
-    conn.producer.put(record, timeout=timeout, sync=sync,
-                      sync_timeout=30.0 if timeout is None else timeout)
+    expires_at_ms = 0 if ttl is None and expires_at is None else \
+        _expires_at_ms(ttl, expires_at, now_ns)
+    # The bytes straight from the checked values (the hot path: no record object).
+    raw = encode_transmission(msg_type, conn.queue_key, bytes(data), 0, _PID.pid,
+                              next(_sequence), now_ns, mtype, priority, expires_at_ms)
+    conn.producer.put_raw(raw, timeout=timeout, sync=sync,
+                          sync_timeout=30.0 if timeout is None else timeout)
 
 
 def _check_msg_type(msg_type) -> None:

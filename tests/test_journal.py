@@ -716,3 +716,13 @@ def test_random_operations_match_model(ops):
                 assert live(j) == model
         finally:
             j.close()
+
+
+@given(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1), st.binary(max_size=200))
+def test_the_struct_append_and_the_construct_declaration_agree(seq, key, record):
+    """Issue 14: the hot path's APPEND (structs derived from ENTRY_PREFIX and APPEND_FIXED) is
+    byte for byte what the construct declarations build."""
+    from rqp.storage.journal import APPEND_BODY, ENTRY_PREFIX
+    body = APPEND_BODY.build({"seq": seq, "key": key, "record": record})
+    assert encode_append(seq, key, record) == \
+        ENTRY_PREFIX.build({"length": len(body), "crc": zlib.crc32(body)}) + body

@@ -498,3 +498,16 @@ def test_key_blocks_are_consecutive_and_never_reused(tmp_path):
     keys._counter = 0xFFFFFFFF - 1  # a block that would pass the counter's end
     start = keys.block(5)
     assert start >> 32 == (first >> 32) + 1 and start & 0xFFFFFFFF == 1
+
+
+@given(transmission_records)
+def test_the_struct_codec_and_the_construct_declaration_agree(rec):
+    """Issue 14: the hot path's struct (derived from TRANSMISSION_HEADER) writes and reads
+    exactly what the construct declaration does, field by field."""
+    from rqp.protocol.records import TRANSMISSION_RECORD
+    raw = rec.to_bytes()
+    assert raw == TRANSMISSION_RECORD.build(rec._fields())
+    parsed = TRANSMISSION_RECORD.parse(raw)
+    fast = TransmissionRecord.from_bytes(raw)
+    assert {name: getattr(fast, name) for name in rec._fields()} == \
+        {name: parsed[name] for name in rec._fields()}

@@ -152,6 +152,7 @@ from rqp.protocol.constants import (
     DEFAULT_PRIORITY, INT64_MAX, MAX_BATCH, MAX_PRIORITY, SURE_MSG, UINT64_MAX, UNSURE_MSG,
     MessageType,
 )
+from rqp.protocol.codec import struct_of
 from rqp.protocol.errors import RecordError
 from rqp.protocol.reasons import ReasonCode, describe
 
@@ -159,8 +160,10 @@ __all__ = [
     "AgentKind",
     "BATCH_MEMBER",
     "BATCH_MEMBER_HEADER_SIZE",
+    "check_extras",
     "decode_batch",
     "encode_batch",
+    "encode_transmission",
     "DEAD_LETTER_FIXED",
     "DEAD_LETTER_FIXED_SIZE",
     "DEAD_LETTER_MAGIC",
@@ -303,6 +306,12 @@ DEAD_LETTER_MIN_SIZE: int = DEAD_LETTER_FIXED_SIZE + _DEAD_LETTER_PREFIXES
 # short read returns short data instead of failing), so from_bytes uses the plain structs.
 TRANSMISSION_RECORD_COMPILED = TRANSMISSION_RECORD.compile()
 _PARSE_TRANSMISSION = TRANSMISSION_RECORD_COMPILED.parse
+# The hot path (every record a sender takes, every record a producer puts): the header as a
+# struct derived from TRANSMISSION_HEADER (rqp.protocol.codec); tests check both agree.
+_TX_HEADER = struct_of(TRANSMISSION_HEADER)
+_UNPACK_TX = _TX_HEADER.unpack_from
+_PACK_TX = _TX_HEADER.pack
+_TX_RESERVED = bytes(11)
 _PARSE_TRANSMISSION_V1 = TRANSMISSION_RECORD_V1.compile().parse
 DEAD_LETTER_RECORD_COMPILED = DEAD_LETTER_RECORD.compile()
 _DEAD_LETTER_V1_COMPILED = DEAD_LETTER_RECORD_V1.compile()
@@ -423,12 +432,8 @@ class TransmissionRecord:
         _check_uint("producer_pid", self.producer_pid, _UINT32_MAX)
         _check_uint("sequence", self.sequence, UINT64_MAX)
         _check_uint("enqueued_ns", self.enqueued_ns, UINT64_MAX)
-        _check_uint("priority", self.priority, MAX_PRIORITY)
         _check_uint("expires_at_ms", self.expires_at_ms, UINT64_MAX)
-        if not isinstance(self.mtype, int) or isinstance(self.mtype, bool) or \
-                not 1 <= self.mtype <= INT64_MAX:
-            raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
-                             f"types are positive), got {self.mtype!r}")
+        check_extras(self.mtype, self.priority)
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
         if not isinstance(self.payload, bytes):
@@ -470,16 +475,32 @@ class TransmissionRecord:
         }
 
     def to_bytes(self) -> bytes:
-        """The record (version 2) as the bytes of one System V message (compiled builder)."""
-        return TRANSMISSION_RECORD_COMPILED.build(self._fields())
+        """The record (version 2) as the bytes of one System V message."""
+        return encode_transmission(self.message_type, self.queue_key, self.payload, self.flags,
+                                   self.producer_pid, self.sequence, self.enqueued_ns,
+                                   self.mtype, self.priority, self.expires_at_ms)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "TransmissionRecord":
         """Decode one System V message (version 2 or 1); :class:`RecordError` says what is wrong
         if it can't."""
         data = bytes(data)
+        if len(data) >= TRANSMISSION_HEADER_SIZE:  # the hot path: a well-formed version 2
+            (magic, version, message_type, flags, queue_key, producer_pid, sequence,
+             enqueued_ns, mtype, expires_at_ms, priority, reserved) = _UNPACK_TX(data)
+            if magic == TRANSMISSION_MAGIC and version == TRANSMISSION_VERSION and \
+                    reserved == _TX_RESERVED and mtype >= 1 and priority <= MAX_PRIORITY:
+                payload = data[TRANSMISSION_HEADER_SIZE:]
+                if flags & TransmissionFlags.BATCH:
+                    _check_batch(payload)
+                try:
+                    return cls(_known(MessageType, message_type), queue_key, payload, flags,
+                               producer_pid, sequence, enqueued_ns, mtype, priority,
+                               expires_at_ms)
+                except ValueError as exc:
+                    raise RecordError(f"transmission record: {exc}") from None
         v1 = len(data) > 4 and data[4] == 1
-        try:
+        try:  # anything else: construct, which says what is wrong
             # The record is a fixed header and then every remaining byte, so once the header is
             # all there the compiled parser (which checks the magic and version Consts but not
             # lengths) is safe, and about three times faster: this is the sender's hot path.
@@ -498,7 +519,7 @@ class TransmissionRecord:
         extras = {} if v1 else {"mtype": c.mtype, "priority": c.priority,
                                 "expires_at_ms": c.expires_at_ms}
         if c.flags & TransmissionFlags.BATCH:
-            decode_batch(c.payload)  # a malformed batch is a malformed record (in its words)
+            _check_batch(c.payload)
         try:
             return cls(
                 message_type=_known(MessageType, c.message_type),
@@ -512,6 +533,33 @@ class TransmissionRecord:
             )
         except ValueError as exc:
             raise RecordError(f"transmission record: {exc}") from None
+
+
+def encode_transmission(message_type: int, queue_key: int, payload: bytes, flags: int,
+                        producer_pid: int, sequence: int, enqueued_ns: int, mtype: int,
+                        priority: int, expires_at_ms: int) -> bytes:
+    """A transmission record's bytes from values already checked (a
+    :class:`TransmissionRecord`'s, or ``sendMessage``'s after :func:`check_extras`): the
+    producer's hot path, without making the object."""
+    return _PACK_TX(TRANSMISSION_MAGIC, TRANSMISSION_VERSION, message_type, flags, queue_key,
+                    producer_pid, sequence, enqueued_ns, mtype, expires_at_ms, priority,
+                    _TX_RESERVED) + payload
+
+
+def check_extras(mtype: int, priority: int) -> None:
+    """ValueError, in words that name them, for an ``mtype`` or priority no record can hold."""
+    _check_uint("priority", priority, MAX_PRIORITY)
+    if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
+        raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
+                         f"types are positive), got {mtype!r}")
+
+
+def _check_batch(payload: bytes) -> None:
+    """A malformed batch is a malformed record, in the batch's words."""
+    try:
+        decode_batch(payload)
+    except RecordError as exc:
+        raise RecordError(str(exc)) from None
 
 
 def encode_batch(members) -> bytes:

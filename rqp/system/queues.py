@@ -360,12 +360,17 @@ class LocalQueue:
 
     # -- put -----------------------------------------------------------------------------
 
-    def _check_size(self, size: int) -> None:
+    def _check_msgmax(self, size: int) -> None:
         if size > self._msgmax:
             msgmax = kernel_limits().msgmax  # it may have been raised since we opened
             if size > msgmax:
                 raise _too_big(size, msgmax, "msgmax", self._key)
             self._reopen(msgmax)
+
+    def _check_size(self, size: int) -> None:
+        """msgmax, and the queue's max_size (one msgctl): a message larger than that would wait
+        for room for ever, the kernel does not refuse it."""
+        self._check_msgmax(size)
         try:
             max_size = self._mq.max_size
         except sysv_ipc.PermissionsError:
@@ -381,18 +386,19 @@ class LocalQueue:
 
         ``block=False``: :class:`QueueFull` at once if there is no room. ``block=True`` with a
         ``timeout``: :class:`QueueFull` if still no room after ``timeout`` seconds (polling,
-        see the class doc). Raises :class:`MessageTooBig` (before trying) if ``data`` is larger
-        than msgmax or the queue's max_size, :class:`QueueNotFound` if the queue was removed,
+        see the class doc). Raises :class:`MessageTooBig` (instead of waiting) if ``data`` is
+        larger than msgmax or the queue's max_size, :class:`QueueNotFound` if the queue was removed,
         :class:`QueuePermissionDenied` without write permission.
         """
         data = bytes(data)
         if mtype < 1:
             raise ValueError(f"mtype must be >= 1, got {mtype}")
-        self._check_size(len(data))
+        self._check_msgmax(len(data))
+        if self._send(data, mtype, False):  # the common case: it fits, no msgctl needed
+            return
+        self._check_size(len(data))  # full now, or never room enough? (max_size: a msgctl)
         if block and timeout is None:
             self._retry_eintr("putting a message", lambda: self._send(data, mtype, True))
-            return
-        if self._send(data, mtype, False):
             return
         if block:
             for wait in _backoff_waits(timeout):
