@@ -726,3 +726,11 @@ def test_the_struct_append_and_the_construct_declaration_agree(seq, key, record)
     body = APPEND_BODY.build({"seq": seq, "key": key, "record": record})
     assert encode_append(seq, key, record) == \
         ENTRY_PREFIX.build({"length": len(body), "crc": zlib.crc32(body)}) + body
+
+
+@given(st.integers(0, (1 << 64) - 1))
+def test_the_struct_release_and_the_construct_declaration_agree(seq):
+    from rqp.storage.journal import ENTRY_PREFIX, RELEASE_BODY
+    body = RELEASE_BODY.build({"seq": seq})
+    assert encode_release(seq) == \
+        ENTRY_PREFIX.build({"length": len(body), "crc": zlib.crc32(body)}) + body

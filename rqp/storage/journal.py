@@ -270,6 +270,7 @@ _APPEND_C = APPEND_BODY.compile()
 _RELEASE_C = RELEASE_BODY.compile()
 _PACK_PREFIX = struct_of(ENTRY_PREFIX).pack
 _PACK_APPEND_FIXED = struct_of(APPEND_FIXED).pack
+_PACK_RELEASE = struct_of(RELEASE_BODY).pack
 _COPIES_C = COPIES_BODY.compile()
 _COPY_DONE_C = COPY_DONE_BODY.compile()
 
@@ -294,8 +295,9 @@ def encode_append(seq: int, key: int, record: bytes) -> bytes:
 
 
 def encode_release(seq: int) -> bytes:
-    """One whole RELEASE entry (prefix and body)."""
-    return _entry(_RELEASE_C.build({"seq": seq}))
+    """One whole RELEASE entry (prefix and body): one per SURE message delivered, so with the
+    struct derived from RELEASE_BODY (tests check it agrees)."""
+    return _entry(_PACK_RELEASE(KIND_RELEASE, seq))
 
 
 def encode_copies(seq: int, copies: Copies) -> bytes:

@@ -661,7 +661,8 @@ class Bench:
         self.rqprc.write_text(
             f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {self.xmit:#x}\n"
             f"dead_letter_queue: {self.dlq:#x}\nstate_dir: state\nask_timeout: 2s\n"
-            f"confirm_timeout: 15s\n" + sender_tls)
+            f"confirm_timeout: 15s\n"
+            + (f"window: {self.args.window}\n" if self.args.window else "") + sender_tls)
         self.transport = transport
         py = sys.executable
         self.receiver = self._popen("receiving MCA", [py, "-m", "rqp_agents.receiver",
@@ -1021,6 +1022,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
                         help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
                         f"(default {DEFAULT_MSGMNB})")
+    parser.add_argument("--window", type=int, default=None, metavar="N",
+                        help="the sending MCA's window (frames in flight per connection; "
+                        "default: .rqprc's default)")
     parser.add_argument("--stall", type=float, default=STALL, metavar="SECONDS",
                         help=f"fail when no message moves for this long (default {STALL:g})")
     args = parser.parse_args(argv)
