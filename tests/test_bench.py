@@ -4,6 +4,7 @@ that every benchmark case relies on catches what it must. No speed is asserted a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,15 @@ def test_percentile_is_nearest_rank():
     assert bench.percentile(values, 50) == 250
     assert bench.percentile(values, 99) == 495
     assert bench.percentile([3], 99) == 3
+
+
+def test_against_rabbitmq_without_its_client_says_how_to_get_it(tmp_path):
+    """Issue 14: --against rabbitmq needs rabbitmq-server and pika; without them it stops
+    with what to run, and leaves nothing behind."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    env = {**os.environ, "RQP_RABBIT_PYTHON": str(tmp_path / "no-such-python")}
+    proc = subprocess.run([str(python), "-m", "rqp.tools.bench", "--quick", "--against",
+                           "rabbitmq"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode != 0
+    assert "scripts/bench --against rabbitmq" in proc.stdout + proc.stderr

@@ -56,6 +56,7 @@ from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
 from rqp.system.service import sender_serving
+from rqp.tools.rabbit import CONFIRM_WINDOW, Broker, rabbit_python
 
 #: Set in the environment of the re-executed benchmark (inside its own IPC namespace) to the
 #: IPC namespace it left, so that it can tell that it really is in another one.
@@ -452,6 +453,18 @@ class CaseResult:
     raw_seconds: list = field(default_factory=list)
     #: CPU microseconds per message of each RQP process, one list (per round) per process.
     cpu_us: dict = field(default_factory=dict)
+    #: With --against rabbitmq: the same case through RabbitMQ, seconds and CPU per round.
+    rabbit_seconds: list = field(default_factory=list)
+    rabbit_cpu_us: dict = field(default_factory=dict)
+
+    @property
+    def rabbit_msg_per_s(self) -> float:
+        return self.messages / statistics.median(self.rabbit_seconds) if self.rabbit_seconds \
+            else float("nan")
+
+    def rabbit_cpu_median(self, process: str) -> float:
+        values = self.rabbit_cpu_us.get(process)
+        return statistics.median(values) if values else float("nan")
 
     def cpu_median(self, process: str) -> float:
         return statistics.median(self.cpu_us[process]) if self.cpu_us.get(process) \
@@ -542,6 +555,8 @@ class Bench:
     #: MESSAGE_EX (spec section 6); and the label of the variant being measured.
     mtype: int = 1
     label: str = "plaintext"
+    #: With --against rabbitmq: the broker of this run.
+    broker: object = None
 
     @property
     def isolation(self) -> str:
@@ -576,6 +591,10 @@ class Bench:
         self._start_consumer(self.raw, raw=True)
         self._start_raw()
         self._start_agents()
+        if self.args.against == "rabbitmq":
+            self.broker = Broker(self.workdir, (free_port(), free_port(), free_port()),
+                                 rabbit_python(Path(__file__).resolve().parents[2]),
+                                 preexec=_die_with_parent)
         self.watchdog.counters += [self.rqp.progress, self.raw.progress, self.raw_sent,
                                    self.raw_acked, lambda: self.sent]
         self.watchdog.start()
@@ -771,11 +790,29 @@ class Bench:
         warmup = max(20, min(1000, count // 10))
         for pipe in (self.rqp, self.raw):
             self._run_once(pipe, msg_type, warmup, size)
+        if self.broker is not None:
+            self.broker.run(msg_type == SURE_MSG, self._next_tag(), warmup, size)
         for _ in range(rounds):
             result.rqp_seconds.append(self._run_once(self.rqp, msg_type, count, size,
                                                      result.cpu_us))
             result.raw_seconds.append(self._run_once(self.raw, msg_type, count, size))
+            if self.broker is not None:
+                self._run_rabbit(result, msg_type, count, size)
         return result
+
+    def _run_rabbit(self, result: CaseResult, msg_type: int, count: int, size: int) -> None:
+        """One round through RabbitMQ (the watchdog is told: nothing of ours moves meanwhile)."""
+        self.watchdog.armed = False
+        try:
+            before = process_cpu_ns(self.broker.pid)
+            got = self.broker.run(msg_type == SURE_MSG, self._next_tag(), count, size)
+            broker_ns = process_cpu_ns(self.broker.pid) - before
+        finally:
+            self.watchdog.armed = True
+        result.rabbit_seconds.append(got["seconds"])
+        for name, ns in (("producer", got["producer_ns"]), ("broker", broker_ns),
+                         ("consumer", got["consumer_ns"])):
+            result.rabbit_cpu_us.setdefault(name, []).append(ns / 1000 / count)
 
     def _latency_samples(self, pipe: Pipeline, samples: int, size: int) -> list[int]:
         tag, tail = self._next_tag(), filler(size)
@@ -899,6 +936,11 @@ class Bench:
     def cleanup(self) -> None:
         if hasattr(self, "watchdog"):
             self.watchdog.stop()
+        if self.broker is not None:
+            try:
+                self.broker.stop()
+            except Exception as exc:  # noqa: BLE001 - cleanup goes on
+                say(f"rqp-bench: stopping RabbitMQ: {exc}", err=True)
         try:
             self._stop_agents(grace=5.0)  # after a successful run they have stopped already
         except Exception as exc:  # noqa: BLE001 - cleanup goes on
@@ -945,11 +987,27 @@ class Bench:
             f"{'case':<22}{'RQP msg/s':>13}{'raw msg/s':>12}{'RQP/raw':>10}",
         ]
         several = len(self.args.variants) > 1
+        rabbit = self.broker is not None
+        if rabbit:
+            lines[-1] += f"{'RabbitMQ msg/s':>16}{'RQP/RabbitMQ':>14}"
         for r in self.results:
             case = f"{r.message_type:<6} {size_label(r.size)}" + (f" {r.transport}" if several
                                                                    else "")
             lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{r.raw_msg_per_s:>12,.0f}"
-                         f"{r.ratio:>10.3f}")
+                         f"{r.ratio:>10.3f}" + (
+                             f"{r.rabbit_msg_per_s:>16,.0f}"
+                             f"{r.rqp_msg_per_s / r.rabbit_msg_per_s:>14.3f}" if rabbit else ""))
+        if rabbit:
+            lines += ["", "RabbitMQ (pika clients): SURE = persistent, durable queue, publisher "
+                      f"confirms with at most {CONFIRM_WINDOW} unconfirmed; UNSURE = transient, "
+                      "no confirms; consumer auto-ack. CPU per message, µs:",
+                      f"{'RabbitMQ µs/msg':<22}{'producer':>15}{'broker':>15}{'consumer':>15}"
+                      f"{'total':>10}"]
+            for r in self.results:
+                figures = [r.rabbit_cpu_median(n) for n in ("producer", "broker", "consumer")]
+                lines.append(f"{r.message_type + ' ' + size_label(r.size):<22}"
+                             + "".join(f"{x:>15.1f}" for x in figures)
+                             + f"{sum(figures):>10.1f}")
         # TLS and MESSAGE_EX against plaintext MESSAGE, case by case, the same raw pipeline
         plain = {(r.message_type, r.size): r for r in self.results if r.transport == "plaintext"}
         for label, title in (("TLS", "TLS / plaintext"), ("MESSAGE_EX", "MESSAGE_EX / MESSAGE")):
@@ -983,6 +1041,11 @@ class Bench:
             "variants": [label for label in dict.fromkeys(r.transport for r in self.results)],
             "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
                            raw_msg_per_s=r.raw_msg_per_s, ratio=r.ratio,
+                           rabbit_msg_per_s=r.rabbit_msg_per_s if r.rabbit_seconds else None,
+                           rabbit_cpu_us_per_message={
+                               n: r.rabbit_cpu_median(n) for n in ("producer", "broker",
+                                                                   "consumer")}
+                           if r.rabbit_seconds else None,
                            cpu_us_per_message={name: r.cpu_median(name)
                                                for name in CPU_PROCESSES})
                       for r in self.results],
@@ -1022,6 +1085,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
                         help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
                         f"(default {DEFAULT_MSGMNB})")
+    parser.add_argument("--against", choices=("rabbitmq",), default=None,
+                        help="also run every case through a RabbitMQ broker of this run, "
+                        "alternating with RQP (scripts/bench installs rabbitmq-server and pika)")
     parser.add_argument("--window", type=int, default=None, metavar="N",
                         help="the sending MCA's window (frames in flight per connection; "
                         "default: .rqprc's default)")
