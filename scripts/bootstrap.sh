@@ -115,4 +115,5 @@ setup_test() {  # and what the tests need besides
     # systemd-analyze verify looks up each unit's Documentation=man: page with man(1).
     check_tool man man-db "the unit test runs systemd-analyze verify, which calls man"
     check_tool systemd-analyze systemd "the unit test verifies the systemd units with it"
+    check_tool strace strace "a durability test watches the sending MCA's system calls with it"
 }
