@@ -15,7 +15,7 @@ from typing import Callable
 
 from rqp import RQPError
 from rqp.system.control import serve_control, serve_metrics
-from rqp.system.service import notify, watchdog_interval
+from rqp.system.service import EVENT_LOOP_VARIABLE, notify, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
 #: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.
@@ -208,12 +208,30 @@ class Daemon:
         raise NotImplementedError
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop factory ``$RQP_EVENT_LOOP`` asks for (None: the standard loop)."""
+    name = os.environ.get(EVENT_LOOP_VARIABLE, "asyncio") or "asyncio"
+    if name == "asyncio":
+        return None
+    if name == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            raise RQPError(f"{EVENT_LOOP_VARIABLE}=uvloop, but uvloop is not installed (pip "
+                           "install uvloop, or leave the variable out for the standard "
+                           "loop)") from None
+        return uvloop.new_event_loop
+    raise RQPError(f"{EVENT_LOOP_VARIABLE}={name!r}: expected asyncio or uvloop")
+
+
 def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     """Build the agent and run it; exit status 1 with the reason logged if it cannot, 70
     (EXIT_UNEXPECTED) after an unexpected error."""
     try:
+        loop_factory = event_loop_factory()
         agent = build()
-        asyncio.run(agent.run())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(agent.run())
     except RQPError as exc:
         log.error("%s", exc)
         return 1

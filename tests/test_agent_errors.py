@@ -96,3 +96,16 @@ def test_receiver_stops_on_an_unexpected_error_and_the_sure_message_waits_for_it
     _assert_stopped_by(b, faulty, "the connection from")
     start_receiver(b)
     assert receive(b, Q1, 1) == ["waits"]
+
+
+def test_an_unknown_event_loop_is_refused_with_what_is_expected(tmp_path):
+    """RQP_EVENT_LOOP (what scripts/bench --uvloop sets): a wrong value stops the agent at
+    once with exit status 1 and says what it takes."""
+    import os
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "rqp_agents.receiver", "--listen",
+                           "127.0.0.1:7", "--state-dir", str(tmp_path)],
+                          env={**os.environ, "RQP_EVENT_LOOP": "tokio"}, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 1, done.stderr
+    assert "RQP_EVENT_LOOP='tokio': expected asyncio or uvloop" in done.stderr

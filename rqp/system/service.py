@@ -22,7 +22,7 @@ from rqp.system.queues import format_key
 
 __all__ = [
     "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",
-    "notify", "setup_logging", "host_name",
+    "notify", "setup_logging", "host_name", "EVENT_LOOP_VARIABLE",
 ]
 
 log = logging.getLogger("rqp")
@@ -38,6 +38,12 @@ def setup_logging(level: str = "INFO", name: str = "rqp") -> None:
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt,
                         stream=sys.stderr, force=True)
+
+
+#: The environment variable naming the event loop the agents run on: ``asyncio`` (the standard
+#: library's, the default) or ``uvloop`` (``scripts/bench --uvloop`` measures it; needs
+#: ``pip install uvloop``).
+EVENT_LOOP_VARIABLE = "RQP_EVENT_LOOP"
 
 
 class KeySource:

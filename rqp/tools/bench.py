@@ -55,8 +55,9 @@ from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
-from rqp.system.service import sender_serving
+from rqp.system.service import EVENT_LOOP_VARIABLE, sender_serving
 from rqp.tools.rabbit import CONFIRM_WINDOW, Broker, rabbit_python
+
 
 #: Set in the environment of the re-executed benchmark (inside its own IPC namespace) to the
 #: IPC namespace it left, so that it can tell that it really is in another one.
@@ -651,14 +652,15 @@ class Bench:
 
     def _popen(self, name: str, argv: list[str], log: Path, cwd: Path) -> subprocess.Popen:
         _load_libc()
+        env = {**os.environ, EVENT_LOOP_VARIABLE: self.loop_name}
         with open(log, "ab") as log_file:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=log_file, cwd=str(cwd), start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, env=env)
         self.children.append((name, proc))
         return proc
 
-    def _start_agents(self, transport: str = "plaintext") -> None:
+    def _start_agents(self, transport: str = "plaintext", loop: str = "asyncio") -> None:
         port = free_port()
         state = self.workdir / "state"
         state.mkdir(exist_ok=True)
@@ -682,7 +684,7 @@ class Bench:
             f"dead_letter_queue: {self.dlq:#x}\nstate_dir: state\nask_timeout: 2s\n"
             f"confirm_timeout: 15s\n"
             + (f"window: {self.args.window}\n" if self.args.window else "") + sender_tls)
-        self.transport = transport
+        self.transport, self.loop_name = transport, loop
         py = sys.executable
         self.receiver = self._popen("receiving MCA", [py, "-m", "rqp_agents.receiver",
                                                       "--config", str(receiver_yaml)],
@@ -858,12 +860,13 @@ class Bench:
     def run(self) -> None:
         self.watchdog.armed = True
         try:
-            for transport, mtype in self.args.variants:
-                if transport != self.transport:  # the same queues, consumers and raw pipeline
-                    self._stop_agents(check=True)
-                    self._start_agents(transport)
+            for transport, mtype, loop in self.args.variants:
+                if (transport, loop) != (self.transport, self.loop_name):
+                    self._stop_agents(check=True)  # the same queues, consumers and raw pipeline
+                    self._start_agents(transport, loop)
                 self.mtype = mtype
-                self.label = transport if mtype == 1 else "MESSAGE_EX"
+                self.label = "uvloop" if loop == "uvloop" else \
+                    transport if mtype == 1 else "MESSAGE_EX"
                 for size in SIZES:
                     for msg_type in (SURE_MSG, UNSURE_MSG):
                         self.results.append(self.throughput(msg_type, size,
@@ -1010,7 +1013,8 @@ class Bench:
                              + f"{sum(figures):>10.1f}")
         # TLS and MESSAGE_EX against plaintext MESSAGE, case by case, the same raw pipeline
         plain = {(r.message_type, r.size): r for r in self.results if r.transport == "plaintext"}
-        for label, title in (("TLS", "TLS / plaintext"), ("MESSAGE_EX", "MESSAGE_EX / MESSAGE")):
+        for label, title in (("TLS", "TLS / plaintext"), ("MESSAGE_EX", "MESSAGE_EX / MESSAGE"),
+                             ("uvloop", "uvloop / asyncio (the agents' event loop)")):
             if any(r.transport == label for r in self.results):
                 lines += ["", f"{title}, msg/s: " + ", ".join(
                     f"{r.message_type} {size_label(r.size)} "
@@ -1085,6 +1089,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--msgmnb", type=int, default=DEFAULT_MSGMNB, metavar="BYTES",
                         help=f"kernel.msgmnb (queue size) to set in the private IPC namespace "
                         f"(default {DEFAULT_MSGMNB})")
+    parser.add_argument("--uvloop", action="store_true",
+                        help="also run every case with the agents on uvloop (pip install "
+                        "uvloop), against the standard asyncio loop in the same run")
     parser.add_argument("--against", choices=("rabbitmq",), default=None,
                         help="also run every case through a RabbitMQ broker of this run, "
                         "alternating with RQP (scripts/bench installs rabbitmq-server and pika)")
@@ -1099,9 +1106,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--messages must be at least 1")
     args.count = {s: args.messages or n for s, n in base.items()}
     args.transports = ["plaintext", "TLS"] if args.tls else ["plaintext"]
-    #: (transport, mtype) of each pass over the cases
-    args.variants = [(t, 1) for t in args.transports] + (
-        [("plaintext", 2)] if args.extensions else [])
+    #: (transport, mtype, event loop of the agents) of each pass over the cases
+    args.variants = [(t, 1, "asyncio") for t in args.transports] + (
+        [("plaintext", 2, "asyncio")] if args.extensions else []) + (
+        [("plaintext", 1, "uvloop")] if args.uvloop else [])
     if args.rounds is None:
         args.rounds = 1 if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
