@@ -7,7 +7,7 @@ from rqp_agents.intake import MIN_HELD, Budget, budget_size
 
 
 def test_budget_size_follows_window_and_hosts():
-    assert budget_size(64, 1) == 1024 and budget_size(64, 3) == 3072
+    assert budget_size(64, 1) == 128 and budget_size(64, 3) == 384  # 2 per window frame
     assert budget_size(1, 1) == MIN_HELD
 
 
