@@ -792,8 +792,8 @@ class Bench:
         warmup = max(20, min(1000, count // 10))
         for pipe in (self.rqp, self.raw):
             self._run_once(pipe, msg_type, warmup, size)
-        if self.broker is not None:
-            self.broker.run(msg_type == SURE_MSG, self._next_tag(), warmup, size)
+        if self.broker is not None:  # (its warm-up too with the watchdog told)
+            self._run_rabbit(None, msg_type, warmup, size)
         for _ in range(rounds):
             result.rqp_seconds.append(self._run_once(self.rqp, msg_type, count, size,
                                                      result.cpu_us))
@@ -802,7 +802,8 @@ class Bench:
                 self._run_rabbit(result, msg_type, count, size)
         return result
 
-    def _run_rabbit(self, result: CaseResult, msg_type: int, count: int, size: int) -> None:
+    def _run_rabbit(self, result: CaseResult | None, msg_type: int, count: int,
+                    size: int) -> None:
         """One round through RabbitMQ (the watchdog is told: nothing of ours moves meanwhile)."""
         self.watchdog.armed = False
         try:
@@ -811,6 +812,8 @@ class Bench:
             broker_ns = process_cpu_ns(self.broker.pid) - before
         finally:
             self.watchdog.armed = True
+        if result is None:
+            return
         result.rabbit_seconds.append(got["seconds"])
         for name, ns in (("producer", got["producer_ns"]), ("broker", broker_ns),
                          ("consumer", got["consumer_ns"])):
