@@ -29,7 +29,7 @@ from rqp.protocol.constants import (
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import (
     BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
-    check_extras, encode_batch, encode_transmission,
+    check_extras, check_mtype, encode_batch, encode_transmission,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
 from rqp.system.service import Doorbell, sender_serving, spawn_lock
@@ -126,9 +126,10 @@ class Batch:
         """Add a message (put with ``mtype`` at the destination) to the batch."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
-            raise RQPError(f"mtype must be an integer in 1..{INT64_MAX} (System V message types "
-                           f"are positive), got {mtype!r}")
+        try:
+            check_mtype(mtype)
+        except ValueError as exc:
+            raise RQPError(str(exc)) from None
         if len(self.members) >= MAX_BATCH:
             raise RQPError(f"a batch holds at most {MAX_BATCH} messages (spec section 6); "
                            "commit this one and begin another")
@@ -335,8 +336,10 @@ def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT
     type, priority and expiry for the whole batch; each message has its own ``mtype``."""
     _connection(handle)
     _check_msg_type(msg_type)
-    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
-        raise RQPError(f"priority must be an integer in 0..9, got {priority!r}")
+    try:
+        check_extras(1, priority)
+    except ValueError as exc:
+        raise RQPError(str(exc)) from None
     expires_at_ms = _expires_at_ms(ttl, expires_at, time.time_ns())
     with _lock:
         if handle in _batches:

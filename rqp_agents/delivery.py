@@ -102,9 +102,10 @@ class LocalDelivery:
             name = f"queue {format_key(key)}"
             try:
                 queue = self._queue(key)
-                if need > queue.stat().max_size:
+                holds = queue.stat().max_size
+                if need > holds:
                     return (ReasonCode.QUEUE_FULL, f"the batch needs {need} bytes of {name}, "
-                            f"which holds at most {queue.stat().max_size} (msg_qbytes)", key)
+                            f"which holds at most {holds} (msg_qbytes)", key)
                 await self.retrying(lambda: queue.room() >= need, self.put_budget,
                                     f"{name} (room for a batch of {need} bytes)")
             except QueueFull:

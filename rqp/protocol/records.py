@@ -161,6 +161,7 @@ __all__ = [
     "BATCH_MEMBER",
     "BATCH_MEMBER_HEADER_SIZE",
     "check_extras",
+    "check_mtype",
     "decode_batch",
     "encode_batch",
     "encode_transmission",
@@ -438,9 +439,9 @@ class TransmissionRecord:
             raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
         if not isinstance(self.payload, bytes):
             object.__setattr__(self, "payload", bytes(self.payload))
-        if self.flags & TransmissionFlags.BATCH:
+        if self.flags & TransmissionFlags.BATCH:  # decoded once, here: members() keeps it
             try:
-                decode_batch(self.payload)
+                object.__setattr__(self, "_members", decode_batch(self.payload))
             except RecordError as exc:
                 raise ValueError(str(exc)) from None
 
@@ -458,7 +459,9 @@ class TransmissionRecord:
     def members(self) -> tuple[tuple[int, bytes], ...]:
         """A batch record's messages, ``((mtype, data), ...)``; :class:`RecordError` says what
         is wrong with a malformed one."""
-        return decode_batch(self.payload)
+        if not self.flags & TransmissionFlags.BATCH:
+            return decode_batch(self.payload)  # (not a batch: what its payload would say)
+        return self._members
 
     def _fields(self) -> dict:
         return {
@@ -491,8 +494,6 @@ class TransmissionRecord:
             if magic == TRANSMISSION_MAGIC and version == TRANSMISSION_VERSION and \
                     reserved == _TX_RESERVED and mtype >= 1 and priority <= MAX_PRIORITY:
                 payload = data[TRANSMISSION_HEADER_SIZE:]
-                if flags & TransmissionFlags.BATCH:
-                    _check_batch(payload)
                 try:
                     return cls(_known(MessageType, message_type), queue_key, payload, flags,
                                producer_pid, sequence, enqueued_ns, mtype, priority,
@@ -518,8 +519,6 @@ class TransmissionRecord:
             ) from None
         extras = {} if v1 else {"mtype": c.mtype, "priority": c.priority,
                                 "expires_at_ms": c.expires_at_ms}
-        if c.flags & TransmissionFlags.BATCH:
-            _check_batch(c.payload)
         try:
             return cls(
                 message_type=_known(MessageType, c.message_type),
@@ -546,20 +545,17 @@ def encode_transmission(message_type: int, queue_key: int, payload: bytes, flags
                     _TX_RESERVED) + payload
 
 
-def check_extras(mtype: int, priority: int) -> None:
-    """ValueError, in words that name them, for an ``mtype`` or priority no record can hold."""
-    _check_uint("priority", priority, MAX_PRIORITY)
+def check_mtype(mtype: int) -> None:
+    """ValueError, in words that name it, for an ``mtype`` System V would refuse."""
     if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
         raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
                          f"types are positive), got {mtype!r}")
 
 
-def _check_batch(payload: bytes) -> None:
-    """A malformed batch is a malformed record, in the batch's words."""
-    try:
-        decode_batch(payload)
-    except RecordError as exc:
-        raise RecordError(str(exc)) from None
+def check_extras(mtype: int, priority: int) -> None:
+    """ValueError, in words that name them, for an ``mtype`` or priority no record can hold."""
+    _check_uint("priority", priority, MAX_PRIORITY)
+    check_mtype(mtype)
 
 
 def encode_batch(members) -> bytes:
@@ -570,9 +566,7 @@ def encode_batch(members) -> bytes:
         raise ValueError(f"a batch holds 1..{MAX_BATCH} messages, got {len(members)}")
     out = []
     for mtype, data in members:
-        if not isinstance(mtype, int) or isinstance(mtype, bool) or not 1 <= mtype <= INT64_MAX:
-            raise ValueError(f"mtype must be an integer in 1..{INT64_MAX} (System V message "
-                             f"types are positive), got {mtype!r}")
+        check_mtype(mtype)
         out.append(_BUILD_MEMBER({"mtype": mtype, "data": bytes(data)}))
     return b"".join(out)
 

@@ -421,11 +421,12 @@ class _Lane:
     next_expiry_ms: int = 0
     #: A copies lane's host said QUEUE_NO in this round.
     declined: bool = False
+    #: Its key in the lanes, routes and error counters: the queue key, or (key, host); set
+    #: once (it is read for every message).
+    id: object = None
 
-    @property
-    def id(self):
-        """Its key in the lanes, routes and error counters: the queue key, or (key, host)."""
-        return self.queue_key if self.target is None else (self.queue_key, self.target)
+    def __post_init__(self) -> None:
+        self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
 
 
 class SenderCore:
