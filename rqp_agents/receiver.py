@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import sys
@@ -40,10 +41,16 @@ from rqp_agents.gate import Gate
 log = logging.getLogger("rqp.receiver")
 
 READ_SIZE = 1 << 16
-#: Answers are written (and the de-duplication window committed, one fsync) at least every
-#: this many requests. It bounds the duplicate window: a receiving MCA killed between putting
-#: messages and committing their keys puts at most this many per connection again.
+#: Answers are sent in batches of at most this many requests (and at the end of each read),
+#: each batch once the de-duplication window holds its SURE keys durably (one fsync per
+#: commit, in a writer thread).
 ANSWER_BATCH = 64
+#: Answer batches of one connection waiting for their commit, at most; then the connection
+#: reads no more until the oldest is sent. A receiving MCA killed between putting messages and
+#: committing their keys puts them again when they are re-sent: at most ANSWER_BATCH *
+#: ANSWERS_IN_FLIGHT frames per connection, and never more than the sender's window (frames
+#: it sent and has no answer for).
+ANSWERS_IN_FLIGHT = 4
 #: Lines about connections opening, closing and failing: at most this many of each kind per
 #: interval (a peer reconnecting in a loop must not fill the journal).
 CONNECTION_LOG_INTERVAL = 10.0
@@ -54,6 +61,119 @@ NOTICE_MEMORY = 100_000
 
 class DeadLetterUnavailable(RQPError):
     """Even DEAD.LETTER.Q cannot take the record: the message must stay with its sender."""
+
+
+class GroupCommit:
+    """The de-duplication window's commits, off the event loop: ``durable()`` starts one
+    (memory only) and gives a future that is done when every key recorded so far is on disk;
+    one writer thread runs the writes and fsyncs, in order, while the loop goes on."""
+
+    def __init__(self, window: DedupWindow) -> None:
+        self.window = window
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rqp-dedup")
+        self._last: asyncio.Future | None = None  # the newest commit or compaction begun
+
+    def durable(self) -> asyncio.Future | None:
+        """None if every recorded key is durable already; else a future done when they are
+        (its exception, a DedupError, if they may not be). Raises DedupError when no commit
+        can succeed (an earlier fsync failed)."""
+        entries = self.window.begin_commit()
+        if entries is not None:
+            self._last = self._run(self.window.finish_commit, entries)
+            self._last.add_done_callback(self._compact_if_due)
+        elif self._last is not None and self._last.done():
+            self._last = None
+        return self._last
+
+    async def drain(self) -> None:
+        """Wait for the commits begun, then stop the writer thread."""
+        if self._last is not None:
+            await asyncio.wait([self._last])
+        self._writer.shutdown(wait=True)
+
+    def _run(self, func, arg) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._writer, func, arg)
+
+    def _compact_if_due(self, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None or not self.window.compaction_due():
+            return
+        snapshot = self.window.begin_compact()  # (compaction: when the file has grown)
+        if snapshot is not None:
+            compaction = self._run(self.window.finish_compact, snapshot)
+            compaction.add_done_callback(_log_compaction)
+
+
+def _retrieved(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
+def _log_compaction(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("%s", done.exception())
+
+
+class _Answers:
+    """One connection's answers, sent in order, each batch once its SURE keys are durable.
+
+    ``send`` writes a batch at once when nothing it needs is still being committed, else
+    hands it to a task that waits for the commit; ``room`` waits while ANSWERS_IN_FLIGHT
+    batches wait, and for the socket's buffer (``drain``); ``flush`` waits for all of them.
+    A failed commit fails the batch that needed it and every one after it: the connection
+    is then closed with them unanswered (the sender keeps those messages)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, commits: GroupCommit) -> None:
+        self._writer = writer
+        self._commits = commits
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    def send(self, batch: list[bytes]) -> None:
+        """Send ``batch`` (answers, in order) once what it confirms is durable."""
+        durable = self._commits.durable()  # (raises if no commit can succeed)
+        self._forget_sent()
+        data = b"".join(batch)
+        if durable is None and not self._waiting:
+            self._writer.write(data)
+            return
+        before = self._waiting[-1] if self._waiting else None
+        self._waiting.append(asyncio.ensure_future(self._send_after(before, durable, data)))
+
+    async def _send_after(self, before, durable, data: bytes) -> None:
+        try:
+            if before is not None:
+                await before  # (its failure is this batch's too: answers stay in order)
+            if durable is not None:
+                await durable
+        except BaseException:
+            self._writer.close()  # at once, the connection may be waiting for bytes
+            raise
+        self._writer.write(data)
+
+    def _forget_sent(self) -> None:
+        """Drop the batches written; raise the failure of a commit (the batches after it
+        fail with it, unwritten)."""
+        while self._waiting and self._waiting[0].done():
+            failure = self._waiting.popleft().exception()
+            if failure is not None:
+                for later in self._waiting:  # same failure: seen here, not logged as lost
+                    later.add_done_callback(_retrieved)
+                self._waiting.clear()
+                raise failure
+
+    async def room(self) -> None:
+        """Wait until fewer than ANSWERS_IN_FLIGHT batches wait and the socket drained."""
+        self._forget_sent()
+        while len(self._waiting) >= ANSWERS_IN_FLIGHT:
+            await asyncio.wait([self._waiting[0]])
+            self._forget_sent()
+        await self._writer.drain()
+
+    async def flush(self) -> None:
+        """Wait until every batch is written (or raise the failure that stops them)."""
+        while self._waiting:
+            await asyncio.wait([self._waiting[-1]])  # the last waits for every one before it
+            self._forget_sent()
+        await self._writer.drain()
 
 
 class Receiver(Daemon):
@@ -81,6 +201,7 @@ class Receiver(Daemon):
                                  max_age=config.dedup_window_age)
         for problem in self.dedup.problems:
             log.warning("de-duplication window %s: %s", window_path(state), problem)
+        self.commits = GroupCommit(self.dedup)
         self._putting: dict[int, asyncio.Event] = {}  # SURE keys being put right now
         self.delivery = LocalDelivery(config)
         self._noticed: dict[tuple[str, int], None] = {}
@@ -141,6 +262,7 @@ class Receiver(Daemon):
             task.cancel()
         expiry.cancel()
         self.stop_service()
+        await self.commits.drain()
         self.dedup.close()
         log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
 
@@ -216,9 +338,11 @@ class Receiver(Daemon):
                              f" ({who.identity})" if who.identity else "")
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
+        answers = _Answers(writer, self.commits)
         framed = False  # a complete frame has come
         try:
             while True:
+                await answers.room()  # (raises if a commit failed: close, unanswered)
                 self._idle.add(task)  # waiting for bytes: nothing in flight
                 wait = self.config.idle_timeout if framed else self.config.first_frame_timeout
                 try:
@@ -233,18 +357,18 @@ class Receiver(Daemon):
                 finally:
                     self._idle.discard(task)
                 conn.receive_data(data)
-                answers = []
+                batch = []
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         framed = True
-                        answers.append(await self._handle(conn, request, who, info))
-                        if len(answers) >= ANSWER_BATCH:
-                            self._answer(writer, answers)
-                            answers = []
+                        batch.append(await self._handle(conn, request, who, info))
+                        if len(batch) >= ANSWER_BATCH:
+                            answers.send(batch)
+                            batch = []
+                            await answers.room()
                 finally:  # whatever happens next, what was answered is sent, in order
-                    if answers:
-                        self._answer(writer, answers)
-                await writer.drain()
+                    if batch:
+                        answers.send(batch)
                 if request is CLOSED:
                     self._goings.report("connection from %s closed", logging.INFO, peer)
                     break
@@ -252,7 +376,7 @@ class Receiver(Daemon):
                     self._goings.report("closing connection from %s: stopping", logging.INFO,
                                         peer)
                     break
-        except asyncio.CancelledError:  # stopping while it waited for bytes: nothing in flight
+        except asyncio.CancelledError:  # stopping while it waited for bytes
             self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
@@ -262,11 +386,14 @@ class Receiver(Daemon):
             self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc)
         except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
             self.fatal(f"the connection from {peer}", exc)
-
-    def _answer(self, writer: asyncio.StreamWriter, answers: list[bytes]) -> None:
-        """Write a batch of answers once the SURE keys it confirms are durable (one fsync)."""
-        self.dedup.commit()
-        writer.write(b"".join(answers))
+        finally:  # the answers already decided go out (each after its commit), then close
+            try:
+                await answers.flush()
+            except RQPError as exc:
+                self._errors.report("closing connection from %s without answering what it "
+                                    "sent last: %s", logging.WARNING, peer, exc)
+            except (ConnectionError, OSError):
+                pass
 
     async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label

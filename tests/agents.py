@@ -17,9 +17,11 @@ DLQ = 0x5251DEAD
 OFFER_ALL = "offer:\n  allow: ['*']\n"
 
 
-def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG", extra=()):
+def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG", extra=(),
+                   prefix=()):
     """A receiving MCA on ``host``'s address; plaintext (``--plaintext``) unless ``config``
-    has a ``tls:`` block, offering every queue unless it has an ``offer:``."""
+    has a ``tls:`` block, offering every queue unless it has an ``offer:``. ``prefix``: a
+    command that runs it (strace)."""
     argv = [sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{host.address}:{PORT}",
             "--state-dir", str(host.workdir / "receiver-state"), "--log-level", log_level]
     config = config or ""
@@ -30,7 +32,7 @@ def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG",
     path = host.workdir / "receiver.yaml"
     path.write_text(config)
     argv += ["--config", str(path)]
-    proc = host.popen([*argv, *extra])
+    proc = host.popen([*prefix, *argv, *extra])
     wait_for(lambda: "listening on" in host.output(proc, "stderr") or proc.poll() is not None,
              timeout=20, message=f"receiver on {host.name} did not start")
     assert proc.poll() is None, host.output(proc, "stderr")

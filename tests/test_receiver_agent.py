@@ -11,11 +11,13 @@ letters must name b's address as their source. Nothing sleeps to synchronise: ev
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -818,6 +820,59 @@ def test_a_repeated_sure_message_is_answered_without_a_second_put_even_after_a_r
                                         msg(Q1, b"unsure", key=key, type=UNSURE)])) == \
         ["DELIVERED_YES", "DELIVERED_YES"]
     assert r.qa.drain(Q1) == [(1, b"unsure")]  # UNSURE messages are never held back
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0
+
+
+def test_a_failed_dedup_write_closes_unanswered_and_the_resend_is_not_put_twice(testbed):
+    """Issue 14: the window's commits run in a writer thread, answers wait for them. When the
+    write fails (here: files of the receiver may not grow, RLIMIT_FSIZE; its log goes to a
+    pipe, which the limit does not touch), no DELIVERED_YES leaves for the messages it
+    covers and the connection closes at once; once the file may grow again the resend is
+    answered without a second put, and the keys are then durable (a restart knows them)."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    qa.create(Q1, 0o660)
+    state = a.workdir / "receiver-state"
+    config = a.workdir / "receiver.yaml"
+    config.write_text(yaml.safe_dump({"offer": {"allow": ["*"]}, **BASE_CONFIG}))
+    rx = a.popen([sys.executable, "-m", "rqp_agents.receiver", "--listen", f"0.0.0.0:{PORT}",
+                  "--plaintext", "--state-dir", str(state), "--config", str(config)],
+                 stderr=subprocess.PIPE)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(
+        line.decode(errors="replace") for line in rx.stderr), daemon=True)
+    reader.start()
+    wait_for(lambda: any("listening on" in line for line in lines), timeout=15,
+             message="the receiver did not start")
+    assert "rqp_agents.receiver" in Path(f"/proc/{rx.pid}/cmdline").read_text()
+    r = Rig(a, b, qa, pb, rx)
+    connect(pb, "c1", r)
+    assert answers(pb.exchange("c1", [msg(Q1, b"one", key=0x51), msg(Q1, b"two", key=0x52)])) \
+        == ["DELIVERED_YES"] * 2
+    _, hard = resource.prlimit(rx.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(rx.pid, resource.RLIMIT_FSIZE,
+                     ((state / "receiver.dedup").stat().st_size, hard))
+    connect(pb, "c2", r)
+    pb.send("c2", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54)])
+    got = pb.read_to_eof("c2", timeout=10)
+    assert (got["data"], got["eof"]) == (b"", True), got  # closed, nothing confirmed
+    wait_for(lambda: any("without answering what it sent last" in line and "cannot write" in line
+                         for line in lines), timeout=10, message="no line about the failure")
+    assert qa.drain(Q1) == [(1, b"one"), (1, b"two"), (1, b"three"), (1, b"four")]
+    resource.prlimit(rx.pid, resource.RLIMIT_FSIZE, (hard, hard))
+    connect(pb, "c3", r)  # the sender sends the unanswered ones again
+    assert answers(pb.exchange("c3", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54),
+                                      msg(Q1, b"five", key=0x55)])) == ["DELIVERED_YES"] * 3
+    assert qa.drain(Q1) == [(1, b"five")]  # put once each
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0, "".join(lines)
+    reader.join(10)
+    rx = start_receiver(a, BASE_CONFIG)  # every key made it to the file
+    connect(pb, "c4", r)
+    assert answers(pb.exchange("c4", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54)])) \
+        == ["DELIVERED_YES"] * 2
+    assert qa.drain(Q1) == []
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
 

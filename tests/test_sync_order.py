@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.agents import make_queue, receive, start_receiver, write_rqprc
+from tests.agents import make_queue, receive, start_receiver, start_sender, write_rqprc
 from tests.testbed import wait_for
 
 Q1 = 0x52510001
@@ -75,3 +75,49 @@ def test_the_journal_is_fsynced_before_the_take_and_before_the_frame(testbed):
                     if re.match(r"(<\.\.\. )?(sendto|sendmsg|write|writev)", t) and marker in t)
         assert append < synced < taken, (marker, events[append], events[synced], events[taken])
         assert synced < sent, (marker, events[synced], events[sent])
+
+
+def _completed(events: list[tuple[int, str]], start: int) -> int:
+    """The index where the call begun at ``start`` returned (its own line, or its
+    "resumed" line in the same thread)."""
+    pid, text = events[start]
+    if "<unfinished ...>" not in text:
+        return start
+    return next(i for i in range(start + 1, len(events))
+                if events[i][0] == pid and "resumed>" in events[i][1])
+
+
+def test_the_receiver_answers_only_after_the_dedup_window_is_fsynced(testbed):
+    """The receiving MCA commits the de-duplication window in a writer thread (issue 14) and
+    writes DELIVERED_YES for a SURE message only after the fsync that makes its key durable
+    returned: strace of the real receiver shows, for each message, put -> write of the
+    window -> fsync done -> the answer on the socket."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.fail("strace is missing: run scripts/test (it installs it) or apt-get install "
+                    "strace")
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    trace_path = b.workdir / "receiver.strace"
+    rx = start_receiver(b, prefix=[strace, "-f", "-tt", "-s", "256", "-e",
+                                        f"trace={CALLS},msgsnd", "-o", str(trace_path)])
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc)
+    markers = [f"answer-order-{i}" for i in range(3)]
+    a.python(SEND_SYNC, str(rqprc), str(Q1), *markers, timeout=60)
+    assert receive(b, Q1, 3) == markers
+    a.stop(sender)
+    b.stop(rx)  # strace writes its last lines as the traced process ends
+    events = _events(trace_path.read_text(errors="replace"))
+    dedup_fd = next(re.search(r"= (\d+)$", t)[1] for _, t in events
+                    if t.startswith("openat(") and "receiver.dedup" in t and "= -1" not in t)
+    for marker in markers:
+        put = next(i for i, (_, t) in enumerate(events) if "msgsnd(" in t and marker in t)
+        write = next(i for i in range(put + 1, len(events))
+                     if events[i][1].startswith(f"pwrite64({dedup_fd},"))
+        synced = _completed(events, next(i for i in range(write + 1, len(events))
+                                         if events[i][1].startswith(f"fsync({dedup_fd}")))
+        assert events[synced][1].endswith("= 0"), events[synced]
+        answer = next(i for i in range(put + 1, len(events))
+                      if re.match(r"(sendto|sendmsg|write|writev)\((?!2,)", events[i][1]))
+        assert synced < answer, (marker, events[synced], events[answer])

@@ -22,6 +22,13 @@ For each SURE ``MESSAGE`` of a batch, in order::
     window.commit()               # ONE fsync for the whole batch ...
     write the batch's answers     # ... BEFORE any of its DELIVERED_YES leaves the host
 
+The receiving MCA splits ``commit()`` in two so that the fsync does not stop its event loop:
+``begin_commit()`` takes the recorded entries (memory only), ``finish_commit()`` writes and
+fsyncs them in a writer thread, and the batch's answers are written when that is done, while
+the loop goes on reading and putting the next requests (group commit with pipelining, as
+databases do it). Commits finish in the order they began; an answer batch with no new entry
+waits for the last commit begun (a repeat may be confirmed by it).
+
 ``seen`` and ``record`` touch memory only (O(1)); ``record`` buffers the entry and ``commit``
 writes every buffered entry and fsyncs once (group commit). A repeat whose original is still
 uncommitted is recognised too (the window is in memory), and the ``commit`` before the answers
@@ -128,6 +135,7 @@ import logging
 import math
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -228,8 +236,9 @@ class DedupWindow:
     the file are in ``problems`` (one line each, with the offset); the caller logs them.
 
     Raises :class:`DedupError` if the file cannot be read or created, or is not a window file;
-    ``ValueError`` for a negative ``max_keys`` or ``max_age``. Not thread-safe; one process
-    owns the file.
+    ``ValueError`` for a negative ``max_keys`` or ``max_age``. One thread uses the window;
+    only ``finish_commit`` and ``finish_compact`` may run in another (one writer thread, in
+    the order their ``begin_`` halves were called). One process owns the file.
     """
 
     def __init__(
@@ -261,6 +270,8 @@ class DedupWindow:
         self._enabled = self.max_keys > 0 and self._max_age_ms > 0
         self._keys: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._pending: list[tuple[int, int]] = []
+        self._unwritten: list[tuple[int, int]] = []  # a commit's entries whose write failed
+        self._lock = threading.Lock()  # finish_commit / finish_compact / close, one at a time
         self._file = LogFile(self.path, fsync=fsync) if self.path is not None else None
         self._file_entries = 0
         self._compact_floor = compact_min_bytes
@@ -312,70 +323,115 @@ class DedupWindow:
 
         Nothing to do (no write, no fsync) if nothing was recorded since the last commit.
         Raises :class:`DedupError` if the entries could not be written or fsynced; they stay
-        in memory and buffered. A failed write is retried by the next ``commit()``; after a
-        failed fsync every ``commit()`` raises (the outcome of that fsync is unknown, and Linux
-        may report the next one as a success) until the window is reopened or ``compact()``
-        succeeds.
+        in memory, and a failed write is retried by the next commit. After a failed fsync
+        every commit raises (the outcome of that fsync is unknown, and Linux may report the
+        next one as a success) until the window is reopened or ``compact()`` succeeds.
+        ``commit()`` is :meth:`begin_commit` and :meth:`finish_commit` in one thread.
         """
+        entries = self.begin_commit()
+        if entries is not None:
+            self.finish_commit(entries)
+            if self.compaction_due():
+                try:
+                    self.compact()
+                except DedupError as exc:  # the commit itself is done; try again later
+                    log.warning("%s", exc)
+
+    def begin_commit(self) -> list[tuple[int, int]] | None:
+        """The first half of a commit, in memory only: hands over the entries recorded since
+        the last one (None when there is nothing to write) for :meth:`finish_commit`, which
+        may run in another thread (the receiving MCA's writer thread) while ``seen`` and
+        ``record`` go on. Raises :class:`DedupError` after a failed fsync (see ``commit``)."""
         if self._closed:
             raise DedupError(f"{self._name()}: commit() after close()")
-        if self._failed is not None:
+        failed = self._failed
+        if failed is not None:
             raise DedupError(
-                f"{self.path}: an earlier fsync failed ({self._failed}); reopen the window"
-            ) from self._failed
-        if not self._pending:
-            return
+                f"{self.path}: an earlier fsync failed ({failed}); reopen the window"
+            ) from failed
         if self.path is None or not self._enabled:
             self._pending.clear()
-            return
-        data = _encode_entries(self._pending)
-        try:
-            self._file.append(data)  # at the end of the good data: a retry overwrites
-        except OSError as exc:
-            raise DedupError(f"{self.path}: cannot write {len(data)} bytes: {exc}") from exc
-        try:
-            self._file.sync()
-        except OSError as exc:
-            self._failed = exc
-            raise DedupError(f"{self.path}: fsync failed: {exc}") from exc
-        self._file_entries += len(self._pending)
-        self._pending.clear()
-        if self._file_entries > 2 * len(self._keys) and self._file.size > self._compact_floor:
+            return None
+        if not self._pending and not self._unwritten:
+            return None
+        entries, self._pending = self._pending, []
+        return entries
+
+    def finish_commit(self, entries: list[tuple[int, int]]) -> None:
+        """The second half: write ``entries`` (after those of a commit whose write failed)
+        and fsync, once. Calls must come one at a time, in the order of ``begin_commit``
+        (one writer thread); a lock keeps them apart from compaction and ``close``. Raises
+        :class:`DedupError` as ``commit`` does: then none of these entries may be answered
+        for, and a failed write is retried by the next commit."""
+        with self._lock:
+            if self._failed is not None:
+                raise DedupError(f"{self.path}: an earlier fsync failed ({self._failed}); "
+                                 "reopen the window") from self._failed
+            batch = self._unwritten + entries if self._unwritten else entries
+            data = _encode_entries(batch)
             try:
-                self.compact()
-            except DedupError as exc:  # the commit itself is done; try again later
-                log.warning("%s", exc)
-                self._compact_floor = self._file.size + self.compact_min_bytes
+                self._file.append(data)  # at the end of the good data: a retry overwrites
+            except OSError as exc:
+                self._unwritten = batch
+                raise DedupError(f"{self.path}: cannot write {len(data)} bytes: {exc}") from exc
+            self._unwritten = []
+            try:
+                self._file.sync()
+            except OSError as exc:
+                self._failed = exc
+                raise DedupError(f"{self.path}: fsync failed: {exc}") from exc
+            self._file_entries += len(batch)
+
+    def compaction_due(self) -> bool:
+        """Whether the file holds more than twice the window's keys (and is large enough)."""
+        return (self._file is not None and self._file_entries > 2 * len(self._keys)
+                and self._file.size > self._compact_floor)
 
     def compact(self) -> None:
         """Rewrite the file with the keys of the window only (atomically; also a commit)."""
         if self._closed:
             raise DedupError(f"{self._name()}: compact() after close()")
+        snapshot = self.begin_compact()
+        if snapshot is not None:
+            self.finish_compact(snapshot)
+        self._pending.clear()  # in the snapshot
+
+    def begin_compact(self) -> tuple[bytes, int] | None:
+        """In memory: the new file's bytes and entry count (every key of the window,
+        committed or not), for :meth:`finish_compact` in the writer thread. Keys recorded
+        after it are committed after it, into the new file."""
         self.expire()
         if self.path is None or not self._enabled:
             self._pending.clear()
-            return
+            return None
         now = self._now_ms()
         age = self._max_age_ms
         live = [(k, t) for k, t in self._keys.items() if now - t < age]
-        data = _HEADER_BYTES + _encode_entries(live)
-        try:
-            self._file.replace(data)
-        except ReplaceFailed as exc:
-            if exc.replaced:
-                # Renamed, but the directory fsync failed: the new file is in place, whether
-                # the rename survives a crash is unknown. Like a failed fsync: reopen.
-                if exc.old_fd >= 0:
-                    os.close(exc.old_fd)
-                self._adopt(data, len(live))
-                self._failed = exc
-            raise DedupError(f"{self.path}: compaction failed: {exc.cause}") from exc
-        self._adopt(data, len(live))
-        self._failed = None  # the new file was fsynced as a whole, and its directory
+        return _HEADER_BYTES + _encode_entries(live), len(live)
+
+    def finish_compact(self, snapshot: tuple[bytes, int]) -> None:
+        """Replace the file with ``snapshot`` (atomically); on failure the old file stays and
+        compaction is tried again later (DedupError)."""
+        data, entries = snapshot
+        with self._lock:
+            try:
+                self._file.replace(data)
+            except ReplaceFailed as exc:
+                if exc.replaced:
+                    # Renamed, but the directory fsync failed: the new file is in place,
+                    # whether the rename survives a crash is unknown. Like a failed fsync.
+                    if exc.old_fd >= 0:
+                        os.close(exc.old_fd)
+                    self._adopt(data, entries)
+                    self._failed = exc
+                self._compact_floor = self._file.size + self.compact_min_bytes
+                raise DedupError(f"{self.path}: compaction failed: {exc.cause}") from exc
+            self._adopt(data, entries)
+            self._failed = None  # the new file was fsynced as a whole, and its directory
 
     def _adopt(self, data: bytes, entries: int) -> None:
-        """The file is now ``data`` (a compaction), which holds every recorded key."""
-        self._pending.clear()
+        """The file is now ``data`` (a compaction), which holds every key recorded before it."""
+        self._unwritten = []
         self._file_entries = entries
         self._compact_floor = self.compact_min_bytes
 
@@ -429,7 +485,7 @@ class DedupWindow:
     @property
     def pending(self) -> int:
         """Entries recorded but not yet committed."""
-        return len(self._pending)
+        return len(self._pending) + len(self._unwritten)
 
     def close(self, *, commit: bool = True) -> None:
         """Commit (unless ``commit=False``: the buffered entries are dropped, as by a crash)
@@ -441,9 +497,11 @@ class DedupWindow:
                 self.commit()
         finally:
             self._pending.clear()
-            if self._file is not None:
-                self._file.close()
-            self._closed = True
+            with self._lock:
+                self._unwritten = []
+                if self._file is not None:
+                    self._file.close()
+                self._closed = True
 
     def __enter__(self) -> "DedupWindow":
         return self
