@@ -27,29 +27,37 @@ class LocalDelivery:
     (replace :attr:`config` on reload: the retry settings are read at each put)."""
 
     def __init__(self, config: ReceiverConfig) -> None:
+        self._allowed_keys: dict[int, tuple[bool, float]] = {}  # key -> (allowed, until)
         self.config = config
         #: False when this process may write into every queue of the host (root,
         #: CAP_IPC_OWNER): then only what offer.allow lists is offered, never "every writable
         #: queue".
         self.privileged = may_write_every_queue()
         self._queues: dict[int, LocalQueue] = {}
-        self._xmit: dict[int, tuple[bool, float]] = {}  # key -> (is one, when looked)
+
+    @property
+    def config(self) -> ReceiverConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: ReceiverConfig) -> None:  # (a reload: decide every key again)
+        self._config = config
+        self._allowed_keys.clear()
 
     def _allowed(self, queue_key: int) -> bool:
         """The config offers it, and it is not a transmission queue of this host: a record
         put there from the network would be relayed by the local sending MCA as its own
-        (looked up at most once a second per key)."""
-        if not self.config.offers(queue_key):
-            return False
-        if not self.offer_default:
-            return False
+        (decided at most once a second per key; at once again after a reload)."""
         now = time.monotonic()
-        known = self._xmit.get(queue_key)
-        if known is None or now - known[1] > 1.0:
-            if len(self._xmit) > 4096:
-                self._xmit.clear()
-            known = self._xmit[queue_key] = (is_transmission_queue(queue_key), now)
-        return not known[0]
+        known = self._allowed_keys.get(queue_key)
+        if known is not None and now < known[1]:
+            return known[0]
+        allowed = self.offer_default and self.config.offers(queue_key) and \
+            not is_transmission_queue(queue_key)
+        if len(self._allowed_keys) > 4096:
+            self._allowed_keys.clear()
+        self._allowed_keys[queue_key] = (allowed, now + 1.0)
+        return allowed
 
     @property
     def offer_default(self) -> bool:
@@ -119,6 +127,14 @@ class LocalDelivery:
     async def put(self, message) -> tuple[ReasonCode | None, str]:
         """Put the message in its queue; (None, "") or why not."""
         key = message.queue_key
+        queue = self._queues.get(key)
+        if queue is not None and self._allowed(key):  # the common case: one msgsnd, done
+            try:
+                queue.put(message.message, mtype=getattr(message, "mtype", DEFAULT_MTYPE),
+                          block=False)
+                return None, ""
+            except (QueueError, MessageTooBig):
+                pass  # full, gone, ...: the same put again, below, says what to do
         name = f"queue {format_key(key)}"
         if not self._allowed(key):
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"

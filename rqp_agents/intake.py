@@ -20,7 +20,7 @@ from pathlib import Path
 from rqp.protocol.constants import SURE_MSG
 from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError, RQPError
 from rqp.protocol.keys import queue_key_problem
-from rqp.protocol.records import TransmissionFlags, TransmissionRecord
+from rqp.protocol.records import TransmissionRecord
 from rqp.storage.journal import Journal
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import Doorbell, KeySource
@@ -208,7 +208,7 @@ class Intake:
                 continue
             n = len(record.members()) if record.is_batch else 1  # a batch: a key per message
             key = self.keys.block(n)
-            if record.flags & TransmissionFlags.REPLAY_KEY and record.sequence and n == 1:
+            if record.replays_key and record.sequence and n == 1:
                 key = record.sequence  # a replayed dead letter keeps its original key
             copies = None
             if record.queue_key in broadcast:

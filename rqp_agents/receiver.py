@@ -29,7 +29,7 @@ from rqp.protocol.constants import KNOWN_EXTENSIONS
 from rqp.protocol.receiver import Ask, Batch, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import DeadLetterWriter
-from rqp.storage.dedup import DedupWindow, scoped_key, window_path
+from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import host_name, setup_logging, wall_ms
@@ -64,43 +64,82 @@ class DeadLetterUnavailable(RQPError):
 
 
 class GroupCommit:
-    """The de-duplication window's commits, off the event loop: ``durable()`` starts one
-    (memory only) and gives a future that is done when every key recorded so far is on disk;
-    one writer thread runs the writes and fsyncs, in order, while the loop goes on."""
+    """The de-duplication window's commits, off the event loop, in a writer thread.
+
+    ``durable()`` gives a future that is done when every key recorded so far is on disk. One
+    commit runs at a time; keys recorded meanwhile go into the next one, which starts when it
+    ends and takes all of them: the busier the receiver, the more keys per fsync (group
+    commit), with no commit waiting longer than one fsync to start."""
 
     def __init__(self, window: DedupWindow) -> None:
         self.window = window
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rqp-dedup")
-        self._last: asyncio.Future | None = None  # the newest commit or compaction begun
+        self._running: asyncio.Future | None = None  # the commit being written
+        self._next: asyncio.Future | None = None  # done with the commit after it
 
     def durable(self) -> asyncio.Future | None:
         """None if every recorded key is durable already; else a future done when they are
         (its exception, a DedupError, if they may not be). Raises DedupError when no commit
         can succeed (an earlier fsync failed)."""
-        entries = self.window.begin_commit()
-        if entries is not None:
-            self._last = self._run(self.window.finish_commit, entries)
-            self._last.add_done_callback(self._compact_if_due)
-        elif self._last is not None and self._last.done():
-            self._last = None
-        return self._last
+        if self._next is not None:
+            return self._next
+        running = self._running
+        if running is None or running.done():
+            entries = self.window.begin_commit()
+            if entries is None:
+                return None
+            return self._start(entries)
+        if self.window.pending:
+            self._next = asyncio.get_running_loop().create_future()
+            self._next.add_done_callback(_retrieved)  # (its waiters may all be gone)
+            return self._next
+        return running
 
     async def drain(self) -> None:
         """Wait for the commits begun, then stop the writer thread."""
-        if self._last is not None:
-            await asyncio.wait([self._last])
+        while (waiting := self._next or self._running) is not None and not waiting.done():
+            await asyncio.wait([waiting])
         self._writer.shutdown(wait=True)
 
     def _run(self, func, arg) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._writer, func, arg)
 
-    def _compact_if_due(self, done: asyncio.Future) -> None:
-        if done.cancelled() or done.exception() is not None or not self.window.compaction_due():
+    def _start(self, entries) -> asyncio.Future:
+        self._running = future = self._run(self.window.finish_commit, entries)
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, done: asyncio.Future) -> None:
+        if self._running is done:
+            self._running = None
+        failed = done.cancelled() or done.exception() is not None
+        if not failed and self.window.compaction_due():  # (when the file has grown)
+            snapshot = self.window.begin_compact()
+            if snapshot is not None:
+                self._run(self.window.finish_compact, snapshot).add_done_callback(
+                    _log_compaction)
+        after, self._next = self._next, None
+        if after is None:
             return
-        snapshot = self.window.begin_compact()  # (compaction: when the file has grown)
-        if snapshot is not None:
-            compaction = self._run(self.window.finish_compact, snapshot)
-            compaction.add_done_callback(_log_compaction)
+        try:
+            entries = self.window.begin_commit()
+        except DedupError as exc:
+            after.set_exception(exc)
+            return
+        if entries is None:
+            after.set_result(None)
+        else:
+            self._start(entries).add_done_callback(lambda done: _settle(after, done))
+
+
+def _settle(future: asyncio.Future, done: asyncio.Future) -> None:
+    """Give ``future`` the outcome of ``done``."""
+    if done.cancelled():
+        future.cancel()
+    elif done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(None)
 
 
 def _retrieved(done: asyncio.Future) -> None:
@@ -202,7 +241,7 @@ class Receiver(Daemon):
         for problem in self.dedup.problems:
             log.warning("de-duplication window %s: %s", window_path(state), problem)
         self.commits = GroupCommit(self.dedup)
-        self._putting: dict[int, asyncio.Event] = {}  # SURE keys being put right now
+        self._putting: dict[int, asyncio.Event | None] = {}  # SURE keys being put right now
         self.delivery = LocalDelivery(config)
         self._noticed: dict[tuple[str, int], None] = {}
         self._connections: set[asyncio.Task] = set()
@@ -500,7 +539,10 @@ class Receiver(Daemon):
         else:
             key = scoped_key(peer, message.key)  # a peer's keys never hide another's
             while key in self._putting:  # the same message on another connection, just now
-                await self._putting[key].wait()
+                busy = self._putting[key]
+                if busy is None:
+                    busy = self._putting[key] = asyncio.Event()
+                await busy.wait()
             if self.dedup.seen(key):
                 self.stats["repeats"] += 1
                 self.by_queue[(message.queue_key, "repeat")] += 1
@@ -508,14 +550,15 @@ class Receiver(Daemon):
                                      "answered without putting it again", logging.INFO,
                                      message.key, format_key(message.queue_key), peer)
                 return None, "", True
-            self._putting[key] = done = asyncio.Event()
+            self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
                 reason, detail = await self.delivery.put(message)
                 if reason is None:
                     self.dedup.record(key)  # made durable before the answer is written
             finally:
-                del self._putting[key]
-                done.set()
+                waiting = self._putting.pop(key)
+                if waiting is not None:
+                    waiting.set()
         return reason, detail, False
 
     async def _answered(self, conn: ReceiverConnection, request, reason, detail: str,

@@ -79,6 +79,7 @@ ANSWERS = {
     State.SENDING_QUEUE_YES: QueueYes(), State.SENDING_QUEUE_NO: QueueNo(),
     State.SENDING_DELIVERED_YES: DeliveredYes(), State.SENDING_DELIVERED_ERROR: DeliveredError(),
 }
+_ENCODED = {state: encode(answer) for state, answer in ANSWERS.items()}  # (with data 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +243,8 @@ class ReceiverConnection:
         if request is not self._current:
             raise LocalProtocolError(f"{request!r} is not the request being answered")
         self._fire(outcome)
-        answer = ANSWERS[self.state]
-        data = encode(dataclasses.replace(answer, data=bits) if bits else answer)
+        data = encode(dataclasses.replace(ANSWERS[self.state], data=bits)) if bits else \
+            _ENCODED[self.state]
         self._fire(Outcome.ANSWER_SENT)
         self._current = None
         return data
@@ -288,7 +289,7 @@ class ReceiverConnection:
             raise LocalProtocolError(f"{request!r} is not the request being answered")
         outcome = Outcome.MESSAGE_PUT if delivered else Outcome.MESSAGE_NOT_DELIVERED
         self._fire(outcome)
-        answer = encode(ANSWERS[self.state])
+        answer = _ENCODED[self.state]
         self._fire(Outcome.ANSWER_SENT)
         self._current = None
         if not delivered:

@@ -205,9 +205,18 @@ def scoped_key(peer: str, key: int) -> int:
     make another's next SURE messages look like repeats (answered, never put). Windows
     written before scoping hold plain keys: a repeat of a message delivered before the
     upgrade is put once more (a duplicate, never a loss)."""
-    digest = hashlib.blake2b(key.to_bytes(8, "big"), digest_size=8,
-                             key=peer.encode("utf-8", "surrogatepass")[:64]).digest()
-    return int.from_bytes(digest, "big")
+    hasher = _peer_hashers.get(peer)
+    if hasher is None:  # a keyed BLAKE2b costs a compression to start: one per peer, copied
+        if len(_peer_hashers) >= 4096:
+            _peer_hashers.clear()
+        hasher = _peer_hashers[peer] = hashlib.blake2b(
+            digest_size=8, key=peer.encode("utf-8", "surrogatepass")[:64])
+    hasher = hasher.copy()
+    hasher.update(key.to_bytes(8, "big"))
+    return int.from_bytes(hasher.digest(), "big")
+
+
+_peer_hashers: dict[str, "hashlib._Hash"] = {}
 
 
 def window_path(state_dir: str | os.PathLike, name: str = "receiver") -> Path:

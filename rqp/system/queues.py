@@ -34,7 +34,6 @@ import ctypes
 import enum
 import errno
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -248,7 +247,7 @@ class LocalQueue:
     blocking call. ``timeout=None`` with ``block=True`` is a true blocking call (no polling).
     """
 
-    __slots__ = ("_mq", "_key", "_msgmax", "_copy_buffer")
+    __slots__ = ("_mq", "_key", "_msgmax", "_copy_buffer", "_copy_type", "_copy_text")
 
     def __init__(self, mq: sysv_ipc.MessageQueue, key: int, msgmax: int):
         self._mq = mq
@@ -510,10 +509,11 @@ class LocalQueue:
         buf = self._copy_buffer
         if buf is None:
             buf = self._copy_buffer = ctypes.create_string_buffer(_LONG_SIZE + self._msgmax)
+            self._copy_type = ctypes.c_long.from_buffer(buf)
+            self._copy_text = ctypes.addressof(buf) + _LONG_SIZE
         n = _libc.msgrcv(self._mq.id, buf, self._msgmax, index, _MSG_COPY | _IPC_NOWAIT)
-        if n >= 0:
-            raw = buf.raw
-            return raw[_LONG_SIZE:_LONG_SIZE + n], int.from_bytes(raw[:_LONG_SIZE], _BYTEORDER)
+        if n >= 0:  # (only the n bytes copied are read: not the whole msgmax buffer)
+            return ctypes.string_at(self._copy_text, n), self._copy_type.value
         err = ctypes.get_errno()
         if err == errno.ENOMSG:
             return None
@@ -562,7 +562,6 @@ _libc.msgrcv.restype = ctypes.c_ssize_t
 _MSG_COPY = 0o40000  # linux/msg.h
 _IPC_NOWAIT = 0o4000
 _LONG_SIZE = ctypes.sizeof(ctypes.c_long)
-_BYTEORDER = sys.byteorder  # mtype is a native long
 
 
 def peek_supported() -> bool:
