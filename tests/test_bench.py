@@ -125,3 +125,32 @@ def test_against_rabbitmq_without_its_client_says_how_to_get_it(tmp_path):
                           env=env)
     assert proc.returncode != 0
     assert "scripts/bench --against rabbitmq" in proc.stdout + proc.stderr
+
+
+def test_scale_sweeps_run_every_case_and_leave_nothing_behind(tmp_path):
+    """Issue 14, scale: 1 to 1,000 queue keys, 1 to 20 producers, 1 to 10 sending MCAs; every
+    message checked by the consumer (exactly once, SURE in order per producer and queue)."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "scale.json"
+    before = set(Path("/tmp").glob("rqp-scale-*"))
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--messages", "400",
+                           "--rounds", "1", "--json", str(figures)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(figures.read_text())
+    assert [(c["keys"], c["producers"], c["senders"]) for c in data] == [
+        (1, 1, 1), (10, 1, 1), (100, 1, 1), (1000, 1, 1), (1, 1, 1), (1, 5, 1), (1, 20, 1),
+        (1, 1, 1), (1, 10, 10)]
+    for case in data:
+        assert len(case["msg_per_s"]) == 1 and case["msg_per_s"][0] > 0, case
+        assert set(case["cpu_us"]) == {"producer", "sending MCA", "receiving MCA", "consumer"}
+        assert case["cpu_us"]["receiving MCA"][0] > 0, case
+    assert "1000 key(s), 1 producer(s), 1 sender(s)" in proc.stdout
+    assert set(Path("/tmp").glob("rqp-scale-*")) == before  # its working directory is gone
+
+
+def test_scale_refuses_an_unknown_sweep():
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys,hosts"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown sweep(s) hosts" in proc.stderr, proc.stderr

@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from rqp_agents.receiver import ANSWER_BATCH
-from tests.chaos import SCENARIOS, Report, run
+from tests.chaos import SCENARIOS, Report, duplicate_bound, run
 
 SEEDS = [int(s) for s in os.environ.get("RQP_FAULT_SEEDS", "1,2").split(",")]
 
@@ -31,11 +30,8 @@ def check(report: Report) -> None:
     print("\n" + Report.HEADER + "\n" + report.row())
     assert len(report.faults) == 3, report.faults
     assert (report.sure_lost, report.sure_out_of_order) == (0, 0), report.row()
-    # The documented duplicate window: a receiving MCA killed between putting messages and
-    # committing their keys puts them again when they are re-sent: at most one batch of
-    # answers per connection (one connection here) per kill. Nowhere else.
-    window = ANSWER_BATCH * len(report.faults) if report.scenario == "kill-receiver" else 0
-    assert report.sure_duplicated <= window, report.row()
+    assert report.sure_duplicated <= duplicate_bound(report.scenario, len(report.faults)), \
+        report.row()
     assert report.sure_delivered == report.sure_sent
     assert report.unsure_duplicated == 0, report.row()
     assert report.unsure_delivered + report.unsure_lost == report.unsure_sent

@@ -1124,8 +1124,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _reexec_isolated(argv: list[str]) -> None:
-    """Become ``unshare --ipc -- python -m rqp.tools.bench ARGS`` (no return) when that is possible."""
+def reexec_isolated(argv: list[str], module: str = "rqp.tools.bench") -> None:
+    """Become ``unshare --ipc -- python -m MODULE ARGS`` (no return) when that is possible."""
     if os.environ.get(ISOLATED_ENV):
         return  # re-executed already (or told not to)
     unshare = shutil.which("unshare")
@@ -1140,7 +1140,7 @@ def _reexec_isolated(argv: list[str]) -> None:
     env = dict(os.environ, **{ISOLATED_ENV: _ipc_namespace()})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(unshare, [*cmd, "--", sys.executable, "-m", "rqp.tools.bench", *argv], env)
+    os.execve(unshare, [*cmd, "--", sys.executable, "-m", module, *argv], env)
 
 
 def sweep_stale_workdirs() -> None:
@@ -1173,7 +1173,7 @@ def _raise_on_signal(signum, _frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    _reexec_isolated(argv)
+    reexec_isolated(argv)
     left = os.environ.get(ISOLATED_ENV)
     private = bool(left) and left.startswith("ipc:") and left != _ipc_namespace()
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

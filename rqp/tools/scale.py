@@ -1,0 +1,383 @@
+"""rqp-scale: throughput and CPU per message of the real agents as the load spreads out.
+
+Three sweeps, each case with fresh agents, every message checked (exactly once; SURE in order
+per producer and queue):
+
+* **queue keys**: one producer sends round-robin over 1 .. 1,000 destination queues;
+* **producers**: 1 .. 20 producer processes send to one queue through one sending MCA;
+* **sending MCAs**: one receiving MCA serves 1 .. 10 sending MCAs, each with its own
+  transmission queue, journal and state directory, fed by a producer of its own (on this one
+  machine they share the CPU and the IPC namespace, nothing else).
+
+Per case: messages/s (median over the rounds, first put to last take) and CPU microseconds per
+message of each kind of process (the sum over the processes of that kind, from /proc), so that
+"flat from 1 to 1,000 queue keys" can be read off directly. The consumer is one process that
+takes from every destination queue (with more than one queue it polls them, pausing
+POLL_PAUSE when a pass over all of them found nothing: its CPU is reported but is the harness's,
+not RQP's).
+
+Like rqp-bench it re-executes itself in a private IPC namespace (root, ``unshare --ipc``),
+raises ``kernel.msgmnb`` there, and removes everything it made at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sysv_ipc
+
+import rqp
+from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.system.queues import LocalQueue, kernel_limits
+from rqp.system.service import sender_serving
+from rqp.tools.bench import (
+    BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, free_port,
+    port_open, process_cpu_ns, reexec_isolated, say, unused_key,
+)
+
+#: Front of every payload: the round's tag, the producer's number, its sequence number.
+HEAD = struct.Struct(">IHI")
+POLL_PAUSE = 0.002
+START_TIMEOUT = 20.0
+#: A round that has not finished after this many seconds fails the run.
+ROUND_TIMEOUT = 300.0
+SWEEPS = {
+    "keys": [dict(keys=k, producers=1, senders=1) for k in (1, 10, 100, 1000)],
+    "producers": [dict(keys=1, producers=p, senders=1) for p in (1, 5, 20)],
+    "senders": [dict(keys=1, producers=s, senders=s) for s in (1, 10)],
+}
+
+
+def _tail(size: int) -> bytes:
+    return bytes((i * 7 + 3) & 0xFF for i in range(size - HEAD.size))
+
+
+def producer_main(parent: int, number: int, rqprc: str, keys: list[int], tag: int,
+                  count: int, size: int, msg_type: int, start, cpu) -> None:
+    """Send ``count`` messages round-robin over ``keys``, after ``start`` (a barrier); put the
+    CPU ns it spent sending in ``cpu[number]``."""
+    _child_setup(parent)
+    handles = [rqp.openConnection(k, rqprc=rqprc, start_sender=False) for k in keys]
+    tail, pack, send, n = _tail(size), HEAD.pack, rqp.sendMessage, len(handles)
+    start.wait()
+    t0 = time.thread_time_ns()
+    for seq in range(count):
+        send(handles[seq % n], pack(tag, number, seq) + tail, msg_type)
+    cpu[number] = time.thread_time_ns() - t0
+    for handle in handles:
+        rqp.closeConnection(handle)
+
+
+def consumer_main(parent: int, keys: list[int], conn) -> None:
+    """Take every message of a round from ``keys``; check each; report (first, last) ns."""
+    _child_setup(parent)
+    msgmax = kernel_limits().msgmax
+    queues = [sysv_ipc.MessageQueue(k, 0, mode=0, max_message_size=msgmax) for k in keys]
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        _, tag, counts, size, ordered = cmd
+        try:
+            conn.send(("done", *_consume(queues, tag, counts, size, ordered)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _consume(queues, tag: int, counts: list[int], size: int, ordered: bool):
+    expected = sum(counts)
+    seen = [bytearray(c) for c in counts]
+    last_seq: dict[tuple[int, int], int] = {}
+    tail, unpack = _tail(size), HEAD.unpack_from
+    got = first = last = 0
+    deadline = time.monotonic() + ROUND_TIMEOUT
+    single = len(queues) == 1
+    while got < expected:
+        found = 0
+        for index, mq in enumerate(queues):
+            while got < expected:
+                try:
+                    data = mq.receive(block=single)[0]
+                except sysv_ipc.BusyError:
+                    break
+                last = time.monotonic_ns()
+                first = first or last
+                got += 1
+                found += 1
+                if len(data) != size or not data.endswith(tail):
+                    raise BenchError(f"a message of {len(data)} bytes, expected {size}")
+                t, producer, seq = unpack(data)
+                if t != tag or producer >= len(counts) or seq >= counts[producer]:
+                    raise BenchError(f"a message of round {t}, producer {producer}, sequence "
+                                     f"{seq}: not one of this round's")
+                if seen[producer][seq]:
+                    raise BenchError(f"producer {producer} sequence {seq}: a duplicate")
+                seen[producer][seq] = 1
+                if ordered:
+                    stream = (producer, index)
+                    if last_seq.get(stream, -1) > seq:
+                        raise BenchError(f"producer {producer}: SURE sequence {seq} after "
+                                         f"{last_seq[stream]} on the same queue")
+                    last_seq[stream] = seq
+                if single:
+                    break
+        if not found and not single:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{got} of {expected} messages after {ROUND_TIMEOUT:g}s")
+            time.sleep(POLL_PAUSE)  # a poll over many queues: nothing is waiting anywhere
+    return first, last
+
+
+@dataclass
+class Case:
+    keys: int
+    producers: int
+    senders: int
+    seconds: list[float] = field(default_factory=list)
+    cpu: dict[str, list[float]] = field(default_factory=dict)  # kind -> us/msg per round
+
+    @property
+    def label(self) -> str:
+        return f"{self.keys} key(s), {self.producers} producer(s), {self.senders} sender(s)"
+
+
+class Scale:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args, self.workdir = args, workdir
+        self.procs: list = []
+        self.queues: list[LocalQueue] = []
+        self.taken: set[int] = set()
+        self.msg_type = SURE_MSG if args.type == "SURE" else UNSURE_MSG
+
+    # --- one case -----------------------------------------------------------------------------
+
+    def run_case(self, case: Case) -> None:
+        args, n = self.args, self.args.messages
+        try:
+            dest = self._make_queues(case.keys)
+            receiver, port = self._start_receiver()
+            senders = [self._start_sender(i, port) for i in range(case.senders)]
+            ctx = multiprocessing.get_context("fork")
+            ours, theirs = ctx.Pipe()
+            consumer = ctx.Process(target=consumer_main, args=(os.getpid(), dest, theirs))
+            consumer.start()
+            self.procs.append(consumer)
+            theirs.close()
+            per = [n // case.producers + (i < n % case.producers) for i in range(case.producers)]
+            for round_ in range(args.rounds + 1):  # the first is a warm-up
+                tag = round_ + 1
+                start = ctx.Barrier(case.producers + 1)
+                cpu = ctx.Array("q", case.producers, lock=False)
+                ours.send(("consume", tag, per, args.size, self.msg_type == SURE_MSG))
+                producers = [ctx.Process(target=producer_main, args=(
+                    os.getpid(), i, str(senders[i % case.senders][1]), dest, tag, per[i],
+                    args.size, self.msg_type, start, cpu)) for i in range(case.producers)]
+                for p in producers:
+                    p.start()
+                self.procs += producers
+                start.wait(timeout=START_TIMEOUT * 3)
+                agents = {"sending MCA": [s[0].pid for s in senders],
+                          "receiving MCA": [receiver.pid], "consumer": [consumer.pid]}
+                before = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
+                t0 = time.monotonic_ns()
+                if not ours.poll(ROUND_TIMEOUT):
+                    raise BenchError(f"{case.label}: round {round_} did not finish in "
+                                     f"{ROUND_TIMEOUT:g}s")
+                reply = ours.recv()
+                after = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
+                for p in producers:
+                    p.join(30)
+                    if p.exitcode != 0:
+                        raise BenchError(f"{case.label}: producer exited with {p.exitcode}")
+                if reply[0] == "error":
+                    raise BenchError(f"{case.label}: consumer: {reply[1]}")
+                if round_ == 0:
+                    continue
+                case.seconds.append((reply[2] - t0) / 1e9)
+                case.cpu.setdefault("producer", []).append(sum(cpu) / 1000 / n)
+                for kind in agents:
+                    case.cpu.setdefault(kind, []).append((after[kind] - before[kind]) / 1000 / n)
+            ours.send(("stop",))
+            consumer.join(10)
+        finally:
+            self.stop_all()
+
+    def _make_queues(self, count: int) -> list[int]:
+        base = unused_key(self.taken, count)
+        for key in range(base, base + count):
+            self.queues.append(LocalQueue.create(key, mode=0o600))
+        return list(range(base, base + count))
+
+    def _popen(self, argv: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as log_file:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=log_file, cwd=str(self.workdir),
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append(proc)
+        return proc
+
+    def _start_receiver(self) -> tuple[subprocess.Popen, int]:
+        port = free_port()
+        self.dlq = unused_key(self.taken)
+        self.queues.append(LocalQueue.create(self.dlq, mode=0o600))
+        state = self.workdir / f"receiver-{port}"
+        state.mkdir()
+        config = state / "receiver.yaml"
+        config.write_text(f"listen: 127.0.0.1:{port}\ndead_letter_queue: {self.dlq:#x}\n"
+                          f"state_dir: {state}\nput_retry_count: 100\nput_retry_interval: 0.1\n"
+                          "offer:\n  allow: ['*']\n")
+        proc = self._popen([sys.executable, "-m", "rqp_agents.receiver", "--config",
+                            str(config)], state / "receiver.log")
+        _wait("the receiving MCA", lambda: port_open(port), proc)
+        return proc, port
+
+    def _start_sender(self, number: int, port: int) -> tuple[subprocess.Popen, Path]:
+        xmit = unused_key(self.taken, 2)  # (and its semaphores: xmit, xmit + 1)
+        state = self.workdir / f"sender-{xmit:08x}"
+        state.mkdir()
+        rqprc = state / ".rqprc"
+        window = f"window: {self.args.window}\n" if self.args.window else ""
+        rqprc.write_text(f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
+                         f"dead_letter_queue: {self.dlq:#x}\nstate_dir: {state}\n"
+                         f"ask_timeout: 2s\nconfirm_timeout: 15s\n{window}")
+        proc = self._popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
+                           state / "sender.log")
+        _wait(f"sending MCA {number}", lambda: sender_serving(xmit), proc)
+        self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1]
+        return proc, rqprc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            try:
+                if isinstance(proc, subprocess.Popen):
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                        try:
+                            proc.wait(20)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                elif proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            except OSError:
+                pass
+        self.procs = []
+        for queue in self.queues:
+            try:
+                queue.remove()
+            except (rqp.RQPError, OSError, sysv_ipc.Error):
+                pass
+        self.queues = []
+        for key in getattr(self, "semaphores", []):
+            try:
+                sysv_ipc.Semaphore(key).remove()
+            except sysv_ipc.Error:
+                pass
+        self.semaphores = []
+
+
+def _wait(what: str, predicate, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not predicate():
+        if proc.poll() is not None:
+            raise BenchError(f"{what} exited with status {proc.returncode} at start")
+        if time.monotonic() > deadline:
+            raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
+        time.sleep(0.02)
+
+
+KINDS = ("producer", "sending MCA", "receiving MCA", "consumer")
+
+
+def table(cases: list[Case], args: argparse.Namespace) -> str:
+    lines = [f"{args.type} {args.size} B, {args.messages} messages per round, median of "
+             f"{args.rounds} round(s) (spread min-max); CPU us per message per kind of process "
+             "(summed over its processes)",
+             f"{'case':44} {'msg/s':>18} " + " ".join(f"{k:>13}" for k in KINDS)]
+    for case in cases:
+        rates = [args.messages / s for s in case.seconds]
+        rate = f"{statistics.median(rates):,.0f} ({min(rates)/1000:.1f}-{max(rates)/1000:.1f}k)"
+        cpu = " ".join(f"{statistics.median(case.cpu[k]):13.1f}" for k in KINDS)
+        lines.append(f"{case.label:44} {rate:>18} {cpu}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m rqp.tools.scale",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--sweeps", default="keys,producers,senders",
+                        help="which sweeps, comma-separated (default: all of "
+                        f"{', '.join(SWEEPS)})")
+    parser.add_argument("--type", choices=("SURE", "UNSURE"), default="SURE")
+    parser.add_argument("--size", type=int, default=100, help="payload bytes (default 100)")
+    parser.add_argument("--messages", type=int, default=20_000,
+                        help="messages per round (default 20000)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (3)")
+    parser.add_argument("--window", type=int, help="the sending MCAs' window (default: "
+                        ".rqprc's)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    args = parser.parse_args(argv)
+    unknown = set(args.sweeps.split(",")) - set(SWEEPS)
+    if unknown:
+        parser.error(f"unknown sweep(s) {', '.join(sorted(unknown))}: one of "
+                     f"{', '.join(SWEEPS)}")
+    if args.size < HEAD.size or args.messages < 20 or args.rounds < 1:
+        parser.error(f"--size must be at least {HEAD.size}, --messages at least 20, "
+                     "--rounds at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    reexec_isolated(argv, "rqp.tools.scale")
+    left = os.environ.get(ISOLATED_ENV)
+    if not (left and left.startswith("ipc:") and left != _ipc_namespace()):
+        say("rqp-scale: needs a private IPC namespace (run as root, with unshare) to raise "
+            "kernel.msgmnb for its queues", err=True)
+        return 2
+    Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
+    workdir = Path(tempfile.mkdtemp(prefix=f"rqp-scale-{os.getpid()}-"))
+    scale = Scale(args, workdir)
+    cases = [Case(**spec) for name in args.sweeps.split(",") for spec in SWEEPS[name]]
+    done: list[Case] = []
+    try:
+        for case in cases:
+            say(f"rqp-scale: {case.label} ...", err=True)
+            scale.run_case(case)
+            done.append(case)
+        say(table(done, args))
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
+                  "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu}
+                 for c in done], indent=2) + "\n")
+        return 0
+    except (BenchError, rqp.RQPError, OSError, sysv_ipc.Error) as exc:
+        say(f"rqp-scale: FAILED: {exc}", err=True)
+        if done:
+            say(table(done, args))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        scale.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
