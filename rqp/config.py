@@ -53,6 +53,7 @@ from rqp.protocol.constants import (
     DEFAULT_RETRY_BACKOFF_INITIAL,
     DEFAULT_RETRY_BACKOFF_MAX,
     DEFAULT_SPILL_LIMIT,
+    DEFAULT_STALL_AFTER,
     DEFAULT_TRANSMISSION_QUEUE,
     DEFAULT_WINDOW,
     ERROR_LIMIT,
@@ -143,6 +144,7 @@ SENDER_KEYS: tuple[str, ...] = (
     "retry_max_attempts",
     "retry_max_age",
     "window",
+    "stall_after",
     "control_socket",
     "metrics_listen",
     "tls",
@@ -580,6 +582,8 @@ class SenderConfig:
     retry_backoff_initial: float = DEFAULT_RETRY_BACKOFF_INITIAL
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
     window: int = DEFAULT_WINDOW
+    #: A route with messages waiting and nothing confirmed for this long is "stalled".
+    stall_after: float = DEFAULT_STALL_AFTER
     #: SURE retry budget; None (the default) = retry forever, as the spec says.
     retry_max_attempts: int | None = None
     retry_max_age: float | None = None
@@ -1068,6 +1072,7 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         retry_backoff_initial=backoff_initial,
         retry_backoff_max=backoff_max,
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
+        stall_after=f.get("stall_after", parse_duration, DEFAULT_STALL_AFTER),
         retry_max_attempts=f.get("retry_max_attempts", _parse_attempts, None),
         retry_max_age=f.get("retry_max_age", parse_duration, None),
         control_socket=f.path_value("control_socket"),

@@ -37,13 +37,14 @@ def _depth(queue: LocalQueue) -> int | None:
 
 
 def sender_status(agent) -> dict:
-    routes = agent.core.route_status()
+    routes = agent.core.route_status(agent.loop.time())
     to_wall = time.time() - agent.loop.time()  # the core's times are the loop's clock
     for route in routes:
         route["queue"] = format_key(route["queue_key"])
         route["name"] = agent.config.queue_name(route["queue_key"])
         for row in (route, *route.get("copies", ())):
-            for field in ("since", "last_error_at", "last_message_at"):
+            for field in ("since", "last_error_at", "last_message_at", "last_confirmed_at",
+                          "oldest_taken_at", "stalled_since"):
                 if row.get(field) is not None:
                     row[field] += to_wall
     return {
@@ -64,7 +65,8 @@ def sender_status(agent) -> dict:
 
 
 def sender_metrics(agent) -> str:
-    routes = agent.core.route_status()
+    now = agent.loop.time()
+    routes = agent.core.route_status(now)
     m = {name: Metric(name, kind, text) for name, kind, text in (
         ("rqp_sender_messages_total", "counter", "MESSAGE frames sent, by queue"),
         ("rqp_sender_bytes_total", "counter", "payload bytes sent, by queue"),
@@ -73,6 +75,11 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
         ("rqp_sender_error_counter", "gauge", "the UNSURE error counter of the route"),
         ("rqp_sender_in_flight", "gauge", "messages sent and not answered, by queue"),
+        ("rqp_sender_waiting", "gauge", "messages taken and not sent yet, by queue"),
+        ("rqp_sender_lag_seconds", "gauge",
+         "age of the oldest message waiting or in flight, by queue (0: none)"),
+        ("rqp_sender_stalled_seconds", "gauge",
+         "seconds since the route last made progress while stalled, by queue (0: not stalled)"),
         ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
         ("rqp_sender_copies_total", "counter",
          "broadcast copies finished, by queue, host and outcome"),
@@ -93,6 +100,10 @@ def sender_metrics(agent) -> str:
         m["rqp_sender_route_changes_total"].add(r["route_changes"], **q)
         m["rqp_sender_error_counter"].add(r["error_counter"], **q)
         m["rqp_sender_in_flight"].add(r["in_flight"], **q)
+        m["rqp_sender_waiting"].add(r["waiting"], **q)
+        m["rqp_sender_lag_seconds"].add(round(r["lag"], 3), **q)
+        m["rqp_sender_stalled_seconds"].add(
+            0 if r["stalled_since"] is None else round(now - r["stalled_since"], 3), **q)
         for state in ROUTE_STATES:  # every route in every state, not only the healthy ones
             m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
         for c in r.get("copies", ()):

@@ -80,7 +80,7 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
                        "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
     lines = metrics.splitlines()
     states = [l for l in lines if l.startswith("rqp_sender_route_state{")]
-    assert len(states) == 6  # every state of the route, 1 for the one it is in
+    assert len(states) == 7  # every state of the route, 1 for the one it is in
     assert sum(float(l.rsplit(" ", 1)[1]) for l in states) == 1
     # (the route moves on while it retries, between the status above and this scrape: the
     # state it is in now is a broken one, not necessarily the same)
@@ -92,6 +92,50 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"))
     assert out.returncode == 3 and "not running" in out.stdout
+
+
+def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(testbed):
+    """Issue 15: "it says running, but nothing moves". A receiving MCA frozen (SIGSTOP) under
+    load: the connection is up and nothing times out yet, but after stall_after without a
+    confirmation the route is "stalled" (rqpctl status exits 4, says why and how old the
+    oldest message is; the metrics say it too); after SIGCONT it runs again, nothing lost."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    receiver = start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], stall_after="2s", confirm_timeout="60s", metrics_listen=":9746")
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["warm"])
+    assert receive(b, Q1, 1) == ["warm"]
+
+    def route():
+        out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+        return out.returncode, next(iter(json.loads(out.stdout).values()))["routes"][0]
+
+    assert route()[0] == 0
+    receiver.send_signal(signal.SIGSTOP)
+    try:
+        texts = [f"frozen-{i}" for i in range(200)]
+        send(a, rqprc, Q1, texts)
+        code, r = wait_for(lambda: (got := route())[1]["state"] == "stalled" and got,
+                           timeout=20, message="the frozen route never showed as stalled")
+        assert code == 4 and r["in_flight"] + r["waiting"] == 200 and r["lag"] >= 2.0, r
+        assert r["stalled_why"].startswith(f"connected to {b.address}:{PORT}, no answer "
+                                           "confirmed a message"), r["stalled_why"]
+        text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+        assert "stalled: nothing confirmed for" in text, text
+        metrics = a.python("import urllib.request; print(urllib.request.urlopen("
+                           "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
+        assert any(l.startswith("rqp_sender_route_state{") and 'state="stalled"' in l
+                   and l.endswith(" 1") for l in metrics.splitlines()), metrics
+        lag = [float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
+               if l.startswith("rqp_sender_lag_seconds{")]
+        assert lag and lag[0] >= 2.0, metrics
+    finally:
+        receiver.send_signal(signal.SIGCONT)
+    assert receive(b, Q1, 200) == texts  # nothing lost, in order
+    code, r = wait_for(lambda: (got := route())[1]["state"] == "running" and got, timeout=20,
+                       message="the route did not run again after SIGCONT")
+    assert code == 0 and r["lag"] == 0.0 and r["stalled_since"] is None
 
 
 def test_receiver_metrics_over_http_and_rqpctl(site):

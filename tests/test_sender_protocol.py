@@ -462,6 +462,48 @@ def test_route_status_in_words():
     assert {x["queue_key"]: x["state"] for x in h.core.route_status()}[Q2] == "no route"
 
 
+def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest_message_is():
+    """Issue 15: state shows progress, not only what the route does. A route with messages in
+    flight and nothing confirmed for stall_after is "stalled" (with since when and why), its
+    lag is the age of the oldest message it holds; a confirmation ends it."""
+    h = Harness(hosts=("b",), stall_after=60.0, confirm_timeout=600.0)
+    h.submit(Q1, SURE_MSG, b"first")
+    h.sent()
+    h.answer("b", YES)
+    assert [e for _, e in h.sent()][0].message == b"first"
+    h.now += 10
+    h.submit(Q1, SURE_MSG, b"second")  # waits behind the first (in flight) or goes out too
+    h.sent()
+    [r] = h.core.route_status(h.now + 49)  # 59 s after the route got busy: still running
+    assert (r["state"], r["stalled_since"], r["lag"]) == ("running", None, 59.0)
+    [r] = h.core.route_status(h.now + 50)
+    assert r["state"] == "stalled" and r["stalled_since"] == 100.0 and r["lag"] == 60.0
+    assert r["stalled_why"] == "connected to b, no answer confirmed a message"
+    h.now += 55
+    h.answer("b", OK)  # the first is confirmed: progress
+    [r] = h.core.route_status(h.now + 59)
+    assert (r["state"], r["last_confirmed_at"], r["oldest_taken_at"]) == ("running", 165.0, 110.0)
+    [r] = h.core.route_status(h.now + 60)
+    assert r["state"] == "stalled" and r["stalled_since"] == 165.0
+    h.answer("b", OK)
+    h.sent()
+    [r] = h.core.route_status(h.now + 1000)  # nothing waits: idle is never stalled
+    assert (r["state"], r["lag"], r["stalled_since"]) == ("running", 0.0, None)
+
+
+def test_a_route_that_cannot_connect_is_stalled_with_its_last_error():
+    h = Harness(hosts=("b",), stall_after=30.0)
+    h.submit(Q1, SURE_MSG)
+    h.sent(down=("b",))
+    [r] = h.core.route_status(h.now + 29)
+    assert (r["state"], r["lag"]) == ("retrying", 29.0)  # (until the next round of asking)
+    [r] = h.core.route_status(h.now + 30)
+    assert (r["state"], r["stalled_since"], r["lag"]) == ("stalled", 100.0, 30.0)
+    assert r["stalled_why"] == ("retrying after errors; last error: no host offers queue "
+                                "0x52510001 (b: cannot connect: Connection refused, next "
+                                "connect in 0.5s)")
+
+
 def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_flight():
     h = Harness(hosts=("b", "c"))
     h.submit(Q1, UNSURE_MSG)

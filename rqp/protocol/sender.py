@@ -159,6 +159,9 @@ class Settings:
     extensions: int = KNOWN_EXTENSIONS
     #: The broadcast queue keys (spec section 6): a copy for every host.
     broadcast: frozenset = frozenset()
+    #: A route with messages waiting or in flight and no confirmation for this long is
+    #: "stalled" (whatever else it is doing).
+    stall_after: float = C.DEFAULT_STALL_AFTER
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -166,7 +169,8 @@ class Settings:
                    confirm_timeout=config.confirm_timeout, error_limit=config.error_limit,
                    window=config.window, backoff_initial=config.retry_backoff_initial,
                    backoff_max=config.retry_backoff_max, max_attempts=config.retry_max_attempts,
-                   max_age=config.retry_max_age, broadcast=config.broadcast_keys)
+                   max_age=config.retry_max_age, broadcast=config.broadcast_keys,
+                   stall_after=config.stall_after)
 
     def backoff(self, failures: int) -> float:
         """Wait before attempt ``failures + 1``: the first retry is at once (the spec's "repeat
@@ -344,12 +348,14 @@ class RouteInfo:
     last_error: str = ""
     last_error_at: float | None = None
     last_message_at: float | None = None
+    last_confirmed_at: float | None = None
     last_event: str = "new"
     since: float = 0.0
 
 
 #: Every state a route can be in, in words (the metrics export each, 1 for the current one).
-ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle")
+#: "stalled": messages wait or are in flight and none was confirmed for ``stall_after``.
+ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle", "stalled")
 
 
 # --- internal bookkeeping --------------------------------------------------------------------
@@ -424,6 +430,8 @@ class _Lane:
     #: Its key in the lanes, routes and error counters: the queue key, or (key, host); set
     #: once (it is read for every message).
     id: object = None
+    #: When it was made: a lane lives while it has messages, so since when it has been busy.
+    created_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
@@ -530,7 +538,7 @@ class SenderCore:
         lane_id = msg.queue_key if target is None else (msg.queue_key, target)
         lane = self._lanes.get(lane_id)
         if lane is None:
-            lane = self._lanes[lane_id] = _Lane(msg.queue_key, target)
+            lane = self._lanes[lane_id] = _Lane(msg.queue_key, target, created_at=self._now)
             self._info(msg.queue_key)
         self._enqueue(lane, msg)
         self._pump(lane)
@@ -1040,10 +1048,14 @@ class SenderCore:
         lane.inflight -= 1
         self.errors.pop((link.host, lane.id), None)
         self._fire(msg, T.DELIVERED)
-        self._info(msg.queue_key).delivered += msg.count
+        info = self._info(msg.queue_key)
+        info.delivered += msg.count
+        info.last_confirmed_at = self._now
         self._actions.append(Delivered(msg, link.host))
         if msg.fanout is not None:
-            self._copy_info(msg.queue_key, msg.target).delivered += msg.count
+            copy_info = self._copy_info(msg.queue_key, msg.target)
+            copy_info.delivered += msg.count
+            copy_info.last_confirmed_at = self._now
             self._copy_ended(msg, reached=True)
         self._pump(lane)
         self._forget_if_idle(lane)
@@ -1230,18 +1242,57 @@ class SenderCore:
             info = self.info[queue_key] = RouteInfo(queue_key, since=self._now)
         return info
 
-    def _lane_state(self, lane: _Lane | None, host, info: RouteInfo) -> str:
+    def _taken_at_by_lane(self) -> dict:
+        """When each message in flight was taken, by lane (for the lag; status only)."""
+        taken: dict = {}
+        for link in self._links.values():
+            for frame in link.outstanding:
+                if frame.msg is not None:
+                    taken.setdefault(frame.lane.id, []).append(frame.msg.taken_at)
+        return taken
+
+    def _progress(self, lane: _Lane | None, info: RouteInfo, now: float,
+                  taken: dict) -> tuple[float | None, float | None]:
+        """(since when the lane is stalled, or None; when its oldest message was taken, or
+        None if nothing waits or is in flight)."""
+        if lane is None:
+            return None, None
+        oldest = min([m.taken_at for m in lane.pending] + taken.get(lane.id, []), default=None)
+        if oldest is None:
+            return None, None
+        progress = max(lane.created_at, info.last_confirmed_at or lane.created_at)
+        return (progress if now - progress >= self.settings.stall_after else None), oldest
+
+    def _stalled_why(self, state: str, host, info: RouteInfo) -> str:
+        """What a stalled route is doing, in words, as far as the sender knows."""
+        if state == "running":
+            why = f"connected to {host}, no answer confirmed a message"
+        elif state == "connecting":
+            why = f"cannot connect to {host}"
+        elif state == "asking":
+            why = "asking the hosts for the queue"
+        elif state == "retrying":
+            why = "retrying after errors"
+        elif state == "no route":
+            why = "no host offers the queue"
+        else:
+            why = state
+        return f"{why}; last error: {info.last_error}" if info.last_error else why
+
+    def _lane_state(self, lane: _Lane | None, host, info: RouteInfo,
+                    now: float | None = None) -> str:
         if lane is not None and lane.asking is not None:
             return "asking"
-        if lane is not None and lane.pending and lane.retry_at > self._now:
-            return "retrying"
+        if lane is not None and lane.pending and (
+                host is None or lane.retry_at > (self._now if now is None else now)):
+            return "retrying"  # (with no route: until the next round of asking)
         if host is not None:
             return "running" if self._links[host].state is LinkState.UP else "connecting"
         if info.last_event == NoteKind.NO_ROUTE.value:
             return "no route"
         return "idle"
 
-    def _copies_status(self, key: int) -> list[dict]:
+    def _copies_status(self, key: int, now: float, taken: dict) -> list[dict]:
         """Per host, how the copies of broadcast queue ``key`` fare."""
         out = []
         for (queue_key, host), info in self.copies_info.items():
@@ -1249,8 +1300,12 @@ class SenderCore:
                 continue
             lane, route = self._lanes.get((key, host)), self.routes.get((key, host))
             state = ("declined" if info.declined and lane is None and route is None
-                     else self._lane_state(lane, route, info))
+                     else self._lane_state(lane, route, info, now))
+            stalled, oldest = self._progress(lane, info, now, taken)
+            why = self._stalled_why(state, route, info) if stalled is not None else ""
+            state = "stalled" if stalled is not None else state
             out.append({
+                "stalled_since": stalled, "oldest_taken_at": oldest, "stalled_why": why,
                 "peer": str(host), "peer_host": host, "state": state, "sent": info.sent,
                 "delivered": info.delivered, "declined": info.declined, "lost": info.lost,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
@@ -1261,23 +1316,38 @@ class SenderCore:
             })
         return out
 
-    def route_status(self) -> list[dict]:
-        """Every queue key this sending MCA has handled: its route and its state in words; a
-        broadcast key: its copies per host under ``copies``."""
+    def route_status(self, now: float | None = None) -> list[dict]:
+        """Every queue key this sending MCA has handled: its route and its state in words
+        (as of ``now``, the core's clock; default: its last input); a broadcast key: its
+        copies per host under ``copies``. Progress: ``oldest_taken_at`` of what waits or is in
+        flight, ``last_confirmed_at``; ``stalled_since`` when nothing was confirmed for
+        ``stall_after`` while messages wait (``stalled_why``: what the route is doing)."""
+        now = self._now if now is None else now
+        taken = self._taken_at_by_lane()
         out = []
         for key in sorted(self.info):
             info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
-            copies = self._copies_status(key) if key in self.settings.broadcast else None
+            copies = self._copies_status(key, now, taken) if key in self.settings.broadcast \
+                else None
             if copies:
                 states = {c["state"] for c in copies}
-                state = next((s for s in ("retrying", "asking", "connecting", "running")
-                              if s in states), "idle")
+                state = next((s for s in ("stalled", "retrying", "asking", "connecting",
+                                          "running") if s in states), "idle")
                 in_flight = sum(c["in_flight"] for c in copies)
                 waiting = sum(c["waiting"] for c in copies)
+                stalled = min((c["stalled_since"] for c in copies
+                               if c["stalled_since"] is not None), default=None)
+                oldest = min((c["oldest_taken_at"] for c in copies
+                              if c["oldest_taken_at"] is not None), default=None)
+                why = "; ".join(f"{c['peer']}: {c['stalled_why']}" for c in copies
+                                if c["stalled_why"])
             else:
-                state = self._lane_state(lane, host, info)
+                state = self._lane_state(lane, host, info, now)
                 in_flight = lane.inflight if lane is not None else 0
                 waiting = len(lane.pending) if lane is not None else 0
+                stalled, oldest = self._progress(lane, info, now, taken)
+                why = self._stalled_why(state, host, info) if stalled is not None else ""
+                state = "stalled" if stalled is not None else state
             by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
             for each in ([lane] if lane is not None else []) + [
                     self._lanes.get((key, c["peer_host"])) for c in copies or ()]:
@@ -1294,6 +1364,9 @@ class SenderCore:
                                                                      reverse=True)},
                 "route_changes": info.route_changes, "last_error": info.last_error,
                 "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
+                "last_confirmed_at": info.last_confirmed_at, "oldest_taken_at": oldest,
+                "lag": 0.0 if oldest is None else max(now - oldest, 0.0),
+                "stalled_since": stalled, "stalled_why": why,
             })
             if copies is not None:
                 for c in copies:

@@ -23,7 +23,7 @@ from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
-UNHEALTHY = ("retrying", "no route", "connecting")
+UNHEALTHY = ("stalled", "retrying", "no route", "connecting")
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 
 
@@ -99,13 +99,22 @@ def _print_sender(st: dict) -> None:
         print("  no messages sent yet")
         return
     print(f"  {'queue':34} {'peer':22} {'state':10} {'for':>7} {'sent':>8} {'bytes':>10} "
-          f"{'flight':>6} {'errors':>6} {'counter':>7} {'last msg':>8}  last error")
+          f"{'waiting':>7} {'flight':>6} {'lag':>7} {'errors':>6} {'counter':>7} "
+          f"{'last ok':>8}  last error")
     for r in st["routes"]:
         queue = r["queue"] + (f" {r['name']}" if r["name"] else "")
-        print(f"  {queue[:34]:34} {(r['peer'] or ('(broadcast)' if r.get('broadcast') else '-'))[:22]:22} {r['state']:10} "
-              f"{_ago(r['since'], now):>7} {r['sent']:>8} {r['sent_bytes']:>10} "
-              f"{r['in_flight']:>6} {r['errors']:>6} {r['error_counter']:>7} "
-              f"{_ago(r['last_message_at'], now):>8}  {r['last_error'] or '-'}")
+        peer = r["peer"] or ("(broadcast)" if r.get("broadcast") else "-")
+        since = r["stalled_since"] if r.get("stalled_since") is not None else r["since"]
+        error = (f"{r['last_error']} ({_ago(r['last_error_at'], now)} ago)"
+                 if r["last_error"] else "-")
+        print(f"  {queue[:34]:34} {peer[:22]:22} {r['state']:10} {_ago(since, now):>7} "
+              f"{r['sent']:>8} {r['sent_bytes']:>10} {r['waiting']:>7} {r['in_flight']:>6} "
+              f"{_ago(r['oldest_taken_at'], now) if r['waiting'] or r['in_flight'] else '-':>7} "
+              f"{r['errors']:>6} {r['error_counter']:>7} "
+              f"{_ago(r['last_confirmed_at'], now):>8}  {error}")
+        if r.get("stalled_why"):
+            print(f"    stalled: nothing confirmed for {_ago(r['stalled_since'], now)} with "
+                  f"messages waiting: {r['stalled_why']}")
         by_priority = r.get("waiting_by_priority") or {}
         if len(by_priority) > 1:  # several priorities waiting: how many of each
             print("    waiting by priority: " + ", ".join(f"{p}: {n}"
