@@ -43,6 +43,7 @@ from rqp.protocol.constants import (
     DEFAULT_DEDUP_WINDOW_KEYS,
     DEFAULT_FIRST_FRAME_TIMEOUT,
     DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_LISTEN_HOST,
     DEFAULT_MAX_CONNECTIONS,
@@ -145,6 +146,7 @@ SENDER_KEYS: tuple[str, ...] = (
     "retry_max_age",
     "window",
     "stall_after",
+    "heartbeat_interval",
     "control_socket",
     "metrics_listen",
     "tls",
@@ -584,6 +586,8 @@ class SenderConfig:
     window: int = DEFAULT_WINDOW
     #: A route with messages waiting and nothing confirmed for this long is "stalled".
     stall_after: float = DEFAULT_STALL_AFTER
+    #: A quiet connection that carries a route is probed (QUEUE_ASK) this often.
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     #: SURE retry budget; None (the default) = retry forever, as the spec says.
     retry_max_attempts: int | None = None
     retry_max_age: float | None = None
@@ -1073,6 +1077,8 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         retry_backoff_max=backoff_max,
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
         stall_after=f.get("stall_after", parse_duration, DEFAULT_STALL_AFTER),
+        heartbeat_interval=f.get("heartbeat_interval", parse_duration,
+                                 DEFAULT_HEARTBEAT_INTERVAL),
         retry_max_attempts=f.get("retry_max_attempts", _parse_attempts, None),
         retry_max_age=f.get("retry_max_age", parse_duration, None),
         control_socket=f.path_value("control_socket"),

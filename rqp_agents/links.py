@@ -93,6 +93,7 @@ class Links:
         sock = link.transport.get_extra_info("socket")
         if sock is not None:  # (None once the transport is closing: its end is reported)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
         self._links[host] = link
         self.on_connected(host)
 
@@ -149,3 +150,17 @@ def _failure(exc: BaseException) -> str:
         return "timed out"
     # (asyncio's own text, "Connect call failed (addr)", hides the reason)
     return os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc)
+
+
+#: TCP keepalive on every connection to a receiving MCA: after 60 s without traffic the kernel
+#: probes every 10 s and gives up after 3 missed probes (the heartbeats do the same at the RQP
+#: level; keepalive also covers a connection while the sending MCA itself is stopped).
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 3
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # (Linux; elsewhere the system's defaults)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

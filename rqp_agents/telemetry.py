@@ -57,8 +57,8 @@ def sender_status(agent) -> dict:
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
         "in_flight": agent.core.in_flight, "incarnation": f"{agent.keys.incarnation:08x}",
-        "hosts": [{"host": str(h), "connection": agent.core.link_state(h).value}
-                  for h in agent.config.hosts],
+        "hosts": [{"host": str(h), "connection": agent.core.link_state(h).value,
+                   **agent.core.heartbeat_status(h)} for h in agent.config.hosts],
         "routes": routes, "stats": dict(agent.stats),
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
@@ -84,6 +84,9 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_copies_total", "counter",
          "broadcast copies finished, by queue, host and outcome"),
         ("rqp_sender_copies_waiting", "gauge", "broadcast copies not sent yet, by queue and host"),
+        ("rqp_sender_heartbeats_total", "counter", "heartbeat QUEUE_ASKs sent, by host"),
+        ("rqp_sender_heartbeat_failures_total", "counter",
+         "heartbeats not answered in time (the connection was closed), by host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
@@ -111,6 +114,10 @@ def sender_metrics(agent) -> str:
             for outcome in ("delivered", "declined", "lost", "dead_lettered"):
                 m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
             m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
+    for host in agent.config.hosts:
+        beats = agent.core.heartbeat_status(host)
+        m["rqp_sender_heartbeats_total"].add(beats["heartbeats"], peer=str(host))
+        m["rqp_sender_heartbeat_failures_total"].add(beats["heartbeat_failures"], peer=str(host))
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)

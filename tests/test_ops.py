@@ -138,6 +138,41 @@ def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(
     assert code == 0 and r["lag"] == 0.0 and r["stalled_since"] is None
 
 
+def test_a_vanished_peer_on_an_idle_connection_is_found_by_the_heartbeat(testbed):
+    """Issue 15: with nothing to send, a receiving MCA whose network went away is found by
+    the heartbeat (a QUEUE_ASK for a key the route serves, every heartbeat_interval), not by
+    the next message; once the network is back the connection is made again before a
+    message needs it, and the next message goes through."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], heartbeat_interval="1s", ask_timeout="1s")
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["before"])
+    assert receive(b, Q1, 1) == ["before"]
+
+    def host():
+        out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+        return next(iter(json.loads(out.stdout).values()))["hosts"][0]
+
+    wait_for(lambda: host()["heartbeats"] >= 2, timeout=20,
+             message="no heartbeat on the idle connection")
+    assert host()["heartbeat_failures"] == 0 and host()["connection"] == "up"
+    a.link_down()
+    try:
+        wait_for(lambda: host()["heartbeat_failures"] >= 1, timeout=20,
+                 message="the vanished peer was not found by the heartbeat")
+        assert log_lines(a, sender, "no answer to heartbeat QUEUE_ASK within 1s")
+        text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+        assert "heartbeat(s) unanswered" in text, text
+    finally:
+        a.link_up()
+    wait_for(lambda: host()["connection"] == "up", timeout=30,
+             message="the connection was not made again after the network came back")
+    send(a, rqprc, Q1, ["after"])
+    assert receive(b, Q1, 1) == ["after"]
+
+
 def test_receiver_metrics_over_http_and_rqpctl(site):
     a, b, rqprc, sender, receiver = site
     send(a, rqprc, Q1, ["m"])

@@ -621,3 +621,65 @@ def test_an_idle_connection_closed_by_the_receiver_is_no_failure():
     h.submit(Q1, UNSURE_MSG, b"next")
     assert [type(e).__name__ for _, e in h.sent()] == ["Message"]  # reconnected at once
     assert h.core.link_state("b").value == "up"
+
+
+def test_a_quiet_connection_with_a_route_is_probed_and_a_silent_peer_is_found():
+    """Issue 15, heartbeats: after heartbeat_interval without an answer on a connection that
+    carries a route, a QUEUE_ASK for a key of that route goes out (any RQP/1 receiver answers
+    it, in order); QUEUE_YES keeps the route; no answer within ask_timeout closes the
+    connection, which is made again (with back-off) before a message needs it; QUEUE_NO
+    drops the route (the next message asks again)."""
+    h = Harness(hosts=("b",), heartbeat_interval=30.0, ask_timeout=2.0)
+    h.submit(Q1, SURE_MSG, b"m")
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", OK)  # heard at 100
+    assert h.sent() == [] and h.core.next_deadline() == 130.0
+    h.now = 129.0
+    h.core.tick(h.now)
+    assert h.sent() == []
+    h.now = 130.0
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]  # the heartbeat
+    assert h.core.next_deadline() == 132.0  # its answer is due
+    h.now = 131.0
+    h.answer("b", YES)
+    assert h.core.routes == {Q1: "b"} and h.core.next_deadline() == 161.0
+    h.now = 161.0
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]
+    h.now = 163.0  # the peer vanished: no answer
+    h.core.tick(h.now)
+    acts = h.actions()
+    assert any(isinstance(a, Close) and "no answer to heartbeat QUEUE_ASK within 2s" in a.reason
+               for a in acts), acts
+    assert not any(isinstance(a, Connect) for a in acts)  # (the reconnect waits its back-off)
+    due = h.core.next_deadline()
+    assert due is not None and 163.0 <= due <= 164.0
+    h.now = due
+    h.core.tick(h.now)
+    first = len(h.log)
+    assert h.sent() == []  # (it connects the hosts it is asked to)
+    assert isinstance(h.log[first], Connect)  # again, before a message needs it
+    assert h.core.link_state("b").value == "up"
+    h.now += 30
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", NO)  # the receiver no longer offers the queue: the route goes
+    assert h.core.routes == {}
+    assert any(isinstance(a, Note) and a.kind is NoteKind.ROUTE_DROPPED and "heartbeat" in a.detail
+               for a in h.actions())
+    assert h.core.next_deadline() is None  # no route on it: no more heartbeats
+
+
+def test_a_busy_connection_is_not_probed():
+    h = Harness(hosts=("b",), heartbeat_interval=30.0, confirm_timeout=100.0)
+    h.submit(Q1, UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()  # a MESSAGE in flight: its answer's deadline is what counts
+    assert h.core.next_deadline() == 200.0
+    h.now = 150.0
+    h.core.tick(h.now)
+    assert h.sent() == []

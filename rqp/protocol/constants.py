@@ -73,6 +73,7 @@ DEFAULT_RETRY_BACKOFF_INITIAL = 0.5
 DEFAULT_RETRY_BACKOFF_MAX = 30.0
 DEFAULT_WINDOW = 128
 DEFAULT_STALL_AFTER = 60.0  # seconds without a confirmation while messages wait: "stalled"
+DEFAULT_HEARTBEAT_INTERVAL = 30.0  # a quiet connection with a route is probed this often
 DEFAULT_LISTEN_HOST = "127.0.0.1"  # safe default: this host only (issue 12)
 ALL_INTERFACES = "0.0.0.0"  # what a listen of ':port' means
 DEFAULT_PUT_RETRY_COUNT = 10  # IBM MQ's MRRTY default

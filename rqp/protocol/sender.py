@@ -162,6 +162,9 @@ class Settings:
     #: A route with messages waiting or in flight and no confirmation for this long is
     #: "stalled" (whatever else it is doing).
     stall_after: float = C.DEFAULT_STALL_AFTER
+    #: A connection that carries a route and has had no answer for this long is probed with a
+    #: QUEUE_ASK for a key of that route (a heartbeat any RQP/1 receiver answers).
+    heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -170,7 +173,8 @@ class Settings:
                    window=config.window, backoff_initial=config.retry_backoff_initial,
                    backoff_max=config.retry_backoff_max, max_attempts=config.retry_max_attempts,
                    max_age=config.retry_max_age, broadcast=config.broadcast_keys,
-                   stall_after=config.stall_after)
+                   stall_after=config.stall_after,
+                   heartbeat_interval=config.heartbeat_interval)
 
     def backoff(self, failures: int) -> float:
         """Wait before attempt ``failures + 1``: the first retry is at once (the spec's "repeat
@@ -384,12 +388,14 @@ LINK_TRANSITIONS: dict[LinkState, dict[LinkEvent, LinkState]] = {
 
 @dataclass(eq=False, slots=True)
 class _Frame:
-    """A frame waiting for its answer: an ask for ``lane``, or the message ``msg``."""
+    """A frame waiting for its answer: an ask for ``lane``, or the message ``msg``; a
+    heartbeat (no lane, no message): an ask for queue ``probe``."""
 
-    lane: "_Lane"
+    lane: "_Lane | None"
     msg: Outgoing | None
     timeout: float
     deadline: float
+    probe: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -405,6 +411,13 @@ class _Link:
     #: Extension bits of this connection: fixed by its first answer to a QUEUE_ASK (None
     #: before, and again after every reconnect).
     agreed: int | None = None
+    #: When it was last heard from (connected, or an answer came): heartbeats count from it.
+    heard_at: float = 0.0
+    #: A heartbeat went unanswered: connect again (with back-off) while it carries routes,
+    #: before a message needs it.
+    rewarm: bool = False
+    heartbeats: int = 0  # sent on this link, all time
+    heartbeat_failures: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -474,6 +487,12 @@ class SenderCore:
     def link_state(self, host) -> LinkState:
         return self._links[host].state
 
+    def heartbeat_status(self, host) -> dict:
+        """Heartbeats sent to ``host`` and those that went unanswered (all time)."""
+        link = self._links.get(host)
+        return {"heartbeats": link.heartbeats if link else 0,
+                "heartbeat_failures": link.heartbeat_failures if link else 0}
+
     def error_count(self, host, queue_key: int) -> int:
         return self.errors.get((host, queue_key), 0)
 
@@ -488,6 +507,8 @@ class SenderCore:
                   if link.waiting and link.state is LinkState.DOWN and link.retry_at > self._now]
         times += [lane.retry_at for lane in self._lanes.values()
                   if lane.pending and lane.retry_at > self._now]
+        times += [due for link in self._links.values()
+                  if (due := self._heartbeat_due(link)) is not None]
         expiries = [lane.next_expiry_ms for lane in self._lanes.values()
                     if lane.pending and lane.next_expiry_ms]
         if expiries and self._clock_ms is not None:
@@ -614,6 +635,8 @@ class SenderCore:
         link.decoder = FrameDecoder(accept=ANSWERS)
         link.agreed = None
         link.failures = 0
+        link.heard_at = now
+        link.rewarm = False
         self._note(NoteKind.CONNECTED, None, host)
         self._wake(link)
 
@@ -675,15 +698,26 @@ class SenderCore:
         self._note(NoteKind.CONNECTION_CLOSED, None, link.host, why)
 
     def tick(self, now: float) -> None:
-        """Let time pass: overdue answers end their connection; back-offs end."""
+        """Let time pass: overdue answers end their connection; back-offs end; quiet
+        connections are probed (heartbeats)."""
         self._now = now
         for link in self._links.values():
             if link.outstanding and link.outstanding[0].deadline <= now:
                 frame = link.outstanding[0]
-                what = "QUEUE_ASK" if frame.msg is None else f"MESSAGE key={frame.msg.key:#018x}"
+                what = ("heartbeat QUEUE_ASK" if frame.lane is None else "QUEUE_ASK"
+                        if frame.msg is None else f"MESSAGE key={frame.msg.key:#018x}")
+                if frame.lane is None:
+                    link.heartbeat_failures += 1
+                    link.rewarm = True
                 self._drop_link(link, f"no answer to {what} within {frame.timeout:g}s")
             elif link.waiting and link.state is LinkState.DOWN and link.retry_at <= now:
                 self._wake(link)
+            elif (due := self._heartbeat_due(link)) is not None and due <= now:
+                if link.state is LinkState.UP:
+                    self._heartbeat(link)
+                else:  # connect again before a message needs it
+                    self._go(link, LinkEvent.CONNECT)
+                    self._actions.append(Connect(link.host))
         for lane in list(self._lanes.values()):
             if lane.pending and lane.next_expiry_ms:
                 self._drop_expired(lane)
@@ -956,6 +990,7 @@ class SenderCore:
                 or (s.max_age is not None and self._now - msg.taken_at >= s.max_age))
 
     def _answer(self, link: _Link, frame: _Frame, event) -> None:
+        link.heard_at = self._now
         if link.outstanding:  # the next frame's wait starts no earlier than now
             nxt = link.outstanding[0]
             nxt.deadline = max(nxt.deadline, self._now + nxt.timeout)
@@ -964,6 +999,10 @@ class SenderCore:
             if link.agreed is None:  # the first answer fixes the bits (spec section 6)
                 link.agreed = event.data & self.settings.extensions
             yes = isinstance(event, QueueYes)
+            if lane is None:
+                self._heartbeat_answered(link, frame, yes)
+                self._wake(link)
+                return
             head = lane.pending[0] if lane.pending else None
             if yes and head is not None and head.needs_ex and not link.agreed & EXT_MESSAGE:
                 if lane.plain_yes is None:
@@ -1147,6 +1186,42 @@ class SenderCore:
             else:
                 self._pump(lane)
 
+    def _routed_key(self, link: _Link) -> int | None:
+        """A queue key whose route is ``link``'s host (what a heartbeat asks for), or None."""
+        for route, host in self.routes.items():
+            if host == link.host:
+                return route if isinstance(route, int) else route[0]
+        return None
+
+    def _heartbeat_due(self, link: _Link) -> float | None:
+        """When ``link`` is to be probed (UP, quiet), or connected again after a failed
+        heartbeat (DOWN, ``rewarm``); None: not while it carries no route, or is busy."""
+        if link.state is LinkState.UP:
+            if link.outstanding or self._routed_key(link) is None:
+                return None
+            return link.heard_at + self.settings.heartbeat_interval
+        if link.state is LinkState.DOWN and link.rewarm and not link.waiting and \
+                self._routed_key(link) is not None:
+            return link.retry_at
+        return None
+
+    def _heartbeat(self, link: _Link) -> None:
+        key = self._routed_key(link)
+        link.heartbeats += 1
+        self._push(link, _Frame(None, None, self.settings.ask_timeout, 0.0, probe=key),
+                   encode(QueueAsk(queue_key=key, data=self.settings.extensions)))
+
+    def _heartbeat_answered(self, link: _Link, frame: _Frame, yes: bool) -> None:
+        """QUEUE_YES: the peer lives and still offers the queue. QUEUE_NO: it no longer offers
+        it: the routes of that key to this host are dropped (the next message asks again)."""
+        if yes:
+            return
+        for route, host in list(self.routes.items()):
+            key = route if isinstance(route, int) else route[0]
+            if host == link.host and key == frame.probe:
+                self._drop_route(route, host, "heartbeat: QUEUE_NO (the receiving MCA no "
+                                 "longer offers the queue)")
+
     def _drop_link(self, link: _Link, why: str, close: bool = True) -> None:
         """The connection ends: every frame it carried is unanswered (spec 5.11)."""
         if close:
@@ -1163,6 +1238,8 @@ class SenderCore:
         waiting, link.waiting = list(link.waiting), {}
         frames, link.outstanding = link.outstanding, deque()
         for frame in frames:
+            if frame.lane is None:
+                continue  # a heartbeat: nothing rides on it
             if frame.msg is None:
                 self._ask_answered(link, frame.lane, False, why)
             else:

@@ -94,7 +94,10 @@ def _print_sender(st: dict) -> None:
           f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({st['dead_letter_queue_depth']}), in flight {st['in_flight']}")
-    print("  hosts: " + ", ".join(f"{h['host']} {h['connection']}" for h in st["hosts"]))
+    print("  hosts: " + ", ".join(
+        f"{h['host']} {h['connection']}" + (f" ({h['heartbeat_failures']} heartbeat(s) "
+                                            "unanswered)" if h.get("heartbeat_failures") else "")
+        for h in st["hosts"]))
     if not st["routes"]:
         print("  no messages sent yet")
         return
