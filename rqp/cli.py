@@ -7,16 +7,21 @@ import math
 import os
 
 
-def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a number"):
-    """An argparse type: ``kind`` (int or float), finite, >= (or >) ``minimum``."""
+def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a number",
+           maximum: float | None = None):
+    """An argparse type: ``kind`` (int or float), finite, >= (or >) ``minimum`` (and <=
+    ``maximum``, if given)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or \
-                (value < minimum if inclusive else value <= minimum):
+                (value < minimum if inclusive else value <= minimum) or \
+                (maximum is not None and value > maximum):
             bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            if maximum is not None:
+                bound = f"in {minimum:g}..{maximum:g}"
             raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
         return value
     return parse
@@ -26,6 +31,8 @@ positive_int = number(int, minimum=1, what="a whole number")
 count = number(int, minimum=0, what="a whole number")
 positive_seconds = number(float, minimum=0, inclusive=False, what="a number of seconds")
 seconds = number(float, minimum=0, what="a number of seconds")
+#: A sending MCA's window (frames in flight per connection), as .rqprc's ``window`` takes it.
+window = number(int, minimum=1, maximum=65536, what="a window of frames")
 
 def listen_address(text: str) -> str:
     """An argparse type: ``HOST:PORT``, ``HOST``, ``[v6]:PORT`` or ``:PORT`` (all addresses),

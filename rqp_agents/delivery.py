@@ -15,7 +15,7 @@ from rqp.protocol.constants import DEFAULT_MTYPE
 from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
 from rqp.protocol.reasons import ReasonCode
 from rqp.system.queues import LocalQueue, format_key, may_write_every_queue, write_access
-from rqp.system.service import is_transmission_queue
+from rqp.system.service import is_agent_queue
 
 __all__ = ["LocalDelivery"]
 
@@ -45,15 +45,16 @@ class LocalDelivery:
         self._allowed_keys.clear()
 
     def _allowed(self, queue_key: int) -> bool:
-        """The config offers it, and it is not a transmission queue of this host: a record
-        put there from the network would be relayed by the local sending MCA as its own
-        (decided at most once a second per key; at once again after a reload)."""
+        """The config offers it, and it is no sending MCA's transmission queue or
+        DEAD.LETTER.Q on this host: a record put in the one from the network would be relayed
+        by the local sending MCA as its own, in the other archived and replayed as a dead
+        letter (decided at most once a second per key; at once again after a reload)."""
         now = time.monotonic()
         known = self._allowed_keys.get(queue_key)
         if known is not None and now < known[1]:
             return known[0]
         allowed = self.offer_default and self.config.offers(queue_key) and \
-            not is_transmission_queue(queue_key)
+            not is_agent_queue(queue_key)
         if len(self._allowed_keys) > 4096:
             self._allowed_keys.clear()
         self._allowed_keys[queue_key] = (allowed, now + 1.0)

@@ -32,7 +32,7 @@ from rqp.storage.deadletters import DeadLetterWriter
 from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
-from rqp.system.service import host_name, setup_logging, wall_ms
+from rqp.system.service import host_name, make_state_dir, setup_logging, wall_ms
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
@@ -71,8 +71,11 @@ class GroupCommit:
     ends and takes all of them: the busier the receiver, the more keys per fsync (group
     commit), with no commit waiting longer than one fsync to start."""
 
-    def __init__(self, window: DedupWindow) -> None:
+    def __init__(self, window: DedupWindow, broken) -> None:
+        """``broken(exc)`` is called (on the loop) when an fsync of the window failed: no
+        commit can succeed any more in this process."""
         self.window = window
+        self._broken = broken
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rqp-dedup")
         self._running: asyncio.Future | None = None  # the commit being written
         self._next: asyncio.Future | None = None  # done with the commit after it
@@ -113,6 +116,8 @@ class GroupCommit:
         if self._running is done:
             self._running = None
         failed = done.cancelled() or done.exception() is not None
+        if failed and self.window.broken:
+            self._broken(done.exception())
         if not failed and self.window.compaction_due():  # (when the file has grown)
             snapshot = self.window.begin_compact()
             if snapshot is not None:
@@ -166,9 +171,11 @@ class _Answers:
         self._commits = commits
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
 
-    def send(self, batch: list[bytes]) -> None:
-        """Send ``batch`` (answers, in order) once what it confirms is durable."""
-        durable = self._commits.durable()  # (raises if no commit can succeed)
+    def send(self, batch: list[bytes], sure: bool) -> None:
+        """Send ``batch`` (answers, in order) once what it confirms is durable: with ``sure``
+        (it answers SURE messages), once the window holds every key recorded so far; else as
+        soon as the batches before it are sent."""
+        durable = self._commits.durable() if sure else None  # (raises if none can succeed)
         self._forget_sent()
         data = b"".join(batch)
         if durable is None and not self._waiting:
@@ -234,13 +241,14 @@ class Receiver(Daemon):
                                              Path(config.state_dir) / "spill", msgmax=self.msgmax,
                                              spill_limit=config.spill_limit)
         state = Path(config.state_dir)
-        state.mkdir(parents=True, exist_ok=True)
+        make_state_dir(state)
         # SURE repeats (same key) are answered without a second put, within this window.
         self.dedup = DedupWindow(window_path(state), max_keys=config.dedup_window_keys,
                                  max_age=config.dedup_window_age)
         for problem in self.dedup.problems:
-            log.warning("de-duplication window %s: %s", window_path(state), problem)
-        self.commits = GroupCommit(self.dedup)
+            log.warning("de-duplication window: %s", problem)  # (each names the file)
+        self.commits = GroupCommit(self.dedup, lambda exc: self.fatal(
+            "the de-duplication window (an fsync failed; a restart reopens it)", exc))
         self._putting: dict[int, asyncio.Event | None] = {}  # SURE keys being put right now
         self.delivery = LocalDelivery(config)
         self._noticed: dict[tuple[str, int], None] = {}
@@ -302,7 +310,7 @@ class Receiver(Daemon):
         expiry.cancel()
         self.stop_service()
         await self.commits.drain()
-        self.dedup.close()
+        self.dedup.close(commit=not self.dedup.broken)
         log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
 
     # --- reload, status, metrics ---------------------------------------------------------------
@@ -396,19 +404,21 @@ class Receiver(Daemon):
                 finally:
                     self._idle.discard(task)
                 conn.receive_data(data)
-                batch = []
+                batch, sure = [], False
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         framed = True
+                        sure = sure or _answers_sure(request)
                         batch.append(await self._handle(conn, request, who, info))
                         if len(batch) >= ANSWER_BATCH:
-                            answers.send(batch)
-                            batch = []
+                            answers.send(batch, sure)
+                            batch, sure = [], False
                             await answers.room()
                 finally:  # whatever happens next, what was answered is sent, in order
                     if batch:
-                        answers.send(batch)
+                        answers.send(batch, sure)
                 if request is CLOSED:
+                    await answers.flush()  # (a failed commit closes it too: say that first)
                     self._goings.report("connection from %s closed", logging.INFO, peer)
                     break
                 if self._stopping.is_set():  # what was in flight is answered: done
@@ -419,6 +429,8 @@ class Receiver(Daemon):
             self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
+        except DedupError as exc:
+            self._unrecorded(peer, exc)
         except RQPError as exc:
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc)
         except (ConnectionError, OSError) as exc:
@@ -428,11 +440,18 @@ class Receiver(Daemon):
         finally:  # the answers already decided go out (each after its commit), then close
             try:
                 await answers.flush()
+            except DedupError as exc:
+                self._unrecorded(peer, exc)
             except RQPError as exc:
                 self._errors.report("closing connection from %s without answering what it "
                                     "sent last: %s", logging.WARNING, peer, exc)
             except (ConnectionError, OSError):
                 pass
+
+    def _unrecorded(self, peer: str, exc: DedupError) -> None:
+        self._errors.report("closing connection from %s without answering its last SURE "
+                            "messages: the de-duplication window cannot record them (the sender "
+                            "keeps them and sends them again): %s", logging.ERROR, peer, exc)
 
     async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label
@@ -619,6 +638,14 @@ class Receiver(Daemon):
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
                     "SURE" if sure else "UNSURE", peer, detail)
+
+
+def _answers_sure(request) -> bool:
+    """Whether answering ``request`` confirms a SURE message (whose key must be durable
+    first): a put or batch with a SURE message in it."""
+    if isinstance(request, Batch):
+        return any(m.message_type == SURE_MSG for m in request.messages)
+    return not isinstance(request, (Ask, Refuse)) and request.message.message_type == SURE_MSG
 
 
 def _no_ssl_half_close_warning(record: logging.LogRecord) -> bool:

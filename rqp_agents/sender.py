@@ -34,7 +34,9 @@ from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
-    KeySource, ServingLock, host_name, setup_logging, wall_ms, write_file_atomically,
+    KeySource, ServingLock, host_name, make_state_dir, mark_dead_letter_queue, setup_logging,
+    wall_ms,
+    write_file_atomically,
 )
 from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
@@ -68,12 +70,13 @@ class Sender(Daemon):
         self.tls = _tls_contexts(config)  # before anything is created: bad files stop here
         self.host = host_name()
         self.state_dir = Path(config.state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        make_state_dir(self.state_dir)
         self.msgmax = kernel_limits().msgmax
         # The spec's start: DEAD.LETTER.Q exists before anything else (the transmission
         # queue is opened, or created, by the intake below).
         self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
                                              self.state_dir / "spill", msgmax=self.msgmax)
+        mark_dead_letter_queue(config.dead_letter_queue)  # never offered by a receiver here
         self.lock = ServingLock(config.transmission_queue)
         self.name = config.agent_name
         self.keys = KeySource(self.state_dir, self.name)

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from rqp import cli
 from rqp.protocol.constants import DEFAULT_WINDOW
 from rqp_agents.receiver import ANSWER_BATCH, ANSWERS_IN_FLIGHT
 from tests.agents import dead_letters, make_queue, start_receiver, start_sender, write_rqprc
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sure", type=int, default=50_000)
     parser.add_argument("--unsure", type=int, default=10_000)
     parser.add_argument("--faults", type=int, default=8)
-    parser.add_argument("--window", type=int, default=None,
+    parser.add_argument("--window", type=cli.window, default=None,
                         help="the sending MCA's window (default: .rqprc's)")
     args = parser.parse_args(argv)
     print(Report.HEADER, flush=True)

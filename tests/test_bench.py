@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
+from rqp.system.queues import kernel_limits
 from rqp.tools import bench
 from rqp.tools.bench import PAYLOAD_HEAD, BenchError, filler
 
@@ -145,12 +147,19 @@ def test_scale_sweeps_run_every_case_and_leave_nothing_behind(tmp_path):
         assert len(case["msg_per_s"]) == 1 and case["msg_per_s"][0] > 0, case
         assert set(case["cpu_us"]) == {"producer", "sending MCA", "receiving MCA", "consumer"}
         assert case["cpu_us"]["receiving MCA"][0] > 0, case
-    assert "1000 key(s), 1 producer(s), 1 sender(s)" in proc.stdout
+    assert "keys: 1000 key(s), 1 producer(s), 1 sending MCA(s)" in proc.stdout
     assert set(Path("/tmp").glob("rqp-scale-*")) == before  # its working directory is gone
 
 
-def test_scale_refuses_an_unknown_sweep():
+@pytest.mark.parametrize("args, error", [
+    (["--sweeps", "keys,hosts"], "unknown sweep(s) hosts"),
+    (["--size", "99999"], "--size 99999: a payload of 10..{largest} bytes"),
+    (["--window", "0"], "argument --window: expected a window of frames in 1..65536, got '0'"),
+    (["--rounds", "0"], "--rounds 0: at least 1"),
+])
+def test_scale_refuses_bad_arguments_at_once(args, error):
     python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
-    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys,hosts"],
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "unknown sweep(s) hosts" in proc.stderr, proc.stderr
+    error = error.format(largest=kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE)
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr

@@ -173,6 +173,21 @@ def test_a_vanished_peer_on_an_idle_connection_is_found_by_the_heartbeat(testbed
     assert receive(b, Q1, 1) == ["after"]
 
 
+def test_status_watch_refreshes_until_interrupted(site):
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["one"])
+    assert receive(b, Q1, 1) == ["one"]
+    watch = a.popen([*RQPCTL, "status", "--agent", "sender", "--rqprc", str(rqprc),
+                     "--watch", "0.2"])
+    wait_for(lambda: a.output(watch).count("every 0.2s") >= 3, timeout=20,
+             message="rqpctl status --watch did not refresh")
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(10) == 0
+    assert a.output(watch).count("PROD_THE_SCHED_COMMON") >= 3
+    bad = rqpctl(a, "status", "--watch", "1", "--json", "--rqprc", str(rqprc))
+    assert bad.returncode == 2 and "--watch shows the table" in bad.stderr
+
+
 def test_receiver_metrics_over_http_and_rqpctl(site):
     a, b, rqprc, sender, receiver = site
     send(a, rqprc, Q1, ["m"])

@@ -228,6 +228,32 @@ def test_transmission_queues_are_never_offered_to_the_network(testbed):
     assert ReasonCode(rec["reason"]) is ReasonCode.QUEUE_NOT_OFFERED and rec["queue_key"] == xmit
 
 
+def test_a_local_sending_mcas_dead_letter_queue_is_never_offered(testbed):
+    """A new user's trial (issue 14): a sending MCA on the receiver's host with its own
+    dead_letter_queue key (not the default) had that queue offered to the network under
+    offer.allow ['*'], so a peer could plant forged dead letters in it. A sending MCA marks
+    its DEAD.LETTER.Q (a semaphore with its key) and the receiver never offers a marked key."""
+    dlq = 0x7E52DEAD
+
+    def start_a_sending_mca(qa):
+        rqprc = qa.host.workdir / "local.rqprc"
+        rqprc.write_text(f"hosts: [192.0.2.1]\ntransmission_queue: 0x7e520000\n"
+                         f"dead_letter_queue: {dlq:#x}\nstate_dir: {qa.host.workdir}/local\n")
+        sender = qa.host.popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc",
+                                str(rqprc)])
+        wait_for(lambda: "serving transmission queue" in qa.host.output(sender, "stderr"),
+                 timeout=20, message="the local sending MCA did not start")
+
+    r = rig(testbed, {"host_name": HOST_NAME, "offer": {"allow": ["*"]}}, queues={Q1: 0o660},
+            before_start=start_a_sending_mca)
+    assert r.qa.exists(dlq)  # (the sending MCA made it)
+    connect(r.pb, "c", r)
+    assert answers(r.pb.exchange("c", [ask(dlq), ask(Q1)])) == ["QUEUE_NO", "QUEUE_YES"]
+    assert answers(r.pb.exchange("c", [msg(dlq, b"forged", key=3, type=UNSURE)])) == \
+        ["DELIVERED_ERROR"]
+    assert r.qa.depth(dlq) == 0
+
+
 def test_unprivileged_receiver_offers_only_what_it_may_write_and_dead_letters_the_rest(testbed):
     """Receiver as uid 65534: a root 0600 queue is QUEUE_NO and NOT_AUTHORIZED, a write-only
     0622 queue (IPC_STAT refused) is offered and delivered to."""
@@ -857,9 +883,16 @@ def test_a_failed_dedup_write_closes_unanswered_and_the_resend_is_not_put_twice(
     pb.send("c2", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54)])
     got = pb.read_to_eof("c2", timeout=10)
     assert (got["data"], got["eof"]) == (b"", True), got  # closed, nothing confirmed
-    wait_for(lambda: any("without answering what it sent last" in line and "cannot write" in line
-                         for line in lines), timeout=10, message="no line about the failure")
+    wait_for(lambda: any("without answering its last SURE messages" in line and
+                         "cannot write" in line for line in lines), timeout=10,
+             message="no line about the failure")
     assert qa.drain(Q1) == [(1, b"one"), (1, b"two"), (1, b"three"), (1, b"four")]
+    assert any(" ERROR " in line and "cannot record them" in line for line in lines), lines
+    # what confirms no SURE message needs no commit: asks and UNSURE messages are answered
+    connect(pb, "u", r)
+    assert answers(pb.exchange("u", [ask(Q1), msg(Q1, b"maybe", key=0x60, type=UNSURE)])) == \
+        ["QUEUE_YES", "DELIVERED_YES"]
+    assert qa.drain(Q1) == [(1, b"maybe")]
     resource.prlimit(rx.pid, resource.RLIMIT_FSIZE, (hard, hard))
     connect(pb, "c3", r)  # the sender sends the unanswered ones again
     assert answers(pb.exchange("c3", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54),
@@ -873,6 +906,59 @@ def test_a_failed_dedup_write_closes_unanswered_and_the_resend_is_not_put_twice(
     assert answers(pb.exchange("c4", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54)])) \
         == ["DELIVERED_YES"] * 2
     assert qa.drain(Q1) == []
+    rx.send_signal(signal.SIGTERM)
+    assert rx.wait(20) == 0
+
+
+#: Loaded by the receiver under test (PYTHONPATH): its fsync of receiver.dedup fails with EIO
+#: while the flag file exists. A failing disk cannot be had on this machine (no device-mapper),
+#: so the failure is injected at the system call's Python entry, in the real daemon.
+FAILING_FSYNC = """
+import os
+_real_fsync, _flag = os.fsync, os.environ["RQP_TEST_FSYNC_FAILS"]
+def _fsync(fd):
+    if os.path.exists(_flag) and os.readlink(f"/proc/self/fd/{fd}").endswith("receiver.dedup"):
+        raise OSError(5, "Input/output error (injected)")
+    return _real_fsync(fd)
+os.fsync = _fsync
+"""
+
+
+def test_a_failed_fsync_of_the_window_stops_the_receiver_with_status_70(testbed):
+    """A new user's trial (issue 14): after one failed fsync of receiver.dedup (whose outcome
+    is unknown) the receiver stayed up and closed every connection unanswered, SURE or not,
+    until someone restarted it. Now it stops with status 70 (systemd restarts it, which
+    reopens the window) without confirming what it could not record."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    qa, pb = Peer.start(a), Peer.start(b)
+    qa.create(Q1, 0o660)
+    inject = a.workdir / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FAILING_FSYNC)
+    flag = a.workdir / "fsync-fails"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "RQP_TEST_FSYNC_FAILS": str(flag)}
+    rx = start_receiver(a, BASE_CONFIG, env=env)
+    r = Rig(a, b, qa, pb, rx)
+    connect(pb, "c1", r)
+    assert answers(pb.exchange("c1", [msg(Q1, b"one", key=0x71)])) == ["DELIVERED_YES"]
+    flag.write_text("")
+    connect(pb, "c2", r)
+    pb.send("c2", [msg(Q1, b"two", key=0x72)])
+    got = pb.read_to_eof("c2", timeout=10)
+    assert got["data"] == b"" and (got["eof"] or got["reset"]), got
+    assert rx.wait(20) == 70
+    log = a.output(rx, "stderr")
+    assert "the de-duplication window (an fsync failed; a restart reopens it)" in log, log
+    flag.unlink()
+    rx = start_receiver(a, BASE_CONFIG, env=env)  # what systemd does
+    connect(pb, "c3", r)
+    assert answers(pb.exchange("c3", [msg(Q1, b"one", key=0x71), msg(Q1, b"two", key=0x72)])) \
+        == ["DELIVERED_YES"] * 2
+    # both are repeats: "one" was durable; "two" was written and only its fsync "failed" (the
+    # operating system kept the write, as it does when a process stops): not put twice
+    assert qa.drain(Q1) == [(1, b"one"), (1, b"two")]
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
 

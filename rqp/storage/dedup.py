@@ -492,6 +492,11 @@ class DedupWindow:
         return (self._now_ms() - self._keys[next(iter(self._keys))]) / 1000.0
 
     @property
+    def broken(self) -> bool:
+        """An fsync failed: no commit can succeed until the window is reopened."""
+        return self._failed is not None
+
+    @property
     def pending(self) -> int:
         """Entries recorded but not yet committed."""
         return len(self._pending) + len(self._unwritten)

@@ -187,6 +187,36 @@ def is_transmission_queue(key: int) -> bool:
     return _existing(key) is not None
 
 
+def make_state_dir(path: Path) -> None:
+    """Create an agent's ``state_dir`` (and its parents) if missing; RQPError naming it if
+    that fails (a file in the way, no permission)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "a file of that name is in the way" if path.exists() and not path.is_dir() \
+            else exc.strerror or str(exc)
+        raise RQPError(f"state_dir {path}: cannot create it: {why}") from None
+
+
+def mark_dead_letter_queue(key: int) -> None:
+    """Mark queue ``key`` as a sending MCA's DEAD.LETTER.Q on this host: a semaphore set of
+    one with that key (as a transmission queue has its agent semaphores), so that a receiving
+    MCA here never offers it to the network, whatever its offer list says. A set with that key
+    already there: nothing to do."""
+    key_t = ctypes.c_int(key & 0xFFFFFFFF).value
+    if _libc.semget(key_t, 0, 0) >= 0:
+        return
+    if _libc.semget(key_t, 1, _IPC_CREAT | 0o660) < 0:
+        raise RQPError(f"DEAD.LETTER.Q {format_key(key)}: cannot make its marker semaphore "
+                       f"(semget: {os.strerror(ctypes.get_errno())})")
+
+
+def is_agent_queue(key: int) -> bool:
+    """Whether queue ``key`` is a sending MCA's transmission queue or DEAD.LETTER.Q on this
+    host (its semaphores, or its marker, exist): a receiving MCA never offers those."""
+    return _libc.semget(ctypes.c_int(key & 0xFFFFFFFF).value, 0, 0) >= 0
+
+
 def serving_pid(transmission_queue: int) -> int | None:
     """The pid of the sending MCA serving ``transmission_queue``, or None if none does."""
     sems = _existing(transmission_queue)

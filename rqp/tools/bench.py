@@ -51,6 +51,7 @@ from pathlib import Path
 import sysv_ipc
 
 import rqp
+from rqp import cli
 from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
@@ -583,7 +584,8 @@ class Bench:
         if sizes != {self.msgmnb}:
             raise BenchError(f"queues were created with msg_qbytes {sorted(sizes)}, not the "
                              f"msgmnb {self.msgmnb}: cannot compare the pipelines")
-        self.semaphores += [self.xmit, (self.xmit + 1) & 0xFFFFFFFF]
+        # (and the sending MCA marks its DEAD.LETTER.Q with a semaphore of the same key)
+        self.semaphores += [self.xmit, (self.xmit + 1) & 0xFFFFFFFF, self.dlq]
         self.watchdog = Watchdog(self.args.stall)
         self.rqp = Pipeline("RQP", self.dest)
         self.raw = Pipeline("raw", self.raw_dest)
@@ -683,7 +685,8 @@ class Bench:
             f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {self.xmit:#x}\n"
             f"dead_letter_queue: {self.dlq:#x}\nstate_dir: state\nask_timeout: 2s\n"
             f"confirm_timeout: 15s\n"
-            + (f"window: {self.args.window}\n" if self.args.window else "") + sender_tls)
+            + (f"window: {self.args.window}\n" if self.args.window is not None else "")
+            + sender_tls)
         self.transport, self.loop_name = transport, loop
         py = sys.executable
         self.receiver = self._popen("receiving MCA", [py, "-m", "rqp_agents.receiver",
@@ -1098,7 +1101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--against", choices=("rabbitmq",), default=None,
                         help="also run every case through a RabbitMQ broker of this run, "
                         "alternating with RQP (scripts/bench installs rabbitmq-server and pika)")
-    parser.add_argument("--window", type=int, default=None, metavar="N",
+    parser.add_argument("--window", type=cli.window, default=None, metavar="N",
                         help="the sending MCA's window (frames in flight per connection; "
                         "default: .rqprc's default)")
     parser.add_argument("--stall", type=float, default=STALL, metavar="SECONDS",

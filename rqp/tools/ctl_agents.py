@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from rqp.cli import positive_int, seconds
+from rqp.cli import positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
     load_sender_config, parse_queue_key,
@@ -117,7 +118,8 @@ def _print_sender(st: dict) -> None:
               f"{_ago(r['last_confirmed_at'], now):>8}  {error}")
         if r.get("stalled_why"):
             print(f"    stalled: nothing confirmed for {_ago(r['stalled_since'], now)} with "
-                  f"messages waiting: {r['stalled_why']}")
+                  f"{r['waiting'] + r['in_flight']} message(s) waiting or in flight: "
+                  f"{r['stalled_why']}")
         by_priority = r.get("waiting_by_priority") or {}
         if len(by_priority) > 1:  # several priorities waiting: how many of each
             print("    waiting by priority: " + ", ".join(f"{p}: {n}"
@@ -151,6 +153,26 @@ def _print_receiver(st: dict) -> None:
 
 
 def status(args) -> int:
+    if args.watch is None:
+        return _status_once(args)
+    if args.json:
+        print("rqpctl status: --watch shows the table; for tools, call --json repeatedly",
+              file=sys.stderr)
+        return 2
+    code = 0
+    try:
+        while True:
+            if sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")  # home, clear: the table in place
+            print(f"every {args.watch:g}s, {time.strftime('%Y-%m-%d %H:%M:%S')} (Ctrl-C ends)")
+            code = _status_once(args)
+            sys.stdout.flush()
+            time.sleep(args.watch)  # (the refresh interval itself)
+    except KeyboardInterrupt:
+        return code
+
+
+def _status_once(args) -> int:
     code, answers = 0, {}
     for name, candidates in _targets(args):
         try:
@@ -276,6 +298,8 @@ def add_commands(groups) -> None:
                           "route is not healthy.")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
+                   help="show it again every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(run=status)
     p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
     targets(p)

@@ -33,6 +33,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,9 @@ from pathlib import Path
 import sysv_ipc
 
 import rqp
+from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.system.service import sender_serving
 from rqp.tools.bench import (
@@ -143,6 +146,7 @@ def _consume(queues, tag: int, counts: list[int], size: int, ordered: bool):
 
 @dataclass
 class Case:
+    sweep: str
     keys: int
     producers: int
     senders: int
@@ -151,7 +155,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.keys} key(s), {self.producers} producer(s), {self.senders} sender(s)"
+        return (f"{self.sweep}: {self.keys} key(s), {self.producers} producer(s), "
+                f"{self.senders} sending MCA(s)")
 
 
 class Scale:
@@ -188,14 +193,23 @@ class Scale:
                 for p in producers:
                     p.start()
                 self.procs += producers
-                start.wait(timeout=START_TIMEOUT * 3)
+                try:
+                    start.wait(timeout=START_TIMEOUT * 3)
+                except threading.BrokenBarrierError:
+                    raise BenchError(f"{case.label}: the producers did not start (see above)")
                 agents = {"sending MCA": [s[0].pid for s in senders],
                           "receiving MCA": [receiver.pid], "consumer": [consumer.pid]}
                 before = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
                 t0 = time.monotonic_ns()
-                if not ours.poll(ROUND_TIMEOUT):
-                    raise BenchError(f"{case.label}: round {round_} did not finish in "
-                                     f"{ROUND_TIMEOUT:g}s")
+                deadline = time.monotonic() + ROUND_TIMEOUT
+                while not ours.poll(0.5):  # (and a producer that failed ends the run now)
+                    failed = [p for p in producers if p.exitcode not in (None, 0)]
+                    if failed:
+                        raise BenchError(f"{case.label}: a producer exited with status "
+                                         f"{failed[0].exitcode} (see above)")
+                    if time.monotonic() > deadline:
+                        raise BenchError(f"{case.label}: round {round_} did not finish in "
+                                         f"{ROUND_TIMEOUT:g}s")
                 reply = ours.recv()
                 after = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
                 for p in producers:
@@ -241,7 +255,7 @@ class Scale:
                           "offer:\n  allow: ['*']\n")
         proc = self._popen([sys.executable, "-m", "rqp_agents.receiver", "--config",
                             str(config)], state / "receiver.log")
-        _wait("the receiving MCA", lambda: port_open(port), proc)
+        _wait("the receiving MCA", lambda: port_open(port), proc, state / "receiver.log")
         return proc, port
 
     def _start_sender(self, number: int, port: int) -> tuple[subprocess.Popen, Path]:
@@ -249,14 +263,15 @@ class Scale:
         state = self.workdir / f"sender-{xmit:08x}"
         state.mkdir()
         rqprc = state / ".rqprc"
-        window = f"window: {self.args.window}\n" if self.args.window else ""
+        window = f"window: {self.args.window}\n" if self.args.window is not None else ""
         rqprc.write_text(f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
                          f"dead_letter_queue: {self.dlq:#x}\nstate_dir: {state}\n"
                          f"ask_timeout: 2s\nconfirm_timeout: 15s\n{window}")
         proc = self._popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                            state / "sender.log")
-        _wait(f"sending MCA {number}", lambda: sender_serving(xmit), proc)
-        self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1]
+        _wait(f"sending MCA {number}", lambda: sender_serving(xmit), proc, state / "sender.log")
+        # (its semaphores, and the marker of its DEAD.LETTER.Q)
+        self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1, self.dlq]
         return proc, rqprc
 
     def stop_all(self) -> None:
@@ -290,11 +305,16 @@ class Scale:
         self.semaphores = []
 
 
-def _wait(what: str, predicate, proc: subprocess.Popen) -> None:
+def _wait(what: str, predicate, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while not predicate():
         if proc.poll() is not None:
-            raise BenchError(f"{what} exited with status {proc.returncode} at start")
+            try:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+            except OSError:
+                tail = "(no log)"
+            raise BenchError(f"{what} exited with status {proc.returncode} at start; its log "
+                             f"ends:\n{tail}")
         if time.monotonic() > deadline:
             raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
         time.sleep(0.02)
@@ -307,12 +327,12 @@ def table(cases: list[Case], args: argparse.Namespace) -> str:
     lines = [f"{args.type} {args.size} B, {args.messages} messages per round, median of "
              f"{args.rounds} round(s) (spread min-max); CPU us per message per kind of process "
              "(summed over its processes)",
-             f"{'case':44} {'msg/s':>18} " + " ".join(f"{k:>13}" for k in KINDS)]
+             f"{'case':62} {'msg/s':>22} " + " ".join(f"{k:>13}" for k in KINDS)]
     for case in cases:
         rates = [args.messages / s for s in case.seconds]
         rate = f"{statistics.median(rates):,.0f} ({min(rates)/1000:.1f}-{max(rates)/1000:.1f}k)"
         cpu = " ".join(f"{statistics.median(case.cpu[k]):13.1f}" for k in KINDS)
-        lines.append(f"{case.label:44} {rate:>18} {cpu}")
+        lines.append(f"{case.label:62} {rate:>22} {cpu}")
     return "\n".join(lines)
 
 
@@ -327,7 +347,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=20_000,
                         help="messages per round (default 20000)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (3)")
-    parser.add_argument("--window", type=int, help="the sending MCAs' window (default: "
+    parser.add_argument("--window", type=cli.window, help="the sending MCAs' window (default: "
                         ".rqprc's)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = parser.parse_args(argv)
@@ -335,9 +355,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown sweep(s) {', '.join(sorted(unknown))}: one of "
                      f"{', '.join(SWEEPS)}")
-    if args.size < HEAD.size or args.messages < 20 or args.rounds < 1:
-        parser.error(f"--size must be at least {HEAD.size}, --messages at least 20, "
-                     "--rounds at least 1")
+    largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
+    if not HEAD.size <= args.size <= largest:
+        parser.error(f"--size {args.size}: a payload of {HEAD.size}..{largest} bytes (msgmax "
+                     f"{kernel_limits().msgmax} less the {TRANSMISSION_HEADER_SIZE}-byte record "
+                     "header)")
+    if args.messages < 20:
+        parser.error(f"--messages {args.messages}: at least 20")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
+        parser.error(f"--json {args.json}: its directory does not exist or cannot be written")
     return args
 
 
@@ -353,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
     workdir = Path(tempfile.mkdtemp(prefix=f"rqp-scale-{os.getpid()}-"))
     scale = Scale(args, workdir)
-    cases = [Case(**spec) for name in args.sweeps.split(",") for spec in SWEEPS[name]]
+    cases = [Case(name, **spec) for name in args.sweeps.split(",") for spec in SWEEPS[name]]
     done: list[Case] = []
     try:
         for case in cases:
@@ -370,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, rqp.RQPError, OSError, sysv_ipc.Error) as exc:
         say(f"rqp-scale: FAILED: {exc}", err=True)
         if done:
+            say("rqp-scale: the cases measured before the failure:", err=True)
             say(table(done, args))
         return 1
     except KeyboardInterrupt:
