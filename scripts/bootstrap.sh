@@ -2,7 +2,8 @@
 # Sourced by scripts/test and scripts/demo: makes .venv in the checkout, installs the project
 # and its dependencies into it, and checks the system tools the project needs: setup_demo for
 # the main job (Java for Spark, util-linux), setup_test for the tests as well (iproute2,
-# chromium, man-db, systemd). What apt and pip print goes to out/setup.log.
+# chromium, man-db, systemd, strace, prometheus for promtool). What apt and pip print goes to
+# out/setup.log.
 # Idempotent: a second run only checks.
 set -euo pipefail
 
@@ -116,4 +117,6 @@ setup_test() {  # and what the tests need besides
     check_tool man man-db "the unit test runs systemd-analyze verify, which calls man"
     check_tool systemd-analyze systemd "the unit test verifies the systemd units with it"
     check_tool strace strace "a durability test watches the sending MCA's system calls with it"
+    # RUNLEVEL=1: the package's Prometheus service is not started (only promtool is used)
+    RUNLEVEL=1 check_tool promtool prometheus "the monitoring test checks config/prometheus-rules.yaml with it"
 }
