@@ -196,9 +196,17 @@ class Daemon:
             return self.status()
         if command == "metrics":
             return {"text": self.metrics()}
-        return {"error": f"unknown command {command!r} (status, metrics)"}
+        if command == "trace":
+            key = request.get("key")
+            if type(key) is not int or not 0 < key < 1 << 64:
+                return {"error": f"trace: a message key is an integer in 1..2**64-1, got {key!r}"}
+            return {"trace": self.trace(key)}
+        return {"error": f"unknown command {command!r} (status, metrics, trace)"}
 
     def status(self) -> dict:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def trace(self, key: int) -> dict | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def metrics(self) -> str:  # pragma: no cover - overridden

@@ -57,6 +57,8 @@ CONNECTION_LOG_INTERVAL = 10.0
 CONNECTION_LOG_BURST = 20
 #: SURE message keys already dead-lettered (spec 5.10: one notice per key), most recent kept.
 NOTICE_MEMORY = 100_000
+#: Peers remembered for rqpctl trace (a key is looked up in the window once per peer).
+PEER_MEMORY = 1024
 
 
 class DeadLetterUnavailable(RQPError):
@@ -259,6 +261,8 @@ class Receiver(Daemon):
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
+        #: Every peer label served since the start, most recent last (rqpctl trace).
+        self._peer_labels: dict[str, None] = {}
         # Each connection's comings and goings, and the protocol errors that end them: at most
         # CONNECTION_LOG_BURST lines of each per interval, whatever a peer does.
         self._comings = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
@@ -317,6 +321,20 @@ class Receiver(Daemon):
 
     def status(self) -> dict:
         return telemetry.receiver_status(self)
+
+    def trace(self, key: int) -> dict | None:
+        """Whether a SURE message with RQP key ``key`` was put here, from which peer and when
+        (its key in the de-duplication window, for each peer this receiver has served since
+        it started); None if no peer's window holds it (an UNSURE message leaves no trace)."""
+        for peer in reversed(self._peer_labels):
+            scoped = scoped_key(peer, key)
+            if scoped in self._putting:
+                return {"state": "being put", "peer": peer}
+            at = self.dedup.recorded_at(scoped)
+            if at is not None:
+                return {"state": "put (SURE; its key is in the de-duplication window)",
+                        "peer": peer, "at": at}
+        return None
 
     def metrics(self) -> str:
         return telemetry.receiver_metrics(self)
@@ -381,6 +399,10 @@ class Receiver(Daemon):
         self._peers[task] = info = {
             "peer": peer, "identity": who.identity, "may_use": self.gate.grant(who).describe(),
             "since": time.time(), "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0}
+        self._peer_labels.pop(who.label, None)
+        self._peer_labels[who.label] = None
+        if len(self._peer_labels) > PEER_MEMORY:
+            del self._peer_labels[next(iter(self._peer_labels))]
         self._comings.report("connection from %s%s", logging.INFO, peer,
                              f" ({who.identity})" if who.identity else "")
         conn = ReceiverConnection(max_message_size=self.max_message_size,

@@ -130,6 +130,19 @@ class Sender(Daemon):
     def status(self) -> dict:
         return telemetry.sender_status(self)
 
+    def trace(self, key: int) -> dict | None:
+        """What this sending MCA knows of the message with RQP key ``key`` (times: Unix)."""
+        found = self.core.trace(key, self.loop.time())
+        if found is None:
+            return None
+        to_wall = time.time() - self.loop.time()
+        for field in ("taken_at", "answer_due", "retry_at", "at"):
+            if found.get(field) is not None:
+                found[field] += to_wall
+        found["queue"] = format_key(found["queue_key"])
+        found["name"] = self.config.queue_name(found["queue_key"])
+        return found
+
     def metrics(self) -> str:
         return telemetry.sender_metrics(self)
 

@@ -188,6 +188,59 @@ def test_status_watch_refreshes_until_interrupted(site):
     assert bad.returncode == 2 and "--watch shows the table" in bad.stderr
 
 
+def test_trace_follows_messages_by_key(site):
+    """Issue 15: rqpctl trace KEY says where one message is, on the sending host (waiting, in
+    flight, confirmed by which host, dead-lettered with which reason) and on the receiving
+    host (a SURE message put, from which peer). Keys are the sending MCA's incarnation << 32
+    | the number of the record it took (1, 2, ...)."""
+    a, b, rqprc, sender, receiver = site
+    Q3 = 0x52510003  # (Q2 and Q3 exist nowhere)
+    status = json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc),
+                               "--json").stdout)
+    base = int(next(iter(status.values()))["incarnation"], 16) << 32
+    receiver_config = str(b.workdir / "receiver.yaml")
+
+    def trace(host, key, *target):
+        out = rqpctl(host, "trace", hex(key), *target, "--json")
+        return out.returncode, next(iter(json.loads(out.stdout).values()))
+
+    send(a, rqprc, Q1, ["one"])  # key 1: SURE, confirmed
+    assert receive(b, Q1, 1) == ["one"]
+    code, t = trace(a, base + 1, "--agent", "sender", "--rqprc", str(rqprc))
+    assert code == 0 and t["state"] == "confirmed" and t["detail"] == f"{b.address}:{PORT}", t
+    code, t = trace(b, base + 1, "--agent", "receiver", "--receiver-config", receiver_config)
+    assert code == 0 and t["state"].startswith("put") and t["peer"] == a.address, t
+    send(a, rqprc, Q2, ["nowhere"], mtype=1)  # key 2: UNSURE, no host offers Q2
+    code, t = wait_for(lambda: (got := trace(a, base + 2, "--agent", "sender", "--rqprc",
+                                              str(rqprc)))[1] and got, timeout=20,
+                       message="the UNSURE message never showed")
+    assert t["state"] == "dead-lettered NO_ROUTE" and t["queue"] == "0x52510002", t
+    receiver.send_signal(signal.SIGSTOP)
+    try:
+        send(a, rqprc, Q1, ["two"])  # key 3: in flight to a frozen receiver
+        send(a, rqprc, Q3, ["three"])  # key 4: SURE, waits for a host that offers Q3
+        code, t = wait_for(lambda: (got := trace(a, base + 3, "--agent", "sender", "--rqprc",
+                                                  str(rqprc)))[1] and got, timeout=20,
+                           message="the SURE message never showed")
+        assert (t["state"], t["host"], t["attempts"]) == ("in flight", f"{b.address}:{PORT}", 1)
+        code, t = wait_for(lambda: (got := trace(a, base + 4, "--agent", "sender", "--rqprc",
+                                                  str(rqprc)))[1] and got, timeout=20,
+                           message="the waiting SURE message never showed")
+        assert t["state"] == "waiting" and t["queue"] == "0x52510003", t
+        text = rqpctl(a, "trace", hex(base + 3), "--agent", "sender", "--rqprc",
+                      str(rqprc)).stdout
+        assert text.startswith(f"sender-52510000: in flight to {b.address}:{PORT} for queue "
+                               "0x52510001 PROD_THE_SCHED_COMMON, taken "), text
+    finally:
+        receiver.send_signal(signal.SIGCONT)
+    assert receive(b, Q1, 1) == ["two"]
+    wait_for(lambda: trace(a, base + 3, "--agent", "sender", "--rqprc",
+                           str(rqprc))[1]["state"] == "confirmed", timeout=20,
+             message="the SURE message was not confirmed after SIGCONT")
+    out = rqpctl(a, "trace", hex(base + 99), "--agent", "sender", "--rqprc", str(rqprc))
+    assert out.returncode == 1 and "knows nothing of key" in out.stdout
+
+
 def test_receiver_metrics_over_http_and_rqpctl(site):
     a, b, rqprc, sender, receiver = site
     send(a, rqprc, Q1, ["m"])

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -450,6 +450,10 @@ class _Lane:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
 
 
+#: How many finished messages the sending MCA remembers by key, for ``rqpctl trace``.
+FINISHED_MEMORY = 100_000
+
+
 class SenderCore:
     """The sending MCA's decisions. Call a method, then :meth:`take_actions`."""
 
@@ -472,6 +476,9 @@ class SenderCore:
         self.info: dict[int, RouteInfo] = {}
         #: Per (broadcast queue key, host): how its copies fared (rqpctl status).
         self.copies_info: dict[tuple[int, object], RouteInfo] = {}
+        #: The end of the last FINISHED_MEMORY messages, by key (rqpctl trace):
+        #: key -> (outcome, when, queue key, host or reason).
+        self.finished: OrderedDict[int, tuple] = OrderedDict()
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -1090,6 +1097,7 @@ class SenderCore:
         info = self._info(msg.queue_key)
         info.delivered += msg.count
         info.last_confirmed_at = self._now
+        self._finished(msg, "confirmed", str(link.host))
         self._actions.append(Delivered(msg, link.host))
         if msg.fanout is not None:
             copy_info = self._copy_info(msg.queue_key, msg.target)
@@ -1122,6 +1130,7 @@ class SenderCore:
                 self._drop_route(key, link.host, f"error counter {count} over the limit "
                                  f"{self.settings.error_limit}")
             self._fire(msg, T.COUNTED)
+            self._finished(msg, "lost (UNSURE, not confirmed)", msg.last_error)
             self._actions.append(Lost(msg, link.host, msg.last_error))
             if msg.fanout is not None:
                 self._copy_ended(msg, reached=True)
@@ -1281,11 +1290,56 @@ class SenderCore:
     def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str) -> None:
         if msg.queue_key in self.info or not queue_key_problem(msg.queue_key):
             self._info(msg.queue_key).dead_lettered += msg.count
+        self._finished(msg, f"dead-lettered {reason.name}", detail)
         self._actions.append(DeadLetter(msg, reason, detail))
         self._fire(msg, T.DEAD_LETTERED)
         if msg.fanout is not None:
             self._copy_info(msg.queue_key, msg.target).dead_lettered += 1
             self._copy_ended(msg, reached=True)
+
+    def _finished(self, msg: Outgoing, outcome: str, where: str) -> None:
+        """Remember how ``msg`` ended, by its key(s), for :meth:`trace`."""
+        if not msg.key:
+            return  # never sent, no key given: nothing to look it up by
+        finished = self.finished
+        for key in range(msg.key, msg.key + msg.count):
+            finished[key] = (outcome, self._now, msg.queue_key, where)
+        while len(finished) > FINISHED_MEMORY:
+            finished.popitem(last=False)
+
+    def trace(self, key: int, now: float | None = None) -> dict | None:
+        """Where the message with RQP key ``key`` is, as far as this sending MCA knows:
+        waiting (for which queue, how long, why), in flight (to which host, since when), or
+        how it ended (confirmed by which host, lost, dead-lettered with which reason) while
+        it is among the last FINISHED_MEMORY; None if it knows nothing of it."""
+        now = self._now if now is None else now
+
+        def holds(msg: Outgoing) -> bool:
+            return msg.key <= key < msg.key + msg.count if msg.key else False
+
+        for link in self._links.values():
+            for frame in link.outstanding:
+                if frame.msg is not None and holds(frame.msg):
+                    msg = frame.msg
+                    return {"state": "in flight", "queue_key": msg.queue_key,
+                            "host": str(link.host), "taken_at": msg.taken_at,
+                            "attempts": msg.attempts, "answer_due": frame.deadline,
+                            "message_type": msg.message_type, "last_error": msg.last_error}
+        for lane in self._lanes.values():
+            for msg in lane.pending:
+                if holds(msg):
+                    state = self._lane_state(lane, self.routes.get(lane.id),
+                                             self._info(msg.queue_key), now)
+                    return {"state": "waiting", "route_state": state,
+                            "queue_key": msg.queue_key, "taken_at": msg.taken_at,
+                            "attempts": msg.attempts, "message_type": msg.message_type,
+                            "priority": msg.priority, "last_error": msg.last_error,
+                            "retry_at": lane.retry_at if lane.retry_at > now else None}
+        ended = self.finished.get(key)
+        if ended is not None:
+            outcome, at, queue_key, where = ended
+            return {"state": outcome, "queue_key": queue_key, "at": at, "detail": where}
+        return None
 
     def _forget_if_idle(self, lane: _Lane) -> None:
         if not lane.pending and not lane.inflight and lane.asking is None:

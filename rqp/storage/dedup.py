@@ -300,6 +300,13 @@ class DedupWindow:
         t = self._keys.get(key)
         return t is not None and self._now_ms() - t < self._max_age_ms
 
+    def recorded_at(self, key: int) -> float | None:
+        """When ``key`` was recorded (Unix seconds), if it is in the window; else None."""
+        t = self._keys.get(key)
+        if t is None or self._now_ms() - t >= self._max_age_ms:
+            return None
+        return t / 1000.0
+
     def record(self, key: int) -> None:
         """Remember ``key``, whose message was just put. Buffered: ``commit()`` makes it durable.
 

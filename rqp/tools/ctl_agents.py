@@ -49,12 +49,12 @@ def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
                                    config.state_dir, "receiver")
 
 
-def ask(candidates: list[Path], command: str) -> dict:
+def ask(candidates: list[Path], command: str, **args) -> dict:
     """The first candidate socket that answers; ControlError naming them all if none does."""
     errors = []
     for path in candidates:
         try:
-            return request(path, command)
+            return request(path, command, **args)
         except ControlError as exc:
             errors.append(str(exc))
     raise ControlError("; ".join(dict.fromkeys(errors)))
@@ -192,6 +192,61 @@ def _status_once(args) -> int:
     return code
 
 
+def trace(args) -> int:
+    """Where one message is, by its RQP key, as each agent on this host knows it."""
+    found = False
+    answers = {}
+    for name, candidates in _targets(args):
+        try:
+            got = ask(candidates, "trace", key=args.key)["trace"]
+        except ControlError as exc:
+            answers[name] = {"running": False, "error": str(exc)}
+            if not args.json:
+                print(f"{name}: not running: {exc}")
+            continue
+        answers[name] = got
+        found = found or got is not None
+        if args.json:
+            continue
+        if got is None:
+            print(f"{name}: knows nothing of key {args.key:#018x}")
+            continue
+        print(f"{name}: {_trace_line(got, time.time())}")
+    if args.json:
+        print(json.dumps(answers, indent=2, default=str))
+    return 0 if found else 1
+
+
+def _trace_line(t: dict, now: float) -> str:
+    queue = t.get("queue", "") + (f" {t['name']}" if t.get("name") else "")
+    state = t["state"]
+    if state == "in flight":
+        return (f"in flight to {t['host']} for queue {queue}, taken {_ago(t['taken_at'], now)} "
+                f"ago, attempt {t['attempts']}"
+                + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
+    if state == "waiting":
+        return (f"waiting for queue {queue} ({t['route_state']}), taken "
+                f"{_ago(t['taken_at'], now)} ago, {t['attempts']} attempt(s), priority "
+                f"{t['priority']}" + (f", next try in {max(t['retry_at'] - now, 0):.0f}s"
+                                      if t.get("retry_at") else "")
+                + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
+    if "peer" in t:  # the receiving MCA
+        return f"{state}, from {t['peer']}" + (f", {_ago(t['at'], now)} ago" if t.get("at")
+                                                else "")
+    return f"{state}, queue {queue}, {_ago(t['at'], now)} ago: {t['detail']}"
+
+
+def message_key(text: str) -> int:
+    try:
+        key = int(text, 0)
+    except ValueError:
+        key = 0
+    if not 0 < key < 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected a message key (as the logs print it, "
+                                          f"e.g. 0x67cc37a400000005), got {text!r}")
+    return key
+
+
 def metrics(args) -> int:
     code = 0
     for name, candidates in _targets(args):
@@ -301,6 +356,16 @@ def add_commands(groups) -> None:
     p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
                    help="show it again every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(run=status)
+    p = groups.add_parser("trace", help="where one message is, by its RQP key",
+                          description="Asks the agents on this host what they know of the "
+                          "message: waiting or in flight (the sending MCA), how it ended "
+                          "(confirmed, lost, dead-lettered: among its last 100,000), or put "
+                          "(the receiving MCA: a SURE message's key in its de-duplication "
+                          "window). Exit 0 found, 1 nobody knows it.")
+    p.add_argument("key", type=message_key, help="the message key, e.g. 0x67cc37a400000005")
+    targets(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=trace)
     p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
     targets(p)
     p.set_defaults(run=metrics)
