@@ -201,7 +201,18 @@ class Daemon:
             if type(key) is not int or not 0 < key < 1 << 64:
                 return {"error": f"trace: a message key is an integer in 1..2**64-1, got {key!r}"}
             return {"trace": self.trace(key)}
-        return {"error": f"unknown command {command!r} (status, metrics, trace)"}
+        answer = await self.command(command, request)
+        if answer is not None:
+            return answer
+        return {"error": f"unknown command {command!r} (status, metrics, trace"
+                         f"{''.join(', ' + c for c in self.commands)})"}
+
+    #: The agent's own control commands (besides status, metrics and trace).
+    commands: tuple[str, ...] = ()
+
+    async def command(self, command: str, request: dict) -> dict | None:
+        """One of :attr:`commands` (None: not one of them)."""
+        return None
 
     def status(self) -> dict:  # pragma: no cover - overridden
         raise NotImplementedError

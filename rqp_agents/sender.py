@@ -14,14 +14,19 @@ import collections
 import dataclasses
 import logging
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level
-from rqp.config import SenderConfig, is_loopback, load_sender_config
+from rqp.config import ConfigError, SenderConfig, is_loopback, load_sender_config, parse_host
+from rqp.protocol.constants import DEFAULT_PORT, KNOWN_EXTENSIONS
 from rqp.protocol.errors import RecordError
+from rqp.protocol.events import ANSWERS, QueueAsk
+from rqp.protocol.frames import FrameDecoder, encode
+from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import (
     UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
@@ -129,6 +134,67 @@ class Sender(Daemon):
 
     def status(self) -> dict:
         return telemetry.sender_status(self)
+
+    commands = ("route", "ping")
+
+    async def command(self, command: str, request: dict) -> dict | None:
+        if command == "route":
+            return self._route_command(request)
+        if command == "ping":
+            return await self._ping(request)
+        return None
+
+    def _route_command(self, request: dict) -> dict:
+        """``{"action": "retry", "queue": KEY}``: end the back-off of that queue's route now."""
+        key, action = request.get("queue"), request.get("action")
+        if type(key) is not int or queue_key_problem(key):
+            return {"error": f"route: a queue key, got {key!r}"}
+        if action != "retry":
+            return {"error": f"route: unknown action {action!r} (retry)"}
+        held = self.core.retry_now(key, self.loop.time())
+        self._run_actions()
+        log.info("route %s: retry now, asked by rqpctl (%d message(s) waiting or in flight)",
+                 self._queue_text(key), held)
+        routes = [r for r in telemetry.sender_status(self)["routes"] if r["queue_key"] == key]
+        return {"queue": format_key(key), "held": held, "route": routes[0] if routes else None}
+
+    async def _ping(self, request: dict) -> dict:
+        """Connect to ``host`` as this sending MCA does (its TLS files for that host), send a
+        QUEUE_ASK for ``queue`` and time the answer: {"answer", "connect_ms", "rtt_ms", ...},
+        or {"problem": why}."""
+        try:
+            host = parse_host(str(request.get("host")), DEFAULT_PORT)
+        except ConfigError as exc:
+            return {"error": f"ping: {exc}"}
+        key = request.get("queue")
+        if type(key) is not int or queue_key_problem(key):
+            return {"error": f"ping: a queue key, got {key!r}"}
+        context = self.tls.get(self.config.tls_for(host))
+        out = {"host": str(host), "tls": context is not None, "queue": format_key(key)}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        writer = None
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                host.host, host.port, ssl=context,
+                server_hostname=host.host if context is not None else None),
+                self.config.connect_timeout)
+            t1 = loop.time()
+            writer.write(encode(QueueAsk(queue_key=key, data=KNOWN_EXTENSIONS)))
+            data = await asyncio.wait_for(reader.readexactly(2), self.config.ask_timeout)
+            t2 = loop.time()
+            [answer] = FrameDecoder(accept=ANSWERS).events(data)
+            return {**out, "answer": type(answer).__name__, "extensions": answer.data,
+                    "connect_ms": round((t1 - t0) * 1000, 3), "rtt_ms": round((t2 - t1) * 1000, 3)}
+        except asyncio.TimeoutError:
+            return {**out, "problem": "no answer within connect_timeout/ask_timeout"
+                    if writer is not None else f"cannot connect within "
+                    f"{self.config.connect_timeout:g}s"}
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError, RQPError) as exc:
+            return {**out, "problem": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if writer is not None:
+                writer.close()
 
     def trace(self, key: int) -> dict | None:
         """What this sending MCA knows of the message with RQP key ``key`` (times: Unix)."""

@@ -4,6 +4,7 @@ endpoint, and SIGHUP reload, on simulated hosts with a route that works and one 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 
@@ -239,6 +240,40 @@ def test_trace_follows_messages_by_key(site):
              message="the SURE message was not confirmed after SIGCONT")
     out = rqpctl(a, "trace", hex(base + 99), "--agent", "sender", "--rqprc", str(rqprc))
     assert out.returncode == 1 and "knows nothing of key" in out.stdout
+
+
+def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
+    """Issue 15, acting on routes: with a 30 s back-off a SURE message waits for its receiver
+    long after it is back; rqpctl route retry sends it now. rqpctl ping connects as the
+    sending MCA does, asks, and times it (or says why it cannot)."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], queues={"PROD_THE_SCHED_COMMON": Q1},
+                        retry_backoff_initial="30s", retry_backoff_max="60s")
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["waited"])  # no receiver yet: connection refused, 30 s back-off
+
+    def route():
+        out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+        routes = next(iter(json.loads(out.stdout).values()))["routes"]
+        return routes[0] if routes else {"state": "none", "last_error": ""}
+
+    wait_for(lambda: "Connection refused" in route()["last_error"], timeout=20,
+             message="the refused connection did not show")
+    out = rqpctl(a, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc))
+    assert out.returncode == 1 and "ConnectionRefusedError" in out.stdout, out.stdout
+    start_receiver(b, config=receiver_config(b))
+    out = rqpctl(a, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(plaintext\): connected in [0-9.]+ ms; "
+                        r"QUEUE_ASK 0x52510001 answered QueueYes in [0-9.]+ ms\n", out.stdout), \
+        out.stdout
+    assert route()["state"] == "retrying"  # (it would wait out its back-off: about 30 s)
+    out = rqpctl(a, "route", "retry", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and "retrying now, 1 message(s) waiting" in out.stdout, out.stdout
+    assert receive(b, Q1, 1, timeout=10) == ["waited"]
+    wrong = rqpctl(a, "route", "retry", "NO_SUCH_NAME", "--rqprc", str(rqprc))
+    assert wrong.returncode != 0 and "NO_SUCH_NAME" in wrong.stdout + wrong.stderr
 
 
 def test_receiver_metrics_over_http_and_rqpctl(site):

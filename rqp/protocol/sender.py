@@ -1307,6 +1307,30 @@ class SenderCore:
         while len(finished) > FINISHED_MEMORY:
             finished.popitem(last=False)
 
+    def retry_now(self, queue_key: int, now: float) -> int:
+        """An operator's "retry now" for ``queue_key``: its back-off ends (the messages'
+        failure counts start again) and the connections its lanes wait for are tried at once.
+        Returns how many messages it concerned (waiting ones)."""
+        self._now = now
+        lanes = [lane for lane in self._lanes.values()
+                 if lane.queue_key == queue_key and lane.pending]
+        for lane in lanes:
+            lane.retry_at = 0.0
+            for msg in lane.pending:
+                msg.failures = 0
+            for host in self._hosts_for(lane):  # every host it may ask: connect at once
+                link = self._links[host]
+                if link.state is LinkState.DOWN:
+                    link.retry_at = now
+                    link.failures = 0
+        for lane in lanes:
+            if lane.id in self._lanes:
+                self._pump(lane)
+        for link in self._links.values():
+            if link.waiting and link.state is LinkState.DOWN and link.retry_at <= now:
+                self._wake(link)
+        return sum(len(lane.pending) for lane in lanes) + sum(lane.inflight for lane in lanes)
+
     def trace(self, key: int, now: float | None = None) -> dict | None:
         """Where the message with RQP key ``key`` is, as far as this sending MCA knows:
         waiting (for which queue, how long, why), in flight (to which host, since when), or

@@ -25,6 +25,8 @@ from rqp.system.queues import QueueEmpty, format_key, list_queues
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
 UNHEALTHY = ("stalled", "retrying", "no route", "connecting")
+#: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
+DEFAULT_PING_QUEUE = 0x52510001
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 
 
@@ -247,6 +249,44 @@ def message_key(text: str) -> int:
     return key
 
 
+def route(args) -> int:
+    """rqpctl route retry QUEUE: the sending MCA ends that route's back-off now."""
+    path = find_rqprc(args.rqprc)
+    config = load_sender_config(path)
+    key = config.resolve_queue(args.queue)
+    name, candidates = sender_socket(str(path))
+    try:
+        got = ask(candidates, "route", action=args.action, queue=key)
+    except ControlError as exc:
+        print(f"{name}: {exc}")
+        return EXIT_NOT_RUNNING
+    r = got["route"]
+    print(f"{name}: queue {got['queue']}: retrying now, {got['held']} message(s) waiting or "
+          f"in flight" + (f"; the route is {r['state']}" if r else " (no route known yet)"))
+    return 0
+
+
+def ping(args) -> int:
+    """rqpctl ping HOST: the sending MCA connects to HOST as it would, asks, and times it."""
+    path = find_rqprc(args.rqprc)
+    config = load_sender_config(path)
+    key = config.resolve_queue(args.queue) if args.queue is not None else \
+        next(iter(config.queues.values()), DEFAULT_PING_QUEUE)
+    name, candidates = sender_socket(str(path))
+    try:
+        got = ask(candidates, "ping", host=args.host, queue=key, timeout=30.0)
+    except ControlError as exc:
+        print(f"{name}: {exc}")
+        return EXIT_NOT_RUNNING
+    how = "TLS" if got["tls"] else "plaintext"
+    if "problem" in got:
+        print(f"{got['host']} ({how}): {got['problem']}")
+        return 1
+    print(f"{got['host']} ({how}): connected in {got['connect_ms']:.1f} ms; QUEUE_ASK "
+          f"{got['queue']} answered {got['answer']} in {got['rtt_ms']:.1f} ms")
+    return 0
+
+
 def metrics(args) -> int:
     code = 0
     for name, candidates in _targets(args):
@@ -366,6 +406,24 @@ def add_commands(groups) -> None:
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=trace)
+    p = groups.add_parser("route", help="act on a route of the sending MCA",
+                          description="retry: end the back-off of the queue's route now (its "
+                          "waiting SURE messages are tried at once, connections too). Exit 3 "
+                          "when no sending MCA runs.")
+    p.add_argument("action", choices=("retry",))
+    p.add_argument("queue", type=queue_argument, help="queue key or name from .rqprc")
+    p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
+    p.set_defaults(run=route)
+    p = groups.add_parser("ping", help="connect to a receiving MCA as the sending MCA does, "
+                          "ask, and time it", description="The sending MCA connects to HOST "
+                          "(with its TLS files for that host), sends a QUEUE_ASK for --queue "
+                          "(default: the first queue named in .rqprc) and reports the time to "
+                          "connect and to the answer. Exit 0 answered, 1 not, 3 no sending MCA "
+                          "runs.")
+    p.add_argument("host", help="HOST[:PORT] as in .rqprc's hosts")
+    p.add_argument("--queue", type=queue_argument, help="queue key or name to ask for")
+    p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
+    p.set_defaults(run=ping)
     p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
     targets(p)
     p.set_defaults(run=metrics)
