@@ -66,9 +66,26 @@ def log_level(text: str) -> str:
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:
-    """``--log-level``, default ``$RQP_LOG_LEVEL`` or info: the same option for every agent.
-    A bad ``$RQP_LOG_LEVEL`` is refused like a bad ``--log-level``, naming the variable
-    (argparse checks a string default with the option's type after the command line)."""
+    """``--log-level``, default ``$RQP_LOG_LEVEL`` or info, and ``--log-format``, default
+    ``$RQP_LOG_FORMAT`` or text: the same options for every agent. A bad variable is refused
+    like a bad option, naming the variable (argparse checks a string default with the
+    option's type after the command line)."""
     parser.add_argument("--log-level", type=log_level, metavar="LEVEL",
                         default=_FromEnvironment(os.environ.get(LOG_LEVEL_ENV, "info")),
                         help=f"{', '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_ENV}, else info)")
+    parser.add_argument("--log-format", type=log_format, metavar="FORMAT",
+                        default=_FromEnvironment(os.environ.get(LOG_FORMAT_ENV, "text")),
+                        help=f"{' or '.join(LOG_FORMATS)}: a readable line, or one JSON object "
+                        f"a line with the event's fields (default: ${LOG_FORMAT_ENV}, else text)")
+
+
+LOG_FORMAT_ENV = "RQP_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
+
+
+def log_format(text: str) -> str:
+    if text.lower() not in LOG_FORMATS:
+        where = f" (from ${LOG_FORMAT_ENV})" if isinstance(text, _FromEnvironment) else ""
+        raise argparse.ArgumentTypeError(
+            f"unknown log format {str(text)!r}{where}: use one of {', '.join(LOG_FORMATS)}")
+    return text.lower()

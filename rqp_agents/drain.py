@@ -302,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(args.log_level, "rqp.drain")
+    setup_logging(args.log_level, "rqp.drain", log_format=args.log_format)
     stop = threading.Event()
 
     def on_signal(sig, _frame):

@@ -708,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'plaintext: true'); without it such a listen needs a tls: block")
     add_log_level(parser)
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, log_format=args.log_format)
 
     def build() -> Receiver:
         config = load_receiver_config(args.config)

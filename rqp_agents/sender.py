@@ -411,15 +411,18 @@ class Sender(Daemon):
         level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED,
                                               NoteKind.CONNECTION_CLOSED) \
             else logging.WARNING
-        fields = []
+        fields, extra = [], {"event": note.kind.name.lower()}
         if note.queue_key is not None:
             fields.append(f"queue={self._queue_text(note.queue_key)}")
+            extra["queue_key"] = format_key(note.queue_key)
         if note.host is not None:
             fields.append(f"peer={note.host}")
+            extra["peer"] = str(note.host)
         if note.key:
             fields.append(f"key={note.key:#018x}")
+            extra["message_key"] = f"{note.key:#018x}"
         log.log(level, "%s %s%s", note.kind.value, " ".join(fields),
-                f": {note.detail}" if note.detail else "")
+                f": {note.detail}" if note.detail else "", extra=extra)
 
     # --- dead letters -------------------------------------------------------------------------
 
@@ -443,7 +446,10 @@ class Sender(Daemon):
                 enumerate(msg.members)]
         log.warning("dead letter reason=%s queue=%s key=%#018x%s: %s", act.reason.name,
                     format_key(msg.queue_key), msg.key,
-                    f" (a batch of {msg.count})" if msg.members is not None else "", act.detail)
+                    f" (a batch of {msg.count})" if msg.members is not None else "", act.detail,
+                    extra={"event": "dead_letter", "reason": act.reason.name,
+                           "queue_key": format_key(msg.queue_key),
+                           "message_key": f"{msg.key:#018x}"})
         seq = msg.origin.seq
         done = seq if msg.fanout is None or seq is None else (seq, msg.key)
         for i, one in enumerate(records):
@@ -488,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                         "/etc/rqp/rqprc)")
     add_log_level(parser)
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, log_format=args.log_format)
     return run_daemon(log, lambda: Sender(load_sender_config(args.rqprc)))
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ endpoint, and SIGHUP reload, on simulated hosts with a route that works and one 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -274,6 +275,32 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     assert receive(b, Q1, 1, timeout=10) == ["waited"]
     wrong = rqpctl(a, "route", "retry", "NO_SUCH_NAME", "--rqprc", str(rqprc))
     assert wrong.returncode != 0 and "NO_SUCH_NAME" in wrong.stdout + wrong.stderr
+
+
+def test_json_logs_carry_the_events_fields(testbed):
+    """Issue 15: --log-format json: one JSON object a line (time, level, logger, message),
+    with the event's fields for machines (event, queue_key, peer, message_key, reason)."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc, log_level="INFO", extra=("--log-format", "json"))
+    send(a, rqprc, Q1, ["one"])
+    assert receive(b, Q1, 1) == ["one"]
+    send(a, rqprc, Q2, ["nowhere"], mtype=1)  # UNSURE, no host offers Q2: a dead letter
+    wait_for(lambda: '"event": "dead_letter"' in a.output(sender, "stderr"), timeout=20,
+             message="no dead letter logged")
+    lines = [json.loads(line) for line in a.output(sender, "stderr").splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    found = next(line for line in lines if line.get("event") == "route_found")
+    assert (found["queue_key"], found["peer"]) == ("0x52510001", f"{b.address}:{PORT}")
+    dead = next(line for line in lines if line.get("event") == "dead_letter")
+    assert (dead["reason"], dead["queue_key"], dead["level"]) == ("NO_ROUTE", "0x52510002",
+                                                                  "WARNING")
+    assert re.fullmatch(r"0x[0-9a-f]{16}", dead["message_key"])
+    bad = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
+                env={**os.environ, "RQP_LOG_FORMAT": "xml"}, check=False)
+    assert bad.returncode == 2 and "unknown log format 'xml' (from $RQP_LOG_FORMAT)" in bad.stderr
 
 
 def test_receiver_metrics_over_http_and_rqpctl(site):

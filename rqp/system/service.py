@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
+import json
 import errno
 import logging
 import os
@@ -32,12 +34,39 @@ def host_name() -> str:
     return socket.gethostname()
 
 
-def setup_logging(level: str = "INFO", name: str = "rqp") -> None:
-    """One line per event on stderr (the journal adds its own time stamps under systemd)."""
+def setup_logging(level: str = "INFO", name: str = "rqp", log_format: str = "text") -> None:
+    """One line per event on stderr: readable text (the journal adds its own time stamps
+    under systemd), or ``json``: one object a line, see :class:`JsonLogFormatter`."""
     fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("INVOCATION_ID") else \
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt,
                         stream=sys.stderr, force=True)
+    if log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLogFormatter())
+
+
+#: What every LogRecord has: the rest of its attributes came with ``extra=`` (the event's
+#: fields: message_key, queue_key, peer, event, reason, ...).
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message", "asctime", "taskName"}
+
+
+class JsonLogFormatter(logging.Formatter):
+    """``{"time": ISO 8601 UTC, "level", "logger", "message", <the event's fields>,
+    "exception"?}``, one object a line, for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+               .isoformat(timespec="milliseconds"), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        for field, value in vars(record).items():
+            if field not in _RECORD_ATTRIBUTES and not field.startswith("_"):
+                out[field] = value if isinstance(value, (str, int, float, bool)) or \
+                    value is None else str(value)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
 
 
 #: The environment variable naming the event loop the agents run on: ``asyncio`` (the standard
