@@ -86,9 +86,9 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     assert sum(float(l.rsplit(" ", 1)[1]) for l in states) == 1
     # (the route moves on while it retries, between the status above and this scrape: the
     # state it is in now is a broken one, not necessarily the same)
-    [now] = [l for l in states if l.endswith(" 1")]
+    [now] = [l for l in states if float(l.rsplit(" ", 1)[1]) == 1]
     assert 'state="running"' not in now and 'state="idle"' not in now, now
-    assert any(l.startswith("rqp_journal_depth ") and l.endswith(" 1") for l in lines)
+    assert any(l.startswith("rqp_journal_depth ") and float(l.split()[1]) == 1 for l in lines)
     assert "# TYPE rqp_sender_messages_total counter" in lines
     # the receiver is not running: a clear message and exit 3
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
@@ -128,7 +128,7 @@ def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(
         metrics = a.python("import urllib.request; print(urllib.request.urlopen("
                            "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
         assert any(l.startswith("rqp_sender_route_state{") and 'state="stalled"' in l
-                   and l.endswith(" 1") for l in metrics.splitlines()), metrics
+                   and float(l.rsplit(" ", 1)[1]) == 1 for l in metrics.splitlines()), metrics
         lag = [float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
                if l.startswith("rqp_sender_lag_seconds{")]
         assert lag and lag[0] >= 2.0, metrics

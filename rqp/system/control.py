@@ -6,7 +6,8 @@ client writes one JSON object on one line, ``{"command": "status"}`` or
 The socket is ``$RUNTIME_DIRECTORY/control.sock`` under systemd (``RuntimeDirectory=``), else
 ``<state_dir>/<agent>.sock``, or the config's ``control_socket``.
 
-Metrics: the Prometheus text exposition format (version 0.0.4), served on ``GET /metrics`` by
+Metrics: the Prometheus text exposition format (version 0.0.4, written by ``prometheus_client``
+from the agents' :class:`Metric` lists), served on ``GET /metrics`` by
 a minimal HTTP endpoint when ``metrics_listen`` is set (off by default; a host given without
 address means 127.0.0.1), and always through the control socket (``rqpctl metrics``).
 """
@@ -21,6 +22,9 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rqp.protocol.errors import RQPError
 
@@ -118,20 +122,26 @@ class Metric:
         return self
 
 
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def render(metrics: list[Metric]) -> str:
-    lines = []
-    for metric in metrics:
-        lines.append(f"# HELP {metric.name} {metric.help}")
-        lines.append(f"# TYPE {metric.name} {metric.kind}")
-        for labels, value in metric.samples:
-            text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-            lines.append(f"{metric.name}{{{text}}} {value:g}" if text
-                         else f"{metric.name} {value:g}")
-    return "\n".join(lines) + "\n"
+    """The Prometheus text exposition of ``metrics``, written by ``prometheus_client`` (a
+    registry of one collector that yields them as they are now)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(metrics))
+    return generate_latest(registry).decode()
+
+
+class _Collector:
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        for metric in self.metrics:
+            names = sorted({name for labels, _ in metric.samples for name in labels})
+            family = (CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily)(
+                metric.name, metric.help, labels=names)
+            for labels, value in metric.samples:
+                family.add_metric([str(labels.get(name, "")) for name in names], value)
+            yield family
 
 
 async def serve_metrics(host: str, port: int, produce: Callable[[], str]):
