@@ -398,7 +398,8 @@ class Receiver(Daemon):
         self.stats["connections"] += 1
         self._peers[task] = info = {
             "peer": peer, "identity": who.identity, "may_use": self.gate.grant(who).describe(),
-            "since": time.time(), "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0}
+            "since": time.time(), "frames": 0, "messages": 0, "dead_letters": 0, "asks": 0,
+            "refused": 0, "repeats": 0}
         self._peer_labels.pop(who.label, None)
         self._peer_labels[who.label] = None
         if len(self._peer_labels) > PEER_MEMORY:
@@ -430,6 +431,7 @@ class Receiver(Daemon):
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         framed = True
+                        info["frames"] += 1
                         sure = sure or _answers_sure(request)
                         batch.append(await self._handle(conn, request, who, info))
                         if len(batch) >= ANSWER_BATCH:
@@ -503,6 +505,7 @@ class Receiver(Daemon):
             return conn.answer_put(request, False)
         reason, detail, repeat = await self._put(request.message, peer)
         if repeat:
+            info["repeats"] += 1
             return conn.answer_put(request, True)
         return await self._answered(conn, request, reason, detail, who, info)
 

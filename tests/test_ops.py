@@ -52,6 +52,7 @@ def test_status_of_healthy_agents(site):
         ("0x52510001", "PROD_THE_SCHED_COMMON", f"{b.address}:{PORT}", "running")
     assert (route["sent"], route["sent_bytes"], route["delivered"], route["in_flight"]) == \
         (2, 6, 2, 0)
+    assert 0 < route["rtt_p50_ms"] <= route["rtt_p99_ms"] and route["retry_in"] is None
     assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert "PROD_THE_SCHED_COMMON" in text and "running" in text

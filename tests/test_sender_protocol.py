@@ -460,6 +460,10 @@ def test_route_status_in_words():
     h.submit(Q2, UNSURE_MSG)
     h.serve({})
     assert {x["queue_key"]: x["state"] for x in h.core.route_status()}[Q2] == "no route"
+    # (a trial: one UNSURE message dead-lettered NO_ROUTE kept the route "no route", and
+    # rqpctl status at exit 4, for ever): with nothing waiting it is idle after stall_after
+    later = {x["queue_key"]: x["state"] for x in h.core.route_status(h.now + 60)}
+    assert later[Q2] == "idle"
 
 
 def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest_message_is():

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -355,7 +356,11 @@ class RouteInfo:
     last_confirmed_at: float | None = None
     last_event: str = "new"
     since: float = 0.0
+    #: Round trips (MESSAGE sent -> its answer, seconds) of the last RTT_SAMPLES answers.
+    rtts: deque = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
 
+
+RTT_SAMPLES = 256
 
 #: Every state a route can be in, in words (the metrics export each, 1 for the current one).
 #: "stalled": messages wait or are in flight and none was confirmed for ``stall_after``.
@@ -396,6 +401,7 @@ class _Frame:
     timeout: float
     deadline: float
     probe: int = 0
+    sent_at: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -832,11 +838,13 @@ class SenderCore:
                 for i, (mtype, payload) in enumerate(msg.members)]
         timeout = self.settings.confirm_timeout
         for i in range(last):
-            link.outstanding.append(_Frame(lane, msg, timeout, self._now + timeout))
+            link.outstanding.append(_Frame(lane, msg, timeout, self._now + timeout,
+                                           sent_at=self._now))
         self._push(link, _Frame(lane, msg, timeout, 0.0), b"".join(data))
         self._fire(msg, T.SENT)
 
     def _push(self, link: _Link, frame: _Frame, data: bytes) -> None:
+        frame.sent_at = self._now
         frame.deadline = self._now + frame.timeout
         link.outstanding.append(frame)
         self._actions.append(Send(link.host, data))
@@ -1020,6 +1028,7 @@ class SenderCore:
                 lane.declined = lane.declined or not yes
                 self._ask_answered(link, lane, yes, "QUEUE_NO")
         else:
+            self._info(lane.queue_key).rtts.append(self._now - frame.sent_at)
             self._settled(link, lane, frame.msg, isinstance(event, DeliveredYes),
                           "DELIVERED_ERROR")
         self._wake(link)
@@ -1443,8 +1452,11 @@ class SenderCore:
             return "retrying"  # (with no route: until the next round of asking)
         if host is not None:
             return "running" if self._links[host].state is LinkState.UP else "connecting"
-        if info.last_event == NoteKind.NO_ROUTE.value:
-            return "no route"
+        if info.last_event == NoteKind.NO_ROUTE.value and (
+                lane is not None or info.last_error_at is None or
+                (self._now if now is None else now) - info.last_error_at
+                < self.settings.stall_after):
+            return "no route"  # (an UNSURE message dead-lettered NO_ROUTE long ago: idle)
         return "idle"
 
     def _copies_status(self, key: int, now: float, taken: dict) -> list[dict]:
@@ -1520,6 +1532,10 @@ class SenderCore:
                 "route_changes": info.route_changes, "last_error": info.last_error,
                 "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
                 "last_confirmed_at": info.last_confirmed_at, "oldest_taken_at": oldest,
+                "rtt_p50_ms": _percentile_ms(info.rtts, 0.5),
+                "rtt_p99_ms": _percentile_ms(info.rtts, 0.99),
+                "retry_in": max(lane.retry_at - now, 0.0) if lane is not None and
+                lane.pending and lane.retry_at > now else None,
                 "lag": 0.0 if oldest is None else max(now - oldest, 0.0),
                 "stalled_since": stalled, "stalled_why": why,
             })
@@ -1561,3 +1577,12 @@ class SenderCore:
 def _place(msg: Outgoing) -> tuple[int, int]:
     """Where a message waits in its lane: higher priority first, then the order taken."""
     return (-msg.priority, msg.seq)
+
+
+def _percentile_ms(samples, p: float) -> float | None:
+    """The ``p`` quantile (nearest rank) of ``samples`` seconds, in ms; None if none."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))] * 1000,
+                 3)

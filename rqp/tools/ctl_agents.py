@@ -105,7 +105,7 @@ def _print_sender(st: dict) -> None:
         print("  no messages sent yet")
         return
     print(f"  {'queue':34} {'peer':22} {'state':10} {'for':>7} {'sent':>8} {'bytes':>10} "
-          f"{'waiting':>7} {'flight':>6} {'lag':>7} {'errors':>6} {'counter':>7} "
+          f"{'waiting':>7} {'flight':>6} {'lag':>7} {'rtt ms':>6} {'errors':>6} {'counter':>7} "
           f"{'last ok':>8}  last error")
     for r in st["routes"]:
         queue = r["queue"] + (f" {r['name']}" if r["name"] else "")
@@ -113,10 +113,13 @@ def _print_sender(st: dict) -> None:
         since = r["stalled_since"] if r.get("stalled_since") is not None else r["since"]
         error = (f"{r['last_error']} ({_ago(r['last_error_at'], now)} ago)"
                  if r["last_error"] else "-")
+        if r.get("retry_in") is not None:
+            error += f"; next try in {r['retry_in']:.0f}s (rqpctl route retry: now)"
+        rtt = "-" if r.get("rtt_p50_ms") is None else f"{r['rtt_p50_ms']:.1f}"
         print(f"  {queue[:34]:34} {peer[:22]:22} {r['state']:10} {_ago(since, now):>7} "
               f"{r['sent']:>8} {r['sent_bytes']:>10} {r['waiting']:>7} {r['in_flight']:>6} "
               f"{_ago(r['oldest_taken_at'], now) if r['waiting'] or r['in_flight'] else '-':>7} "
-              f"{r['errors']:>6} {r['error_counter']:>7} "
+              f"{rtt:>6} {r['errors']:>6} {r['error_counter']:>7} "
               f"{_ago(r['last_confirmed_at'], now):>8}  {error}")
         if r.get("stalled_why"):
             print(f"    stalled: nothing confirmed for {_ago(r['stalled_since'], now)} with "
@@ -146,9 +149,10 @@ def _print_receiver(st: dict) -> None:
           f"{stats.get('denied', 0)} request(s) denied by peers rules")
     for c in st["connections"]:
         who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
-        print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c['messages']} put, "
-              f"{c['dead_letters']} dead-lettered, {c['asks']} asks, "
-              f"{c.get('refused', 0)} denied; may use {c.get('may_use', '?')}")
+        print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c.get('frames', 0)} frames, "
+              f"{c['messages']} put, {c.get('repeats', 0)} repeats, {c['dead_letters']} "
+              f"dead-lettered, {c['asks']} asks, {c.get('refused', 0)} denied; may use "
+              f"{c.get('may_use', '?')}")
     offered = [q for q in st["queues"] if q["offered"]]
     print("  offers: " + (", ".join(q["queue"] + (f" {q['name']}" if q["name"] else "")
                                     for q in offered) or "nothing (no writable queue)"))
