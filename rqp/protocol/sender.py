@@ -355,7 +355,8 @@ class RouteInfo:
     last_message_at: float | None = None
     last_confirmed_at: float | None = None
     last_event: str = "new"
-    since: float = 0.0
+    since: float = 0.0  # when last_event became what it is
+    last_event_at: float = 0.0  # when it last happened
     #: Round trips (MESSAGE sent -> its answer, seconds) of the last RTT_SAMPLES answers.
     rtts: deque = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
 
@@ -1388,6 +1389,7 @@ class SenderCore:
                 info.route_changes += 1
             if info.last_event != kind.value:
                 info.last_event, info.since = kind.value, self._now
+            info.last_event_at = self._now
 
     def _error(self, queue_key: int, text: str) -> RouteInfo:
         info = self._info(queue_key)
@@ -1453,8 +1455,7 @@ class SenderCore:
         if host is not None:
             return "running" if self._links[host].state is LinkState.UP else "connecting"
         if info.last_event == NoteKind.NO_ROUTE.value and (
-                lane is not None or info.last_error_at is None or
-                (self._now if now is None else now) - info.last_error_at
+                lane is not None or (self._now if now is None else now) - info.last_event_at
                 < self.settings.stall_after):
             return "no route"  # (an UNSURE message dead-lettered NO_ROUTE long ago: idle)
         return "idle"
