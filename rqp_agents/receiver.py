@@ -32,7 +32,9 @@ from rqp.storage.deadletters import DeadLetterWriter
 from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
-from rqp.system.service import host_name, make_state_dir, setup_logging, wall_ms
+from rqp.system.service import (
+    config_changes, counts, host_name, make_state_dir, setup_logging, wall_ms,
+)
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
@@ -315,7 +317,7 @@ class Receiver(Daemon):
         self.stop_service()
         await self.commits.drain()
         self.dedup.close(commit=not self.dedup.broken)
-        log.info("stopped: %s", {**self.stats, "dead_letters": self.dead_letters.written})
+        log.info("stopped: %s", counts({**self.stats, "dead_letters": self.dead_letters.written}))
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -359,10 +361,11 @@ class Receiver(Daemon):
             self.dedup.resize(new.dedup_window_keys, new.dedup_window_age)
         except ValueError as exc:
             raise RQPError(f"dedup_window_keys/dedup_window_age: {exc}") from None
+        changes = config_changes(self.config, new)
         self.config = self.delivery.config = new
         self.max_message_size = new.max_message_size or self.msgmax
         self.dead_letters.spill_limit = new.spill_limit
-        log.info("reloaded %s", new.source)
+        log.info("reloaded %s: %s", new.source, changes)
 
     async def _expire_dedup(self) -> None:
         while True:

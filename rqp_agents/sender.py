@@ -39,8 +39,8 @@ from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
-    KeySource, ServingLock, host_name, make_state_dir, mark_dead_letter_queue, setup_logging,
-    wall_ms,
+    KeySource, ServingLock, config_changes, counts, host_name, make_state_dir,
+    mark_dead_letter_queue, setup_logging, wall_ms,
     write_file_atomically,
 )
 from rqp.system.tls import TLSFileError, check_files, client_context
@@ -229,8 +229,10 @@ class Sender(Daemon):
         self.core.update_settings(Settings.from_config(new), self.loop.time())
         self.intake.fanout = (new.broadcast_keys, new.hosts)
         self.intake.budget.resize(budget_size(new.window, len(new.hosts)))
+        changes = config_changes(self.config, new)
         self.config = new
-        log.info("reloaded %s: hosts %s", new.source, ", ".join(map(str, new.hosts)))
+        log.info("reloaded %s: %s; hosts %s", new.source, changes,
+                 ", ".join(map(str, new.hosts)))
         self._run_actions()
 
     async def _stop(self) -> None:
@@ -256,7 +258,7 @@ class Sender(Daemon):
         self._release_journaled()
         self.intake.journal.close()
         self.pid_file.unlink(missing_ok=True)
-        log.info("stopped: %s", dict(self.stats))
+        log.info("stopped: %s", counts(self.stats))
 
     async def _abort(self) -> None:
         """After an unexpected error: nothing the core holds is trusted. SURE messages stay in

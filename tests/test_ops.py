@@ -56,6 +56,9 @@ def test_status_of_healthy_agents(site):
     assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert "PROD_THE_SCHED_COMMON" in text and "running" in text
+    # a sending-only host: no receiver is no fault (a trial saw exit 3 here)
+    out = rqpctl(a, "status", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and "receiver: none runs here" in out.stdout, out.stdout
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"), "--json")
     st = next(iter(json.loads(out.stdout).values()))
@@ -358,7 +361,9 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     good = rqprc.read_text()
     rqprc.write_text(good.replace("hosts:", f"hosts:\n  - {c.address}:{PORT}"))
     sender.send_signal(signal.SIGHUP)
-    wait_for(lambda: log_lines(a, sender, "reloaded"), timeout=20, message="no reload")
+    [reloaded] = wait_for(lambda: log_lines(a, sender, "reloaded"), timeout=20,
+                          message="no reload")
+    assert ": hosts; hosts " in reloaded, reloaded  # what changed, by name
     send(a, rqprc, Q2, ["only on c"])
     assert receive(c, Q2, 1) == ["only on c"]
     send(a, rqprc, Q1, ["still b"])

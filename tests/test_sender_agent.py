@@ -60,7 +60,7 @@ def test_overdue_confirmation_ends_the_connection_and_the_sure_message_keeps_its
     wait_for(lambda: len(fake.events("MESSAGE")) > n, timeout=20, message="not re-sent")
     sender.send_signal(signal.SIGTERM)  # its last log line counts what was delivered
     assert sender.wait(30) == 0
-    assert "'delivered': 1" in log_lines(a, sender, "stopped:")[0]
+    assert " delivered=1" in log_lines(a, sender, "stopped:")[0]
     sent = fake.events("MESSAGE")
     assert {m["body"] for m in sent} == {"patient"}
     assert len({m["key"] for m in sent}) == 1  # re-sent with the same unique key (spec 5.6)
@@ -181,7 +181,7 @@ def test_answers_before_their_questions_close_the_connection_and_lose_nothing(pa
              timeout=30, message="not every SURE message was confirmed by the receiver")
     sender.send_signal(signal.SIGTERM)
     assert sender.wait(30) == 0
-    assert "'delivered': 10" in log_lines(a, sender, "stopped:")[0]
+    assert " delivered=10" in log_lines(a, sender, "stopped:")[0]
     assert not dead_letters(a)
 
 

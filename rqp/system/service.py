@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import json
 import errno
@@ -214,6 +215,25 @@ def is_transmission_queue(key: int) -> bool:
     """Whether queue ``key`` is (or was) a sending MCA's transmission queue on this host: its
     agent semaphores exist (created by the first openConnection or sending MCA for it)."""
     return _existing(key) is not None
+
+
+def config_changes(old, new, skip: tuple[str, ...] = ("source",)) -> str:
+    """What a reload changed, in words: ``window 128 -> 256, hosts`` (long values by name
+    only), or ``nothing changed``."""
+    changed = []
+    for f in dataclasses.fields(old):
+        before, after = getattr(old, f.name), getattr(new, f.name)
+        if f.name in skip or before == after:
+            continue
+        short = all(isinstance(v, (int, float, str, bool, type(None))) and len(str(v)) <= 40
+                    for v in (before, after))
+        changed.append(f"{f.name} {before} -> {after}" if short else f.name)
+    return ", ".join(changed) or "nothing changed"
+
+
+def counts(stats: dict) -> str:
+    """``taken=6 delivered=3``: a stats dict for a log line."""
+    return " ".join(f"{k}={v}" for k, v in stats.items()) or "nothing"
 
 
 def make_state_dir(path: Path) -> None:
