@@ -145,16 +145,21 @@ class Sender(Daemon):
         return None
 
     def _route_command(self, request: dict) -> dict:
-        """``{"action": "retry", "queue": KEY}``: end the back-off of that queue's route now."""
+        """``{"action": "retry" | "stop" | "start", "queue": KEY}``: end the back-off of that
+        queue's route now; stop sending its messages (they wait); send them again."""
         key, action = request.get("queue"), request.get("action")
         if type(key) is not int or queue_key_problem(key):
             return {"error": f"route: a queue key, got {key!r}"}
-        if action != "retry":
-            return {"error": f"route: unknown action {action!r} (retry)"}
-        held = self.core.retry_now(key, self.loop.time())
+        actions = {"retry": self.core.retry_now, "stop": self.core.stop_route,
+                   "start": self.core.start_route}
+        if action not in actions:
+            return {"error": f"route: unknown action {action!r} ({', '.join(actions)})"}
+        held = actions[action](key, self.loop.time())
         self._run_actions()
-        log.info("route %s: retry now, asked by rqpctl (%d message(s) waiting or in flight)",
-                 self._queue_text(key), held)
+        log.info("route %s: %s, asked by rqpctl (%d message(s) waiting%s)",
+                 self._queue_text(key), {"retry": "retry now", "stop": "stopped",
+                                         "start": "started again"}[action], held,
+                 " or in flight" if action == "retry" else "")
         routes = [r for r in telemetry.sender_status(self)["routes"] if r["queue_key"] == key]
         return {"queue": format_key(key), "held": held, "route": routes[0] if routes else None}
 

@@ -86,7 +86,7 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
                        "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
     lines = metrics.splitlines()
     states = [l for l in lines if l.startswith("rqp_sender_route_state{")]
-    assert len(states) == 7  # every state of the route, 1 for the one it is in
+    assert len(states) == 8  # every state of the route, 1 for the one it is in
     assert sum(float(l.rsplit(" ", 1)[1]) for l in states) == 1
     # (the route moves on while it retries, between the status above and this scrape: the
     # state it is in now is a broken one, not necessarily the same)
@@ -277,6 +277,16 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     out = rqpctl(a, "route", "retry", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "retrying now, 1 message(s) waiting" in out.stdout, out.stdout
     assert receive(b, Q1, 1, timeout=10) == ["waited"]
+    out = rqpctl(a, "route", "stop", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and "stopped: nothing more is sent" in out.stdout, out.stdout
+    send(a, rqprc, Q1, ["held back"])
+    wait_for(lambda: route()["waiting"] == 1, timeout=20, message="the message did not wait")
+    assert route()["state"] == "stopped"
+    assert rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).returncode == 4
+    assert receive(b, Q1, 1, timeout=1) == []  # (nothing comes while stopped)
+    out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and "started again, 1 message(s) waiting" in out.stdout, out.stdout
+    assert receive(b, Q1, 1, timeout=10) == ["held back"]
     wrong = rqpctl(a, "route", "retry", "NO_SUCH_NAME", "--rqprc", str(rqprc))
     assert wrong.returncode != 0 and "NO_SUCH_NAME" in wrong.stdout + wrong.stderr
 

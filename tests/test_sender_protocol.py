@@ -687,3 +687,24 @@ def test_a_busy_connection_is_not_probed():
     h.now = 150.0
     h.core.tick(h.now)
     assert h.sent() == []
+
+
+def test_a_stopped_route_holds_its_messages_until_started_and_is_never_stalled():
+    """Issue 15, rqpctl route stop|start: what is in flight is answered as usual, what waits
+    stays (in order) and is sent when the route is started again; other queues go on."""
+    h = Harness(hosts=("b",), stall_after=10.0)
+    h.submit(Q1, SURE_MSG, b"in flight")
+    h.sent()
+    h.answer("b", YES)
+    assert [e.message for _, e in h.sent()] == [b"in flight"]
+    assert h.core.stop_route(Q1, h.now) == 0
+    h.submit(Q1, SURE_MSG, b"held 1")
+    h.submit(Q1, SURE_MSG, b"held 2")
+    h.submit(Q2, SURE_MSG, b"other queue")
+    assert [e for _, e in h.sent()] == [Ask(Q2)]  # nothing more for Q1
+    h.answer("b", OK)  # the one in flight is confirmed as usual
+    [r] = [x for x in h.core.route_status(h.now + 100) if x["queue_key"] == Q1]
+    assert (r["state"], r["waiting"], r["stalled_since"]) == ("stopped", 2, None)
+    assert h.core.start_route(Q1, h.now) == 2
+    sent = [e.message for _, e in h.sent() if isinstance(e, Message)]
+    assert sent == [b"held 1", b"held 2"]

@@ -365,7 +365,9 @@ RTT_SAMPLES = 256
 
 #: Every state a route can be in, in words (the metrics export each, 1 for the current one).
 #: "stalled": messages wait or are in flight and none was confirmed for ``stall_after``.
-ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle", "stalled")
+#: "stopped": an operator stopped it (rqpctl route stop); its messages wait until started.
+ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle", "stalled",
+                "stopped")
 
 
 # --- internal bookkeeping --------------------------------------------------------------------
@@ -486,6 +488,8 @@ class SenderCore:
         #: The end of the last FINISHED_MEMORY messages, by key (rqpctl trace):
         #: key -> (outcome, when, queue key, host or reason).
         self.finished: OrderedDict[int, tuple] = OrderedDict()
+        #: Queue keys an operator stopped: their messages wait (in memory) until started.
+        self.stopped: set[int] = set()
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -754,6 +758,8 @@ class SenderCore:
 
     def _pump(self, lane: _Lane) -> None:
         """Move the head of ``lane`` on as far as it can go now."""
+        if lane.queue_key in self.stopped:
+            return  # (an operator's stop: what waits stays, what is in flight goes on)
         while lane.pending:
             if lane.asking is not None:
                 return
@@ -1317,6 +1323,27 @@ class SenderCore:
         while len(finished) > FINISHED_MEMORY:
             finished.popitem(last=False)
 
+    def stop_route(self, queue_key: int, now: float) -> int:
+        """An operator's "stop": no message for ``queue_key`` is sent from now on (those in
+        flight are answered as usual); they wait, journaled if SURE, until
+        :meth:`start_route`. Returns how many wait now."""
+        self._now = now
+        self.stopped.add(queue_key)
+        self._info(queue_key)
+        return sum(len(lane.pending) for lane in self._lanes.values()
+                   if lane.queue_key == queue_key)
+
+    def start_route(self, queue_key: int, now: float) -> int:
+        """Undo :meth:`stop_route`: the waiting messages go on at once."""
+        self._now = now
+        self.stopped.discard(queue_key)
+        lanes = [lane for lane in self._lanes.values() if lane.queue_key == queue_key]
+        waiting = sum(len(lane.pending) for lane in lanes)
+        for lane in lanes:
+            if lane.id in self._lanes:
+                self._pump(lane)
+        return waiting
+
     def retry_now(self, queue_key: int, now: float) -> int:
         """An operator's "retry now" for ``queue_key``: its back-off ends (the messages'
         failure counts start again) and the connections its lanes wait for are tried at once.
@@ -1424,8 +1451,8 @@ class SenderCore:
         if lane is None:
             return None, None
         oldest = min([m.taken_at for m in lane.pending] + taken.get(lane.id, []), default=None)
-        if oldest is None:
-            return None, None
+        if oldest is None or lane.queue_key in self.stopped:
+            return None, oldest  # (stopped on purpose: not stalled)
         progress = max(lane.created_at, info.last_confirmed_at or lane.created_at)
         return (progress if now - progress >= self.settings.stall_after else None), oldest
 
@@ -1447,6 +1474,8 @@ class SenderCore:
 
     def _lane_state(self, lane: _Lane | None, host, info: RouteInfo,
                     now: float | None = None) -> str:
+        if info.queue_key in self.stopped:
+            return "stopped"
         if lane is not None and lane.asking is not None:
             return "asking"
         if lane is not None and lane.pending and (

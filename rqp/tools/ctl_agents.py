@@ -24,7 +24,7 @@ from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
-UNHEALTHY = ("stalled", "retrying", "no route", "connecting")
+UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
 DEFAULT_PING_QUEUE = 0x52510001
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
@@ -275,8 +275,11 @@ def route(args) -> int:
         print(f"{name}: {exc}")
         return EXIT_NOT_RUNNING
     r = got["route"]
-    print(f"{name}: queue {got['queue']}: retrying now, {got['held']} message(s) waiting or "
-          f"in flight" + (f"; the route is {r['state']}" if r else " (no route known yet)"))
+    did = {"retry": "retrying now", "stop": "stopped: nothing more is sent until "
+           "'rqpctl route start'", "start": "started again"}[args.action]
+    print(f"{name}: queue {got['queue']}: {did}, {got['held']} message(s) waiting"
+          + (" or in flight" if args.action == "retry" else "")
+          + (f"; the route is {r['state']}" if r else " (no route known yet)"))
     return 0
 
 
@@ -422,9 +425,13 @@ def add_commands(groups) -> None:
     p.set_defaults(run=trace)
     p = groups.add_parser("route", help="act on a route of the sending MCA",
                           description="retry: end the back-off of the queue's route now (its "
-                          "waiting SURE messages are tried at once, connections too). Exit 3 "
+                          "waiting SURE messages are tried at once, connections too); stop: "
+                          "send no more of the queue's messages (those in flight are answered; "
+                          "the others wait, in the sending MCA's memory, until start; while "
+                          "they fill what it holds, it takes no records for any queue); start: "
+                          "send them again. A stop lasts until start or a restart. Exit 3 "
                           "when no sending MCA runs.")
-    p.add_argument("action", choices=("retry",))
+    p.add_argument("action", choices=("retry", "stop", "start"))
     p.add_argument("queue", type=queue_argument, help="queue key or name from .rqprc")
     p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
     p.set_defaults(run=route)
