@@ -323,7 +323,7 @@ def test_receiver_metrics_over_http_and_rqpctl(site):
     receive(b, Q1, 1)
     http = b.python("import urllib.request; print(urllib.request.urlopen("
                     "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
-    assert 'rqp_receiver_messages_total{outcome="put",queue="0x52510001"} 1' in http
+    assert 'rqp_receiver_messages_total{outcome="put",queue="0x52510001"} 1.0\n' in http
     assert "rqp_receiver_connections 1" in http
     via_socket = rqpctl(b, "metrics", "--agent", "receiver", "--receiver-config",
                         str(b.workdir / "receiver.yaml")).stdout

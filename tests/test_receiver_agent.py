@@ -697,7 +697,7 @@ def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(t
                        "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
                       check=False, timeout=60)
     assert (f'rqp_receiver_dead_letters_limited_total{{kind="suppressed",peer="{r.b.address}"}} '
-            f'{suppressed}') in metrics.stdout, metrics.stdout + metrics.stderr
+            f'{float(suppressed)}\n') in metrics.stdout, metrics.stdout + metrics.stderr
     lines = [line for line in r.log().splitlines() if "dead letters from" in line]
     assert 1 <= len(lines) <= 3, lines  # rate-limited
 
@@ -1048,8 +1048,8 @@ def test_connection_limits_and_timeouts(testbed):
     assert answers(r.pb.exchange("later", [ask(Q1)])) == ["QUEUE_YES"]
     metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
                          "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
-    assert "rqp_receiver_connections_refused_total 1\n" in metrics
-    assert "rqp_receiver_connections_timed_out_total 3\n" in metrics
+    assert "rqp_receiver_connections_refused_total 1.0\n" in metrics
+    assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
 
 
 def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(testbed):

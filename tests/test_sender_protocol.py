@@ -454,7 +454,9 @@ def test_route_status_in_words():
     h.sent()
     h.answer("b", NO)  # second failure: back-off; the last error is now the newer one
     [r] = h.core.route_status()
-    assert r["state"] == "retrying" and r["errors"] == 1
+    # (a round of asking that found no host is a failed try too: a trial saw errors stay 0
+    # through eight failed retries)
+    assert r["state"] == "retrying" and r["errors"] == 2
     assert r["last_error"] == "no host offers queue 0x52510001 (b: QUEUE_NO)"
     assert r["route_changes"] == 2 and r["since"] == h.now
     h.submit(Q2, UNSURE_MSG)

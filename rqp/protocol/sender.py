@@ -768,7 +768,8 @@ class SenderCore:
                 lane.pending.popleft()
                 self._fire(head, T.RETRY_BUDGET_SPENT)
                 self._dead_letter(head, ReasonCode.RETRY_BUDGET_EXHAUSTED,
-                                  f"not delivered after {head.attempts} attempts; last error: "
+                                  f"not delivered after {head.failures} failed tries "
+                                  f"({head.attempts} MESSAGE frame(s) sent); last error: "
                                   f"{head.last_error or 'none'}")
                 continue
             if self._expired(head):
@@ -932,7 +933,7 @@ class SenderCore:
             head.last_error = (f"no host offers queue {lane.queue_key:#x} ({why})"
                                if lane.target is None else
                                f"no answer for broadcast queue {lane.queue_key:#x} ({why})")
-            self._error(lane.queue_key, head.last_error)
+            self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
             if lane.target is not None:
                 info = self._copy_info(lane.queue_key, lane.target)
                 info.last_error, info.last_error_at = head.last_error, self._now
@@ -1524,6 +1525,7 @@ class SenderCore:
         out = []
         for key in sorted(self.info):
             info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
+            since = info.since
             copies = self._copies_status(key, now, taken) if key in self.settings.broadcast \
                 else None
             if copies:
@@ -1545,6 +1547,9 @@ class SenderCore:
                 stalled, oldest = self._progress(lane, info, now, taken)
                 why = self._stalled_why(state, host, info) if stalled is not None else ""
                 state = "stalled" if stalled is not None else state
+                if state in ("retrying", "asking", "connecting") and lane is not None:
+                    # for how long it has not got on, not since its last retry or ask
+                    since = max(lane.created_at, info.last_confirmed_at or lane.created_at)
             by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
             for each in ([lane] if lane is not None else []) + [
                     self._lanes.get((key, c["peer_host"])) for c in copies or ()]:
@@ -1552,7 +1557,7 @@ class SenderCore:
                     by_priority[msg.priority] = by_priority.get(msg.priority, 0) + 1
             out.append({
                 "queue_key": key, "peer": None if host is None else str(host), "state": state,
-                "since": info.since, "sent": info.sent, "sent_bytes": info.sent_bytes,
+                "since": since, "sent": info.sent, "sent_bytes": info.sent_bytes,
                 "delivered": info.delivered, "lost": info.lost,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "error_counter": self.errors.get((host, key), 0) if host is not None else 0,
