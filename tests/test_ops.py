@@ -200,7 +200,6 @@ def test_trace_follows_messages_by_key(site):
     host (a SURE message put, from which peer). Keys are the sending MCA's incarnation << 32
     | the number of the record it took (1, 2, ...)."""
     a, b, rqprc, sender, receiver = site
-    Q3 = 0x52510003  # (Q2 and Q3 exist nowhere)
     status = json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc),
                                "--json").stdout)
     base = int(next(iter(status.values()))["incarnation"], 16) << 32
@@ -221,28 +220,37 @@ def test_trace_follows_messages_by_key(site):
                                               str(rqprc)))[1] and got, timeout=20,
                        message="the UNSURE message never showed")
     assert t["state"] == "dead-lettered NO_ROUTE" and t["queue"] == "0x52510002", t
+    # key 3: one SURE message through waiting -> in flight -> confirmed
+    assert rqpctl(a, "route", "stop", "PROD_THE_SCHED_COMMON", "--rqprc",
+                  str(rqprc)).returncode == 0
+    send(a, rqprc, Q1, ["journey"])
+    code, t = wait_for(lambda: (got := trace(a, base + 3, "--agent", "sender", "--rqprc",
+                                              str(rqprc)))[1] and got, timeout=20,
+                       message="the SURE message never showed")
+    assert (t["state"], t["route_state"], t["queue"]) == ("waiting", "stopped", "0x52510001"), t
+    text = rqpctl(a, "trace", hex(base + 3), "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert text.startswith("sender-52510000: waiting for queue 0x52510001 PROD_THE_SCHED_COMMON "
+                           "(stopped), taken "), text
     receiver.send_signal(signal.SIGSTOP)
     try:
-        send(a, rqprc, Q1, ["two"])  # key 3: in flight to a frozen receiver
-        send(a, rqprc, Q3, ["three"])  # key 4: SURE, waits for a host that offers Q3
+        assert rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc",
+                      str(rqprc)).returncode == 0
         code, t = wait_for(lambda: (got := trace(a, base + 3, "--agent", "sender", "--rqprc",
-                                                  str(rqprc)))[1] and got, timeout=20,
-                           message="the SURE message never showed")
-        assert (t["state"], t["host"], t["attempts"]) == ("in flight", f"{b.address}:{PORT}", 1)
-        code, t = wait_for(lambda: (got := trace(a, base + 4, "--agent", "sender", "--rqprc",
-                                                  str(rqprc)))[1] and got, timeout=20,
-                           message="the waiting SURE message never showed")
-        assert t["state"] == "waiting" and t["queue"] == "0x52510003", t
+                                                  str(rqprc)))[1]["state"] == "in flight" and got,
+                           timeout=20, message="the SURE message did not go in flight")
+        assert (t["host"], t["attempts"]) == (f"{b.address}:{PORT}", 1)
         text = rqpctl(a, "trace", hex(base + 3), "--agent", "sender", "--rqprc",
                       str(rqprc)).stdout
         assert text.startswith(f"sender-52510000: in flight to {b.address}:{PORT} for queue "
                                "0x52510001 PROD_THE_SCHED_COMMON, taken "), text
     finally:
         receiver.send_signal(signal.SIGCONT)
-    assert receive(b, Q1, 1) == ["two"]
+    assert receive(b, Q1, 1) == ["journey"]
     wait_for(lambda: trace(a, base + 3, "--agent", "sender", "--rqprc",
                            str(rqprc))[1]["state"] == "confirmed", timeout=20,
              message="the SURE message was not confirmed after SIGCONT")
+    code, t = trace(b, base + 3, "--agent", "receiver", "--receiver-config", receiver_config)
+    assert code == 0 and t["state"].startswith("put"), t
     out = rqpctl(a, "trace", hex(base + 99), "--agent", "sender", "--rqprc", str(rqprc))
     assert out.returncode == 1 and "knows nothing of key" in out.stdout
 
