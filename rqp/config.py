@@ -480,6 +480,21 @@ def _int_parser(low: int, high: int | None, what: str) -> Callable[[object], int
 _parse_port = _int_parser(1, 65535, "a TCP port")
 _parse_error_limit = _int_parser(1, None, "a number of errors")
 _parse_window = _int_parser(1, MAX_WINDOW, "a number of frames")
+
+
+def _duration_at_least(low: float, why: str) -> Callable[[object], float]:
+    """parse_duration, refusing less than ``low`` seconds (``why``: what it would do)."""
+    def parse(value: object) -> float:
+        seconds = parse_duration(value)
+        if seconds < low:
+            raise BadValueError(value, f"expected a duration of at least {low:g} s ({why})")
+        return seconds
+    return parse
+
+
+_parse_stall_after = _duration_at_least(1.0, "less would call every route stalled between "
+                                              "two answers")
+_parse_heartbeat = _duration_at_least(1.0, "less would flood each receiver with QUEUE_ASKs")
 _parse_retry_count = _int_parser(0, None, "a number of retries")
 _parse_attempts = _int_parser(1, None, "a number of attempts")
 _parse_key_count = _int_parser(0, None, "a number of message keys")
@@ -1076,8 +1091,8 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         retry_backoff_initial=backoff_initial,
         retry_backoff_max=backoff_max,
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
-        stall_after=f.get("stall_after", parse_duration, DEFAULT_STALL_AFTER),
-        heartbeat_interval=f.get("heartbeat_interval", parse_duration,
+        stall_after=f.get("stall_after", _parse_stall_after, DEFAULT_STALL_AFTER),
+        heartbeat_interval=f.get("heartbeat_interval", _parse_heartbeat,
                                  DEFAULT_HEARTBEAT_INTERVAL),
         retry_max_attempts=f.get("retry_max_attempts", _parse_attempts, None),
         retry_max_age=f.get("retry_max_age", parse_duration, None),

@@ -24,7 +24,7 @@ from rqp.cli import add_log_level
 from rqp.config import ConfigError, SenderConfig, is_loopback, load_sender_config, parse_host
 from rqp.protocol.constants import DEFAULT_PORT, KNOWN_EXTENSIONS
 from rqp.protocol.errors import RecordError
-from rqp.protocol.events import ANSWERS, QueueAsk
+from rqp.protocol.events import ANSWERS, QueueAsk, QueueYes
 from rqp.protocol.frames import FrameDecoder, encode
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.reasons import ReasonCode
@@ -64,6 +64,10 @@ def _tls_contexts(config: SenderConfig) -> dict:
             log.warning("%s", warning)
         contexts[files] = client_context(files)
     return contexts
+
+
+#: Why the connections end at a stop (not a failure: logged at INFO).
+STOPPING = "sending MCA stopping"
 
 
 class Sender(Daemon):
@@ -154,6 +158,15 @@ class Sender(Daemon):
                    "start": self.core.start_route}
         if action not in actions:
             return {"error": f"route: unknown action {action!r} ({', '.join(actions)})"}
+        if key in (self.config.transmission_queue, self.config.dead_letter_queue):
+            return {"error": f"route: {format_key(key)} is this sending MCA's own "
+                             "transmission queue or DEAD.LETTER.Q, not a route"}
+        if key not in self.core.info and key not in self.config.queues.values():
+            return {"error": f"route: no route for queue {format_key(key)}: this sending MCA "
+                             "has sent nothing for it and .rqprc does not name it"}
+        if action == "retry" and key in self.core.stopped:
+            return {"error": f"route: queue {format_key(key)} is stopped: rqpctl route start "
+                             "it first"}
         held = actions[action](key, self.loop.time())
         self._run_actions()
         log.info("route %s: %s, asked by rqpctl (%d message(s) waiting%s)",
@@ -189,14 +202,24 @@ class Sender(Daemon):
             data = await asyncio.wait_for(reader.readexactly(2), self.config.ask_timeout)
             t2 = loop.time()
             [answer] = FrameDecoder(accept=ANSWERS).events(data)
-            return {**out, "answer": type(answer).__name__, "extensions": answer.data,
+            return {**out, "answer": "QUEUE_YES" if isinstance(answer, QueueYes) else "QUEUE_NO",
+                    "extensions": answer.data,
                     "connect_ms": round((t1 - t0) * 1000, 3), "rtt_ms": round((t2 - t1) * 1000, 3)}
         except asyncio.TimeoutError:
-            return {**out, "problem": "no answer within connect_timeout/ask_timeout"
+            return {**out, "problem": f"connected, but no answer to QUEUE_ASK within "
+                    f"{self.config.ask_timeout:g}s (ask_timeout; not an RQP receiver?)"
                     if writer is not None else f"cannot connect within "
-                    f"{self.config.connect_timeout:g}s"}
-        except (OSError, ssl.SSLError, asyncio.IncompleteReadError, RQPError) as exc:
-            return {**out, "problem": f"{type(exc).__name__}: {exc}"}
+                    f"{self.config.connect_timeout:g}s (connect_timeout)"}
+        except asyncio.IncompleteReadError:
+            return {**out, "problem": "the connection was closed before an answer (refused "
+                    "by the receiver's rules or limits, or not an RQP receiver?)"}
+        except ssl.SSLError as exc:
+            return {**out, "problem": f"TLS: {exc.reason or exc}"}
+        except ConnectionRefusedError:
+            return {**out, "problem": "connection refused (no receiving MCA listens there)"}
+        except (OSError, RQPError) as exc:
+            return {**out, "problem": exc.strerror if isinstance(exc, OSError) and
+                    exc.strerror else str(exc)}
         finally:
             if writer is not None:
                 writer.close()
@@ -250,7 +273,7 @@ class Sender(Daemon):
         # "not confirmed" (SURE ones go back to pending, UNSURE ones are counted lost).
         for host in self.links:
             self.links.close(host)
-            self.core.connection_lost(host, "sending MCA stopping", self.loop.time())
+            self.core.connection_lost(host, STOPPING, self.loop.time())
         self._run_actions()
         # SURE messages not confirmed stay in the journal: the next start sends them first, in
         # order, with their keys. UNSURE ones not sent yet go back to the transmission queue.
@@ -417,7 +440,7 @@ class Sender(Daemon):
     def _log_note(self, note: Note) -> None:
         level = logging.INFO if note.kind in (NoteKind.ROUTE_FOUND, NoteKind.CONNECTED,
                                               NoteKind.CONNECTION_CLOSED) \
-            else logging.WARNING
+            or self._stopping.is_set() and note.detail.endswith(STOPPING) else logging.WARNING
         fields, extra = [], {"event": note.kind.name.lower()}
         if note.queue_key is not None:
             fields.append(f"queue={self._queue_text(note.queue_key)}")

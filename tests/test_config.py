@@ -817,3 +817,12 @@ def test_the_readme_tables_show_the_defaults():
                        "put_retry_count", "put_retry_interval", "dedup_window_keys",
                        "dedup_window_age", "max_connections", "max_connections_per_source",
                        "first_frame_timeout", "idle_timeout"}
+
+
+@pytest.mark.parametrize("key, value", [("stall_after", "500ms"), ("heartbeat_interval", "1ms")])
+def test_stall_after_and_heartbeat_interval_have_a_floor(tmp_path: Path, key, value) -> None:
+    """A trial: heartbeat_interval 1ms sent 1,244 heartbeats in 1.5 s; stall_after 1ms calls
+    every route stalled between two answers. Both must be at least a second."""
+    message = str(sender_error(tmp_path, f"hosts: [rqp1]\n{key}: {value}\n"))
+    assert f"key '{key}': bad value '{value}': expected a duration of at least 1 s" in message
+    assert load_sender(tmp_path, f"hosts: [rqp1]\n{key}: 1s\n").__getattribute__(key) == 1.0

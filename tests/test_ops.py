@@ -274,12 +274,13 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     wait_for(lambda: "Connection refused" in route()["last_error"], timeout=20,
              message="the refused connection did not show")
     out = rqpctl(a, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc))
-    assert out.returncode == 1 and "ConnectionRefusedError" in out.stdout, out.stdout
+    assert out.returncode == 1 and "connection refused (no receiving MCA listens there)" in \
+        out.stdout, out.stdout
     start_receiver(b, config=receiver_config(b))
     out = rqpctl(a, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc))
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(plaintext\): connected in [0-9.]+ ms; "
-                        r"QUEUE_ASK 0x52510001 answered QueueYes in [0-9.]+ ms\n", out.stdout), \
+                        r"QUEUE_ASK 0x52510001 answered QUEUE_YES in [0-9.]+ ms\n", out.stdout), \
         out.stdout
     assert route()["state"] == "retrying"  # (it would wait out its back-off: about 30 s)
     out = rqpctl(a, "route", "retry", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
@@ -295,6 +296,10 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "started again, 1 message(s) waiting" in out.stdout, out.stdout
     assert receive(b, Q1, 1, timeout=10) == ["held back"]
+    for key, why in ((0x52519999, "has sent nothing for it and .rqprc does not name it"),
+                     (0x52510000, "own transmission queue or DEAD.LETTER.Q, not a route")):
+        out = rqpctl(a, "route", "stop", hex(key), "--rqprc", str(rqprc))  # (a mistyped key)
+        assert out.returncode == 2 and why in out.stdout, out.stdout
     wrong = rqpctl(a, "route", "retry", "NO_SUCH_NAME", "--rqprc", str(rqprc))
     assert wrong.returncode != 0 and "NO_SUCH_NAME" in wrong.stdout + wrong.stderr
 

@@ -427,6 +427,8 @@ class _Link:
     rewarm: bool = False
     heartbeats: int = 0  # sent on this link, all time
     heartbeat_failures: int = 0
+    heartbeat_failed_at: float | None = None
+    failed_at: float = 0.0  # when it last went down
 
 
 @dataclass(eq=False, slots=True)
@@ -509,7 +511,8 @@ class SenderCore:
         """Heartbeats sent to ``host`` and those that went unanswered (all time)."""
         link = self._links.get(host)
         return {"heartbeats": link.heartbeats if link else 0,
-                "heartbeat_failures": link.heartbeat_failures if link else 0}
+                "heartbeat_failures": link.heartbeat_failures if link else 0,
+                "heartbeat_failed_at": link.heartbeat_failed_at if link else None}
 
     def error_count(self, host, queue_key: int) -> int:
         return self.errors.get((host, queue_key), 0)
@@ -726,6 +729,7 @@ class SenderCore:
                         if frame.msg is None else f"MESSAGE key={frame.msg.key:#018x}")
                 if frame.lane is None:
                     link.heartbeat_failures += 1
+                    link.heartbeat_failed_at = now
                     link.rewarm = True
                 self._drop_link(link, f"no answer to {what} within {frame.timeout:g}s")
             elif link.waiting and link.state is LinkState.DOWN and link.retry_at <= now:
@@ -923,6 +927,7 @@ class SenderCore:
                 self._declined(msg, why)
                 continue
             self._fire(msg, T.NO_HOST_LEFT_UNSURE)
+            self._error(lane.queue_key, f"no host offers queue {lane.queue_key:#x} ({why})")
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
                               f"no host offers queue {lane.queue_key:#x} ({why})")
         if lane.pending:
@@ -1259,6 +1264,10 @@ class SenderCore:
     def _link_failed(self, link: _Link, why: str) -> None:
         link.failures += 1
         link.last_error = why
+        link.failed_at = self._now
+        for route, host in self.routes.items():  # its routes show it, with the time
+            if host == link.host:
+                self._error(route if isinstance(route, int) else route[0], f"{link.host}: {why}")
         link.retry_at = self._now + self.settings.reconnect_delay(link.failures)
         self._note(NoteKind.CONNECTION_FAILED, None, link.host, why)
         waiting, link.waiting = list(link.waiting), {}
@@ -1394,7 +1403,8 @@ class SenderCore:
                                              self._info(msg.queue_key), now)
                     return {"state": "waiting", "route_state": state,
                             "queue_key": msg.queue_key, "taken_at": msg.taken_at,
-                            "attempts": msg.attempts, "message_type": msg.message_type,
+                            "attempts": msg.attempts, "failures": msg.failures,
+                            "message_type": msg.message_type,
                             "priority": msg.priority, "last_error": msg.last_error,
                             "retry_at": lane.retry_at if lane.retry_at > now else None}
         ended = self.finished.get(key)
@@ -1457,8 +1467,9 @@ class SenderCore:
         progress = max(lane.created_at, info.last_confirmed_at or lane.created_at)
         return (progress if now - progress >= self.settings.stall_after else None), oldest
 
-    def _stalled_why(self, state: str, host, info: RouteInfo) -> str:
-        """What a stalled route is doing, in words, as far as the sender knows."""
+    def _stalled_why(self, state: str, host, info: RouteInfo, since: float | None = None) -> str:
+        """What a stalled route is doing, in words, as far as the sender knows (its last
+        error too, if it came after ``since``: an older one is not why it is stuck now)."""
         if state == "running":
             why = f"connected to {host}, no answer confirmed a message"
         elif state == "connecting":
@@ -1471,7 +1482,8 @@ class SenderCore:
             why = "no host offers the queue"
         else:
             why = state
-        return f"{why}; last error: {info.last_error}" if info.last_error else why
+        fresh = info.last_error and (since is None or (info.last_error_at or 0) >= since)
+        return f"{why}; last error: {info.last_error}" if fresh else why
 
     def _lane_state(self, lane: _Lane | None, host, info: RouteInfo,
                     now: float | None = None) -> str:
@@ -1500,7 +1512,7 @@ class SenderCore:
             state = ("declined" if info.declined and lane is None and route is None
                      else self._lane_state(lane, route, info, now))
             stalled, oldest = self._progress(lane, info, now, taken)
-            why = self._stalled_why(state, route, info) if stalled is not None else ""
+            why = self._stalled_why(state, route, info, stalled) if stalled is not None else ""
             state = "stalled" if stalled is not None else state
             out.append({
                 "stalled_since": stalled, "oldest_taken_at": oldest, "stalled_why": why,
@@ -1545,11 +1557,13 @@ class SenderCore:
                 in_flight = lane.inflight if lane is not None else 0
                 waiting = len(lane.pending) if lane is not None else 0
                 stalled, oldest = self._progress(lane, info, now, taken)
-                why = self._stalled_why(state, host, info) if stalled is not None else ""
+                why = self._stalled_why(state, host, info, stalled) if stalled is not None else ""
                 state = "stalled" if stalled is not None else state
                 if state in ("retrying", "asking", "connecting") and lane is not None:
                     # for how long it has not got on, not since its last retry or ask
                     since = max(lane.created_at, info.last_confirmed_at or lane.created_at)
+                elif state == "connecting":
+                    since = max(info.since, self._links[host].failed_at)
             by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
             for each in ([lane] if lane is not None else []) + [
                     self._lanes.get((key, c["peer_host"])) for c in copies or ()]:

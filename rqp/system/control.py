@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rqp.protocol.errors import RQPError
 
 __all__ = ["default_socket", "serve_control", "request", "Metric", "render", "serve_metrics",
+           "ControlRefused",
            "ControlError"]
 
 MAX_REQUEST = 64 * 1024
@@ -36,6 +37,10 @@ MAX_REQUEST = 64 * 1024
 
 class ControlError(RQPError):
     """The agent could not be asked (not running, no permission, bad answer)."""
+
+
+class ControlRefused(ControlError):
+    """The agent answered, refusing the request (a bad argument): it is running."""
 
 
 def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
@@ -104,7 +109,7 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
     except ValueError:
         raise ControlError(f"the agent on {path} gave an answer that is not JSON") from None
     if "error" in answer:
-        raise ControlError(f"the agent on {path}: {answer['error']}")
+        raise ControlRefused(f"the agent on {path}: {answer['error']}")
     return answer
 
 

@@ -17,14 +17,15 @@ from pathlib import Path
 from rqp.cli import positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
-    load_sender_config, parse_queue_key,
+    load_sender_config, parse_host, parse_queue_key,
 )
-from rqp.system.control import ControlError, default_socket, request
+from rqp.system.control import ControlError, ControlRefused, default_socket, request
 from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
 UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
+EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse exits
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
 DEFAULT_PING_QUEUE = 0x52510001
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
@@ -57,6 +58,8 @@ def ask(candidates: list[Path], command: str, **args) -> dict:
     for path in candidates:
         try:
             return request(path, command, **args)
+        except ControlRefused:
+            raise  # the agent is there, and said no: that is the answer
         except ControlError as exc:
             errors.append(str(exc))
     raise ControlError("; ".join(dict.fromkeys(errors)))
@@ -98,9 +101,10 @@ def _print_sender(st: dict) -> None:
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({st['dead_letter_queue_depth']}), in flight {st['in_flight']}")
     print("  hosts: " + ", ".join(
-        f"{h['host']} {h['connection']}" + (f" ({h['heartbeat_failures']} heartbeat(s) "
-                                            "unanswered)" if h.get("heartbeat_failures") else "")
-        for h in st["hosts"]))
+        f"{h['host']} {h['connection']}" + (
+            f" ({h['heartbeat_failures']} heartbeat(s) unanswered, the last "
+            f"{_ago(h.get('heartbeat_failed_at'), now)} ago)" if h.get("heartbeat_failures")
+            else "") for h in st["hosts"]))
     if not st["routes"]:
         print("  no messages sent yet")
         return
@@ -178,29 +182,34 @@ def status(args) -> int:
         return code
 
 
+def _receiver_optional(args, targets) -> bool:
+    """A sending host with no receiver config: a receiver that is not running is no fault
+    (with --agent all; --agent receiver, a config or a socket named ask for one)."""
+    return args.agent == "all" and not args.socket and not args.receiver_config and \
+        not SYSTEM_RECEIVER_CONFIG.exists() and any(name != "receiver" for name, _ in targets)
+
+
 def _status_once(args) -> int:
     code, answers = 0, {}
     targets = _targets(args)
-    # A sending host with no receiver config: a receiver that is not running is no fault
-    # (with --agent all; --agent receiver, a config or a socket named ask for one).
-    receiver_optional = args.agent == "all" and not args.socket and \
-        not args.receiver_config and not SYSTEM_RECEIVER_CONFIG.exists() and \
-        any(name != "receiver" for name, _ in targets)
+    receiver_optional = _receiver_optional(args, targets)
     for name, candidates in targets:
         try:
             answers[name] = st = ask(candidates, "status")
         except ControlError as exc:
             answers[name] = {"agent": name, "running": False, "error": str(exc)}
             if name == "receiver" and receiver_optional:
+                answers[name]["configured"] = False
                 if not args.json:
                     print("receiver: none runs here (no receiver config on this host)")
                 continue
-            code = max(code, EXIT_NOT_RUNNING)
+            code = EXIT_NOT_RUNNING  # (it wins over an unhealthy route)
             if not args.json:
                 print(f"{name}: not running: {exc}")
             continue
-        if any(r["state"] in UNHEALTHY for r in st.get("routes", ())):
-            code = max(code, EXIT_UNHEALTHY) if code != EXIT_NOT_RUNNING else code
+        if any(r["state"] in UNHEALTHY for r in st.get("routes", ())) and \
+                code != EXIT_NOT_RUNNING:
+            code = EXIT_UNHEALTHY
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
@@ -212,11 +221,15 @@ def trace(args) -> int:
     """Where one message is, by its RQP key, as each agent on this host knows it."""
     found = False
     answers = {}
-    for name, candidates in _targets(args):
+    targets = _targets(args)
+    for name, candidates in targets:
         try:
             got = ask(candidates, "trace", key=args.key)["trace"]
         except ControlError as exc:
             answers[name] = {"running": False, "error": str(exc)}
+            if name == "receiver" and _receiver_optional(args, targets):
+                answers[name]["configured"] = False
+                continue  # (a sending-only host)
             if not args.json:
                 print(f"{name}: not running: {exc}")
             continue
@@ -242,7 +255,8 @@ def _trace_line(t: dict, now: float) -> str:
                 + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
     if state == "waiting":
         return (f"waiting for queue {queue} ({t['route_state']}), taken "
-                f"{_ago(t['taken_at'], now)} ago, {t['attempts']} attempt(s), priority "
+                f"{_ago(t['taken_at'], now)} ago, {t.get('failures', 0)} failed tries "
+                f"({t['attempts']} MESSAGE frame(s) sent), priority "
                 f"{t['priority']}" + (f", next try in {max(t['retry_at'] - now, 0):.0f}s"
                                       if t.get("retry_at") else "")
                 + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
@@ -273,7 +287,7 @@ def route(args) -> int:
         got = ask(candidates, "route", action=args.action, queue=key)
     except ControlError as exc:
         print(f"{name}: {exc}")
-        return EXIT_NOT_RUNNING
+        return EXIT_REFUSED if isinstance(exc, ControlRefused) else EXIT_NOT_RUNNING
     r = got["route"]
     did = {"retry": "retrying now", "stop": "stopped: nothing more is sent until "
            "'rqpctl route start'", "start": "started again"}[args.action]
@@ -294,7 +308,7 @@ def ping(args) -> int:
         got = ask(candidates, "ping", host=args.host, queue=key, timeout=30.0)
     except ControlError as exc:
         print(f"{name}: {exc}")
-        return EXIT_NOT_RUNNING
+        return EXIT_REFUSED if isinstance(exc, ControlRefused) else EXIT_NOT_RUNNING
     how = "TLS" if got["tls"] else "plaintext"
     if "problem" in got:
         print(f"{got['host']} ({how}): {got['problem']}")
@@ -302,6 +316,14 @@ def ping(args) -> int:
     print(f"{got['host']} ({how}): connected in {got['connect_ms']:.1f} ms; QUEUE_ASK "
           f"{got['queue']} answered {got['answer']} in {got['rtt_ms']:.1f} ms")
     return 0
+
+
+def host_argument(text: str) -> str:
+    try:
+        parse_host(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def metrics(args) -> int:
@@ -441,7 +463,7 @@ def add_commands(groups) -> None:
                           "(default: the first queue named in .rqprc) and reports the time to "
                           "connect and to the answer. Exit 0 answered, 1 not, 3 no sending MCA "
                           "runs.")
-    p.add_argument("host", help="HOST[:PORT] as in .rqprc's hosts")
+    p.add_argument("host", type=host_argument, help="HOST[:PORT] as in .rqprc's hosts")
     p.add_argument("--queue", type=queue_argument, help="queue key or name to ask for")
     p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
     p.set_defaults(run=ping)
