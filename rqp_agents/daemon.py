@@ -39,7 +39,10 @@ class RateLimitedLog:
         self._held = 0
         self._held_since = 0.0  # wall-clock time of the first line held back
 
-    def report(self, text: str, level: int = logging.WARNING, *args: object) -> None:
+    def report(self, text: str, level: int = logging.WARNING, *args: object,
+               extra: dict | None = None) -> None:
+        """Log ``text % args`` at ``level`` (``extra``: the event's fields, for JSON logs),
+        unless this kind is over its burst."""
         self.count += 1
         now = time.monotonic()
         if now - self._window >= self.interval:
@@ -55,7 +58,7 @@ class RateLimitedLog:
             since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
             message += f" ({self._held} more of this kind not logged since {since})"
             self._held = 0
-        self.log.log(level, "%s", message)
+        self.log.log(level, "%s", message, extra=extra)
 
 
 class Daemon:

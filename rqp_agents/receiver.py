@@ -408,7 +408,9 @@ class Receiver(Daemon):
         if len(self._peer_labels) > PEER_MEMORY:
             del self._peer_labels[next(iter(self._peer_labels))]
         self._comings.report("connection from %s%s", logging.INFO, peer,
-                             f" ({who.identity})" if who.identity else "")
+                             f" ({who.identity})" if who.identity else "",
+                             extra={"event": "connection_opened", "peer": peer,
+                                    "identity": who.identity or ""})
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
         answers = _Answers(writer, self.commits)
@@ -425,7 +427,8 @@ class Receiver(Daemon):
                     self._goings.report("closing connection from %s: %s", logging.INFO, peer,
                                         f"idle for {wait:g}s (idle_timeout)" if framed else
                                         f"no complete frame within {wait:g}s "
-                                        "(first_frame_timeout)")
+                                        "(first_frame_timeout)",
+                                        extra={"event": "connection_timed_out", "peer": peer})
                     break
                 finally:
                     self._idle.discard(task)
@@ -446,7 +449,8 @@ class Receiver(Daemon):
                         answers.send(batch, sure)
                 if request is CLOSED:
                     await answers.flush()  # (a failed commit closes it too: say that first)
-                    self._goings.report("connection from %s closed", logging.INFO, peer)
+                    self._goings.report("connection from %s closed", logging.INFO, peer,
+                                        extra={"event": "connection_closed", "peer": peer})
                     break
                 if self._stopping.is_set():  # what was in flight is answered: done
                     self._goings.report("closing connection from %s: stopping", logging.INFO,
@@ -459,9 +463,11 @@ class Receiver(Daemon):
         except DedupError as exc:
             self._unrecorded(peer, exc)
         except RQPError as exc:
-            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc)
+            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
+                                extra={"event": "connection_refused", "peer": peer})
         except (ConnectionError, OSError) as exc:
-            self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc)
+            self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc,
+                                extra={"event": "connection_lost", "peer": peer})
         except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
             self.fatal(f"the connection from {peer}", exc)
         finally:  # the answers already decided go out (each after its commit), then close
@@ -478,7 +484,8 @@ class Receiver(Daemon):
     def _unrecorded(self, peer: str, exc: DedupError) -> None:
         self._errors.report("closing connection from %s without answering its last SURE "
                             "messages: the de-duplication window cannot record them (the sender "
-                            "keeps them and sends them again): %s", logging.ERROR, peer, exc)
+                            "keeps them and sends them again): %s", logging.ERROR, peer, exc,
+                            extra={"event": "dedup_unrecorded", "peer": peer})
 
     async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label
@@ -665,7 +672,10 @@ class Receiver(Daemon):
                 del self._noticed[next(iter(self._noticed))]
         log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
                     format_key(message.queue_key), message.key,
-                    "SURE" if sure else "UNSURE", peer, detail)
+                    "SURE" if sure else "UNSURE", peer, detail,
+                    extra={"event": "dead_letter", "reason": reason.name, "peer": peer,
+                           "queue_key": format_key(message.queue_key),
+                           "message_key": f"{message.key:#018x}"})
 
 
 def _answers_sure(request) -> bool:

@@ -62,3 +62,11 @@ def test_the_rules_use_metrics_the_agents_export(testbed):
     names = set(re.findall(r"^# TYPE (\w+) ", exported, re.M))
     used = set(re.findall(r"\b(rqp_\w+)", RULES.read_text()))
     assert used and used <= names, f"not exported: {sorted(used - names)}"
+    # both agents at once: one valid exposition, an agent label on every sample (a trial:
+    # the two printed one after the other repeated HELP lines)
+    sender_sock = next((a.workdir / "sender-state").glob("*.sock"))
+    both = a.run([*ctl, "--socket", str(sender_sock), "--socket", str(receiver_sock)]).stdout
+    lint = subprocess.run([promtool(), "check", "metrics"], input=both, capture_output=True,
+                          text=True, timeout=60)
+    assert "second HELP" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    assert 'rqp_up_seconds{agent="sender"}' in both and 'rqp_up_seconds{agent="receiver"}' in both

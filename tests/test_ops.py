@@ -308,7 +308,8 @@ def test_json_logs_carry_the_events_fields(testbed):
     """Issue 15: --log-format json: one JSON object a line (time, level, logger, message),
     with the event's fields for machines (event, queue_key, peer, message_key, reason)."""
     a, b = testbed.add_host("a"), testbed.add_host("b")
-    start_receiver(b, config=receiver_config(b))
+    receiver = start_receiver(b, config=receiver_config(b), log_level="INFO",
+                              extra=("--log-format", "json"))
     make_queue(b, Q1)
     rqprc = write_rqprc(a, [b])
     sender = start_sender(a, rqprc, log_level="INFO", extra=("--log-format", "json"))
@@ -325,6 +326,9 @@ def test_json_logs_carry_the_events_fields(testbed):
     assert (dead["reason"], dead["queue_key"], dead["level"]) == ("NO_ROUTE", "0x52510002",
                                                                   "WARNING")
     assert re.fullmatch(r"0x[0-9a-f]{16}", dead["message_key"])
+    received = [json.loads(line) for line in b.output(receiver, "stderr").splitlines()]
+    opened = next(line for line in received if line.get("event") == "connection_opened")
+    assert opened["peer"].startswith(f"{a.address}:") and opened["level"] == "INFO"
     bad = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                 env={**os.environ, "RQP_LOG_FORMAT": "xml"}, check=False)
     assert bad.returncode == 2 and "unknown log format 'xml' (from $RQP_LOG_FORMAT)" in bad.stderr

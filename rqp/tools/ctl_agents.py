@@ -327,14 +327,49 @@ def host_argument(text: str) -> str:
 
 
 def metrics(args) -> int:
-    code = 0
-    for name, candidates in _targets(args):
+    """Each agent's metrics; of several agents, one exposition with an ``agent`` label on
+    every sample (two expositions one after the other repeat HELP lines: not valid)."""
+    code, texts, notes = 0, {}, []
+    targets = _targets(args)
+    for name, candidates in targets:
         try:
-            print(ask(candidates, "metrics")["text"], end="")
+            agent = Path(name).name.removesuffix(".sock").split("-")[0]  # sender, receiver
+            texts[agent if agent not in texts else name] = ask(candidates, "metrics")["text"]
         except ControlError as exc:
-            print(f"# {name}: not running: {exc}")
+            if name == "receiver" and _receiver_optional(args, targets):
+                continue
+            notes.append(f"# {name}: not running: {exc}")
             code = EXIT_NOT_RUNNING
+    print("\n".join(notes), end="\n" if notes else "")
+    if len(texts) == 1:
+        print(next(iter(texts.values())), end="")
+    elif texts:
+        print(merge_expositions(texts), end="")
     return code
+
+
+def merge_expositions(texts: dict[str, str]) -> str:
+    """One Prometheus exposition of several agents' (name -> text): each family once, each
+    sample with an ``agent`` label."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for agent, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation,
+                                                             family.type))
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "agent": agent}, sample.value)
+
+    class Collector:
+        def collect(self):
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    return generate_latest(registry).decode()
 
 
 def queues(args) -> int:
