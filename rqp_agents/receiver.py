@@ -409,8 +409,8 @@ class Receiver(Daemon):
             del self._peer_labels[next(iter(self._peer_labels))]
         self._comings.report("connection from %s%s", logging.INFO, peer,
                              f" ({who.identity})" if who.identity else "",
-                             extra={"event": "connection_opened", "peer": peer,
-                                    "identity": who.identity or ""})
+                             extra={"event": "connection_opened", "peer": who.label,
+                                    "address": peer, "identity": who.identity or ""})
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
         answers = _Answers(writer, self.commits)
@@ -428,7 +428,8 @@ class Receiver(Daemon):
                                         f"idle for {wait:g}s (idle_timeout)" if framed else
                                         f"no complete frame within {wait:g}s "
                                         "(first_frame_timeout)",
-                                        extra={"event": "connection_timed_out", "peer": peer})
+                                        extra=dict(event="connection_timed_out", peer=who.label,
+                                                   address=peer))
                     break
                 finally:
                     self._idle.discard(task)
@@ -450,7 +451,8 @@ class Receiver(Daemon):
                 if request is CLOSED:
                     await answers.flush()  # (a failed commit closes it too: say that first)
                     self._goings.report("connection from %s closed", logging.INFO, peer,
-                                        extra={"event": "connection_closed", "peer": peer})
+                                        extra=dict(event="connection_closed", peer=who.label,
+                                                   address=peer))
                     break
                 if self._stopping.is_set():  # what was in flight is answered: done
                     self._goings.report("closing connection from %s: stopping", logging.INFO,
@@ -461,31 +463,33 @@ class Receiver(Daemon):
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
         except DedupError as exc:
-            self._unrecorded(peer, exc)
+            self._unrecorded(peer, exc, who.label)
         except RQPError as exc:
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
-                                extra={"event": "connection_refused", "peer": peer})
+                                extra=dict(event="connection_refused", peer=who.label,
+                                           address=peer))
         except (ConnectionError, OSError) as exc:
             self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc,
-                                extra={"event": "connection_lost", "peer": peer})
+                                extra=dict(event="connection_lost", peer=who.label,
+                                           address=peer))
         except Exception as exc:  # noqa: BLE001 - anything else is unexpected: stop
             self.fatal(f"the connection from {peer}", exc)
         finally:  # the answers already decided go out (each after its commit), then close
             try:
                 await answers.flush()
             except DedupError as exc:
-                self._unrecorded(peer, exc)
+                self._unrecorded(peer, exc, who.label)
             except RQPError as exc:
                 self._errors.report("closing connection from %s without answering what it "
                                     "sent last: %s", logging.WARNING, peer, exc)
             except (ConnectionError, OSError):
                 pass
 
-    def _unrecorded(self, peer: str, exc: DedupError) -> None:
+    def _unrecorded(self, peer: str, exc: DedupError, label: str) -> None:
         self._errors.report("closing connection from %s without answering its last SURE "
                             "messages: the de-duplication window cannot record them (the sender "
                             "keeps them and sends them again): %s", logging.ERROR, peer, exc,
-                            extra={"event": "dedup_unrecorded", "peer": peer})
+                            extra={"event": "dedup_unrecorded", "peer": label, "address": peer})
 
     async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label

@@ -273,7 +273,7 @@ class Sender(Daemon):
         # "not confirmed" (SURE ones go back to pending, UNSURE ones are counted lost).
         for host in self.links:
             self.links.close(host)
-            self.core.connection_lost(host, STOPPING, self.loop.time())
+            self.core.connection_lost(host, STOPPING, self.loop.time(), clean=True)
         self._run_actions()
         # SURE messages not confirmed stay in the journal: the next start sends them first, in
         # order, with their keys. UNSURE ones not sent yet go back to the transmission queue.

@@ -57,11 +57,17 @@ def sender_status(agent) -> dict:
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
         "in_flight": agent.core.in_flight, "incarnation": f"{agent.keys.incarnation:08x}",
-        "hosts": [{"host": str(h), "connection": agent.core.link_state(h).value,
-                   **agent.core.heartbeat_status(h)} for h in agent.config.hosts],
+        "hosts": [_host_status(agent, h, to_wall) for h in agent.config.hosts],
         "routes": routes, "stats": dict(agent.stats),
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
+
+
+def _host_status(agent, host, to_wall: float) -> dict:
+    beats = agent.core.heartbeat_status(host)
+    if beats["heartbeat_failed_at"] is not None:
+        beats["heartbeat_failed_at"] += to_wall  # (the core's times are the loop's clock)
+    return {"host": str(host), "connection": agent.core.link_state(host).value, **beats}
 
 
 def sender_metrics(agent) -> str:
@@ -74,7 +80,8 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_errors_total", "counter",
          "failed tries (a MESSAGE not confirmed, or no host offered the queue), by queue"),
         ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
-        ("rqp_sender_error_counter", "gauge", "the UNSURE error counter of the route"),
+        ("rqp_sender_unsure_errors_in_a_row", "gauge",
+         "UNSURE errors in a row on the route (error_limit of them drops it)"),
         ("rqp_sender_in_flight", "gauge", "messages sent and not answered, by queue"),
         ("rqp_sender_waiting", "gauge", "messages taken and not sent yet, by queue"),
         ("rqp_sender_lag_seconds", "gauge",
@@ -102,7 +109,7 @@ def sender_metrics(agent) -> str:
             m["rqp_sender_outcomes_total"].add(r[outcome], outcome=outcome, **q)
         m["rqp_sender_errors_total"].add(r["errors"], **q)
         m["rqp_sender_route_changes_total"].add(r["route_changes"], **q)
-        m["rqp_sender_error_counter"].add(r["error_counter"], **q)
+        m["rqp_sender_unsure_errors_in_a_row"].add(r["error_counter"], **q)
         m["rqp_sender_in_flight"].add(r["in_flight"], **q)
         m["rqp_sender_waiting"].add(r["waiting"], **q)
         m["rqp_sender_lag_seconds"].add(round(r["lag"], 3), **q)

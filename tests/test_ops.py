@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import pytest
 
@@ -168,6 +169,7 @@ def test_a_vanished_peer_on_an_idle_connection_is_found_by_the_heartbeat(testbed
     try:
         wait_for(lambda: host()["heartbeat_failures"] >= 1, timeout=20,
                  message="the vanished peer was not found by the heartbeat")
+        assert abs(host()["heartbeat_failed_at"] - time.time()) < 60  # (wall time)
         assert log_lines(a, sender, "no answer to heartbeat QUEUE_ASK within 1s")
         text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
         assert "heartbeat(s) unanswered" in text, text
@@ -328,7 +330,8 @@ def test_json_logs_carry_the_events_fields(testbed):
     assert re.fullmatch(r"0x[0-9a-f]{16}", dead["message_key"])
     received = [json.loads(line) for line in b.output(receiver, "stderr").splitlines()]
     opened = next(line for line in received if line.get("event") == "connection_opened")
-    assert opened["peer"].startswith(f"{a.address}:") and opened["level"] == "INFO"
+    assert (opened["peer"], opened["level"]) == (a.address, "INFO")  # (as on dead letters)
+    assert opened["address"].startswith(f"{a.address}:")
     bad = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                 env={**os.environ, "RQP_LOG_FORMAT": "xml"}, check=False)
     assert bad.returncode == 2 and "unknown log format 'xml' (from $RQP_LOG_FORMAT)" in bad.stderr

@@ -710,3 +710,38 @@ def test_a_stopped_route_holds_its_messages_until_started_and_is_never_stalled()
     assert h.core.start_route(Q1, h.now) == 2
     sent = [e.message for _, e in h.sent() if isinstance(e, Message)]
     assert sent == [b"held 1", b"held 2"]
+
+
+def test_an_idle_route_whose_receiver_closed_the_connection_is_idle_not_connecting():
+    """A trial: after a receiver restart (it closes its connections in order) idle routes
+    showed 'connecting' until the next message, and rqpctl status exited 4. A route over a
+    connection closed while idle is idle: it connects again when a message needs it. After
+    an unanswered heartbeat, a connection made again is not 'running' until it answers."""
+    h = Harness(hosts=("b",), heartbeat_interval=30.0, ask_timeout=2.0)
+    h.submit(Q1, SURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", OK)
+    h.core.connection_lost("b", "closed by the receiving MCA", h.now, clean=True)
+    [r] = h.core.route_status()
+    assert r["state"] == "idle" and h.core.next_deadline() is None
+    h.submit(Q1, SURE_MSG, b"again")  # a message connects it again, on the same route
+    assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
+    h.answer("b", OK)
+    h.now += 30
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]  # a heartbeat ...
+    h.now += 2
+    h.core.tick(h.now)  # ... unanswered: closed, made again with back-off
+    h.now = h.core.next_deadline()
+    h.core.tick(h.now)
+    h.sent()  # (connected again)
+    [r] = h.core.route_status()
+    assert r["state"] == "connecting"  # not proven alive since the lost heartbeat
+    h.now += 30
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", YES)
+    [r] = h.core.route_status()
+    assert r["state"] == "running"

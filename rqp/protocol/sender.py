@@ -429,6 +429,7 @@ class _Link:
     heartbeat_failures: int = 0
     heartbeat_failed_at: float | None = None
     failed_at: float = 0.0  # when it last went down
+    answered_at: float = 0.0  # when an answer last came
 
 
 @dataclass(eq=False, slots=True)
@@ -1018,7 +1019,7 @@ class SenderCore:
                 or (s.max_age is not None and self._now - msg.taken_at >= s.max_age))
 
     def _answer(self, link: _Link, frame: _Frame, event) -> None:
-        link.heard_at = self._now
+        link.heard_at = link.answered_at = self._now
         if link.outstanding:  # the next frame's wait starts no earlier than now
             nxt = link.outstanding[0]
             nxt.deadline = max(nxt.deadline, self._now + nxt.timeout)
@@ -1495,7 +1496,14 @@ class SenderCore:
                 host is None or lane.retry_at > (self._now if now is None else now)):
             return "retrying"  # (with no route: until the next round of asking)
         if host is not None:
-            return "running" if self._links[host].state is LinkState.UP else "connecting"
+            link = self._links[host]
+            if link.state is LinkState.UP and not (
+                    link.heartbeat_failed_at is not None and
+                    link.answered_at < link.heartbeat_failed_at):
+                return "running"
+            if lane is None and link.state is LinkState.DOWN and not link.rewarm:
+                return "idle"  # (closed while idle, by the receiver: made again when needed)
+            return "connecting"  # (or connected again and not answered since a lost heartbeat)
         if info.last_event == NoteKind.NO_ROUTE.value and (
                 lane is not None or (self._now if now is None else now) - info.last_event_at
                 < self.settings.stall_after):

@@ -355,11 +355,11 @@ def merge_expositions(texts: dict[str, str]) -> str:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.parser import text_string_to_metric_families
 
-    families: dict[str, Metric] = {}
+    families: dict[tuple[str, str], Metric] = {}  # (a counter x_total parses as x)
     for agent, text in texts.items():
         for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, Metric(family.name, family.documentation,
-                                                             family.type))
+            merged = families.setdefault((family.name, family.type), Metric(
+                family.name, family.documentation, family.type))
             for sample in family.samples:
                 merged.add_sample(sample.name, {**sample.labels, "agent": agent}, sample.value)
 
