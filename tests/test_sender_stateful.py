@@ -18,7 +18,8 @@ After every step:
 * **no UNSURE message is sent twice**;
 * **order per queue key**: the first copies in the destination queues of the messages of one
   queue key arrive in the order they were taken (spec 5.8), SURE and UNSURE alike;
-* the core's count of held messages matches the test's own.
+* the core's count of held messages matches the test's own, and each connection's count of
+  the routes it carries the routes;
 
 The ``heal`` step then mends every host (reachable, offering every queue, putting) and plays
 the network until the core holds nothing, within a bounded time: every SURE message taken has
@@ -370,6 +371,11 @@ class SenderMachine(RuleBasedStateMachine):
     @invariant()
     def held_as_counted(self):
         assert self.core.held == sum(1 for t in self.taken.values() if t.end is None)
+
+    @invariant()
+    def each_link_counts_its_routes(self):  # (what heartbeats are scheduled by)
+        for host, link in self.core._links.items():
+            assert link.routed == sum(1 for h in self.core.routes.values() if h == host)
 
     @invariant()
     def order_per_queue_key(self):

@@ -425,6 +425,7 @@ class _Link:
     #: A heartbeat went unanswered: connect again (with back-off) while it carries routes,
     #: before a message needs it.
     rewarm: bool = False
+    routed: int = 0  # routes that go to this host (SenderCore._set_route)
     heartbeats: int = 0  # sent on this link, all time
     heartbeat_failures: int = 0
     heartbeat_failed_at: float | None = None
@@ -1000,7 +1001,7 @@ class SenderCore:
                               f"{msg.why_ex} needs MESSAGE_EX (spec section 6), and the "
                               f"hosts that offer queue {lane.queue_key:#x} do not take it ({why})")
         if lane.pending:
-            self.routes[lane.id] = plain
+            self._set_route(lane.id, plain)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, plain, "plain RQP/1")
             self._pump(lane)
         self._forget_if_idle(lane)
@@ -1074,7 +1075,7 @@ class SenderCore:
             raise LocalProtocolError(f"answer to an ask not pending for {link.host}")
         if yes:
             lane.asking = None
-            self.routes[lane.id] = link.host
+            self._set_route(lane.id, link.host)
             self.errors.pop((link.host, lane.id), None)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, link.host)
             self._pump(lane)
@@ -1171,10 +1172,20 @@ class SenderCore:
         """Put ``msg`` back in its place (by priority, then the order it was taken in)."""
         self._enqueue(lane, msg)
 
+    def _set_route(self, route, host) -> None:
+        """``route`` (a lane's id) goes to ``host``; each link counts the routes it carries
+        (heartbeats are for links that carry one: looked up for every next_deadline)."""
+        old = self.routes.get(route)
+        if old is not None:
+            self._links[old].routed -= 1
+        self.routes[route] = host
+        self._links[host].routed += 1
+
     def _drop_route(self, route, host, why: str) -> None:
         """``route``: a lane's id (a queue key, or (queue key, host) for broadcast copies)."""
         if self.routes.get(route) == host:
             del self.routes[route]
+            self._links[host].routed -= 1
             self.errors.pop((host, route), None)
             self._note(NoteKind.ROUTE_DROPPED, route if isinstance(route, int) else route[0],
                        host, why)
@@ -1228,12 +1239,11 @@ class SenderCore:
     def _heartbeat_due(self, link: _Link) -> float | None:
         """When ``link`` is to be probed (UP, quiet), or connected again after a failed
         heartbeat (DOWN, ``rewarm``); None: not while it carries no route, or is busy."""
+        if not link.routed:
+            return None
         if link.state is LinkState.UP:
-            if link.outstanding or self._routed_key(link) is None:
-                return None
-            return link.heard_at + self.settings.heartbeat_interval
-        if link.state is LinkState.DOWN and link.rewarm and not link.waiting and \
-                self._routed_key(link) is not None:
+            return None if link.outstanding else link.heard_at + self.settings.heartbeat_interval
+        if link.state is LinkState.DOWN and link.rewarm and not link.waiting:
             return link.retry_at
         return None
 

@@ -157,7 +157,7 @@ class AgentSemaphores:
 
     def __init__(self, transmission_queue: int) -> None:
         self.key = transmission_queue
-        key_t = ctypes.c_int(transmission_queue & 0xFFFFFFFF).value  # key_t is signed
+        key_t = _key_t(transmission_queue)
         # 0660, as the queues: users outside the group could otherwise hold SERVING (and keep
         # the sending MCA from starting) or ring the doorbell without end.
         self.id = _libc.semget(key_t, 3, _IPC_CREAT | 0o660)
@@ -198,9 +198,20 @@ class AgentSemaphores:
         self._op([(num, -1, _SEM_UNDO)], None)
 
 
+def _key_t(key: int) -> int:
+    """A queue key as System V's key_t, which is signed."""
+    return ctypes.c_int(key & 0xFFFFFFFF).value
+
+
+def is_agent_queue(key: int) -> bool:
+    """Whether queue ``key`` is a sending MCA's transmission queue (its agent semaphores, made
+    by the first openConnection or sending MCA for it) or DEAD.LETTER.Q (its marker) on this
+    host: a receiving MCA never offers those."""
+    return _libc.semget(_key_t(key), 0, 0) >= 0
+
+
 def _existing(transmission_queue: int) -> AgentSemaphores | None:
-    key_t = ctypes.c_int(transmission_queue & 0xFFFFFFFF).value
-    if _libc.semget(key_t, 0, 0) < 0:
+    if not is_agent_queue(transmission_queue):
         return None
     return AgentSemaphores(transmission_queue)
 
@@ -209,12 +220,6 @@ def sender_serving(transmission_queue: int) -> bool:
     """Whether a sending MCA holds the transmission queue ``transmission_queue`` now."""
     sems = _existing(transmission_queue)
     return sems is not None and sems.value(SERVING) > 0
-
-
-def is_transmission_queue(key: int) -> bool:
-    """Whether queue ``key`` is (or was) a sending MCA's transmission queue on this host: its
-    agent semaphores exist (created by the first openConnection or sending MCA for it)."""
-    return _existing(key) is not None
 
 
 def config_changes(old, new, skip: tuple[str, ...] = ("source",)) -> str:
@@ -252,18 +257,11 @@ def mark_dead_letter_queue(key: int) -> None:
     one with that key (as a transmission queue has its agent semaphores), so that a receiving
     MCA here never offers it to the network, whatever its offer list says. A set with that key
     already there: nothing to do."""
-    key_t = ctypes.c_int(key & 0xFFFFFFFF).value
-    if _libc.semget(key_t, 0, 0) >= 0:
+    if is_agent_queue(key):
         return
-    if _libc.semget(key_t, 1, _IPC_CREAT | 0o660) < 0:
+    if _libc.semget(_key_t(key), 1, _IPC_CREAT | 0o660) < 0:
         raise RQPError(f"DEAD.LETTER.Q {format_key(key)}: cannot make its marker semaphore "
                        f"(semget: {os.strerror(ctypes.get_errno())})")
-
-
-def is_agent_queue(key: int) -> bool:
-    """Whether queue ``key`` is a sending MCA's transmission queue or DEAD.LETTER.Q on this
-    host (its semaphores, or its marker, exist): a receiving MCA never offers those."""
-    return _libc.semget(ctypes.c_int(key & 0xFFFFFFFF).value, 0, 0) >= 0
 
 
 def serving_pid(transmission_queue: int) -> int | None:

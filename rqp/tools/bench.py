@@ -501,6 +501,26 @@ CPU_PROCESSES = ("producer", "sending MCA", "receiving MCA", "consumer")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def wait_started(what: str, predicate, proc: subprocess.Popen, log: Path | None = None) -> None:
+    """Poll ``predicate`` until it holds; BenchError if ``proc`` exits first (with the end of
+    its ``log``) or START_TIMEOUT passes."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not predicate():
+        if proc.poll() is not None:
+            tail = ""
+            if log is not None:
+                try:
+                    tail = "; its log ends:\n" + "\n".join(
+                        log.read_text(errors="replace").splitlines()[-5:])
+                except OSError:
+                    tail = "; no log"
+            raise BenchError(f"gave up waiting for {what}: it exited with status "
+                             f"{proc.returncode}{tail}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
+        time.sleep(0.02)
+
+
 def process_cpu_ns(pid: int) -> int:
     """CPU time a process's live threads have used: the sum of ``/proc/PID/task/*/schedstat``
     (nanoseconds), or, where the kernel has no schedstat, ``/proc/PID/stat`` (clock ticks)."""
@@ -693,28 +713,18 @@ class Bench:
                                                       "--config", str(receiver_yaml)],
                                     self.workdir / "receiver.log", self.workdir)
         self.receiver_log = self.workdir / "receiver.log"
-        self._wait("the receiving MCA to listen", lambda: port_open(port), self.receiver)
+        wait_started("the receiving MCA to listen", lambda: port_open(port), self.receiver)
         # openConnection would start the sending MCA itself (rqp.api.ensure_sender) exactly like
         # this; it is started here so that it dies with the benchmark (PR_SET_PDEATHSIG).
         self.sender_log = state / f"sender-{self.xmit:08x}.log"
         self.sender = self._popen("sending MCA", [py, "-m", "rqp_agents.sender", "--rqprc",
                                                   str(self.rqprc)], self.sender_log, state)
-        self._wait("the sending MCA to serve its transmission queue",
+        wait_started("the sending MCA to serve its transmission queue",
                    lambda: sender_serving(self.xmit), self.sender)
         self.handle = rqp.openConnection(self.dest, rqprc=self.rqprc, start_sender=False)
         self.dest_queue = LocalQueue.open(self.dest)
         self.watchdog.processes["the receiving MCA"] = self.receiver
         self.watchdog.processes["the sending MCA"] = self.sender
-
-    def _wait(self, what: str, predicate, proc: subprocess.Popen) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not predicate():
-            if proc.poll() is not None:
-                raise BenchError(f"gave up waiting for {what}: it exited with status "
-                                 f"{proc.returncode}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
-            time.sleep(0.02)
 
     # --- putting messages in ------------------------------------------------------------------
 

@@ -48,13 +48,12 @@ from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.system.service import sender_serving
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, free_port,
-    port_open, process_cpu_ns, reexec_isolated, say, unused_key,
+    START_TIMEOUT, port_open, process_cpu_ns, reexec_isolated, say, unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
 HEAD = struct.Struct(">IHI")
 POLL_PAUSE = 0.002
-START_TIMEOUT = 20.0
 #: A round that has not finished after this many seconds fails the run.
 ROUND_TIMEOUT = 300.0
 SWEEPS = {
@@ -255,7 +254,7 @@ class Scale:
                           "offer:\n  allow: ['*']\n")
         proc = self._popen([sys.executable, "-m", "rqp_agents.receiver", "--config",
                             str(config)], state / "receiver.log")
-        _wait("the receiving MCA", lambda: port_open(port), proc, state / "receiver.log")
+        wait_started("the receiving MCA", lambda: port_open(port), proc, state / "receiver.log")
         return proc, port
 
     def _start_sender(self, number: int, port: int) -> tuple[subprocess.Popen, Path]:
@@ -269,7 +268,8 @@ class Scale:
                          f"ask_timeout: 2s\nconfirm_timeout: 15s\n{window}")
         proc = self._popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                            state / "sender.log")
-        _wait(f"sending MCA {number}", lambda: sender_serving(xmit), proc, state / "sender.log")
+        wait_started(f"sending MCA {number}", lambda: sender_serving(xmit), proc,
+                     state / "sender.log")
         # (its semaphores, and the marker of its DEAD.LETTER.Q)
         self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1, self.dlq]
         return proc, rqprc
@@ -303,21 +303,6 @@ class Scale:
             except sysv_ipc.Error:
                 pass
         self.semaphores = []
-
-
-def _wait(what: str, predicate, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while not predicate():
-        if proc.poll() is not None:
-            try:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
-            except OSError:
-                tail = "(no log)"
-            raise BenchError(f"{what} exited with status {proc.returncode} at start; its log "
-                             f"ends:\n{tail}")
-        if time.monotonic() > deadline:
-            raise BenchError(f"gave up waiting for {what} after {START_TIMEOUT:g}s")
-        time.sleep(0.02)
 
 
 KINDS = ("producer", "sending MCA", "receiving MCA", "consumer")
