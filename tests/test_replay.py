@@ -20,7 +20,7 @@ from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.archive import (
     ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, record_to_row,
-    row_to_record, write_drain_state,
+    row_raw_bytes, row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
 from rqp.tools.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
@@ -64,11 +64,34 @@ def rules_file(tmp_path: Path, text: str) -> Path:
      r"\(did you mean 'NO_ROUTE'\?\) \(line 2\)"),
     ("rules:\n  - action: retyr\n",
      r"rules\[0\]: key 'action': bad value 'retyr': expected one of retry, forward, discard, "
-     r"keep \(did you mean 'retry'\?\) \(line 2\)"),
+     r"keep, ignore \(did you mean 'retry'\?\) \(line 2\)"),
     ("rules:\n  - reason: NO_ROUTE\n", r"rules\[0\]: key 'action' is required"),
     ("rules:\n  - action: forward\n", r"rules\[0\]: action 'forward' needs key 'to'"),
     ("rules:\n  - action: retry\n    to: 0x52510002\n",
-     r"rules\[0\]: key 'to': .*only for action 'forward'"),
+     r"rules\[0\]: key 'to': .*only for action 'forward' or 'then: forward'"),
+    ("rules:\n  - action: retry\n    retries: 0\n",
+     r"rules\[0\]: key 'retries': bad value '0': expected a whole number of retries, 1 or more "
+     r".*\(line 3\)"),
+    ("rules:\n  - action: retry\n    retries: 2\n    interval: soon\n",
+     r"rules\[0\]: key 'interval': bad value 'soon': expected a duration.*\(line 4\)"),
+    ("rules:\n  - action: retry\n    retries: 2\n    then: discrad\n",
+     r"rules\[0\]: key 'then': bad value 'discrad': expected what to do once the retries are "
+     r"used up: keep, discard, forward \(did you mean 'discard'\?\) \(line 4\)"),
+    ("rules:\n  - action: retry\n    then: discard\n",
+     r"rules\[0\]: key 'then': .*give 'retries' too"),
+    ("rules:\n  - action: retry\n    retries: 2\n    then: forward\n",
+     r"rules\[0\]: 'then: forward' needs key 'to'"),
+    ("rules:\n  - action: discard\n    retries: 2\n",
+     r"rules\[0\]: key 'retries': .*only for action 'retry' \(this rule's action is 'discard'\)"),
+    ("rules:\n  - action: forward\n    to: 0x52510002\n    header: maybe\n",
+     r"rules\[0\]: key 'header': bad value 'maybe': expected yes .* or no .*\(line 4\)"),
+    ("rules:\n  - action: keep\n    header: yes\n",
+     r"rules\[0\]: key 'header': .*only for action 'forward'"),
+    ("rules:\n  - action: forward\n    to: 'web-2:0x52510002'\n",
+     r"rules\[0\]: key 'to': .*RQP cannot pin a host, the sending MCA sends to the first host "
+     r"that offers the queue \(QUEUE_ASK\)"),
+    ("rules:\n  - action: forward\n    to: 0x52510002\n    retires: 2\n",
+     r"rules\[0\]: unknown key 'retires' \(did you mean 'retries'\?\)"),
     ("rules:\n  - action: keep\n  - older_than: soon\n    action: keep\n",
      r"rules\[1\]: key 'older_than': bad value 'soon': expected a duration.*\(line 3\)"),
     ("rules:\n  - older_than: 2h\n    newer_than: 1h\n    action: keep\n",
@@ -164,6 +187,7 @@ class FakeSend:
 
     def archive_has(self, payload: bytes) -> bool:
         return any(base64.b64decode(r["payload_b64"]) in (payload, payload[:4])
+                   or r["reason"] != "MALFORMED" and row_raw_bytes(r) == payload  # header yes
                    for r in read_archive(self.archive))
 
 
@@ -217,7 +241,7 @@ def test_rows_leave_the_archive_only_when_confirmed_or_discarded(tmp_path):
     )
     send = FakeSend(archive, fail={b"send fails"})
     replayer, lines = replay(archive, RULES + "  - reason: MALFORMED\n    action: retry\n", send)
-    assert send.calls == [(Q1, b"retry me", 0x11), (Q2, b"forward me", 0),
+    assert send.calls == [(Q1, b"retry me", 0x11), (Q2, b"forward me", 0x33),
                           (Q1, b"longer payload, spilled", 0x55)]
     assert dict(replayer.counts) == {"replayed": 2, "forwarded": 1, "discarded": 2, "kept": 1,
                                      "failed": 4}
@@ -324,6 +348,120 @@ def test_token_bucket_spaces_takes_by_the_rate():
     assert slept[-1] == pytest.approx(0.25)
 
 
+HANDLER_RULES = """
+rules:
+  - reason: NO_ROUTE
+    queue: PROD_THE_SCHED_COMMON
+    action: retry
+    retries: 2
+    interval: 30s
+  - reason: NO_ROUTE
+    action: retry
+    retries: 1
+    interval: 10s
+    then: forward
+    to: PROD_THE_SPARE_COMMON
+    header: yes
+  - reason: QUEUE_FULL
+    action: forward
+    to: 0x52510002
+    header: no
+  - reason: UNKNOWN_QUEUE
+    action: discard
+  - reason: NOT_AUTHORIZED
+    action: ignore
+"""
+
+
+def test_retries_are_counted_and_spaced_per_message_across_restarts(tmp_path):
+    """RETRY(2) RETRYINT(30): each replay run is a new Replayer (a restart); the ledger in
+    .state/ keeps the count and the time. A retried message dead-lettered again comes back as
+    a NEW row with the same key: it is counted with the first."""
+    archive = tmp_path / "archive"
+    rules = rules_from_data(__import__("yaml").safe_load(HANDLER_RULES), config=CONFIG)
+
+    def run(at: float, send=None):
+        lines: list[str] = []
+        replayer = Replayer(archive, rules, send=send or FakeSend(archive), out=lines.append,
+                            config=CONFIG, now_ns=NOW + int(at * 1e9))
+        replayer.run()
+        return replayer, lines
+
+    write_archive(archive, [row(key=0x11, payload=b"again and again")])
+    send = FakeSend(archive)
+    replayer, lines = run(0, send)
+    assert send.calls == [(Q1, b"again and again", 0x11)] and not archive_files(archive)
+    assert lines[0].startswith("replayed") and lines[0].endswith("[rules[0]]: retry 1 of 2")
+    ledger = json.loads((archive / ".state" / "replay-ledger.json").read_text())
+    assert ledger["messages"]["0x0000000000000011"]["retries"] == 1
+
+    def dead_lettered_again(age: float) -> None:  # what the drain archives when it comes back
+        write_archive(archive, [row(ReasonCode.NO_ROUTE, key=0x11, payload=b"again and again",
+                                    age=-age)])
+
+    dead_lettered_again(5)
+    replayer, lines = run(10)  # 10 s after the first retry: not yet
+    assert replayer.counts["kept"] == 1 and replayer.next_due_ns == NOW + 30 * 10**9
+    assert lines == [line for line in lines if line.startswith("waiting")] and \
+        "retry 2 of 2 not before 2023-11-14T22:13:50" in lines[0] and "(interval 30s)" in lines[0]
+    send = FakeSend(archive)
+    replayer, lines = run(30, send)  # the interval has passed
+    assert send.calls == [(Q1, b"again and again", 0x11)] and lines[0].endswith("retry 2 of 2")
+    dead_lettered_again(35)
+    replayer, lines = run(3600)  # used up: kept, and said why
+    assert replayer.counts["kept"] == 1 and not replayer.counts["replayed"]
+    assert lines[0].startswith("kept") and "its retries are used up (2 of 2, the last at " \
+        "2023-11-14T22:13:50" in lines[0]
+    assert len(list(read_archive(archive))) == 1
+
+
+def test_used_up_retries_then_forward_the_dead_letter_itself(tmp_path):
+    archive = tmp_path / "archive"
+    rules = rules_from_data(__import__("yaml").safe_load(HANDLER_RULES), config=CONFIG)
+    first = row(queue_key=Q3, key=0x21, payload=b"nobody offers Q3")
+    write_archive(archive, [first])
+    send = FakeSend(archive)
+    Replayer(archive, rules, send=send, out=print, config=CONFIG, now_ns=NOW).run()
+    back = row(ReasonCode.NO_ROUTE, queue_key=Q3, key=0x21, payload=b"nobody offers Q3",
+               age=-20)
+    write_archive(archive, [back])
+    lines: list[str] = []
+    Replayer(archive, rules, send=send, out=lines.append, config=CONFIG,
+             now_ns=NOW + 20 * 10**9).run()
+    assert [c[0] for c in send.calls] == [Q3, Q2]
+    queue_key, payload, replay_key = send.calls[1]
+    assert replay_key == 0  # a new message: the dead letter, not the message
+    assert DeadLetterRecord.from_bytes(payload) == row_to_record(back)
+    assert send.extras[1] == (1, 4)
+    assert lines[0].startswith("forwarded") and "-> 0x52510002 (PROD_THE_SPARE_COMMON)" in \
+        lines[0] and "its retries are used up (1 of 1" in lines[0]
+    assert not archive_files(archive)
+
+
+def test_forward_header_no_discard_and_ignore(tmp_path):
+    archive = tmp_path / "archive"
+    rules = rules_from_data(__import__("yaml").safe_load(HANDLER_RULES), config=CONFIG)
+    assert [r.action for r in rules] == ["retry", "retry", "forward", "discard", "keep"]
+    ignored = row(ReasonCode.NOT_AUTHORIZED, payload=b"ignored")
+    junk = record_to_row(b"junk", archived_by="d")
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x31, payload=b"the payload"),
+                            row(ReasonCode.UNKNOWN_QUEUE, payload=b"dropped"), ignored, junk])
+    send = FakeSend(archive)
+    lines: list[str] = []
+    replayer = Replayer(archive, rules, send=send, out=lines.append, config=CONFIG, now_ns=NOW)
+    replayer.run()
+    assert send.calls == [(Q2, b"the payload", 0x31)]  # header no: the payload, with its key
+    assert list(read_archive(archive)) == [ignored, junk]  # untouched
+    assert replayer.summary() == "replayed 0, forwarded 1, discarded 1, kept 2, failed 0"
+    # header yes refuses what is not a dead-letter record
+    rules = rules_from_data({"rules": [{"action": "forward", "to": Q2, "header": "yes"}]})
+    replayer = Replayer(archive, rules, send=send, out=lines.append, now_ns=NOW)
+    replayer.run()
+    assert "a MALFORMED record is not a dead-letter record: it cannot be forwarded with " \
+        "header: yes" in lines[-1]
+    assert DeadLetterRecord.from_bytes(send.calls[-1][1]) == row_to_record(ignored)
+
+
 # --------------------------------------------------------------------------------------------
 # For real: a sending MCA, a receiving MCA, and the fake receiver that shows keys
 
@@ -370,6 +508,7 @@ def test_replay_through_the_real_sending_path(testbed):
 rules:
   - reason: [NO_ROUTE, "RETRY_BUDGET_*"]
     action: retry
+    interval: 0s                       # (replayed again at once below)
   - reason: QUEUE_FULL
     queue: 0x52510004
     action: forward

@@ -127,6 +127,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "archive_files",
     "archived_ids",
+    "find_rows",
     "iso_utc",
     "lock_file",
     "payload_preview",
@@ -506,6 +507,40 @@ def archived_ids(path_or_files) -> set[str]:
     return ids
 
 
+#: ``rqpctl dlq show`` / ``resubmit`` take an id's first digits, as git takes a commit's.
+MIN_ID_PREFIX = 6
+
+
+def find_rows(archive_dir: str | os.PathLike,
+              ids: Iterable[str]) -> dict[str, list[tuple[Path, int, dict]]]:
+    """Where the rows of these ids are: each id (in full, or its first :data:`MIN_ID_PREFIX`
+    or more hex digits) -> ``[(file, index in the file, row), ...]``, every copy of it (the
+    same dead letter archived twice). :class:`ArchiveError` names an id that is not one, that
+    no row has, or a prefix that several ids share."""
+    wanted = {}
+    for given in ids:
+        text = given.strip().lower()
+        if not re.fullmatch(f"[0-9a-f]{{{MIN_ID_PREFIX},32}}", text):
+            raise ArchiveError(f"{given!r} is not a dead letter's id: {MIN_ID_PREFIX} to 32 hex "
+                               "digits (rqpctl dlq list shows them)")
+        wanted[given] = text
+    found: dict[str, list[tuple[Path, int, dict]]] = {given: [] for given in wanted}
+    for path in archive_files(archive_dir):
+        for index, row in enumerate(read_archive_file(path)):
+            row_id = str(row.get("id", ""))
+            for given, text in wanted.items():
+                if row_id.startswith(text):
+                    found[given].append((path, index, row))
+    for given, places in found.items():
+        if not places:
+            raise ArchiveError(f"no dead letter with id {given} in {archive_dir}")
+        ids_found = sorted({row["id"] for _, _, row in places})
+        if len(ids_found) > 1:
+            raise ArchiveError(f"id {given} is ambiguous: {', '.join(ids_found)} (give more "
+                               "digits)")
+    return found
+
+
 # --------------------------------------------------------------------------------------------
 # The drain's state and locks
 
@@ -554,17 +589,24 @@ def write_drain_state(archive_dir: str | os.PathLike, host: str, state: DrainSta
 
 
 @contextlib.contextmanager
-def lock_file(path: str | os.PathLike, what: str):
-    """Hold an exclusive ``flock`` on ``path`` (created) or raise :class:`ArchiveError`."""
+def lock_file(path: str | os.PathLike, what: str, *, wait: float = 0.0):
+    """Hold an exclusive ``flock`` on ``path`` (created) or raise :class:`ArchiveError`
+    (after trying for ``wait`` seconds)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise ArchiveError(f"{what} already runs (pid {holder}; lock {path})") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)  # (flock has no time-out of its own)
+                    continue
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise ArchiveError(f"{what} already runs (pid {holder}; lock {path})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

@@ -1,11 +1,19 @@
 """rqpctl: operator commands for RQP.
 
 ``rqpctl dlq replay --archive DIR --rules RULES.yaml [--rqprc FILE] [--dry-run] [--rate N]
-[--limit N]``: put archived dead letters back, forward or discard them by rules
-(:mod:`rqp.tools.replay`). Exit status 0 if no record failed (always, for a dry run: nothing is
-done), 1 if one did, 2 for a usage or configuration error.
+[--limit N] [--follow [--poll SECONDS]] [--drain]``: put archived dead letters back, forward or
+discard them by rules (:mod:`rqp.tools.replay`); ``--follow`` goes on as dead letters arrive
+until SIGTERM/SIGINT, ``--drain`` first moves ``DEAD.LETTER.Q`` into the archive (each round).
+Exit status 0 if no record failed (always, for a dry run: nothing is done, and for
+``--follow``), 1 if one did, 2 for a usage or configuration error.
 
 ``rqpctl dlq list --archive DIR [--limit N]``: a short table of the archive (:mod:`rqp.storage.archive`).
+
+``rqpctl dlq show ID --archive DIR [--bytes N]``: one archived dead letter in full.
+
+``rqpctl dlq resubmit ID... --archive DIR [--to QUEUE] [--edit] [--rqprc FILE]``: put these
+back now (one-off repair; ``--edit`` opens ``$VISUAL`` / ``$EDITOR`` on the payload first).
+Exit status 0 if every one was resubmitted, 1 if one was not.
 
 ``rqpctl status | metrics | queues | send | receive``: the running agents and the local queues
 (:mod:`rqp.tools.ctl_agents`, which lists the exit codes).
@@ -17,20 +25,29 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
-from rqp.cli import count, number
-from rqp.protocol.errors import ConfigError, RQPError
+from rqp.cli import count, number, positive_seconds
+from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
+from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import load_optional_rqprc
-from rqp.storage.archive import ArchiveError, archive_files, read_archive_file
+from rqp.storage.archive import (
+    ROW_KEYS, ArchiveError, archive_files, archived_spill, find_rows, iso_utc, read_archive_file,
+    row_payload,
+)
 from rqp.system.control import ControlError
+from rqp.system.queues import LocalQueue, format_key
 from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
-    DEFAULT_RATE, NotConfirmed, Replayer, TransmissionPutter, load_rules,
+    DEFAULT_POLL, DEFAULT_RATE, Follower, NotConfirmed, Replayer, ReplayRefused, RetryLedger,
+    TransmissionPutter, load_rules, resubmit,
 )
 
 log = logging.getLogger("rqp.tools.ctl")
@@ -58,19 +75,15 @@ class _LazyPutter:
         self.putter(queue_key, payload, replay_key, **extras)
 
 
-def _replay(args) -> int:
+def _archive(args) -> Path:
     archive = Path(args.archive)
     if not archive.is_dir():
         raise ConfigError(f"{archive}: {'is not a directory' if archive.exists() else 'no such directory'}"
                           " (--archive)")
-    config = load_optional_rqprc(args.rqprc)
-    rules = load_rules(args.rules, config=config)
-    send = None
-    if not args.dry_run and any(r.action in ("retry", "forward") for r in rules):
-        if config is None:
-            raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
-                              "queue of a .rqprc: give --rqprc (none was found)")
-        send = _LazyPutter(config, config.source)
+    return archive
+
+
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
     def on_signal(sig, _frame):
@@ -81,11 +94,179 @@ def _replay(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+class _Drain:
+    """``--drain``: runs ``rqp-dlq-drain --once`` into the archive (as a command: ``rqp.tools``
+    does not import the agents) and says what it did; ``pending()`` is whether the queue holds
+    anything, read from the kernel (``msg_qnum``), so that an idle round costs no process."""
+
+    def __init__(self, archive: Path, config) -> None:
+        self.queue = config.dead_letter_queue if config is not None else \
+            DEFAULT_DEAD_LETTER_QUEUE
+        self.argv = [sys.executable, "-m", "rqp_agents.drain", "--once", "--archive",
+                     str(archive)]
+        if config is not None and config.source:
+            self.argv += ["--rqprc", str(config.source)]
+        self.last_error = ""
+
+    def pending(self) -> bool:
+        try:
+            return LocalQueue.exists(self.queue) and LocalQueue.open(self.queue).depth() > 0
+        except QueueError:
+            return False  # (the drain, run by the next poll's round, would say no better)
+
+    def __call__(self) -> None:
+        done = subprocess.run(self.argv, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        for line in done.stdout.splitlines():
+            if line and not line.startswith("drained 0 "):
+                _say(line)
+        error = (done.stderr.strip().splitlines() or [""])[-1]
+        if done.returncode != 0 and error != self.last_error:  # said once, not every round
+            _say(f"drain failed   rqp-dlq-drain exited with {done.returncode}: {error}")
+        self.last_error = error if done.returncode != 0 else ""
+
+
+def _replay(args) -> int:
+    archive = _archive(args)
+    config = load_optional_rqprc(args.rqprc)
+    rules = load_rules(args.rules, config=config)
+    if args.poll is not None and not args.follow:
+        raise ConfigError("--poll is for --follow")
+    send = None
+    if not args.dry_run and any(r.action in ("retry", "forward") or r.then == "forward"
+                                for r in rules):
+        if config is None:
+            raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
+                              "queue of a .rqprc: give --rqprc (none was found)")
+        send = _LazyPutter(config, config.source)
+    stop = _stop_on_signals()
+    drain = _Drain(archive, config) if args.drain and not args.dry_run else None
     replayer = Replayer(archive, rules, send=send, dry_run=args.dry_run, rate=args.rate,
-                        limit=args.limit or None, config=config, out=_say, stop=stop)
+                        limit=args.limit or None, config=config, out=_say, stop=stop,
+                        follow=args.follow)
+    if args.follow:
+        follower = Follower(replayer, drain=drain, pending=drain and drain.pending,
+                            poll=args.poll or DEFAULT_POLL, out=_say)
+        _say(f"following {archive}" + (f", draining {format_key(drain.queue)} into it"
+                                       if drain else "") + f" ({len(rules)} rule(s))")
+        follower.run()
+        _say(follower.summary())
+        return 0
+    if drain is not None and drain.pending():
+        drain()
     replayer.run()
     _say(replayer.summary())
     return 1 if replayer.counts["failed"] and not args.dry_run else 0
+
+
+def _hexdump(data: bytes) -> list[str]:
+    lines = []
+    for offset in range(0, len(data), 16):
+        chunk = data[offset:offset + 16]
+        hexes = " ".join(f"{b:02x}" for b in chunk)
+        text = "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in chunk)
+        lines.append(f"  {offset:08x}  {hexes[:23]:<23}  {hexes[24:]:<23}  |{text}|")
+    return lines
+
+
+def _show(args) -> int:
+    archive = _archive(args)
+    places = find_rows(archive, [args.id])[args.id]
+    path, index, row = places[0]
+    rows_in_file = sum(1 for _ in read_archive_file(path))
+    _say(f"{'file':<18} {path} (row {index + 1} of {rows_in_file})")
+    for other, other_index, _ in places[1:]:
+        _say(f"{'also in':<18} {other} (row {other_index + 1}: the same dead letter archived "
+             "twice)")
+    for key in ROW_KEYS:
+        if key in ("payload_b64", "payload_preview") or key not in row:
+            continue
+        _say(f"{key:<18} {row[key]}")
+    for key in sorted(set(row) - set(ROW_KEYS)):
+        _say(f"{key:<18} {row[key]}")
+    entry = RetryLedger(archive, writable=False).get(row)
+    if entry.retries or entry.resent:
+        done = []
+        if entry.retries:
+            done.append(f"retried {entry.retries} time(s), the last at {iso_utc(entry.last_ns)}")
+        if entry.resent:
+            done.append(f"forwarded or resubmitted {entry.resent} time(s), the last at "
+                        f"{iso_utc(entry.resent_ns)}")
+        _say(f"{'replay ledger':<18} this message (key {row.get('message_key')}) was "
+             + "; ".join(done) + ": this row is a dead letter of a replay")
+    payload = row_payload(row)
+    where = ""
+    if row.get("truncated"):
+        copy = archived_spill(archive, row["spill_path"]) if row.get("spill_path") else None
+        where = (f"; the whole payload: {copy}" if copy is not None and copy.exists() else
+                 f"; the whole payload: {row.get('spill_path') or 'lost (no spill file)'}")
+    _say(f"{'payload':<18} {len(payload)} byte(s) kept of {row.get('original_length')}{where}")
+    _say(f"{'preview':<18} {row.get('payload_preview', '')}")
+    shown = payload if not args.bytes else payload[:args.bytes]
+    for line in _hexdump(shown):
+        _say(line)
+    if len(shown) < len(payload):
+        _say(f"  ... {len(payload) - len(shown)} more byte(s) (--bytes 0 shows all)")
+    return 0
+
+
+def _editor() -> str:
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR")
+    if not editor:
+        raise ConfigError("--edit: set $VISUAL or $EDITOR to the editor to use (e.g. "
+                          "EDITOR=nano)")
+    return editor
+
+
+def _edit(row, payload: bytes) -> bytes:
+    """``--edit``: the payload as ``$VISUAL`` / ``$EDITOR`` leaves it (run as git runs it,
+    through the shell), or ReplayRefused: not UTF-8, the editor failed, empty, unchanged."""
+    editor = _editor()
+    try:
+        payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReplayRefused(f"the payload is not UTF-8 text (byte {exc.start}): it cannot be "
+                            "edited in a text editor; resubmit it without --edit") from None
+    with tempfile.TemporaryDirectory(prefix="rqp-resubmit-") as directory:
+        path = Path(directory) / f"{row['id']}.payload"
+        path.write_bytes(payload)
+        done = subprocess.run(["sh", "-c", f'{editor} "$@"', editor, str(path)])
+        if done.returncode != 0:
+            raise ReplayRefused(f"the editor ({editor}) exited with status {done.returncode}: "
+                                "nothing resubmitted")
+        edited = path.read_bytes()
+    if edited.endswith(b"\n") and not payload.endswith(b"\n"):
+        edited = edited[:-1]  # the newline an editor adds at the end of the last line
+    if not edited.strip():
+        raise ReplayRefused("the edited payload is empty: nothing resubmitted (as git commit "
+                            "aborts on an empty message)")
+    if edited == payload:
+        raise ReplayRefused("the payload is unchanged: nothing resubmitted (resubmit without "
+                            "--edit to send it as it is)")
+    return edited
+
+
+def _resubmit(args) -> int:
+    archive = _archive(args)
+    config = load_optional_rqprc(args.rqprc)
+    if config is None:
+        raise ConfigError("resubmit puts messages on the transmission queue of a .rqprc: give "
+                          "--rqprc (none was found)")
+    to = None
+    if args.to is not None:
+        try:
+            to = config.resolve_queue(args.to)
+        except ConfigError as exc:
+            raise ConfigError(f"--to: {exc}") from None
+    if args.edit:
+        _editor()  # (before anything is read)
+    counts = resubmit(archive, args.ids, _LazyPutter(config, config.source), to=to,
+                      edit=_edit if args.edit else None, config=config, out=_say)
+    _say(f"resubmitted {counts['resubmitted']}, failed {counts['failed']}")
+    return 1 if counts["failed"] else 0
 
 
 def _cut(text: str, width: int) -> str:
@@ -96,7 +277,7 @@ def _list(args) -> int:
     archive = Path(args.archive)
     if not archive.is_dir():
         raise ConfigError(f"{archive}: no such directory (--archive)")
-    header = ("TIMESTAMP", "REASON", "QUEUE", "TYPE", "MTYPE", "PRIO", "MESSAGE KEY", "HOST",
+    header = ("ID", "TIMESTAMP", "REASON", "QUEUE", "TYPE", "MTYPE", "PRIO", "MESSAGE KEY", "HOST",
               "BYTES", "PREVIEW")
     table = []
     total = files = 0
@@ -107,6 +288,7 @@ def _list(args) -> int:
             if args.limit and len(table) >= args.limit:
                 continue
             table.append((
+                str(row.get("id", ""))[:12],  # (enough for show and resubmit, as git's)
                 str(row.get("timestamp", ""))[:19].replace("T", " "),
                 str(row.get("reason", "")),
                 row.get("queue_name") or str(row.get("queue_key_hex", "")),
@@ -147,7 +329,42 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--limit", metavar="N", type=count, default=0,
                         help="stop after N records were retried, forwarded, discarded or "
                         "failed (kept ones do not count; 0 = no limit)")
+    replay.add_argument("--follow", action="store_true",
+                        help="go on as dead letters arrive (runmqdlq's WAIT) until SIGTERM or "
+                        "SIGINT; exit status 0")
+    replay.add_argument("--poll", metavar="SECONDS", type=positive_seconds,
+                        help=f"--follow: look at the archive at least this often when idle "
+                        f"(default {DEFAULT_POLL:g}; sooner while things happen)")
+    replay.add_argument("--drain", action="store_true",
+                        help="first move DEAD.LETTER.Q (the .rqprc's dead_letter_queue) into the "
+                        "archive with rqp-dlq-drain --once; with --follow, each round it holds "
+                        "records")
     replay.set_defaults(run=_replay)
+    show = commands.add_parser("show", help="one archived dead letter in full",
+                               description="Every field of one archived dead letter, where it "
+                               "is, what replays did to its message, and its payload.")
+    show.add_argument("id", metavar="ID", help="its id (rqpctl dlq list), or its first 6+ "
+                      "digits")
+    show.add_argument("--archive", metavar="DIR", required=True)
+    show.add_argument("--bytes", metavar="N", type=count, default=256,
+                      help="payload bytes shown at most (default 256; 0 = all)")
+    show.set_defaults(run=_show)
+    again = commands.add_parser(
+        "resubmit", help="put archived dead letters back now (one-off repair)",
+        description="Put these dead letters back as retry does (SURE, confirmed, with their "
+        "original keys), on their queue or --to QUEUE; each leaves the archive once "
+        "confirmed.")
+    again.add_argument("ids", metavar="ID", nargs="+", help="ids (rqpctl dlq list), or their "
+                       "first 6+ digits")
+    again.add_argument("--archive", metavar="DIR", required=True)
+    again.add_argument("--to", metavar="QUEUE", help="this queue (key or .rqprc name) instead "
+                       "of the original one")
+    again.add_argument("--edit", action="store_true",
+                       help="edit each payload in $VISUAL or $EDITOR first (UTF-8 text only; "
+                       "an empty or unchanged edit resubmits nothing)")
+    again.add_argument("--rqprc", metavar="FILE", help="queue names and the sending path "
+                       "(default: $RQPRC, ./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
+    again.set_defaults(run=_resubmit)
     listing = commands.add_parser("list", help="a short table of the archive")
     listing.add_argument("--archive", metavar="DIR", required=True)
     listing.add_argument("--limit", metavar="N", type=count, default=100,

@@ -11,11 +11,15 @@ patterns all match it; no matching rule means ``keep``::
         host: "web-*"                       # fnmatch on host / source_host / destination_host
         older_than: 10m                     # dead-lettered at least this long ago
         newer_than: 1d                      # ... and less than this long ago
-        action: retry                       # retry | forward | discard | keep
+        action: retry                       # retry | forward | discard | keep (ignore)
+        retries: 3                          # RETRY(3): at most 3 retries of this message
+        interval: 30s                       # RETRYINT(30): at least 30 s apart (default 60s)
+        then: discard                       # once the retries are used up (default keep)
       - reason: UNKNOWN_QUEUE
         queue: 0x52510009
         action: forward
         to: PROD_THE_SCHED_SPARE            # forward's destination: key or .rqprc name
+        header: yes                         # HEADER(YES): forward the dead-letter record itself
       - reason: "MALFORMED*"
         action: discard
 
@@ -38,25 +42,39 @@ Actions:
               ``sendMessage(sync=True)`` (so it is in the sending MCA's journal on disk), with
               flag ``REPLAY_KEY`` and the original message key in ``sequence``: the sending MCA
               sends it with its original key, so a receiving MCA that had in fact put it
-              (within its de-duplication window) recognises the repeat.
-``forward``   the same to the queue ``to:``, with a new key.
+              (within its de-duplication window) recognises the repeat. ``retries: N`` and
+              ``interval:`` (runmqdlq's RETRY and RETRYINT) count and space the retries of
+              one MESSAGE (its key: a retried message dead-lettered again comes back with the
+              same key, as a new row), in the :class:`RetryLedger`; once N are used up the
+              row gets ``then:`` (``keep``, the default, ``discard`` or ``forward``).
+``forward``   the same to the queue ``to:``. ``header: no`` (the default): the original
+              payload, with its original key (like ``retry``: the message keeps its identity).
+              ``header: yes``: the payload is the dead-letter record itself (the bytes that
+              were on ``DEAD.LETTER.Q``, :class:`DeadLetterRecord`), a new message with a new
+              key. RQP cannot name a host: the sending MCA sends to the first host whose
+              receiving MCA offers the queue (QUEUE_ASK), so "to another host" means to a queue
+              only that host offers.
 ``discard``   remove it from the archive.
-``keep``      leave it.
+``keep``      leave it (``ignore``, runmqdlq's word, means the same).
 
 A row leaves the archive only once its replay is confirmed (the sending MCA has journaled it)
 or it is discarded: the affected archive files are rewritten atomically (new file, fsync,
 rename over the old one). A replay stopped between a confirmation and the rewrite leaves rows
-that a later replay sends again: with their original key for ``retry`` (recognised by the
-receiver), with a new one for ``forward`` (a duplicate is possible). A record that cannot be
-put back (``MALFORMED``, ``header_only``, truncated without its spill file, too big for
-``msgmax``) is refused with the reason and kept; it counts as failed.
+that a later replay sends again: with their original key for ``retry`` and ``forward`` with
+``header: no`` (recognised by the receiver), with a new one for ``header: yes`` (a duplicate is
+possible). A record that cannot be put back (``MALFORMED``, ``header_only``, truncated without
+its spill file, too big for ``msgmax``) is refused with the reason and kept; it counts as failed.
+
+:class:`Follower` is ``--follow``: rounds of the same, as dead letters arrive.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fnmatch
+import json
 import math
 import os
 import re
@@ -74,20 +92,26 @@ from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.storage.archive import (
-    MALFORMED, ArchiveError, all_drain_states, archive_files, archived_spill, lock_file,
-    read_archive_file, rewrite_archive_file, row_extras, row_payload,
+    MALFORMED, STATE, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
+    iso_utc, lock_file, read_archive_file, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
+from rqp.system.files import write_file_atomically
 from rqp.system.queues import format_key
 
 __all__ = [
-    "ACTIONS", "RULE_KEYS", "Decision", "ReplayRefused", "Replayer", "Rule", "TokenBucket",
-    "TransmissionPutter", "decide", "load_rules", "parse_age", "replay_payload",
+    "ACTIONS", "RULE_KEYS", "Decision", "Follower", "LedgerEntry", "ReplayRefused", "Replayer",
+    "RetryLedger", "Rule", "TokenBucket", "TransmissionPutter", "decide", "header_payload",
+    "load_rules", "message_identity", "parse_age", "replay_payload", "resubmit",
     "rules_from_data",
 ]
 
-ACTIONS = ("retry", "forward", "discard", "keep")
+ACTIONS = ("retry", "forward", "discard", "keep", "ignore")
+#: runmqdlq's IGNORE leaves a message on the dead-letter queue: here, in the archive (keep).
+SYNONYMS = {"ignore": "keep"}
+#: What a retry rule does once its ``retries`` are used up.
+THEN_ACTIONS = ("keep", "discard", "forward")
 RULE_KEYS = ("reason", "queue", "message_type", "host", "older_than", "newer_than", "action",
-             "to")
+             "to", "header", "retries", "interval", "then")
 TOP_KEYS = ("rules",)
 REASON_NAMES = tuple(r.name for r in reasons.REASONS)
 MESSAGE_TYPES = ("SURE", "UNSURE", "UNKNOWN")
@@ -97,6 +121,9 @@ FLUSH_ROWS = 500
 FLUSH_SECONDS = 5.0
 DEFAULT_RATE = 100.0
 DEFAULT_CONFIRM_TIMEOUT = 30.0
+#: runmqdlq's RETRYINT default: a message is retried at most once a minute unless the rule
+#: says otherwise.
+DEFAULT_RETRY_INTERVAL = 60.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,6 +162,14 @@ class Rule:
     older_than: float | None = None
     newer_than: float | None = None
     to: int | None = None
+    #: forward (or then: forward): the dead-letter record itself, not the original payload
+    header: bool = False
+    #: retry: at most this many retries of one message (None: no limit) ...
+    retries: int | None = None
+    #: ... at least this many seconds apart ...
+    interval: float = DEFAULT_RETRY_INTERVAL
+    #: ... and then this action (keep, discard, forward)
+    then: str = "keep"
 
     @property
     def name(self) -> str:
@@ -235,7 +270,7 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
     if not isinstance(action, str) or action.strip().lower() not in ACTIONS:
         bad("action", action, "expected one of " + ", ".join(ACTIONS)
             + did_you_mean(action, ACTIONS))
-    action = action.strip().lower()
+    action = SYNONYMS.get(action.strip().lower(), action.strip().lower())
 
     def queue_key(key: str, value: object) -> int:
         if names is None and isinstance(value, str) and QUEUE_NAME_RE.fullmatch(value.strip()):
@@ -292,14 +327,59 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
         bad("newer_than", raw["newer_than"], f"expected more than older_than "
             f"({show_value(raw['older_than'])}): no record is both older than {raw['older_than']} "
             f"and newer than {raw['newer_than']}")
-    if action == "forward":
+    if action == "retry":
+        if raw.get("retries") is not None:
+            value = raw["retries"]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad("retries", value, "expected a whole number of retries, 1 or more (leave it "
+                    "out for no limit)")
+            fields["retries"] = value
+        if raw.get("interval") is not None:
+            try:
+                fields["interval"] = parse_age(raw["interval"])
+            except ValueError:
+                bad("interval", raw["interval"], _AGE_EXPECTED)
+        if raw.get("then") is not None:
+            then = raw["then"]
+            text = SYNONYMS.get(then.strip().lower(), then.strip().lower()) \
+                if isinstance(then, str) else then
+            if text not in THEN_ACTIONS:
+                bad("then", then, "expected what to do once the retries are used up: "
+                    + ", ".join(THEN_ACTIONS) + did_you_mean(then, THEN_ACTIONS))
+            if "retries" not in fields:
+                bad("then", then, "'then' is what happens once 'retries' are used up: give "
+                    "'retries' too")
+            fields["then"] = text
+    else:
+        for key in ("retries", "interval", "then"):
+            if raw.get(key) is not None:
+                bad(key, raw[key], f"{key!r} is only for action 'retry' (this rule's action "
+                    f"is {action!r})")
+    forwards = action == "forward" or fields.get("then") == "forward"
+    if forwards:
         if raw.get("to") is None:
-            check.fail(path, "action 'forward' needs key 'to': the queue (key or .rqprc name) "
-                       "to forward to")
-        fields["to"] = queue_key("to", raw["to"])
-    elif raw.get("to") is not None:
-        bad("to", raw["to"], f"'to' is only for action 'forward' (this rule's action is "
-            f"{action!r})")
+            what = "action 'forward'" if action == "forward" else "'then: forward'"
+            check.fail(path, f"{what} needs key 'to': the queue (key or .rqprc name) to "
+                       "forward to")
+        to = raw["to"]
+        if isinstance(to, str) and ("@" in to or ":" in to.strip().removeprefix("0x")):
+            bad("to", to, "expected a queue (key or .rqprc name): RQP cannot pin a host, the "
+                "sending MCA sends to the first host that offers the queue (QUEUE_ASK); to "
+                "reach one host, forward to a queue only that host offers")
+        fields["to"] = queue_key("to", to)
+        if raw.get("header") is not None:
+            header = raw["header"]
+            if isinstance(header, str) and header.strip().lower() in ("yes", "no"):
+                header = header.strip().lower() == "yes"
+            if not isinstance(header, bool):
+                bad("header", raw["header"], "expected yes (forward the dead-letter record "
+                    "itself) or no (the original payload)")
+            fields["header"] = header
+    else:
+        for key in ("to", "header"):
+            if raw.get(key) is not None:
+                bad(key, raw[key], f"{key!r} is only for action 'forward' or 'then: forward' "
+                    f"(this rule's action is {action!r})")
     return Rule(index=index, action=action, **fields)
 
 
@@ -320,7 +400,11 @@ class Decision:
 
     @property
     def to(self) -> int | None:
-        return self.rule.to if self.rule else None
+        return self.rule.to if self.rule and self.action == "forward" else None
+
+    @property
+    def header(self) -> bool:
+        return bool(self.rule and self.rule.header)
 
 
 def decide(rules: Iterable[Rule], row: Mapping, now_ns: int) -> Decision:
@@ -329,6 +413,84 @@ def decide(rules: Iterable[Rule], row: Mapping, now_ns: int) -> Decision:
         if rule.matches(row, now_ns):
             return Decision(rule.action, rule)
     return Decision("keep", None)
+
+
+# --------------------------------------------------------------------------------------------
+# What was done to each message before
+
+
+@dataclasses.dataclass
+class LedgerEntry:
+    """What the handler did to one message: ``retries`` by a retry rule, the last at
+    ``last_ns``; ``resent`` by forward or resubmit, the last at ``resent_ns``."""
+
+    retries: int = 0
+    last_ns: int = 0
+    resent: int = 0
+    resent_ns: int = 0
+
+
+def message_identity(row: Mapping) -> str:
+    """The name of a MESSAGE (not of a row) in the ledger: its RQP key, which a retried,
+    forwarded or resubmitted message keeps (flag ``REPLAY_KEY``), so that its dead letter, if
+    it comes back, is counted with the earlier ones; a message that never had a key (0) by the
+    row's ``id``."""
+    key = str(row.get("message_key") or "")
+    if key and int(key, 16) != 0:
+        return key.lower()
+    return f"id:{row.get('id')}"
+
+
+class RetryLedger:
+    """``{archive}/.state/replay-ledger.json``: per message (:func:`message_identity`), how
+    often and when it was put back, so that ``retries`` and ``interval`` hold across runs,
+    restarts and ``kill -9``. An attempt is written (atomically, fsynced) BEFORE the message
+    is put back: a kill in between costs the message one retry, never gives it one more than
+    the rule allows. Entries not touched for :data:`KEEP_DAYS` days are dropped (a message
+    dead-lettered again after that counts from zero)."""
+
+    NAME = "replay-ledger.json"
+    KEEP_DAYS = 30
+
+    def __init__(self, archive: str | os.PathLike, *, writable: bool = True) -> None:
+        self.path = Path(archive) / STATE / self.NAME
+        self.writable = writable
+        self.entries: dict[str, LedgerEntry] = {}
+        try:
+            data = json.loads(self.path.read_text())
+            for name, fields in data["messages"].items():
+                self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ArchiveError(f"{self.path}: unreadable replay ledger: {exc} (move it away "
+                               "to start counting retries afresh)") from None
+
+    def get(self, row: Mapping) -> LedgerEntry:
+        return self.entries.get(message_identity(row)) or LedgerEntry()
+
+    def note(self, row: Mapping, now_ns: int, *, retry: bool) -> LedgerEntry:
+        """Count one retry (or one forward/resubmit) of the row's message, durably."""
+        entry = self.entries.setdefault(message_identity(row), LedgerEntry())
+        if retry:
+            entry.retries += 1
+            entry.last_ns = now_ns
+        else:
+            entry.resent += 1
+            entry.resent_ns = now_ns
+        if self.writable:
+            self._write(now_ns)
+        return entry
+
+    def _write(self, now_ns: int) -> None:
+        horizon = now_ns - self.KEEP_DAYS * 86400 * 10**9
+        self.entries = {name: e for name, e in self.entries.items()
+                        if max(e.last_ns, e.resent_ns) >= horizon}
+        data = {"version": 1, "messages": {name: dataclasses.asdict(e)
+                                           for name, e in self.entries.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomically(self.path, (json.dumps(data, separators=(",", ":")) + "\n")
+                              .encode())
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,6 +540,19 @@ def replay_payload(row: Mapping, archive: Path | None = None) -> bytes:
         raise ReplayRefused(f"spill file {spill} holds {len(full)} bytes that are not this "
                             f"record's payload ({row.get('original_length')} bytes)")
     return full
+
+
+def header_payload(row: Mapping) -> bytes:
+    """HEADER(YES): the dead-letter record itself, the bytes that were on ``DEAD.LETTER.Q``
+    (:class:`DeadLetterRecord`, reason, hosts, key and the payload it kept), or
+    :class:`ReplayRefused`."""
+    if row.get("reason") == MALFORMED:
+        raise ReplayRefused("a MALFORMED record is not a dead-letter record: it cannot be "
+                            "forwarded with header: yes (discard or keep it)")
+    try:
+        return row_raw_bytes(row)
+    except ArchiveError as exc:
+        raise ReplayRefused(str(exc)) from None
 
 
 class TransmissionPutter:
@@ -471,12 +646,25 @@ class _File:
         self.last_flush = time.monotonic()
 
 
+def replay_lock(archive: Path, wait: float = 0.0):
+    """The lock every command that rewrites archive files holds (replay, resubmit): two
+    rewrites of one file at once would lose one's removals. ``--follow`` holds it for a
+    round at a time, so that a resubmit (which waits ``wait`` seconds for it) gets in
+    between."""
+    return lock_file(archive / STATE / "rqpctl-replay.lock",
+                     f"an rqpctl dlq replay or resubmit of {archive}", wait=wait)
+
+
 class Replayer:
     """Applies rules to every row of an archive directory (see the module doc).
 
     ``send(queue_key, payload, replay_key)`` puts one message back and returns once it is
     confirmed (a :class:`TransmissionPutter`); it is needed unless ``dry_run``. ``out`` gets
-    one line per record acted on (every record in a dry run) and the summary.
+    one line per record acted on (every record in a dry run) and the summary. ``clock``
+    (Unix ns; default the wall clock, or ``now_ns`` if given) is what ``older_than`` and the
+    retry ``interval`` are measured with. ``follow``: rounds for :class:`Follower` (a row's
+    line is said once, not every round; a sending MCA that takes nothing pauses the round
+    instead of stopping).
     """
 
     def __init__(self, archive: str | os.PathLike, rules: list[Rule], *,
@@ -484,7 +672,8 @@ class Replayer:
                  rate: float = DEFAULT_RATE, limit: int | None = None,
                  config: SenderConfig | None = None, out: Callable[[str], None] = print,
                  now_ns: int | None = None, stop: threading.Event | None = None,
-                 bucket: TokenBucket | None = None) -> None:
+                 bucket: TokenBucket | None = None, clock: Callable[[], int] | None = None,
+                 follow: bool = False) -> None:
         self.archive = Path(archive)
         self.rules = rules
         self.send = send
@@ -492,14 +681,21 @@ class Replayer:
         self.limit = limit
         self.config = config
         self.out = out
-        self.now_ns = time.time_ns() if now_ns is None else now_ns
+        self.clock = clock or ((lambda: now_ns) if now_ns is not None else time.time_ns)
+        self.now_ns = self.clock()
         self.stop = stop or threading.Event()
         self.bucket = bucket or TokenBucket(rate)
+        self.ledger: RetryLedger | None = None
+        self.follow = follow
         self.counts: collections.Counter = collections.Counter()
         self.acted = 0
         self.stopped_by: str | None = None
+        self.paused = False  # (follow) the sending MCA took nothing: this round ends
+        self.next_due_ns: int | None = None  # the earliest retry that waits for its interval
         self._seen: dict[str, bool] = {}  # id -> removed from the archive
-        if not dry_run and send is None and any(r.action in ("retry", "forward") for r in rules):
+        self._told: dict[str, str] = {}  # (follow) id -> the verb last said about it
+        if not dry_run and send is None and any(
+                r.action in ("retry", "forward") or r.then == "forward" for r in rules):
             raise ValueError("a Replayer that retries or forwards needs send=")
 
     # -- output --------------------------------------------------------------------------
@@ -510,6 +706,10 @@ class Replayer:
         return format_key(key) + (f" ({name})" if name else "")
 
     def _say(self, verb: str, row: Mapping, decision: Decision, note: str = "") -> None:
+        if self.follow:
+            if self._told.get(row.get("id")) == verb:
+                return  # said in an earlier round
+            self._told[row.get("id")] = verb
         rule = decision.rule.name if decision.rule else "no rule matched"
         to = f" -> {self._queue(decision.to)}" if decision.to is not None else ""
         self.out(f"{verb:<14} {row.get('id')} {row.get('reason', '?'):<22} queue "
@@ -517,22 +717,29 @@ class Replayer:
                  f"{row.get('message_type')} [{rule}]" + (f": {note}" if note else ""))
 
     def summary(self) -> str:
-        parts = ", ".join(f"{key} {self.counts[key]}" for key in SUMMARY_KEYS)
-        if self.dry_run:
-            parts = "dry run, nothing changed: would have " + parts
-        if self.stopped_by:
-            parts += f" ({self.stopped_by})"
-        return parts
+        return summary_line(self.counts, dry_run=self.dry_run, stopped_by=self.stopped_by)
 
     # -- the run -------------------------------------------------------------------------
 
+    def locked(self):
+        """The replay lock (nothing for a dry run, which changes nothing)."""
+        return contextlib.nullcontext() if self.dry_run else replay_lock(self.archive)
+
     def run(self) -> collections.Counter:
-        if self.dry_run:
-            self._run()
-        else:
-            with lock_file(self.archive / ".state" / "rqpctl-replay.lock",
-                           f"an rqpctl dlq replay of {self.archive}"):
-                self._run()
+        with self.locked():
+            self.run_round()
+        return self.counts
+
+    def run_round(self) -> collections.Counter:
+        """Every row once (the lock held by the caller); ``counts`` are this round's. The
+        ledger is read again: a resubmit may have run between two rounds."""
+        self.ledger = RetryLedger(self.archive, writable=not self.dry_run)
+        self.now_ns = self.clock()
+        self.counts = collections.Counter()
+        self._seen = {}
+        self.paused = False
+        self.next_due_ns = None
+        self._run()
         return self.counts
 
     def _run(self) -> None:
@@ -546,7 +753,9 @@ class Replayer:
             try:
                 rows = list(read_archive_file(path))
             except ArchiveError as exc:
-                self.out(f"failed         {exc}")
+                if not self.follow or self._told.get(path.name) != "failed":
+                    self.out(f"failed         {exc}")
+                    self._told[path.name] = "failed"
                 self.counts["failed"] += 1
                 continue
             current = _File(path, rows)
@@ -564,6 +773,8 @@ class Replayer:
                     current.flush()
 
     def _stopping(self) -> bool:
+        if self.paused:
+            return True
         if self.stop.is_set():
             self.stopped_by = self.stopped_by or "stopped by a signal"
             return True
@@ -572,10 +783,27 @@ class Replayer:
             return True
         return False
 
+    def _retry_gate(self, row: Mapping, decision: Decision) -> tuple[Decision, str]:
+        """A retry rule's decision for this message given its ledger entry: the retry, a
+        wait for the interval (action ``wait``), or, its retries used up, the rule's
+        ``then``; with a note that says which."""
+        rule = decision.rule
+        entry = self.ledger.get(row)
+        of = f" of {rule.retries}" if rule.retries is not None else ""
+        if rule.retries is not None and entry.retries >= rule.retries:
+            return Decision(rule.then, rule), (
+                f"its retries are used up ({entry.retries}{of}, the last at "
+                f"{iso_utc(entry.last_ns)}): {rule.then}")
+        due = entry.last_ns + int(rule.interval * 1e9) if entry.retries else 0
+        if due > self.now_ns:
+            self.next_due_ns = due if self.next_due_ns is None else min(self.next_due_ns, due)
+            return Decision("wait", rule), (
+                f"retry {entry.retries + 1}{of} not before {iso_utc(due)} (interval "
+                f"{rule.interval:g}s)")
+        return decision, f"retry {entry.retries + 1}{of}"
+
     def _one(self, current: _File, index: int, row: dict, held: bool) -> None:
         decision = decide(self.rules, row, self.now_ns)
-        action = decision.action
-        done, would = _VERBS[action]
         row_id = row.get("id")
         if row_id in self._seen:  # the same dead letter archived twice: one outcome for both
             if self._seen[row_id] and not held:
@@ -586,12 +814,21 @@ class Replayer:
             else:
                 self.counts["kept"] += 1
             return
-        if action == "keep":
+        note = ""
+        if decision.action == "retry":
+            decision, note = self._retry_gate(row, decision)
+        action = decision.action
+        if action in ("keep", "wait"):
             self._seen[row_id] = False
             self.counts["kept"] += 1
-            if self.dry_run:
-                self._say(would, row, decision)
+            if action == "wait":
+                self._say("waiting" if not self.dry_run else "would wait", row, decision, note)
+            elif note:  # its retries are used up
+                self._say("kept" if not self.dry_run else "would keep", row, decision, note)
+            elif self.dry_run:
+                self._say(_VERBS["keep"][1], row, decision)
             return
+        done, would = _VERBS[action]
         self.acted += 1
         if held:
             self._seen[row_id] = False
@@ -603,20 +840,24 @@ class Replayer:
             self._seen[row_id] = True
             self._remove(current, index)
             self.counts["discarded"] += 1
-            self._say(done if not self.dry_run else would, row, decision)
+            self._say(done if not self.dry_run else would, row, decision, note)
             return
         # retry / forward
         try:
-            payload = replay_payload(row, self.archive)
             extras = row_extras(row)  # the message's System V type and priority go with it
+            mtype, priority = max(1, extras["mtype"]), min(max(extras["priority"], 0), 9)
             if action == "retry":
+                payload = replay_payload(row, self.archive)
                 queue_key = int(row["queue_key"])
                 if not 0 < queue_key <= 0xFFFFFFFF:
                     raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
                                         "System V queue: forward it to a queue instead")
                 replay_key = int(row["message_key"], 16)
-            else:
-                queue_key, replay_key = decision.to, 0
+            elif decision.header:  # a new message: the dead letter, with type 1
+                payload, queue_key, replay_key, mtype = header_payload(row), decision.to, 0, 1
+            else:  # the message, with its key: forwarded, it is still the same message
+                payload = replay_payload(row, self.archive)
+                queue_key, replay_key = decision.to, int(row["message_key"], 16)
         except (ReplayRefused, ArchiveError, KeyError, ValueError) as exc:
             self._seen[row_id] = False
             self.counts["failed"] += 1
@@ -625,25 +866,213 @@ class Replayer:
         if self.dry_run:
             self._seen[row_id] = True
             self.counts["replayed" if action == "retry" else "forwarded"] += 1
-            self._say(would, row, decision)
+            self._say(would, row, decision, note)
             return
         self.bucket.take()
+        if action == "retry":  # counted before it is sent: never one retry more than allowed
+            self.ledger.note(row, self.clock(), retry=True)
         try:
-            self.send(queue_key, payload, replay_key, mtype=max(1, extras["mtype"]),
-                      priority=min(max(extras["priority"], 0), 9))
+            self.send(queue_key, payload, replay_key, mtype=mtype, priority=priority)
         except RQPError as exc:
             self._seen[row_id] = False
             self.counts["failed"] += 1
+            if isinstance(exc, NotConfirmed) and self.follow:
+                self._told.pop(row_id, None)  # (said again when it fails again)
+                self.paused = True
             self._say("failed", row, decision, str(exc))
-            if isinstance(exc, NotConfirmed):
+            if isinstance(exc, NotConfirmed) and not self.follow:
                 self.stopped_by = "stopped: the sending MCA is not taking records"
                 self.stop.set()
             return
+        if action == "forward":
+            self.ledger.note(row, self.clock(), retry=False)
         self._seen[row_id] = True
         self._remove(current, index)
         self.counts["replayed" if action == "retry" else "forwarded"] += 1
-        self._say(done, row, decision)
+        self._say(done, row, decision, note)
 
     def _remove(self, current: _File, index: int) -> None:
         if not self.dry_run:
             current.removed.add(index)
+
+
+def summary_line(counts: Mapping[str, int], *, dry_run: bool = False,
+                 stopped_by: str | None = None) -> str:
+    parts = ", ".join(f"{key} {counts.get(key, 0)}" for key in SUMMARY_KEYS)
+    if dry_run:
+        parts = "dry run, nothing changed: would have " + parts
+    if stopped_by:
+        parts += f" ({stopped_by})"
+    return parts
+
+
+# --------------------------------------------------------------------------------------------
+# Following the archive as dead letters arrive
+
+
+#: --follow's waits between rounds with nothing to do: from MIN_POLL, doubling, up to --poll.
+MIN_POLL = 0.1
+DEFAULT_POLL = 5.0
+
+
+class Follower:
+    """``rqpctl dlq replay --follow`` (runmqdlq's WAIT(YES)): the replay in rounds, until
+    ``stop``.
+
+    Each round runs ``drain()`` first when ``pending()`` says ``DEAD.LETTER.Q`` holds records
+    (``--drain``: ``rqp-dlq-drain --once`` into the archive, so that a dead letter is handled
+    without anything else running), then applies the rules to every row. Between rounds it
+    waits on what can bring work, checked at a poll interval that starts at
+    :data:`MIN_POLL` and doubles up to ``poll`` while nothing happens: a file of the archive
+    (or a drain state) changed, ``pending()``, or the earliest retry whose ``interval`` has
+    passed. A sending MCA that takes nothing pauses the rounds for ``poll`` seconds. Nothing is
+    retried in a tight loop: a message waits its rule's interval between retries, whatever
+    the rounds do. The replay lock is held for a round at a time (and the ledger read again
+    for each), so that ``rqpctl dlq resubmit`` can run in between.
+    """
+
+    def __init__(self, replayer: Replayer, *, drain: Callable[[], None] | None = None,
+                 pending: Callable[[], bool] | None = None, poll: float = DEFAULT_POLL,
+                 out: Callable[[str], None] = print) -> None:
+        self.replayer = replayer
+        self.drain = drain
+        self.pending = pending
+        self.poll = max(poll, MIN_POLL)
+        self.out = out
+        self.stop = replayer.stop
+        self.totals: collections.Counter = collections.Counter()
+        self.rounds = 0
+
+    def summary(self) -> str:
+        """What was done over all rounds; kept and failed as the last round left them."""
+        return summary_line(self.totals, dry_run=self.replayer.dry_run,
+                            stopped_by=self.replayer.stopped_by)
+
+    def run(self) -> collections.Counter:
+        while not self.stop.is_set():
+            if self.drain is not None and (self.pending is None or self.pending()):
+                self.drain()
+            with self.replayer.locked():
+                counts = self.replayer.run_round()
+            self.rounds += 1
+            for key in ("replayed", "forwarded", "discarded"):
+                self.totals[key] += counts[key]
+            for key in ("kept", "failed"):
+                self.totals[key] = counts[key]
+            if self.replayer.stopped_by and not self.stop.is_set():
+                break  # --limit
+            if self.replayer.paused:
+                self.out(f"paused         the sending MCA is not taking records: trying "
+                         f"again in {self.poll:g}s")
+            self._wait()
+        return self.totals
+
+    def _signature(self) -> tuple:
+        """What the archive looks like: its files and the drain states (a batch finished
+        releases the rows it held)."""
+        paths = archive_files(self.replayer.archive)
+        state = self.replayer.archive / STATE
+        if state.is_dir():
+            paths += sorted(state.glob("*.last"))
+        out = []
+        for path in paths:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            out.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def _wait(self) -> None:
+        if self.replayer.paused:
+            self.stop.wait(self.poll)
+            return
+        seen = self._signature()
+        delay = MIN_POLL
+        while True:
+            timeout = delay
+            due = self.replayer.next_due_ns
+            if due is not None:
+                timeout = min(timeout, max(0.0, (due - self.replayer.clock()) / 1e9))
+            if self.stop.wait(timeout):
+                return
+            if due is not None and self.replayer.clock() >= due:
+                return
+            if self.pending is not None and self.drain is not None and self.pending():
+                return
+            if self._signature() != seen:
+                return
+            delay = min(delay * 2, self.poll)
+
+
+# --------------------------------------------------------------------------------------------
+# One-off repair
+
+
+#: How long ``rqpctl dlq resubmit`` waits for a replay's round to finish (``--follow`` holds
+#: the lock a round at a time).
+RESUBMIT_LOCK_WAIT = 60.0
+
+
+def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., None], *,
+             to: int | None = None, edit: Callable[[Mapping, bytes], bytes] | None = None,
+             config: SenderConfig | None = None, out: Callable[[str], None] = print,
+             clock: Callable[[], int] = time.time_ns) -> collections.Counter:
+    """``rqpctl dlq resubmit``: put these dead letters back (on their queue, or ``to``), each
+    as ``retry`` does (SURE, confirmed, with its original key), ``edit(row, payload)`` giving
+    the payload to send (Azure Service Bus Explorer's repair and resubmit). Every copy of a row
+    leaves the archive once its message is confirmed. A row that cannot be put back (or
+    whose edit is refused: :class:`ReplayRefused`) is kept and counts as failed; the others
+    go on. Edits are made before the replay lock is taken, then the rows are looked up again
+    (one that a ``--follow`` round handled meanwhile is said to be gone)."""
+    archive = Path(archive)
+    counts: collections.Counter = collections.Counter()
+    say = Replayer(archive, [], dry_run=True, config=config, out=out)._queue
+    payloads: dict[str, bytes] = {}
+    for given, places in find_rows(archive, ids).items():
+        row = places[0][2]
+        try:
+            payload = replay_payload(row, archive)
+            payloads[given] = edit(row, payload) if edit is not None else payload
+        except (ReplayRefused, ArchiveError) as exc:
+            counts["failed"] += 1
+            out(f"failed         {row['id']}: {exc}")
+    if not payloads:
+        return counts
+    with replay_lock(archive, wait=RESUBMIT_LOCK_WAIT):
+        ledger = RetryLedger(archive)
+        try:
+            found = find_rows(archive, list(payloads))
+        except ArchiveError as exc:
+            raise ArchiveError(f"{exc} (handled meanwhile by a replay?): nothing resubmitted") \
+                from None
+        files: dict[Path, _File] = {}
+        for given, payload in payloads.items():
+            places = found[given]
+            row = places[0][2]
+            queue_key = int(row["queue_key"]) if to is None else to
+            try:
+                if not 0 < queue_key <= 0xFFFFFFFF:
+                    raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
+                                        "System V queue: give --to QUEUE")
+                extras = row_extras(row)
+                send(queue_key, payload, int(row["message_key"], 16),
+                     mtype=max(1, extras["mtype"]), priority=min(max(extras["priority"], 0), 9))
+            except (ReplayRefused, RQPError, KeyError, ValueError) as exc:
+                counts["failed"] += 1
+                out(f"failed         {row['id']}: {exc}")
+                if isinstance(exc, NotConfirmed):
+                    break
+                continue
+            for path, index, _ in places:
+                if path not in files:
+                    files[path] = _File(path, list(read_archive_file(path)))
+                files[path].removed.add(index)
+            ledger.note(row, clock(), retry=False)
+            counts["resubmitted"] += 1
+            edited = " (edited)" if edit is not None else ""
+            out(f"resubmitted    {row['id']} queue {say(queue_key)} key {row['message_key']}"
+                f"{edited}: {len(payload)} bytes")
+        for current in files.values():
+            current.flush()
+    return counts
