@@ -110,4 +110,14 @@ MESSAGE_INTRINSIC_REASONS: tuple[str, ...] = _reasons.INTRINSIC
 
 
 class ArchiveSchemaError(RQPError, ValueError):
-    """An input file is not a version-1 dead-letter archive (the message names the file)."""
+    """An input file is not a dead-letter archive this report reads (the message names the
+    file)."""
+
+    @classmethod
+    def naming(cls, bad) -> "ArchiveSchemaError":
+        """The error for ``bad``: (file, lines of another schema, the schemas seen) per file."""
+        shown = "\n".join(f"  {file}: {wrong} line(s) with schema {', '.join(versions)}"
+                          for file, wrong, versions in list(bad)[:20])
+        more = f"\n  ... and {len(bad) - 20} more files" if len(bad) > 20 else ""
+        return cls(f"not a dead-letter archive this report reads (archive schemas "
+                   f"{', '.join(map(str, READABLE_SCHEMAS))}):\n{shown}{more}")
