@@ -77,6 +77,8 @@ class _LazyPutter:
 
 def _archive(args) -> Path:
     archive = Path(args.archive)
+    if getattr(args, "drain", False) and not archive.exists():
+        archive.mkdir(parents=True)  # as the drain would: it fills it
     if not archive.is_dir():
         raise ConfigError(f"{archive}: {'is not a directory' if archive.exists() else 'no such directory'}"
                           " (--archive)")
@@ -113,7 +115,7 @@ class _Drain:
 
     def pending(self) -> bool:
         try:
-            return LocalQueue.exists(self.queue) and LocalQueue.open(self.queue).depth() > 0
+            return LocalQueue.exists(self.queue) and LocalQueue.open(self.queue).depth > 0
         except QueueError:
             return False  # (the drain, run by the next poll's round, would say no better)
 

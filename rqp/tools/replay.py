@@ -965,6 +965,8 @@ class Follower:
                 self.out(f"paused         the sending MCA is not taking records: trying "
                          f"again in {self.poll:g}s")
             self._wait()
+        if self.stop.is_set():
+            self.replayer.stopped_by = self.replayer.stopped_by or "stopped by a signal"
         return self.totals
 
     def _signature(self) -> tuple:
