@@ -8,18 +8,18 @@ The hand-made archive (times are 2025-03-03, UTC; d02 is archived twice; d00 tie
 time and has the smaller id)::
 
     id   time          host   agent     reason                  queue   type    bytes  source
-    d01  09:05:00.123  hostB  receiver  QUEUE_FULL              0x1001  SURE      100  hostA
-    d02  09:20         hostB  receiver  QUEUE_FULL              0x1001  SURE      300  hostA
-    d03  09:40         hostB  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     50  hostC
-    d04  10:00         hostA  sender    NO_ROUTE                0x3003  UNSURE     20  -
-    d05  10:10         hostB  receiver  QUEUE_FULL              0x1001  SURE      200  hostC
-    d06  10:30         hostC  receiver  NOT_AUTHORIZED          0x4004  SURE       80  hostA
-    d07  10:45         hostA  sender    RETRY_BUDGET_EXHAUSTED  0x1001  SURE      400  - (to hostB)
-    d08  11:00         hostC  receiver  MESSAGE_TOO_BIG         0x4004  SURE   100000  hostA
-    d09  11:15         hostB  receiver  QUEUE_FULL              0x1001  UNSURE    500  hostA
-    d10  11:30         hostB  receiver  UNKNOWN_QUEUE           0x2002  SURE       60  hostA
-    d11  11:50         hostD  api       NO_QUEUE_KEY            0       SURE       10  -
-    d00  09:40         hostB  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     70  hostC
+    d01  09:05:00.123  hostb  receiver  QUEUE_FULL              0x1001  SURE      100  hosta
+    d02  09:20         hostb  receiver  QUEUE_FULL              0x1001  SURE      300  hosta
+    d03  09:40         hostb  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     50  hostc
+    d04  10:00         hosta  sender    NO_ROUTE                0x3003  UNSURE     20  -
+    d05  10:10         hostb  receiver  QUEUE_FULL              0x1001  SURE      200  hostc
+    d06  10:30         hostc  receiver  NOT_AUTHORIZED          0x4004  SURE       80  hosta
+    d07  10:45         hosta  sender    RETRY_BUDGET_EXHAUSTED  0x1001  SURE      400  - (to hostb)
+    d08  11:00         hostc  receiver  MESSAGE_TOO_BIG         0x4004  SURE   100000  hosta
+    d09  11:15         hostb  receiver  QUEUE_FULL              0x1001  UNSURE    500  hosta
+    d10  11:30         hostb  receiver  UNKNOWN_QUEUE           0x2002  SURE       60  hosta
+    d11  11:50         hostd  api       NO_QUEUE_KEY            0       SURE       10  -
+    d00  09:40         hostb  receiver  UNKNOWN_QUEUE           0x2002  UNSURE     70  hostc
 """
 
 from __future__ import annotations
@@ -80,32 +80,32 @@ def dead_letter(id, time, host, agent, reason, queue_key, queue_name, message_ty
 
 D = dead_letter
 LINES = [
-    D("d01", "09:05:00.123", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 100,
-      "hostA", "", "order 1", timestamp_ns=1740992700123456789),
-    D("d02", "09:20:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
-      "hostA", "", "order 2"),
-    D("d03", "09:40:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 50,
-      "hostC", "", "ghost 3"),
-    D("d04", "10:00:00", "hostA", "sender", "NO_ROUTE", 0x3003, None, "UNSURE", 20,
+    D("d01", "09:05:00.123", "hostb", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 100,
+      "hosta", "", "order 1", timestamp_ns=1740992700123456789),
+    D("d02", "09:20:00", "hostb", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
+      "hosta", "", "order 2"),
+    D("d03", "09:40:00", "hostb", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 50,
+      "hostc", "", "ghost 3"),
+    D("d04", "10:00:00", "hosta", "sender", "NO_ROUTE", 0x3003, None, "UNSURE", 20,
       "", "", "ping"),
-    D("d05", "10:10:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 200,
-      "hostC", "", "order 5"),
-    D("d06", "10:30:00", "hostC", "receiver", "NOT_AUTHORIZED", 0x4004, "AUDIT.Q", "SURE", 80,
-      "hostA", "", "audit 6"),
-    D("d07", "10:45:00", "hostA", "sender", "RETRY_BUDGET_EXHAUSTED", 0x1001, None, "SURE", 400,
-      "", "hostB", "order 7"),
-    D("d08", "11:00:00", "hostC", "receiver", "MESSAGE_TOO_BIG", 0x4004, "AUDIT.Q", "SURE",
-      100000, "hostA", "", ""),
-    D("d09", "11:15:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "UNSURE", 500,
-      "hostA", "", "order 9"),
-    D("d10", "11:30:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "SURE", 60,
-      "hostA", "", "ghost 10"),
-    D("d11", "11:50:00", "hostD", "api", "NO_QUEUE_KEY", 0, None, "SURE", 10, "", "", "nokey"),
+    D("d05", "10:10:00", "hostb", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 200,
+      "hostc", "", "order 5"),
+    D("d06", "10:30:00", "hostc", "receiver", "NOT_AUTHORIZED", 0x4004, "AUDIT.Q", "SURE", 80,
+      "hosta", "", "audit 6"),
+    D("d07", "10:45:00", "hosta", "sender", "RETRY_BUDGET_EXHAUSTED", 0x1001, None, "SURE", 400,
+      "", "hostb", "order 7"),
+    D("d08", "11:00:00", "hostc", "receiver", "MESSAGE_TOO_BIG", 0x4004, "AUDIT.Q", "SURE",
+      100000, "hosta", "", ""),
+    D("d09", "11:15:00", "hostb", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "UNSURE", 500,
+      "hosta", "", "order 9"),
+    D("d10", "11:30:00", "hostb", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "SURE", 60,
+      "hosta", "", "ghost 10"),
+    D("d11", "11:50:00", "hostd", "api", "NO_QUEUE_KEY", 0, None, "SURE", 10, "", "", "nokey"),
     # d02 again: archived a day later by another drain (dropped: the first archiving is kept)
-    D("d02", "09:20:00", "hostB", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
-      "hostA", "", "order 2", archived_at="2025-03-04T08:00:00Z", archived_by="drain@hostZ"),
-    D("d00", "09:40:00", "hostB", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 70,
-      "hostC", "", "<script>alert(1)</script><b>tie</b> & more"),
+    D("d02", "09:20:00", "hostb", "receiver", "QUEUE_FULL", 0x1001, "ORDERS.Q", "SURE", 300,
+      "hosta", "", "order 2", archived_at="2025-03-04T08:00:00Z", archived_by="drain@hostz"),
+    D("d00", "09:40:00", "hostb", "receiver", "UNKNOWN_QUEUE", 0x2002, None, "UNSURE", 70,
+      "hostc", "", "<script>alert(1)</script><b>tie</b> & more"),
 ]
 
 
@@ -133,18 +133,18 @@ COUNT_COLUMNS = "count BIGINT, first_seen TIMESTAMP, last_seen TIMESTAMP"
 
 def test_normalize_derives_columns_and_drops_duplicate_ids(spark, dead):
     expected = spark.createDataFrame([
-        ("d01", T("09:05:00.123456"), "hostA", "hostB", T("09:00"), 1, "drain@hostB"),
-        ("d02", T("09:20:00"), "hostA", "hostB", T("09:00"), 2, "drain@hostB"),
-        ("d03", T("09:40:00"), "hostC", "hostB", T("09:00"), 1, "drain@hostB"),
-        ("d04", T("10:00:00"), "hostA", "(unknown)", T("10:00"), 1, "drain@hostA"),
-        ("d05", T("10:10:00"), "hostC", "hostB", T("10:00"), 1, "drain@hostB"),
-        ("d06", T("10:30:00"), "hostA", "hostC", T("10:00"), 1, "drain@hostC"),
-        ("d07", T("10:45:00"), "hostA", "hostB", T("10:00"), 1, "drain@hostA"),
-        ("d08", T("11:00:00"), "hostA", "hostC", T("11:00"), 1, "drain@hostC"),
-        ("d09", T("11:15:00"), "hostA", "hostB", T("11:00"), 1, "drain@hostB"),
-        ("d10", T("11:30:00"), "hostA", "hostB", T("11:00"), 1, "drain@hostB"),
-        ("d11", T("11:50:00"), "hostD", "(unknown)", T("11:00"), 1, "drain@hostD"),
-        ("d00", T("09:40:00"), "hostC", "hostB", T("09:00"), 1, "drain@hostB"),
+        ("d01", T("09:05:00.123456"), "hosta", "hostb", T("09:00"), 1, "drain@hostb"),
+        ("d02", T("09:20:00"), "hosta", "hostb", T("09:00"), 2, "drain@hostb"),
+        ("d03", T("09:40:00"), "hostc", "hostb", T("09:00"), 1, "drain@hostb"),
+        ("d04", T("10:00:00"), "hosta", "(unknown)", T("10:00"), 1, "drain@hosta"),
+        ("d05", T("10:10:00"), "hostc", "hostb", T("10:00"), 1, "drain@hostb"),
+        ("d06", T("10:30:00"), "hosta", "hostc", T("10:00"), 1, "drain@hostc"),
+        ("d07", T("10:45:00"), "hosta", "hostb", T("10:00"), 1, "drain@hosta"),
+        ("d08", T("11:00:00"), "hosta", "hostc", T("11:00"), 1, "drain@hostc"),
+        ("d09", T("11:15:00"), "hosta", "hostb", T("11:00"), 1, "drain@hostb"),
+        ("d10", T("11:30:00"), "hosta", "hostb", T("11:00"), 1, "drain@hostb"),
+        ("d11", T("11:50:00"), "hostd", "(unknown)", T("11:00"), 1, "drain@hostd"),
+        ("d00", T("09:40:00"), "hostc", "hostb", T("09:00"), 1, "drain@hostb"),
     ], "id STRING, timestamp TIMESTAMP, source STRING, destination STRING, hour TIMESTAMP, "
        "copies BIGINT, archived_by STRING")
     actual = dead.select("id", "timestamp", "source", "destination", "hour", "copies",
@@ -158,6 +158,44 @@ def test_normalize_keeps_rows_without_id_apart(spark, raw):
     expected = spark.createDataFrame([("NO_ROUTE", 1), ("NO_QUEUE_KEY", 1)],
                                      "reason STRING, copies BIGINT")
     assertDataFrameEqual(actual, expected)
+
+
+HOSTS = [  # (host, agent, source_host, destination_host) -> (host, source, destination)
+    # issue 16: one machine was two hosts, 127.0.0.1 (its receiver's peer) and vm
+    (("vm", "receiver", "127.0.0.1", "vm"), ("vm", "vm", "vm")),
+    (("vm", "sender", "vm", "127.0.0.1:7460"), ("vm", "vm", "vm")),
+    (("vm", "sender", "vm", "[::1]:7460"), ("vm", "vm", "vm")),
+    (("vm", "receiver", "::1", "vm"), ("vm", "vm", "vm")),
+    (("vm", "sender", "vm", "localhost:7460"), ("vm", "vm", "vm")),
+    (("vm", "receiver", "127.0.1.1", "vm"), ("vm", "vm", "vm")),    # Debian's own-name address
+    (("vm", "receiver", "::ffff:127.0.0.1", "vm"), ("vm", "vm", "vm")),
+    # case, a trailing dot and a port are spellings
+    (("VM.Example.", "sender", "VM.example", "Recv.Example:7460"),
+     ("vm.example", "vm.example", "recv.example")),
+    (("vm", "receiver", "10.0.0.5:41234", "vm"), ("vm", "10.0.0.5", "vm")),
+    (("vm", "receiver", "::ffff:10.0.0.5", "vm"), ("vm", "10.0.0.5", "vm")),
+    (("vm", "receiver", "[fe80::1]:5000", "vm"), ("vm", "fe80::1", "vm")),
+    (("vm", "sender", "vm", "fe80::1"), ("vm", "vm", "fe80::1")),   # a bare v6 has no port
+    # what the record cannot tell stays apart: another address, a TLS identity
+    (("vm", "receiver", "sender-1.prod.example", "vm"), ("vm", "sender-1.prod.example", "vm")),
+    (("vm", "receiver", "10.0.0.7", "vm"), ("vm", "10.0.0.7", "vm")),
+    # loopback without a host to say whose: left as it is
+    (("", "sender", "127.0.0.1", ""), ("", "127.0.0.1", "(unknown)")),
+]
+
+
+def test_one_host_one_name(spark):
+    rows = [dict(LINES[0], id=f"h{i:02d}", host=host, agent=agent, source_host=src,
+                 destination_host=dst)
+            for i, ((host, agent, src, dst), _) in enumerate(HOSTS)]
+    dead = analysis.normalize(spark.createDataFrame(rows, schema=ARCHIVE_SCHEMA))
+    actual = {r.id: (r.host, r.source, r.destination)
+              for r in dead.select("id", "host", "source", "destination").collect()}
+    assert actual == {f"h{i:02d}": want for i, (_, want) in enumerate(HOSTS)}
+    # the issue's machine is one source host in the counts
+    first_seven = dead.where(F.col("id") < "h07")
+    assert [(r.source, r["count"]) for r in analysis.counts_by(first_seven, "source")
+            .collect()] == [("vm", 7)]
 
 
 def test_counts_by_reason(spark, dead):
@@ -188,13 +226,13 @@ def test_counts_by_queue_with_labels(spark, dead):
 
 def test_counts_by_hosts_and_message_type(spark, dead):
     assertDataFrameEqual(analysis.counts_by(dead, "source"), spark.createDataFrame([
-        ("hostA", 8, T("09:05:00.123456"), T("11:30:00")),
-        ("hostC", 3, T("09:40:00"), T("10:10:00")),
-        ("hostD", 1, T("11:50:00"), T("11:50:00")),
+        ("hosta", 8, T("09:05:00.123456"), T("11:30:00")),
+        ("hostc", 3, T("09:40:00"), T("10:10:00")),
+        ("hostd", 1, T("11:50:00"), T("11:50:00")),
     ], f"source STRING, {COUNT_COLUMNS}"))
     assertDataFrameEqual(analysis.counts_by(dead, "destination"), spark.createDataFrame([
-        ("hostB", 8, T("09:05:00.123456"), T("11:30:00")),
-        ("hostC", 2, T("10:30:00"), T("11:00:00")),
+        ("hostb", 8, T("09:05:00.123456"), T("11:30:00")),
+        ("hostc", 2, T("10:30:00"), T("11:00:00")),
         ("(unknown)", 2, T("10:00:00"), T("11:50:00")),
     ], f"destination STRING, {COUNT_COLUMNS}"))
     assertDataFrameEqual(analysis.counts_by(dead, "message_type"), spark.createDataFrame([
@@ -247,15 +285,15 @@ def test_samples_are_the_earliest_per_group(spark, dead):
         "reason", "id", "timestamp", "queue_key_hex", "source", "destination",
         "payload_preview")
     expected = spark.createDataFrame([
-        ("QUEUE_FULL", "d01", T("09:05:00.123456"), "0x00001001", "hostA", "hostB", "order 1"),
-        ("UNKNOWN_QUEUE", "d00", T("09:40:00"), "0x00002002", "hostC", "hostB",
+        ("QUEUE_FULL", "d01", T("09:05:00.123456"), "0x00001001", "hosta", "hostb", "order 1"),
+        ("UNKNOWN_QUEUE", "d00", T("09:40:00"), "0x00002002", "hostc", "hostb",
          "<script>alert(1)</script><b>tie</b> & more"),
-        ("NO_ROUTE", "d04", T("10:00:00"), "0x00003003", "hostA", "(unknown)", "ping"),
-        ("NOT_AUTHORIZED", "d06", T("10:30:00"), "0x00004004", "hostA", "hostC", "audit 6"),
-        ("RETRY_BUDGET_EXHAUSTED", "d07", T("10:45:00"), "0x00001001", "hostA", "hostB",
+        ("NO_ROUTE", "d04", T("10:00:00"), "0x00003003", "hosta", "(unknown)", "ping"),
+        ("NOT_AUTHORIZED", "d06", T("10:30:00"), "0x00004004", "hosta", "hostc", "audit 6"),
+        ("RETRY_BUDGET_EXHAUSTED", "d07", T("10:45:00"), "0x00001001", "hosta", "hostb",
          "order 7"),
-        ("MESSAGE_TOO_BIG", "d08", T("11:00:00"), "0x00004004", "hostA", "hostC", ""),
-        ("NO_QUEUE_KEY", "d11", T("11:50:00"), "0x00000000", "hostD", "(unknown)", "nokey"),
+        ("MESSAGE_TOO_BIG", "d08", T("11:00:00"), "0x00004004", "hosta", "hostc", ""),
+        ("NO_QUEUE_KEY", "d11", T("11:50:00"), "0x00000000", "hostd", "(unknown)", "nokey"),
     ], "reason STRING, id STRING, timestamp TIMESTAMP, queue_key_hex STRING, source STRING, "
        "destination STRING, payload_preview STRING")
     assertDataFrameEqual(actual, expected)
@@ -391,9 +429,9 @@ def test_job_summary_totals(report):
         ("0x00001001", "ORDERS.Q", 5), ("0x00002002", None, 3), ("0x00004004", "AUDIT.Q", 2),
         ("0x00000000", None, 1), ("0x00003003", None, 1)]
     assert [(h["source"], h["count"]) for h in summary["top_source_hosts"]] == [
-        ("hostA", 8), ("hostC", 3), ("hostD", 1)]
+        ("hosta", 8), ("hostc", 3), ("hostd", 1)]
     assert [(h["destination"], h["count"]) for h in summary["top_destination_hosts"]] == [
-        ("hostB", 8), ("(unknown)", 2), ("hostC", 2)]
+        ("hostb", 8), ("(unknown)", 2), ("hostc", 2)]
     assert summary["likely_recoverable"]["evidence"] == "traffic"
     # stdout: the short table by reason; stderr names the file with the unreadable line
     assert "QUEUE_FULL" in stdout and "TOTAL" in stdout

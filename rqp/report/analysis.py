@@ -15,6 +15,27 @@ Times are Spark timestamps (instants); ``hour`` is truncated to the hour in UTC 
 session time zone is. The job sets ``spark.sql.session.timeZone`` to UTC so that files and
 pages show UTC too.
 
+One host, one name
+------------------
+
+A machine appears in the archive under several spellings: its host name in ``host`` (where a
+record was dead-lettered, e.g. ``vm``), the peer's address in a receiving MCA's
+``source_host`` (``127.0.0.1`` when the sender ran on the same machine, ``::ffff:10.0.0.5`` on
+a dual-stack socket, or its TLS identity), ``host:port`` or ``[v6]:port`` in a sending MCA's
+``destination_host``. :func:`host_identity` gives every one of them the one name the facts
+allow, and ``host``, ``source`` and ``destination`` all use it:
+
+* case and a trailing dot do not matter in DNS: ``VM.example.`` is ``vm.example``;
+* a port says which socket, not which machine: ``vm:7460`` and ``[::1]:7460`` lose it;
+* an IPv4-mapped IPv6 address is the IPv4 address: ``::ffff:10.0.0.5`` is ``10.0.0.5``;
+* a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``) seen by a host IS that host:
+  it is replaced by the record's ``host``.
+
+What the records cannot tell is left apart, not guessed: another address of the same machine
+(``10.0.0.5`` for ``vm``), a short name beside a full one (``vm`` and ``vm.prod.example``, e.g.
+a TLS identity), names that only DNS or an inventory could join. Resolving them at report time
+(reverse DNS) would make a report depend on the network of the day it ran.
+
 Likely recoverable dead letters
 -------------------------------
 
@@ -48,6 +69,7 @@ from rqp.report.schema import MESSAGE_INTRINSIC_REASONS, TRANSIENT_REASONS
 
 __all__ = [
     "UNKNOWN_HOST",
+    "host_identity",
     "PERCENTILE_ACCURACY",
     "normalize",
     "normalize_traffic",
@@ -106,11 +128,40 @@ def _hour_utc(ts: Column) -> Column:
     return F.timestamp_seconds(seconds - F.pmod(seconds, F.lit(3600)))
 
 
+#: Loopback spellings, after :func:`_canonical_host` (RFC 6761: any name under ``localhost``).
+_LOOPBACK = (r"^(127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|::1|0:0:0:0:0:0:0:1|localhost"
+             r"|localhost\.localdomain|localhost6|ip6-localhost|ip6-loopback|.+\.localhost)$")
+
+
+def _canonical_host(c: Column) -> Column:
+    """The spelling-free form of a host name or address (see the module docstring): trimmed,
+    lower case, without a trailing dot, a port, IPv6 brackets or an IPv4-mapped prefix."""
+    c = F.lower(F.trim(c))
+    c = (F.when(c.rlike(r"^\[[^\]]*\](:[0-9]+)?$"), F.regexp_extract(c, r"^\[([^\]]*)\]", 1))
+         .when(c.rlike(r"^[^:]+:[0-9]+$"), F.regexp_extract(c, r"^([^:]+):", 1))
+         .otherwise(c))
+    c = F.regexp_replace(c, r"^(::|0:0:0:0:0:)ffff:([0-9]+\.[0-9]+\.[0-9]+\.[0-9]+)$", "$2")
+    return F.regexp_replace(c, r"(.)\.$", "$1")
+
+
+def host_identity(address: Column | str, host: Column | str = "host") -> Column:
+    """The one name of the machine ``address`` names, as seen from the record's ``host`` (where
+    it was dead-lettered): canonical (no case, port, brackets, trailing dot), and a loopback
+    address replaced by that ``host``. Empty stays empty, null stays null."""
+    address = F.col(address) if isinstance(address, str) else address
+    host = F.col(host) if isinstance(host, str) else host
+    name = _canonical_host(address)
+    own = _canonical_host(host)
+    return F.when(name.rlike(_LOOPBACK) & (own != ""), own).otherwise(name)
+
+
 def normalize(df: DataFrame) -> DataFrame:
     """The archive rows with derived columns, one row per dead-letter ``id``.
 
     * ``timestamp``: when it was dead-lettered, as a timestamp: ``timestamp_ns`` when it is
       there (> 0), else the ISO string ``timestamp``; ``archived_at`` as a timestamp too;
+    * ``host``, ``source``, ``destination``: one name per machine (:func:`host_identity`, see
+      "One host, one name" above);
     * ``source``: ``source_host`` unless empty, else ``host`` (it was dead-lettered where it
       was sent from);
     * ``destination``: ``destination_host`` unless empty, else ``host`` when the receiving agent
@@ -144,13 +195,17 @@ def normalize(df: DataFrame) -> DataFrame:
         .where(F.col("_n") == 1)
         .drop("_n", "_key")
     )
+    host = _canonical_host(F.col("host"))
     return (
-        out.withColumn("source", F.when(_nonempty("source_host"), F.col("source_host"))
-                       .otherwise(F.col("host")))
+        out.withColumn("source", F.when(_nonempty("source_host"),
+                                        host_identity("source_host", "host"))
+                       .otherwise(host))
         .withColumn("destination",
-                    F.when(_nonempty("destination_host"), F.col("destination_host"))
-                    .when(F.col("agent") == "receiver", F.col("host"))
+                    F.when(_nonempty("destination_host"),
+                           host_identity("destination_host", "host"))
+                    .when(F.col("agent") == "receiver", host)
                     .otherwise(F.lit(UNKNOWN_HOST)))
+        .withColumn("host", host)
         .withColumn("hour", _hour_utc(F.col("timestamp")))
     )
 
