@@ -59,17 +59,20 @@ def _say(text: str) -> None:
 
 
 class _LazyPutter:
-    """Starts the sending path (and a sending MCA if none runs) at the first message only."""
+    """Starts the sending path (and a sending MCA if none runs, unless ``start_sender`` is
+    false) at the first message only."""
 
-    def __init__(self, config, rqprc) -> None:
+    def __init__(self, config, rqprc, start_sender: bool = True) -> None:
         self.config = config
         self.rqprc = rqprc
+        self.start_sender = start_sender
         self.putter: TransmissionPutter | None = None
 
     def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0, **extras) -> None:
         if self.putter is None:
             try:
-                self.putter = TransmissionPutter(self.config, self.rqprc)
+                self.putter = TransmissionPutter(self.config, self.rqprc,
+                                                 start_sender=self.start_sender)
             except RQPError as exc:
                 raise NotConfirmed(str(exc)) from None
         self.putter(queue_key, payload, replay_key, **extras)
@@ -143,7 +146,9 @@ def _replay(args) -> int:
         if config is None:
             raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
                               "queue of a .rqprc: give --rqprc (none was found)")
-        send = _LazyPutter(config, config.source)
+        # --follow is a service beside rqp-sender.service: a sending MCA it started would be
+        # its child (stopped with it); while none takes records, it pauses
+        send = _LazyPutter(config, config.source, start_sender=not args.follow)
     stop = _stop_on_signals()
     drain = _Drain(archive, config) if args.drain and not args.dry_run else None
     replayer = Replayer(archive, rules, send=send, dry_run=args.dry_run, rate=args.rate,
