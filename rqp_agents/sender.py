@@ -29,7 +29,7 @@ from rqp.protocol.frames import FrameDecoder, encode
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import (
-    UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
+    REPLAYED_NOTE, UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
 )
 from rqp.protocol.sender import (
     Close, Connect, DeadLetter, Declined, Delivered, FanoutEnded, Lost, Note, NoteKind, Send,
@@ -465,8 +465,11 @@ class Sender(Daemon):
                       destination_host=str(msg.host or msg.target or ""))
         record = msg.origin.record
         if msg.members is None:
+            detail = act.detail
+            if record.replays_key and record.sequence == msg.key:  # (the wire carries no mark)
+                detail += f" [{REPLAYED_NOTE}]"
             records = [DeadLetterRecord.from_transmission(record, message_key=msg.key,
-                                                          detail=act.detail, **common)]
+                                                          detail=detail, **common)]
         else:
             n = len(msg.members)
             records = [dataclasses.replace(DeadLetterRecord.from_transmission(

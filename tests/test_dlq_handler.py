@@ -12,7 +12,7 @@ import signal
 import sys
 
 from rqp.protocol.reasons import ReasonCode
-from rqp.protocol.records import AgentKind, DeadLetterRecord
+from rqp.protocol.records import REPLAYED_NOTE, AgentKind, DeadLetterRecord
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveWriter, archive_files, read_archive, record_to_row,
 )
@@ -179,6 +179,7 @@ def test_every_action_as_dead_letters_arrive(testbed):
                            "archived_at": ignored_row["archived_at"]}
     assert (last["reason"], last["agent"], last["message_key"], last["queue_key"]) == \
         ("RETRY_BUDGET_EXHAUSTED", "sender", f"{k1:#018x}", Q1)
+    assert last["detail"].endswith(f" [{REPLAYED_NOTE}]")  # the row says it is a replay
     out = a.output(handler)
     assert re.search(r"^discarded .* MESSAGE_TOO_BIG .*\[rules\[3\]\]$", out, re.M)
     assert re.search(r"^forwarded .* -> 0x52510002 \(PROD_THE_SPARE_COMMON\) key "

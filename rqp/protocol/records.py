@@ -172,6 +172,7 @@ __all__ = [
     "DEAD_LETTER_RECORD",
     "DEAD_LETTER_RECORD_COMPILED",
     "DEAD_LETTER_VERSION",
+    "REPLAYED_NOTE",
     "DeadLetterFlags",
     "DeadLetterRecord",
     "TRANSMISSION_HEADER",
@@ -194,6 +195,12 @@ DEAD_LETTER_VERSION = 2
 
 #: ``message_type`` of a dead-letter record whose message type is not known.
 UNKNOWN_MESSAGE_TYPE = 255
+
+#: What the sending MCA adds, in brackets, to the ``detail`` of the dead-letter record of a
+#: message it was given with flag REPLAY_KEY (``rqpctl dlq replay`` / ``resubmit``): the
+#: archive row of a message dead-lettered AGAIN says it is a replay, with the same
+#: ``message_key`` as before. (A receiving MCA cannot tell: the wire carries no such mark.)
+REPLAYED_NOTE = "a replay: sent again with its original key"
 
 _UINT8_MAX = (1 << 8) - 1
 _UINT16_MAX = (1 << 16) - 1
