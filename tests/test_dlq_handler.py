@@ -6,7 +6,7 @@ dead letters arriving while it runs, kill -9, and the one-off repair (dlq show, 
 from __future__ import annotations
 
 import base64
-import json
+import dataclasses
 import re
 import signal
 import sys
@@ -16,6 +16,7 @@ from rqp.protocol.records import REPLAYED_NOTE, AgentKind, DeadLetterRecord
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveWriter, archive_files, read_archive, record_to_row,
 )
+from rqp.tools.replay import RetryLedger
 from tests.agents import (
     DLQ, make_queue, receive, start_receiver, start_sender, write_rqprc,
 )
@@ -90,8 +91,9 @@ def rows(archive) -> list[dict]:
 
 
 def ledger(archive) -> dict:
-    path = archive / ".state" / "replay-ledger.json"
-    return json.loads(path.read_text())["messages"] if path.exists() else {}
+    """What the replay ledger says of each message, as the handler reads it."""
+    return {name: dataclasses.asdict(entry)
+            for name, entry in RetryLedger(archive, writable=False).entries.items()}
 
 
 def start_handler(host, archive, rules, rqprc, *extra: str):

@@ -23,7 +23,7 @@ from rqp.storage.archive import (
     row_raw_bytes, row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
-from rqp.tools.replay import Replayer, TokenBucket, decide, load_rules, rules_from_data
+from rqp.tools.replay import Replayer, RetryLedger, TokenBucket, decide, load_rules, rules_from_data
 from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
 from tests.testbed import wait_for
 
@@ -392,8 +392,8 @@ def test_retries_are_counted_and_spaced_per_message_across_restarts(tmp_path):
     replayer, lines = run(0, send)
     assert send.calls == [(Q1, b"again and again", 0x11)] and not archive_files(archive)
     assert lines[0].startswith("replayed") and lines[0].endswith("[rules[0]]: retry 1 of 2")
-    ledger = json.loads((archive / ".state" / "replay-ledger.json").read_text())
-    assert ledger["messages"]["0x0000000000000011"]["retries"] == 1
+    ledger = RetryLedger(archive, writable=False)
+    assert ledger.entries["0x0000000000000011"].retries == 1
 
     def dead_lettered_again(age: float) -> None:  # what the drain archives when it comes back
         write_archive(archive, [row(ReasonCode.NO_ROUTE, key=0x11, payload=b"again and again",
@@ -413,6 +413,33 @@ def test_retries_are_counted_and_spaced_per_message_across_restarts(tmp_path):
     assert lines[0].startswith("kept") and "its retries are used up (2 of 2, the last at " \
         "2023-11-14T22:13:50" in lines[0]
     assert len(list(read_archive(archive))) == 1
+
+
+def test_the_ledger_survives_a_cut_line_and_compacts_itself(tmp_path, monkeypatch):
+    archive = tmp_path / "archive"
+    one, two = row(key=0x41), row(key=0x42)
+    ledger = RetryLedger(archive)
+    ledger.note(one, NOW, retry=True)
+    ledger.note(two, NOW, retry=False)
+    path = archive / ".state" / RetryLedger.NAME
+    with open(path, "ab") as f:  # a crash in the middle of the next line
+        f.write(b'{"message":"0x0000000000000041","retries":2,"la')
+    ledger = RetryLedger(archive)
+    assert (ledger.get(one).retries, ledger.get(one).last_ns) == (1, NOW)
+    assert (ledger.get(two).resent, ledger.get(two).retries) == (1, 0)
+    ledger.note(one, NOW + 5, retry=True)
+    assert RetryLedger(archive).get(one).retries == 2  # appended after the cut line
+    monkeypatch.setattr(RetryLedger, "SLACK", 1)
+    for i in range(3):
+        ledger.note(two, NOW + i, retry=True)
+    assert len(path.read_bytes().splitlines()) == 7
+    old = row(key=0x43)
+    ledger.note(old, NOW - (RetryLedger.KEEP_DAYS + 1) * 86400 * 10**9, retry=True)
+    ledger = RetryLedger(archive, now_ns=NOW)  # 8 lines > 2 x 3 entries + 1: compacted
+    assert len(path.read_bytes().splitlines()) == 2  # one line each; the old entry dropped
+    assert (ledger.get(one).retries, ledger.get(two).retries, ledger.get(old).retries) == \
+        (2, 3, 0)
+    assert RetryLedger(archive, writable=False).entries == ledger.entries
 
 
 def test_used_up_retries_then_forward_the_dead_letter_itself(tmp_path):

@@ -92,10 +92,10 @@ from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.storage.archive import (
-    MALFORMED, STATE, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
+    MALFORMED, STATE, SUFFIX, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
     iso_utc, lock_file, read_archive_file, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
-from rqp.system.files import write_file_atomically
+from rqp.system.files import fsync_dir, write_file_atomically
 from rqp.system.queues import format_key
 
 __all__ = [
@@ -442,36 +442,59 @@ def message_identity(row: Mapping) -> str:
 
 
 class RetryLedger:
-    """``{archive}/.state/replay-ledger.json``: per message (:func:`message_identity`), how
+    """``{archive}/.state/replay-ledger.jsonl``: per message (:func:`message_identity`), how
     often and when it was put back, so that ``retries`` and ``interval`` hold across runs,
-    restarts and ``kill -9``. An attempt is written (atomically, fsynced) BEFORE the message
-    is put back: a kill in between costs the message one retry, never gives it one more than
-    the rule allows. Entries not touched for :data:`KEEP_DAYS` days are dropped (a message
-    dead-lettered again after that counts from zero)."""
+    restarts and ``kill -9``.
 
-    NAME = "replay-ledger.json"
+    One JSON line per change, the message's entry as it now is (``{"message": "0x...",
+    "retries": 2, "last_ns": ..., "resent": 0, "resent_ns": 0}``; the last line of a message
+    wins), appended and fsynced BEFORE the message is put back: a kill in between costs the
+    message one retry, never gives it one more than the rule allows. Appending keeps a retry's
+    cost the same however many messages the ledger knows; a line a crash cut short is ignored
+    (its message was not put back). Read at every round; a writer (who holds the replay lock)
+    compacts it when it has more than twice the lines it needs: the entries touched within
+    :data:`KEEP_DAYS` days, written to a new file, fsynced and renamed over it (a message
+    dead-lettered again after that long counts from zero)."""
+
+    NAME = "replay-ledger.jsonl"
     KEEP_DAYS = 30
+    #: Lines beyond twice the entries before a compaction.
+    SLACK = 1000
 
-    def __init__(self, archive: str | os.PathLike, *, writable: bool = True) -> None:
+    def __init__(self, archive: str | os.PathLike, *, writable: bool = True,
+                 now_ns: int | None = None) -> None:
         self.path = Path(archive) / STATE / self.NAME
         self.writable = writable
         self.entries: dict[str, LedgerEntry] = {}
         try:
-            data = json.loads(self.path.read_text())
-            for name, fields in data["messages"].items():
-                self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
+            data = self.path.read_bytes()
         except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ArchiveError(f"{self.path}: unreadable replay ledger: {exc} (move it away "
-                               "to start counting retries afresh)") from None
+            data = b""
+        except OSError as exc:
+            raise ArchiveError(f"{self.path}: cannot read the replay ledger: "
+                               f"{exc.strerror or exc}") from None
+        lines = 0
+        for line in data.split(b"\n"):
+            if not line.strip():
+                continue
+            lines += 1
+            try:
+                fields = json.loads(line)
+                name = fields.pop("message")
+                self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # cut short by a crash: its message was not put back
+        self._torn = bool(data) and not data.endswith(b"\n")
+        if writable and lines > 2 * len(self.entries) + self.SLACK:
+            self._compact(time.time_ns() if now_ns is None else now_ns)
 
     def get(self, row: Mapping) -> LedgerEntry:
         return self.entries.get(message_identity(row)) or LedgerEntry()
 
     def note(self, row: Mapping, now_ns: int, *, retry: bool) -> LedgerEntry:
         """Count one retry (or one forward/resubmit) of the row's message, durably."""
-        entry = self.entries.setdefault(message_identity(row), LedgerEntry())
+        name = message_identity(row)
+        entry = self.entries.setdefault(name, LedgerEntry())
         if retry:
             entry.retries += 1
             entry.last_ns = now_ns
@@ -479,18 +502,34 @@ class RetryLedger:
             entry.resent += 1
             entry.resent_ns = now_ns
         if self.writable:
-            self._write(now_ns)
+            self._append(name, entry)
         return entry
 
-    def _write(self, now_ns: int) -> None:
+    @staticmethod
+    def _line(name: str, entry: LedgerEntry) -> bytes:
+        return (json.dumps({"message": name, **dataclasses.asdict(entry)},
+                           separators=(",", ":")) + "\n").encode()
+
+    def _append(self, name: str, entry: LedgerEntry) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (b"\n" if self._torn else b"") + self._line(name, entry))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._torn = False
+        if new:
+            fsync_dir(self.path.parent)
+
+    def _compact(self, now_ns: int) -> None:
         horizon = now_ns - self.KEEP_DAYS * 86400 * 10**9
         self.entries = {name: e for name, e in self.entries.items()
                         if max(e.last_ns, e.resent_ns) >= horizon}
-        data = {"version": 1, "messages": {name: dataclasses.asdict(e)
-                                           for name, e in self.entries.items()}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(self.path, (json.dumps(data, separators=(",", ":")) + "\n")
-                              .encode())
+        write_file_atomically(self.path, b"".join(self._line(name, e)
+                                                  for name, e in self.entries.items()))
+        self._torn = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -610,6 +649,11 @@ class TokenBucket:
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
         self.last = now
+
+    def wait_time(self) -> float:
+        """Seconds until the next take would return."""
+        self._refill()
+        return max(0.0, (1.0 - self.tokens) / self.rate)
 
     def take(self) -> None:
         self._refill()
@@ -733,13 +777,16 @@ class Replayer:
     def run_round(self) -> collections.Counter:
         """Every row once (the lock held by the caller); ``counts`` are this round's. The
         ledger is read again: a resubmit may have run between two rounds."""
-        self.ledger = RetryLedger(self.archive, writable=not self.dry_run)
         self.now_ns = self.clock()
+        self.ledger = RetryLedger(self.archive, writable=not self.dry_run, now_ns=self.now_ns)
         self.counts = collections.Counter()
         self._seen = {}
         self.paused = False
         self.next_due_ns = None
         self._run()
+        if self.follow and not self.paused and not self.stop.is_set():  # what is still there
+            self._told = {key: verb for key, verb in self._told.items()
+                          if key in self._seen or key.endswith(SUFFIX)}
         return self.counts
 
     def _run(self) -> None:
@@ -868,9 +915,10 @@ class Replayer:
             self.counts["replayed" if action == "retry" else "forwarded"] += 1
             self._say(would, row, decision, note)
             return
-        self.bucket.take()
         if action == "retry":  # counted before it is sent: never one retry more than allowed
-            self.ledger.note(row, self.clock(), retry=True)
+            at = self.clock() + int(self.bucket.wait_time() * 1e9)  # (when take lets it go)
+            self.ledger.note(row, at, retry=True)
+        self.bucket.take()  # (after the fsync of the note: the rate holds for the sends)
         try:
             self.send(queue_key, payload, replay_key, mtype=mtype, priority=priority)
         except RQPError as exc:
@@ -1031,8 +1079,12 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
     counts: collections.Counter = collections.Counter()
     say = Replayer(archive, [], dry_run=True, config=config, out=out)._queue
     payloads: dict[str, bytes] = {}
+    handled: set[str] = set()  # (two prefixes of one id: it is sent once)
     for given, places in find_rows(archive, ids).items():
         row = places[0][2]
+        if row["id"] in handled:
+            continue
+        handled.add(row["id"])
         try:
             payload = replay_payload(row, archive)
             payloads[given] = edit(row, payload) if edit is not None else payload
