@@ -23,7 +23,10 @@ from rqp.storage.archive import (
     row_raw_bytes, row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
-from rqp.tools.replay import Replayer, RetryLedger, TokenBucket, decide, load_rules, rules_from_data
+from rqp.tools.replay import (
+    Follower, NotConfirmed, Replayer, RetryLedger, TokenBucket, decide, load_rules,
+    rules_from_data,
+)
 from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
 from tests.testbed import wait_for
 
@@ -299,6 +302,20 @@ def test_retry_without_an_rqprc_is_refused_before_anything_is_touched(tmp_path, 
     assert sorted(p.name for p in archive.rglob("*")) == before
 
 
+def test_bad_command_lines_name_what_is_wrong(tmp_path, capsys):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row()])
+    rules = rules_file(tmp_path, "rules:\n  - action: discard\n")
+    base = ["dlq", "replay", "--archive", str(archive), "--rules", str(rules)]
+    assert ctl.main([*base, "--poll", "1"]) == 2
+    assert "rqpctl: --poll is for --follow" in capsys.readouterr().err
+    assert ctl.main(["dlq", "show", "abcdef", "--archive", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such directory (--archive)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ctl.main([*base, "--follow", "--poll", "0"])
+    assert "--poll: expected a number of seconds > 0, got '0'" in capsys.readouterr().err
+
+
 def test_duplicates_held_batches_and_the_limit(tmp_path):
     archive = tmp_path / "archive"
     same = row(key=0x11, payload=b"twice")
@@ -487,6 +504,56 @@ def test_forward_header_no_discard_and_ignore(tmp_path):
     assert "a MALFORMED record is not a dead-letter record: it cannot be forwarded with " \
         "header: yes" in lines[-1]
     assert DeadLetterRecord.from_bytes(send.calls[-1][1]) == row_to_record(ignored)
+
+
+def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
+    """The waits between rounds (given to an injected wait, so no real time passes): from 0.1 s
+    doubling to --poll while nothing happens; cut short by a retry falling due or a new
+    archive file; a sending MCA that takes nothing pauses for --poll."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x61, payload=b"retried")])
+    now = [NOW]
+    rules = rules_from_data({"rules": [{"action": "retry", "interval": "3s"}]})
+    send = FakeSend(archive)
+    lines: list[str] = []
+    replayer = Replayer(archive, rules, send=send, out=lines.append, clock=lambda: now[0],
+                        follow=True)
+    waits: list[float] = []
+    script: list = []  # what happens during each wait
+
+    def wait(seconds: float) -> bool:
+        waits.append(round(seconds, 3))
+        now[0] += int(seconds * 1e9)
+        if script:
+            script.pop(0)()
+        return replayer.stop.is_set()
+
+    follower = Follower(replayer, poll=0.4, out=lines.append, wait=wait)
+
+    def dead_lettered_again():  # comes back: waits for its interval (3 s after the retry)
+        write_archive(archive, [row(key=0x61, payload=b"retried", age=-1)])
+
+    def refused():
+        send.fail = {b"retried"}
+        def sending_mca_gone(*args, **kw):
+            raise NotConfirmed("no sending MCA took it")
+        replayer.send = sending_mca_gone
+
+    idle = [lambda: None] * 3
+    script += [*idle, dead_lettered_again,  # a new file: round 2 (it waits for its interval)
+               *idle, *idle[:2], refused,  # the retry falls due: round 3, refused: paused
+               replayer.stop.set]
+    follower.run()
+    assert send.calls == [(Q1, b"retried", 0x61)] and follower.rounds == 3
+    assert waits[:4] == [0.1, 0.2, 0.4, 0.4]  # idle: doubling up to --poll
+    assert waits[4:10] == [0.1, 0.2, 0.4, 0.4, 0.4, 0.4]  # and cut short when it falls due:
+    assert sum(waits[:10]) == pytest.approx(3.0)  # 3 s after the first retry
+    assert waits[10:] == [0.4]  # paused
+    assert any(line.startswith("waiting") for line in lines)
+    assert "paused         the sending MCA is not taking records: trying again in 0.4s" in \
+        lines
+    assert follower.summary() == \
+        "replayed 1, forwarded 0, discarded 0, kept 0, failed 1 (stopped by a signal)"
 
 
 # --------------------------------------------------------------------------------------------

@@ -981,13 +981,15 @@ class Follower:
 
     def __init__(self, replayer: Replayer, *, drain: Callable[[], None] | None = None,
                  pending: Callable[[], bool] | None = None, poll: float = DEFAULT_POLL,
-                 out: Callable[[str], None] = print) -> None:
+                 out: Callable[[str], None] = print,
+                 wait: Callable[[float], bool] | None = None) -> None:
         self.replayer = replayer
         self.drain = drain
         self.pending = pending
         self.poll = max(poll, MIN_POLL)
         self.out = out
         self.stop = replayer.stop
+        self.wait = wait or self.stop.wait  # (True: stopped)
         self.totals: collections.Counter = collections.Counter()
         self.rounds = 0
 
@@ -1035,7 +1037,7 @@ class Follower:
 
     def _wait(self) -> None:
         if self.replayer.paused:
-            self.stop.wait(self.poll)
+            self.wait(self.poll)
             return
         seen = self._signature()
         delay = MIN_POLL
@@ -1044,7 +1046,7 @@ class Follower:
             due = self.replayer.next_due_ns
             if due is not None:
                 timeout = min(timeout, max(0.0, (due - self.replayer.clock()) / 1e9))
-            if self.stop.wait(timeout):
+            if self.wait(timeout):
                 return
             if due is not None and self.replayer.clock() >= due:
                 return
