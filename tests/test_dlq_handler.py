@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 import re
 import signal
 import sys
@@ -232,6 +233,13 @@ def test_follow_under_kill_9_loses_nothing(testbed):
     assert a.stop(again, timeout=20) == 0
     got = receive(b, Q1, 151, timeout=2)
     assert sorted(got) == sorted(f"m{i}" for i in range(150))  # each one, once
+    # once, not following: --drain moves DEAD.LETTER.Q into the archive first
+    put_dead_letters(a, [dead_letter(ReasonCode.NO_ROUTE, 0x1700_0000_0000_1000, b"late")])
+    once = a.run([*CTL, "replay", "--drain", "--archive", str(archive), "--rules",
+                  str(a.workdir / "rules.yaml"), "--rqprc", str(rqprc)], timeout=60)
+    assert once.stdout.startswith("drained 1 record(s) into ") and \
+        once.stdout.splitlines()[-1] == "replayed 1, forwarded 0, discarded 0, kept 0, failed 0"
+    assert receive(b, Q1, 1) == ["late"] and not rows(archive) and depth(a, DLQ) == 0
     assert sum(e["retries"] for e in ledger(archive).values()) >= 150
     # the kill came between confirmations and the archive's rewrite (at most 5 s apart): those
     # rows were sent again, with their keys, and not put twice
@@ -264,12 +272,15 @@ def test_show_and_resubmit_with_an_edit(testbed):
     [path] = archive_files(archive)
 
     def ctl(*args: str, editor: str | None = None, check: bool = False):
-        env = {k: v for k, v in __import__("os").environ.items() if k not in ("VISUAL", "EDITOR")}
+        env = {k: v for k, v in os.environ.items() if k not in ("VISUAL", "EDITOR")}
         if editor is not None:
             env["EDITOR"] = editor
         return a.run([*CTL, *args, "--archive", str(archive)], env=env, check=check,
                      timeout=60)
 
+    listed = ctl("list", check=True).stdout.splitlines()
+    assert listed[0].startswith("ID            TIMESTAMP") and \
+        listed[1].startswith(typo["id"][:12] + "  ")
     # show: every field, where it is, the payload as a hex dump
     shown = ctl("show", typo["id"][:8], check=True).stdout
     assert f"file               {path} (row 1 of 3)" in shown

@@ -924,6 +924,9 @@ class Replayer:
         except RQPError as exc:
             self._seen[row_id] = False
             self.counts["failed"] += 1
+            if isinstance(exc, MessageTooBig) and decision.header:
+                exc = RQPError(f"{exc}; the record with its header is {len(payload)} bytes: "
+                               "forward it with header: no")
             if isinstance(exc, NotConfirmed) and self.follow:
                 self._told.pop(row_id, None)  # (said again when it fails again)
                 self.paused = True
