@@ -39,10 +39,12 @@ import zlib
 from pathlib import Path
 
 import pytest
+import yaml
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
 from rqp.report import analysis, generate, job
+from rqp.report import html as report_html
 from rqp.report.schema import ARCHIVE_FIELDS, ARCHIVE_SCHEMA, ArchiveSchemaError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,6 +491,104 @@ def test_job_file_runs_as_a_script():
 
 
 # --------------------------------------------------------------------------------------------
+# Dated runs and trends (issue 16): --reports DIR --keep N, --previous DIR
+# --------------------------------------------------------------------------------------------
+
+def burst_line(n: int) -> str:
+    """A QUEUE_FULL dead letter on the new queue 0x5005, dead-lettered by hostb's receiver
+    from a sender on the same machine (127.0.0.1: hostb itself)."""
+    return json.dumps(D(f"b{n:02d}", f"11:{n:02d}:00", "hostb", "receiver", "QUEUE_FULL",
+                        0x5005, "BURST.Q", "SURE", 10, "127.0.0.1", "", "burst"))
+
+
+def run_job(*argv: str) -> str:
+    import contextlib
+    import io
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = job.main(list(argv))
+    assert status == 0, stderr.getvalue()
+    return stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def dated(archive, tmp_path_factory):
+    """Three runs into one --reports directory, keeping 2: the first over d01..d06 only, the
+    second and third over everything plus a burst of 30 dead letters on a new queue."""
+    base = tmp_path_factory.mktemp("dated")
+    early, burst = base / "early", base / "burst"
+    early.mkdir()
+    burst.mkdir()
+    shutil.copy(archive / "dlq-0001.jsonl.gz", early)
+    _write_gz(burst / "dlq-burst.jsonl.gz", [burst_line(n) for n in range(30)])
+    reports = base / "reports"
+    outs = [run_job("--input", str(early), "--reports", str(reports), "--keep", "2",
+                    "--no-store")]
+    for _ in range(2):
+        outs.append(run_job("--input", str(archive), str(burst), "--reports", str(reports),
+                            "--keep", "2", "--no-store"))
+    return reports, outs
+
+
+def test_reports_keep_dated_runs_compare_and_point_latest(dated):
+    reports, outs = dated
+    runs = sorted((p for p in reports.iterdir() if p.name != "latest" and
+                   not p.name.startswith(".")), key=lambda p: p.name)
+    assert len(runs) == 2  # --keep 2: the first run is gone
+    second, third = runs
+    assert (reports / "latest").is_symlink() and (reports / "latest").resolve() == third
+    assert "compared with nothing (the first run)" in outs[0]
+    assert f"compared with {second}" in outs[2] and "deleted 1 older run(s)" in outs[2]
+    later = json.loads((third / "summary.json").read_text())
+    assert later["trends"]["previous"]["output"] == str(second)
+    assert later["trends"]["new_reasons"] == [] and later["trends"]["queues_jumped"] == []
+
+    trends = json.loads((second / "summary.json").read_text())["trends"]
+    assert trends["previous"]["dead_letters"] == 6 and trends["dead_letters"]["count"] == 42
+    assert [r["reason"] for r in trends["new_reasons"]] == [
+        "MESSAGE_TOO_BIG", "NO_QUEUE_KEY", "RETRY_BUDGET_EXHAUSTED"]
+    # the burst: 30 over 2.75 h (09:05:00.123 .. 11:50), a new queue
+    assert [(q["queue_key_hex"], q["queue_name"], q["count"], q["previous_count"])
+            for q in trends["queues_jumped"]] == [("0x00005005", "BURST.Q", 30, 0)]
+    assert trends["queues_jumped"][0]["rate_per_hour"] == pytest.approx(30 / 2.7497, rel=1e-3)
+    # hostb received 4 of 6 then, 38 of 42 now; and is the burst's source (127.0.0.1 there)
+    assert [(h["host"], h["role"], h["count"], h["previous_count"])
+            for h in trends["growing_hosts"]] == [("hostb", "destination", 38, 4),
+                                                  ("hostb", "source", 30, 0)]
+    assert "127.0.0.1" not in (second / "report.html").read_text()
+
+
+def test_previous_names_an_earlier_output_and_must_be_a_finished_one(dated, archive, tmp_path,
+                                                                    capsys):
+    reports, _ = dated
+    second = sorted(p for p in reports.iterdir() if p.name[0].isdigit())[0]
+    early = tmp_path / "early"
+    early.mkdir()
+    shutil.copy(archive / "dlq-0001.jsonl.gz", early)
+    run_job("--input", str(early), "--output", str(tmp_path / "out"), "--previous",
+            str(second), "--no-store")
+    trends = json.loads((tmp_path / "out" / "summary.json").read_text())["trends"]
+    assert trends["previous"]["output"] == str(second) and trends["previous"]["partial"] is False
+    assert trends["new_reasons"] == [] and trends["dead_letters"]["count"] == 6
+    status = job.main(["--input", str(early), "--output", str(tmp_path / "out2"), "--previous",
+                       str(tmp_path / "nowhere"), "--no-store"])
+    assert status == 2 and "is not a finished report's summary" in capsys.readouterr().err
+    assert not (tmp_path / "out2" / "summary.json").exists()
+    with pytest.raises(SystemExit):
+        job.parse_args(["--input", str(early), "--output", str(tmp_path), "--keep", "3"])
+    with pytest.raises(SystemExit):
+        job.parse_args(["--input", str(early), "--reports", "hdfs://nn/reports"])
+
+
+def test_trends_in_a_real_browser(dated, tmp_path):
+    reports, _ = dated
+    second = sorted(p for p in reports.iterdir() if p.name[0].isdigit())[0]
+    dom = _dump_dom((second / "report.html").resolve().as_uri(), tmp_path / "profile")
+    assert dom.bars["chart-queues-jumped"] == 1 and dom.bars["chart-hosts-growing"] == 2
+    assert "BURST.Q" in dom.text and "trends-previous" in dom.ids
+
+
+# --------------------------------------------------------------------------------------------
 # The HTML page in a real browser
 # --------------------------------------------------------------------------------------------
 
@@ -511,34 +611,86 @@ class _Dom(html.parser.HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.svg: str | None = None
+        self.table: str | None = None
         self.bars: collections.Counter = collections.Counter()
         self.series: dict[str, list[str]] = collections.defaultdict(list)
         self.ids: dict[str, str] = {}
         self.tags: collections.Counter = collections.Counter()
+        self.attrs: dict[str, dict] = {}  # of the first html, form and svg#chart-timeline
+        #: every element with a data-f: where (svg or table id), its dimensions, hidden or not
+        self.filtered: list[dict] = []
+        #: the timeline's bars: (series reason, hidden series, y, height)
+        self.timeline: list[tuple[str, bool, float, float]] = []
+        self.rules: dict[str, str] = {}  # div.rule id -> the text of its pre elements
+        self.script = ""
+        self.text = ""  # the whole DOM
         self._text_of: str | None = None
+        self._series: tuple[str, bool] | None = None
+        self._rule: str | None = None
+        self._in: str | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        classes = (a.get("class") or "").split()
         self.tags[tag] += 1
+        self._in = tag
+        if tag in ("html", "form") or a.get("id") == "chart-timeline":
+            self.attrs.setdefault(a.get("id") or tag, a)
         if tag == "svg":
             self.svg = a.get("id")
-        if self.svg and tag == "rect" and "bar" in (a.get("class") or "").split():
+        if tag == "table":
+            self.table = a.get("id")
+        if "data-f" in a:
+            self.filtered.append({"in": self.svg or self.table, "tag": tag, "id": a.get("id"),
+                                  "f": json.loads(a["data-f"]), "off": "off" in classes,
+                                  "class": classes, "count": a.get("data-count")})
+        if self.svg and tag == "rect" and "bar" in classes:
             self.bars[self.svg] += 1
-        if self.svg and tag == "g" and a.get("class") == "series":
-            self.series[self.svg].append(a.get("data-reason"))
-        if "id" in a and tag in ("dd", "p"):
+            if self.svg == "chart-timeline":
+                self.timeline.append((*self._series, float(a["y"]), float(a["height"])))
+        if self.svg and tag == "g" and "series" in classes:
+            self._series = (a.get("data-reason"), "off" in classes)
+            if classes == ["series"]:
+                self.series[self.svg].append(a.get("data-reason"))
+        if tag == "div" and "rule" in classes:
+            self._rule = a["id"]
+            self.rules[self._rule] = ""
+        if "id" in a and tag in ("dd", "p", "span"):
             self._text_of = a["id"]
             self.ids[a["id"]] = ""
 
     def handle_endtag(self, tag):
+        self._in = None
         if tag == "svg":
             self.svg = None
-        if tag in ("dd", "p"):
+        if tag == "table":
+            self.table = None
+        if tag == "div":
+            self._rule = None
+        if tag in ("dd", "p", "span"):
             self._text_of = None
 
     def handle_data(self, data):
         if self._text_of:
             self.ids[self._text_of] += data
+        if self._rule and self._in == "pre":
+            self.rules[self._rule] += data
+        if self._in == "script":
+            self.script += data
+
+    def shown(self, where: str) -> list[dict]:
+        return [e for e in self.filtered if e["in"] == where and not e["off"]]
+
+
+def _dump_dom(page: str, profile: Path, *flags: str) -> _Dom:
+    """The DOM of ``page`` after its scripts ran (or not, with the flags to turn them off)."""
+    dom = subprocess.run([_chromium(), *CHROMIUM_FLAGS, *flags, f"--user-data-dir={profile}",
+                          "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = _Dom()
+    parsed.feed(dom.stdout)
+    parsed.text = dom.stdout
+    return parsed
 
 
 def _png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
@@ -602,11 +754,7 @@ def test_report_html_renders_in_a_real_browser(report, tmp_path):
     out, _, _ = report
     page = (out / "report.html").resolve().as_uri()
     profile = tmp_path / "profile"
-    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                          "--dump-dom", page], capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    parsed = _Dom()
-    parsed.feed(dom.stdout)
+    parsed = _dump_dom(page, profile)
     # over time: 7 reasons (series), 10 (hour, reason) bars
     assert parsed.series["chart-timeline"] == [
         "QUEUE_FULL", "UNKNOWN_QUEUE", "MESSAGE_TOO_BIG", "NOT_AUTHORIZED", "NO_QUEUE_KEY",
@@ -620,9 +768,27 @@ def test_report_html_renders_in_a_real_browser(report, tmp_path):
     assert parsed.ids["first-seen"] == "2025-03-03 09:05:00Z"
     assert "traffic" in parsed.ids["recoverable-evidence"]
     # the samples, the hostile preview shown as text: no script or b element came from it
-    assert "d00" in dom.stdout and "d08" in dom.stdout
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;b&gt;tie&lt;/b&gt; &amp; more" in dom.stdout
-    assert parsed.tags["script"] == 0 and parsed.tags["b"] == 0
+    assert "d00" in parsed.text and "d08" in parsed.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;b&gt;tie&lt;/b&gt; &amp; more" in parsed.text
+    assert parsed.tags["b"] == 0
+    # one script, the page's own: the Content-Security-Policy let it run (by its hash), and
+    # with nothing chosen it hid nothing
+    assert parsed.tags["script"] == 1 and parsed.script == report_html.SCRIPT
+    assert parsed.attrs["html"].get("data-filters") == "on"
+    assert "hidden" not in parsed.attrs["filters"]
+    assert not [e for e in parsed.filtered if e["off"]]
+    # each reason: a link to its sample (the sample row is that reason's) and a replay rule
+    reasons = [e for e in parsed.filtered if e["in"] == "table-reasons"]
+    samples = {e["id"]: e["f"]["reason"] for e in parsed.filtered if e["in"] == "table-samples"}
+    assert len(reasons) == 7
+    for row in reasons:
+        n = row["id"].removeprefix("reason-")
+        assert samples[f"sample-{n}"] == row["f"]["reason"]
+        assert f'href="#sample-{n}"' in parsed.text and f'href="#rule-{n}"' in parsed.text
+        rule = yaml.safe_load(parsed.rules[f"rule-{n}"].split("rqpctl")[0])
+        action = "discard" if row["f"]["reason"] in ("MESSAGE_TOO_BIG", "NO_QUEUE_KEY") \
+            else "retry"
+        assert rule == {"rules": [{"reason": row["f"]["reason"], "action": action}]}
 
     shot = tmp_path / "report.png"
     result = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
@@ -635,6 +801,56 @@ def test_report_html_renders_in_a_real_browser(report, tmp_path):
     assert len(colors) > 20, "the screenshot is (nearly) one colour"
     background, n = colors.most_common(1)[0]
     assert n < 0.97 * len(pixels), "the screenshot is (nearly) blank"
+
+
+#: The dead letters hostc has a part in (dead-lettered there, sent from or to it): d00, d03,
+#: d05 (from hostc), d06, d08 (dead-lettered on hostc).
+HOSTC = 5
+
+
+def test_report_filters_in_a_real_browser(report, tmp_path):
+    """Issue 16: no way to narrow the page to one host or queue. Chosen through the address
+    (as a reader's link would), the filters hide the other hosts' rows and bars."""
+    out, _, _ = report
+    page = (out / "report.html").resolve().as_uri()
+    dom = _dump_dom(f"{page}#host=hostc", tmp_path / "profile")
+    assert dom.attrs["html"].get("data-filters") == "on"
+    for where in ("table-breakdown", "table-samples", "chart-source-hosts",
+                  "chart-destination-hosts"):
+        shown = dom.shown(where)
+        assert shown and all("hostc" in e["f"]["host"] for e in shown), where
+        hidden = [e for e in dom.filtered if e["in"] == where and e["off"]]
+        assert hidden and not [e for e in hidden if "hostc" in e["f"]["host"]], where
+    assert [e["f"]["host"] for e in dom.shown("chart-source-hosts")] == [["hostc"]]
+    assert sum(int(e["count"]) for e in dom.shown("table-breakdown")) == HOSTC
+    assert dom.ids["filter-count"] == f"{HOSTC} of 12 dead letters in the breakdown match"
+    # tables without a host (the reasons) are not narrowed by it
+    assert len(dom.shown("table-reasons")) == 7
+
+    # a reason and a host: the timeline keeps that reason's series, stacked from the axis
+    dom = _dump_dom(f"{page}#reason=UNKNOWN_QUEUE&host=hostc", tmp_path / "profile")
+    assert dom.ids["filter-count"] == "2 of 12 dead letters in the breakdown match"  # d00, d03
+    assert [e["f"]["reason"] for e in dom.shown("chart-timeline") if e["tag"] == "g"] == [
+        "UNKNOWN_QUEUE"]
+    y0 = float(dom.attrs["chart-timeline"]["data-y0"])
+    bars = [(y, h) for reason, off, y, h in dom.timeline if not off]
+    assert len(bars) == 2 and all(abs(y + h - y0) < 0.01 for y, h in bars)
+    assert [e["f"]["reason"] for e in dom.shown("table-reasons")] == ["UNKNOWN_QUEUE"]
+    assert [e["id"] for e in dom.filtered if e["tag"] == "div" and not e["off"]] == [
+        dom.shown("table-reasons")[0]["id"].replace("reason", "rule")]  # its rule alone
+
+    # Without its script (here: the policy names another hash, so the browser refuses to run
+    # it, which also shows the policy is enforced) the page shows everything, no controls.
+    # (Chromium's --dump-dom needs scripts itself: they cannot simply be turned off.)
+    refused = tmp_path / "refused.html"
+    text = (out / "report.html").read_text()
+    assert text.count(report_html.SCRIPT_HASH) == 1
+    refused.write_text(text.replace(report_html.SCRIPT_HASH, "sha256-" + "A" * 43 + "="))
+    dom = _dump_dom(f"{refused.as_uri()}#host=hostc", tmp_path / "profile")
+    assert "data-filters" not in dom.attrs["html"] and "hidden" in dom.attrs["filters"]
+    assert not [e for e in dom.filtered if e["off"] and "tail" not in e["class"]]
+    assert len(dom.shown("table-breakdown")) == len(
+        [e for e in dom.filtered if e["in"] == "table-breakdown"]) > HOSTC
 
 
 # --------------------------------------------------------------------------------------------
