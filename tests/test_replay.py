@@ -556,6 +556,40 @@ def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
         "replayed 1, forwarded 0, discarded 0, kept 0, failed 1 (stopped by a signal)"
 
 
+def test_follow_drains_when_the_queue_holds_records_and_retries_a_failed_drain_slowly(
+        tmp_path):
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    replayer = Replayer(archive, [], out=print, follow=True)
+    queue = [0]  # records on DEAD.LETTER.Q
+    drains: list[int] = []  # the wait count at each drain
+    waits: list[float] = []
+
+    def drain() -> bool:
+        drains.append(len(waits))
+        if len(drains) == 1:
+            write_archive(archive, [row(payload=b"drained")])
+            queue[0] = 0
+            return True
+        return False  # another drain holds the lock: the records stay
+
+    def wait(seconds: float) -> bool:
+        waits.append(seconds)
+        if len(waits) == 2:
+            queue[0] = 1  # a dead letter arrives
+        if len(waits) == 6:
+            queue[0] = 2
+        if len(waits) == 16:
+            replayer.stop.set()
+        return replayer.stop.is_set()
+
+    Follower(replayer, drain=drain, pending=lambda: queue[0] > 0, poll=0.4, out=print,
+             wait=wait).run()
+    # drained at once when it arrived; the failing drain only every --poll (0.4 s)
+    assert drains[:2] == [2, 6] and drains[2:] == [9, 12, 15]
+    assert waits[6:9] == [0.1, 0.2, 0.4] and waits[9:12] == [0.1, 0.2, 0.4]
+
+
 # --------------------------------------------------------------------------------------------
 # For real: a sending MCA, a receiving MCA, and the fake receiver that shows keys
 

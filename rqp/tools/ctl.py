@@ -116,22 +116,28 @@ class _Drain:
             self.argv += ["--rqprc", str(config.source)]
         self.last_error = ""
 
+    def _once(self, error: str) -> None:
+        if error and error != self.last_error:  # said once, not every round
+            _say(error)
+        self.last_error = error
+
     def pending(self) -> bool:
         try:
             return LocalQueue.exists(self.queue) and LocalQueue.open(self.queue).depth > 0
-        except QueueError:
-            return False  # (the drain, run by the next poll's round, would say no better)
+        except QueueError as exc:  # (not readable: nothing the drain could do either)
+            self._once(f"drain failed   cannot look at {format_key(self.queue)}: {exc}")
+            return False
 
-    def __call__(self) -> None:
+    def __call__(self) -> bool:
         done = subprocess.run(self.argv, capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)
         for line in done.stdout.splitlines():
             if line and not line.startswith("drained 0 "):
                 _say(line)
         error = (done.stderr.strip().splitlines() or [""])[-1]
-        if done.returncode != 0 and error != self.last_error:  # said once, not every round
-            _say(f"drain failed   rqp-dlq-drain exited with {done.returncode}: {error}")
-        self.last_error = error if done.returncode != 0 else ""
+        self._once(f"drain failed   rqp-dlq-drain exited with {done.returncode}: {error}"
+                   if done.returncode != 0 else "")
+        return done.returncode == 0
 
 
 def _replay(args) -> int:

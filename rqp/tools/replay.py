@@ -976,13 +976,15 @@ class Follower:
     waits on what can bring work, checked at a poll interval that starts at
     :data:`MIN_POLL` and doubles up to ``poll`` while nothing happens: a file of the archive
     (or a drain state) changed, ``pending()``, or the earliest retry whose ``interval`` has
-    passed. A sending MCA that takes nothing pauses the rounds for ``poll`` seconds. Nothing is
+    passed. A drain that failed (``drain()`` returned False: another drain holds the lock, a
+    problem it has said) is tried again every ``poll`` seconds, not whenever ``pending()``.
+    A sending MCA that takes nothing pauses the rounds for ``poll`` seconds. Nothing is
     retried in a tight loop: a message waits its rule's interval between retries, whatever
     the rounds do. The replay lock is held for a round at a time (and the ledger read again
     for each), so that ``rqpctl dlq resubmit`` can run in between.
     """
 
-    def __init__(self, replayer: Replayer, *, drain: Callable[[], None] | None = None,
+    def __init__(self, replayer: Replayer, *, drain: Callable[[], bool | None] | None = None,
                  pending: Callable[[], bool] | None = None, poll: float = DEFAULT_POLL,
                  out: Callable[[str], None] = print,
                  wait: Callable[[float], bool] | None = None) -> None:
@@ -995,6 +997,7 @@ class Follower:
         self.wait = wait or self.stop.wait  # (True: stopped)
         self.totals: collections.Counter = collections.Counter()
         self.rounds = 0
+        self.drain_failed = False
 
     def summary(self) -> str:
         """What was done over all rounds; kept and failed as the last round left them."""
@@ -1003,8 +1006,9 @@ class Follower:
 
     def run(self) -> collections.Counter:
         while not self.stop.is_set():
-            if self.drain is not None and (self.pending is None or self.pending()):
-                self.drain()
+            if self.drain is not None:
+                pending = self.pending is None or self.pending()
+                self.drain_failed = pending and self.drain() is False
             with self.replayer.locked():
                 counts = self.replayer.run_round()
             self.rounds += 1
@@ -1053,7 +1057,8 @@ class Follower:
                 return
             if due is not None and self.replayer.clock() >= due:
                 return
-            if self.pending is not None and self.drain is not None and self.pending():
+            if self.pending is not None and self.drain is not None and (
+                    delay >= self.poll if self.drain_failed else self.pending()):
                 return
             if self._signature() != seen:
                 return
