@@ -322,8 +322,10 @@ def test_show_and_resubmit_with_an_edit(testbed):
     assert rows(archive) == []
     # the same dead letter resubmitted again keeps its key: the receiving MCA had put it
     [back] = archive_rows(archive, dead_letter(ReasonCode.NO_ROUTE, key + 2, b"as it was"))
-    assert "replay ledger      this message (key 0x1800000000000003) was forwarded or " \
-        "resubmitted 1 time(s)" in ctl("show", back["id"], check=True).stdout
+    assert re.search(r"^replay ledger      this message \(key 0x1800000000000003\) was "
+                     r"forwarded or resubmitted 1 time\(s\), the last at \S+: this dead letter "
+                     r"came after that \(a replay's\)$",
+                     ctl("show", back["id"], check=True).stdout, re.M)
     assert ctl(*send, back["id"], "--to", "0x52510002").returncode == 0
     wait_for(lambda: f"repeat of SURE message key={key + 2:#018x}" in
              b.output(receiver, "stderr"), timeout=20, message="no repeat recognised")

@@ -208,8 +208,10 @@ def _show(args) -> int:
         if entry.resent:
             done.append(f"forwarded or resubmitted {entry.resent} time(s), the last at "
                         f"{iso_utc(entry.resent_ns)}")
+        later = int(row.get("timestamp_ns", 0)) > max(entry.last_ns, entry.resent_ns)
         _say(f"{'replay ledger':<18} this message (key {row.get('message_key')}) was "
-             + "; ".join(done) + ": this row is a dead letter of a replay")
+             + "; ".join(done) + (": this dead letter came after that (a replay's)" if later
+                                  else ": this dead letter was there before"))
     payload = row_payload(row)
     where = ""
     if row.get("truncated"):
