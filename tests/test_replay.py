@@ -24,7 +24,7 @@ from rqp.storage.archive import (
 )
 from rqp.tools import ctl
 from rqp.tools.replay import (
-    Follower, NotConfirmed, Replayer, RetryLedger, TokenBucket, decide, load_rules,
+    Follower, NotConfirmed, Replayer, RetryLedger, TokenBucket, decide, load_rules, resubmit,
     rules_from_data,
 )
 from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
@@ -336,6 +336,29 @@ def test_duplicates_held_batches_and_the_limit(tmp_path):
     replayer, _ = replay(archive, RULES, FakeSend(archive), limit=3)
     assert replayer.acted == 3 and "stopped at --limit 3" in replayer.summary()
     assert len(archive_files(archive)) == 3
+
+
+def test_resubmit_leaves_rows_of_an_unfinished_drain_batch(tmp_path):
+    archive = tmp_path / "archive"
+    [path] = write_archive(archive, [row(key=0x71, payload=b"not yet taken off"),
+                                     row(key=0x72, payload=b"edit me")])
+    ids = [r["id"] for r in read_archive(archive)]
+    write_drain_state(archive, "drainer", DrainState((path.name,), 0x5251DEAD, False))
+    calls, lines = [], []
+
+    def send(queue_key, payload, replay_key, *, mtype, priority):
+        assert len(list(read_archive(archive))) == 2  # the rows leave once all are confirmed
+        calls.append((queue_key, payload, replay_key))
+
+    counts = resubmit(archive, [ids[0]], send, out=lines.append)
+    assert counts == {"failed": 1} and not calls and "run rqp-dlq-drain first" in lines[0]
+    write_drain_state(archive, "drainer", DrainState((path.name,), 0x5251DEAD, True))
+    counts = resubmit(archive, [ids[0][:6], ids[0], ids[1]], send, to=Q3, out=lines.append,
+                      edit=lambda r, p: p.replace(b"edit", b"edited"))
+    assert counts == {"resubmitted": 2} and calls == [
+        (Q3, b"not yet taken off".replace(b"edit", b"edited"), 0x71),
+        (Q3, b"edited me", 0x72)]  # once each, with their keys
+    assert not archive_files(archive)
 
 
 def test_the_rate_limit_is_a_lower_bound_on_the_time(tmp_path):

@@ -690,6 +690,20 @@ class _File:
         self.last_flush = time.monotonic()
 
 
+def held_files(archive: Path) -> set[str]:
+    """The files of a drain batch not finished: their records may still be on the queue, and
+    the drain recognises them by the ids in these files, so none of their rows may leave."""
+    held = set()
+    for state in all_drain_states(archive).values():
+        if state is not None and not state.done:
+            held.update(state.files)
+    return held
+
+
+HELD = "its drain batch is not finished (the record may still be on DEAD.LETTER.Q): run " \
+       "rqp-dlq-drain first"
+
+
 def replay_lock(archive: Path, wait: float = 0.0):
     """The lock every command that rewrites archive files holds (replay, resubmit): two
     rewrites of one file at once would lose one's removals. ``--follow`` holds it for a
@@ -790,10 +804,7 @@ class Replayer:
         return self.counts
 
     def _run(self) -> None:
-        held = set()  # files of a drain batch not finished: their records may still be queued
-        for state in all_drain_states(self.archive).values():
-            if state is not None and not state.done:
-                held.update(state.files)
+        held = held_files(self.archive)
         for path in archive_files(self.archive):
             if self._stopping():
                 break
@@ -880,8 +891,7 @@ class Replayer:
         if held:
             self._seen[row_id] = False
             self.counts["kept"] += 1
-            self._say("kept", row, decision, "its drain batch is not finished (the record may "
-                      "still be on DEAD.LETTER.Q): run rqp-dlq-drain first")
+            self._say("kept", row, decision, HELD)
             return
         if action == "discard":
             self._seen[row_id] = True
@@ -1111,11 +1121,14 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
             raise ArchiveError(f"{exc} (handled meanwhile by a replay?): nothing resubmitted") \
                 from None
         files: dict[Path, _File] = {}
+        held = held_files(archive)
         for given, payload in payloads.items():
             places = found[given]
             row = places[0][2]
             queue_key = int(row["queue_key"]) if to is None else to
             try:
+                if any(path.name in held for path, _, _ in places):
+                    raise ReplayRefused(HELD)
                 if not 0 < queue_key <= 0xFFFFFFFF:
                     raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
                                         "System V queue: give --to QUEUE")
