@@ -248,6 +248,32 @@ def test_follow_under_kill_9_loses_nothing(testbed):
     assert "repeat of SURE message key=0x17000000000000" in b.output(receiver, "stderr")
 
 
+def test_follow_pauses_while_no_sending_mca_runs(testbed):
+    """The handler never starts a sending MCA; while none serves the transmission queue it puts
+    nothing and counts no retry (a record put there would only wait), and goes on once one
+    runs."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    archive = a.workdir / "archive"
+    handler = start_handler(a, archive, "rules:\n  - action: retry\n    retries: 1\n", rqprc)
+    key = 0x1900_0000_0000_0001
+    put_dead_letters(a, [dead_letter(ReasonCode.NO_ROUTE, key, b"waits for a sender")])
+    wait_for(lambda: "paused" in a.output(handler), timeout=20, message="it did not pause")
+    assert re.search(r"^failed .* no sending MCA serves transmission queue 0x52510000: "
+                     r"nothing put$", a.output(handler), re.M)
+    assert ledger(archive) == {} and depth(a, 0x52510000) == 0 and len(rows(archive)) == 1
+    start_sender(a, rqprc)
+    assert receive(b, Q1, 1) == ["waits for a sender"]  # its one retry: not used up before
+    wait_for(lambda: not rows(archive), timeout=20, message="the row stayed")
+    assert ledger(archive)[f"{key:#018x}"]["retries"] == 1
+    assert a.stop(handler, timeout=20) == 0
+    out = a.output(handler)
+    assert out.count("paused ") == 1 and "resumed        the sending MCA takes records again" \
+        in out
+
+
 # --------------------------------------------------------------------------------------------
 # One-off repair: show and resubmit
 

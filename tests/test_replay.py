@@ -573,8 +573,8 @@ def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
     assert sum(waits[:10]) == pytest.approx(3.0)  # 3 s after the first retry
     assert waits[10:] == [0.4]  # paused
     assert any(line.startswith("waiting") for line in lines)
-    assert "paused         the sending MCA is not taking records: trying again in 0.4s" in \
-        lines
+    assert "paused         the sending MCA is not taking records: trying again every 0.4s" \
+        in lines
     assert follower.summary() == \
         "replayed 1, forwarded 0, discarded 0, kept 0, failed 1 (stopped by a signal)"
 

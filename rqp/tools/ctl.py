@@ -43,6 +43,7 @@ from rqp.storage.archive import (
 )
 from rqp.system.control import ControlError
 from rqp.system.queues import LocalQueue, format_key
+from rqp.system.service import sender_serving
 from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
@@ -67,6 +68,15 @@ class _LazyPutter:
         self.rqprc = rqprc
         self.start_sender = start_sender
         self.putter: TransmissionPutter | None = None
+
+    def ready(self) -> str | None:
+        """Why nothing should be put now, or None: with no sending MCA to start, one must
+        serve the transmission queue, or a record put there would only wait (and be counted
+        as a retry)."""
+        xmit = self.config.transmission_queue
+        if self.start_sender or sender_serving(xmit):
+            return None
+        return f"no sending MCA serves transmission queue {format_key(xmit)}: nothing put"
 
     def __call__(self, queue_key: int, payload: bytes, replay_key: int = 0, **extras) -> None:
         if self.putter is None:

@@ -717,7 +717,8 @@ class Replayer:
     """Applies rules to every row of an archive directory (see the module doc).
 
     ``send(queue_key, payload, replay_key)`` puts one message back and returns once it is
-    confirmed (a :class:`TransmissionPutter`); it is needed unless ``dry_run``. ``out`` gets
+    confirmed (a :class:`TransmissionPutter`); it is needed unless ``dry_run``. If it has a
+    ``ready()`` that gives a reason, nothing is put (nor a retry counted): as if not confirmed. ``out`` gets
     one line per record acted on (every record in a dry run) and the summary. ``clock``
     (Unix ns; default the wall clock, or ``now_ns`` if given) is what ``older_than`` and the
     retry ``interval`` are measured with. ``follow``: rounds for :class:`Follower` (a row's
@@ -925,11 +926,14 @@ class Replayer:
             self.counts["replayed" if action == "retry" else "forwarded"] += 1
             self._say(would, row, decision, note)
             return
-        if action == "retry":  # counted before it is sent: never one retry more than allowed
-            at = self.clock() + int(self.bucket.wait_time() * 1e9)  # (when take lets it go)
-            self.ledger.note(row, at, retry=True)
-        self.bucket.take()  # (after the fsync of the note: the rate holds for the sends)
         try:
+            ready = getattr(self.send, "ready", None)  # (a sending MCA to take it, at all?)
+            if ready is not None and (problem := ready()):
+                raise NotConfirmed(problem)
+            if action == "retry":  # counted before it is sent: never one retry too many
+                at = self.clock() + int(self.bucket.wait_time() * 1e9)  # (when take lets it go)
+                self.ledger.note(row, at, retry=True)
+            self.bucket.take()  # (after the fsync of the note: the rate holds for the sends)
             self.send(queue_key, payload, replay_key, mtype=mtype, priority=priority)
         except RQPError as exc:
             self._seen[row_id] = False
@@ -938,7 +942,6 @@ class Replayer:
                 exc = RQPError(f"{exc}; the record with its header is {len(payload)} bytes: "
                                "forward it with header: no")
             if isinstance(exc, NotConfirmed) and self.follow:
-                self._told.pop(row_id, None)  # (said again when it fails again)
                 self.paused = True
             self._say("failed", row, decision, str(exc))
             if isinstance(exc, NotConfirmed) and not self.follow:
@@ -1015,6 +1018,7 @@ class Follower:
                             stopped_by=self.replayer.stopped_by)
 
     def run(self) -> collections.Counter:
+        was_paused = False
         while not self.stop.is_set():
             if self.drain is not None:
                 pending = self.pending is None or self.pending()
@@ -1028,9 +1032,12 @@ class Follower:
                 self.totals[key] = counts[key]
             if self.replayer.stopped_by and not self.stop.is_set():
                 break  # --limit
-            if self.replayer.paused:
+            if self.replayer.paused and not was_paused:  # (said once, not every --poll)
                 self.out(f"paused         the sending MCA is not taking records: trying "
-                         f"again in {self.poll:g}s")
+                         f"again every {self.poll:g}s")
+            elif was_paused and not self.replayer.paused:
+                self.out("resumed        the sending MCA takes records again")
+            was_paused = self.replayer.paused
             self._wait()
         if self.stop.is_set():
             self.replayer.stopped_by = self.replayer.stopped_by or "stopped by a signal"
