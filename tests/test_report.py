@@ -570,6 +570,14 @@ def test_previous_names_an_earlier_output_and_must_be_a_finished_one(dated, arch
     trends = json.loads((tmp_path / "out" / "summary.json").read_text())["trends"]
     assert trends["previous"]["output"] == str(second) and trends["previous"]["partial"] is False
     assert trends["new_reasons"] == [] and trends["dead_letters"]["count"] == 6
+    # a previous run whose tables are gone: its summary's top lists, said to be partial
+    bare = tmp_path / "bare"
+    shutil.copytree(second, bare, ignore=shutil.ignore_patterns("parquet", ".lock"))
+    run_job("--input", str(early), "--output", str(tmp_path / "out3"), "--previous", str(bare),
+            "--no-store")
+    trends = json.loads((tmp_path / "out3" / "summary.json").read_text())["trends"]
+    assert trends["previous"]["partial"] is True and trends["previous"]["dead_letters"] == 42
+    assert "only its top lists" in (tmp_path / "out3" / "report.html").read_text()
     status = job.main(["--input", str(early), "--output", str(tmp_path / "out2"), "--previous",
                        str(tmp_path / "nowhere"), "--no-store"])
     assert status == 2 and "is not a finished report's summary" in capsys.readouterr().err
