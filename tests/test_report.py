@@ -847,6 +847,12 @@ def test_report_filters_in_a_real_browser(report, tmp_path):
     assert [e["id"] for e in dom.filtered if e["tag"] == "div" and not e["off"]] == [
         dom.shown("table-reasons")[0]["id"].replace("reason", "rule")]  # its rule alone
 
+    # a queue: its bar and rows only
+    dom = _dump_dom(f"{page}#queue=0x00004004", tmp_path / "profile")
+    assert [e["f"]["queue"] for e in dom.shown("chart-queues")] == ["0x00004004"]
+    assert {e["f"]["queue"] for e in dom.shown("table-breakdown")} == {"0x00004004"}
+    assert dom.ids["filter-count"] == "2 of 12 dead letters in the breakdown match"  # d06, d08
+
     # Without its script (here: the policy names another hash, so the browser refuses to run
     # it, which also shows the policy is enforced) the page shows everything, no controls.
     # (Chromium's --dump-dom needs scripts itself: they cannot simply be turned off.)
