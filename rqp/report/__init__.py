@@ -7,7 +7,10 @@
   options and the checks that need no Spark (the inputs, PySpark and Java installed);
 * :mod:`rqp.report.compute`: the job's Spark half: reads the archives, writes every table as
   Parquet and CSV, ``summary.json`` and ``report.html``;
-* :mod:`rqp.report.html`: the self-contained HTML page with inline SVG charts;
+* :mod:`rqp.report.html`: the self-contained HTML page with inline SVG charts and filters;
+* :mod:`rqp.report.rules`: the ready ``rqpctl dlq replay`` rule for each reason;
+* :mod:`rqp.report.trends`: what changed since the previous run (rates defined there);
+* :mod:`rqp.report.history`: dated runs under ``--reports DIR`` (latest link, pruning, locks);
 * :mod:`rqp.report.generate`: synthetic archives with realistic skew, for tests and benchmarks;
 * :mod:`rqp.tools.report_bench`: the job's time and records/s at 1, 2 and 5 million dead letters.
 
