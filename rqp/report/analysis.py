@@ -71,6 +71,7 @@ __all__ = [
     "UNKNOWN_HOST",
     "host_identity",
     "PERCENTILE_ACCURACY",
+    "dead_lettered_at",
     "normalize",
     "normalize_traffic",
     "counts_by",
@@ -120,6 +121,15 @@ def _to_timestamp(c: Column) -> Column:
     """An ISO-8601 string (``...Z``, any fraction of a second) or a timestamp, as a timestamp;
     null when unreadable (never an error)."""
     return F.try_to_timestamp(c.cast("string"))
+
+
+def dead_lettered_at() -> Column:
+    """When an archive row was dead-lettered, as a timestamp: ``timestamp_ns`` when it is there
+    (> 0), else the ISO string ``timestamp``."""
+    ns = F.col("timestamp_ns")
+    # Integer division: a double cannot hold nanoseconds since 1970 exactly.
+    return F.when(ns > 0, F.timestamp_micros(F.expr("timestamp_ns div 1000"))).otherwise(
+        _to_timestamp(F.col("timestamp")))
 
 
 def _hour_utc(ts: Column) -> Column:
@@ -173,12 +183,8 @@ def normalize(df: DataFrame) -> DataFrame:
     ``archived_by``, then the smallest row), so the result does not depend on file order. Rows
     without an id cannot be told apart: each is kept, with ``copies`` 1.
     """
-    ns = F.col("timestamp_ns")
-    # Integer division: a double cannot hold nanoseconds since 1970 exactly.
-    timestamp = F.when(ns > 0, F.timestamp_micros(F.expr("timestamp_ns div 1000"))).otherwise(
-        _to_timestamp(F.col("timestamp")))
     out = (
-        df.withColumn("timestamp", timestamp)
+        df.withColumn("timestamp", dead_lettered_at())
         .withColumn("archived_at", _to_timestamp(F.col("archived_at")))
         # rows without an id each get a key of their own ("\0" cannot start a hex id)
         .withColumn("_key", F.coalesce(F.col("id"), F.concat(

@@ -188,6 +188,7 @@ class Store:
                 files.write_text(self.spark, files.join(self.batches_dir, f"{batch}.json"),
                                  json.dumps(record, indent=1) + "\n")
                 committed[batch] = record
+                _crash_point("commit")
         return Compaction(store=self.path, batch=batch, new_files=len(new), new_lines=new_lines,
                           files=len(taken) + len(new), batches=len(committed),
                           removed_uncommitted=removed, seconds=time.monotonic() - started)

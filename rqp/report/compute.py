@@ -13,30 +13,32 @@ import json
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from pyspark import SparkConf, SparkContext, StorageLevel
 from pyspark.errors import AnalysisException, PySparkRuntimeError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from rqp.report import analysis
+from rqp.report import analysis, columnar
 from rqp.report import html as report_html
-from rqp.report.common import PROG, ReportError, local_path
+from rqp.report import rules, trends
+from rqp.report.common import PROG, ReportError
 from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
     READABLE_SCHEMAS,
     ArchiveSchemaError,
 )
-from rqp.system.files import write_file_atomically
+from rqp.report.files import join as _join
+from rqp.report.files import write_text
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",
            "get_session"]
 
-FILE_COLUMN = "_file"
+FILE_COLUMN = columnar.FILE_COLUMN
 #: Archive columns the report never looks at (the payload itself is by far the largest: not
 #: even parsed, as Spark reads only the columns a query uses).
 UNUSED_COLUMNS = ("payload_b64", "reason_code", "message_key", "payload_length", "truncated",
@@ -90,6 +92,11 @@ TABLES: tuple[Table, ...] = (
     Table("by_hour", lambda d, t: analysis.counts_by(d, "hour"), _order("hour")),
     Table("by_hour_reason", lambda d, t: analysis.counts_by(d, "hour", "reason"),
           _order("hour", "reason")),
+    # what the page's filters narrow (host, queue, reason)
+    Table("by_reason_queue_host",
+          lambda d, t: analysis.counts_by(d, "reason", "queue_key", "host", "source",
+                                          "destination", labels=("queue_key_hex", "queue_name")),
+          _order("-count", "reason", "queue_key", "host", "source", "destination")),
     Table("payload_stats", _payload_stats_table, _all_first),
     Table("samples", lambda d, t: analysis.samples(d, "reason"), _order("reason")),
     Table("likely_recoverable", lambda d, t: analysis.likely_recoverable(d, t), None,
@@ -161,15 +168,9 @@ def check_archives(rows: DataFrame, files: int) -> ArchiveCheck:
         .orderBy(FILE_COLUMN)
         .collect()
     )
-    bad = [r for r in per_file if r["wrong"]]
+    bad = [(r[FILE_COLUMN], r["wrong"], r["versions"]) for r in per_file if r["wrong"]]
     if bad:
-        shown = "\n".join(
-            f"  {r[FILE_COLUMN]}: {r['wrong']} line(s) with schema {', '.join(r['versions'])}"
-            for r in bad[:20])
-        more = f"\n  ... and {len(bad) - 20} more files" if len(bad) > 20 else ""
-        raise ArchiveSchemaError(
-            f"not a dead-letter archive this report reads (archive schemas "
-            f"{', '.join(map(str, READABLE_SCHEMAS))}):\n{shown}{more}")
+        raise ArchiveSchemaError.naming(bad)
     valid = [r for r in per_file if r[FILE_COLUMN] is None]
     dead_letters = valid[0]["rows"] if valid else 0
     valid_lines = valid[0]["lines"] if valid else 0
@@ -199,36 +200,6 @@ def read_traffic(spark: SparkSession, path: str) -> DataFrame:
 # ------------------------------------------------------------------------------------------
 # Writing
 # ------------------------------------------------------------------------------------------
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def write_text(spark: SparkSession, path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old
-    file or the new one, never half of one (on HDFS-like stores: as atomic as their rename)."""
-    data = text.encode("utf-8")
-    local = local_path(path)
-    if local is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
-        write_file_atomically(local, data)
-        return
-    jvm = spark.sparkContext._jvm
-    hadoop_path = jvm.org.apache.hadoop.fs.Path
-    final = hadoop_path(path)
-    fs = final.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    tmp = hadoop_path(final.getParent(), f".{final.getName()}.{uuid.uuid4().hex}.tmp")
-    out = fs.create(tmp, True)
-    try:
-        out.write(bytearray(data))
-    finally:
-        out.close()
-    if fs.exists(final):
-        fs.delete(final, False)
-    if not fs.rename(tmp, final):
-        fs.delete(tmp, False)
-        raise ReportError(f"could not rename {tmp} to {path}")
-
 
 def write_table(spark: SparkSession, table: Table, df: DataFrame, output: str) -> DataFrame:
     """Write ``df`` as Parquet, then the Parquet as CSV; return the written Parquet."""
@@ -288,9 +259,12 @@ def _timeline(by_hour_reason: DataFrame, first, last) -> report_html.Timeline:
 
 
 def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
-               traffic: str | None = None, out=None, err=None) -> dict:
+               traffic: str | None = None, out=None, err=None,
+               store: str | None = None, previous: str | None = None) -> dict:
     """Read, check and analyse the archives; write every output; return the summary. The
-    table by reason goes to ``out`` (stdout), warnings to ``err`` (stderr)."""
+    table by reason goes to ``out`` (stdout), warnings to ``err`` (stderr). ``previous``: an
+    earlier report's output directory to compare with (``trends`` in the summary and the
+    page, see :mod:`rqp.report.trends`)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     started = time.monotonic()
@@ -298,8 +272,19 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     # Let adaptive execution size the cached dead letters' partitions like any shuffle output.
     spark.conf.set("spark.sql.optimizer.canChangeCachedPlanOutputPartitioning", "true")
     traffic_df = read_traffic(spark, traffic) if traffic else None  # fail early if unreadable
-    raw = read_archives(spark, inputs)
-    files = len(raw.inputFiles())
+    previous_run = read_previous_run(spark, previous) if previous else None  # (early too)
+    compaction = None
+    if store is not None:  # take what is new into the columnar store, answer from the store
+        columnar_store = columnar.Store(spark, store)
+        compaction = columnar_store.compact(inputs, read_archives)
+        raw = columnar_store.read()
+        files = compaction.files
+        if raw is None:
+            raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)} "
+                              f"and none in the store {store}")
+    else:
+        raw = read_archives(spark, inputs)
+        files = len(raw.inputFiles())
     if not files:
         raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}")
     # The one pass over the archives: parse, drop duplicate ids, keep the result in memory
@@ -349,6 +334,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         "inputs": list(inputs),
         "traffic": traffic,
         "spark": {"version": spark.version, "master": spark.sparkContext.master},
+        "store": compaction.as_dict() if compaction is not None else None,
         "totals": {
             "files": check.files,
             "lines": check.lines,
@@ -376,17 +362,57 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         "outputs": {t.name: {"parquet": _join(output, "parquet", t.name),
                              "csv": _join(output, "csv", t.name)} for t in TABLES},
     }
+    for r in by_reason:  # what to do with them: a rule for rqpctl dlq replay
+        r["suggested_action"] = rules.suggested_action(r["reason"])
+        r["replay_rule"] = rules.replay_rule(r["reason"])
+    if previous_run is not None:
+        current = trends.RunFacts.from_rows(
+            summary, by_reason, *[[_plain(r) for r in written[name].collect()]
+                                  for name in ("by_queue", "by_source_host",
+                                               "by_destination_host")], output=output)
+        summary["trends"] = trends.compare(current, previous_run)
+    breakdown_table = written["by_reason_queue_host"]
+    breakdown = [_plain(r) for r in breakdown_table.orderBy(
+        F.desc("count"), "reason", "queue_key", "host", "source", "destination")
+        .limit(report_html.BREAKDOWN_ROWS).collect()]
     samples = [_plain(r) for r in written["samples"].orderBy("reason").collect()]
     timeline = _timeline(written["by_hour_reason"], first, last)
     summary["elapsed_seconds"] = round(time.monotonic() - started, 3)
     write_text(spark, _join(output, "summary.json"),
                json.dumps(summary, indent=2, sort_keys=False) + "\n")
     write_text(spark, _join(output, "report.html"),
-               report_html.render(summary, timeline, samples))
+               report_html.render(summary, timeline, samples, breakdown,
+                                  breakdown_total=breakdown_table.count()))
     out.write(format_reason_table(summary))
     out.write(f"outputs under {output}: report.html, summary.json, parquet/, csv/\n")
     out.flush()
     return summary
+
+
+def read_previous_run(spark: SparkSession, previous: str) -> trends.RunFacts:
+    """An earlier report's output directory as :mod:`rqp.report.trends` compares it: its
+    ``summary.json`` (required: a run without one did not finish) and its ``by_queue``,
+    ``by_source_host`` and ``by_destination_host`` tables, or, when they are gone, the
+    summary's top lists (then ``partial``)."""
+    from rqp.report.files import read_text
+
+    where = _join(previous, "summary.json")
+    try:
+        summary = json.loads(read_text(spark, where))
+        by_reason = summary["by_reason"]
+    except Exception as exc:  # (a local OSError, a Hadoop one through py4j, bad JSON)
+        raise ReportError(f"cannot compare with the previous run: {where} is not a finished "
+                          f"report's summary ({_first_line(exc)})") from None
+    try:
+        tables = [[_plain(r) for r in spark.read.parquet(_join(previous, "parquet", name))
+                   .collect()] for name in ("by_queue", "by_source_host", "by_destination_host")]
+        partial = False
+    except AnalysisException:
+        tables = [summary.get(k, []) for k in ("top_queues", "top_source_hosts",
+                                               "top_destination_hosts")]
+        partial = True
+    return trends.RunFacts.from_rows(summary, by_reason, *tables, output=previous,
+                                     partial=partial)
 
 
 def format_reason_table(summary: dict) -> str:
@@ -427,10 +453,19 @@ def _master_configured() -> bool:
     return SparkConf().contains("spark.master")
 
 
+def _loopback_master(url: str) -> bool:
+    """Is ``url`` a ``spark://`` master on this machine's loopback?"""
+    host = urlparse(url).hostname if url.startswith("spark://") else None
+    return host in ("localhost", "::1") or (host or "").startswith("127.")
+
+
 def get_session(master: str | None) -> tuple[SparkSession, bool]:
     """The SparkSession to use and whether this call created it (then the caller stops it)."""
-    if (master or os.environ.get("MASTER") or "local").startswith("local"):
-        # a local run stays on loopback (set before anything here starts the JVM)
+    url = master or os.environ.get("MASTER") or "local"
+    if url.startswith("local") or _loopback_master(url):
+        # a run on this machine stays on loopback (set before anything here starts the JVM):
+        # else the driver binds to the host name's address, which executors on this machine
+        # reach through a network interface
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     existing = SparkContext._active_spark_context is not None
     # Python workers (if any are started) run this interpreter, the one with the project's

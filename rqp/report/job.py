@@ -3,7 +3,8 @@
 ::
 
     rqp-dlq-report --input PATH_OR_GLOB [PATH_OR_GLOB ...] --output DIR [--master URL]
-                   [--traffic PATH] [--drain --archive DIR]
+                   [--traffic PATH] [--drain --archive DIR] [--previous DIR]
+    rqp-dlq-report --input ... --reports DIR [--keep N] [...]
     spark-submit [--master URL ...] rqp/report/job.py --input ... --output ...
 
 Inputs are archive files (``*.jsonl.gz``, ``*.jsonl``), directories (searched recursively for
@@ -23,6 +24,12 @@ Under ``--output``:
 * ``report.html``: one self-contained page (inline SVG charts, no scripts, no external files).
 
 ``summary.json`` and ``report.html`` are written to a temporary name and renamed.
+
+``--previous DIR`` (an earlier report's output directory) adds what changed since then
+(:mod:`rqp.report.trends`). ``--reports DIR [--keep N]`` instead of ``--output`` keeps dated
+runs: this one in ``DIR/<UTC time>/``, compared with the latest earlier complete run there,
+then ``DIR/latest`` pointed at it and the runs beyond the newest N (default 14) deleted
+(:mod:`rqp.report.history`: never a run under way or being read).
 
 ``--master``: when it is not given the master is whatever Spark is configured with
 (``spark-submit --master``, ``spark.master`` in ``spark-defaults.conf``, ``MASTER``); only
@@ -65,11 +72,12 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from rqp.report import history
 from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 
 __all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
-           "check_local_output", "load_compute", "run_drain", "parse_args", "main"]
+           "check_local_output", "default_store", "load_compute", "run_drain", "parse_args", "main"]
 
 # ------------------------------------------------------------------------------------------
 # Checks that need no Spark
@@ -124,8 +132,9 @@ def load_compute():
     return compute
 
 
-def check_local_output(output: str) -> None:
-    """Before Spark starts: a local ``--output`` must be a directory, or creatable as one."""
+def check_local_output(output: str, option: str = "--output") -> None:
+    """Before Spark starts: a local ``--output`` (or ``--store``) must be a directory, or
+    creatable as one."""
     path = local_path(output)
     if path is None:
         return
@@ -133,9 +142,9 @@ def check_local_output(output: str) -> None:
     while not target.exists():
         target = target.parent
     if not target.is_dir():
-        raise ReportError(f"--output {output}: {target} is not a directory")
+        raise ReportError(f"{option} {output}: {target} is not a directory")
     if not os.access(target, os.W_OK | os.X_OK):
-        raise ReportError(f"--output {output}: no permission to write in {target}")
+        raise ReportError(f"{option} {output}: no permission to write in {target}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -166,26 +175,82 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "summary.json and a self-contained report.html.")
     parser.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
                         help="archive files, directories or globs (local paths or Hadoop URIs)")
-    parser.add_argument("--output", required=True, metavar="DIR",
-                        help="where the outputs go (a local path or a Hadoop URI)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--output", metavar="DIR",
+                       help="where the outputs go (a local path or a Hadoop URI)")
+    where.add_argument("--reports", metavar="DIR",
+                       help="keep dated runs in DIR (a local directory): this run goes into "
+                            "DIR/<UTC time>/ and is compared with the latest earlier complete "
+                            "run there; then DIR/latest points at it and runs beyond --keep "
+                            "are deleted")
+    parser.add_argument("--keep", type=int, metavar="N",
+                        help=f"with --reports: how many complete runs to keep (default "
+                             f"{history.DEFAULT_KEEP})")
+    parser.add_argument("--previous", metavar="DIR",
+                        help="an earlier report's output directory to compare with (default "
+                             "with --reports: the latest earlier complete run)")
     parser.add_argument("--master", metavar="URL",
                         help="Spark master (default: Spark's configuration, else local[*])")
     parser.add_argument("--traffic", metavar="PATH",
                         help="deliveries (queue_key, timestamp) as CSV with a header or JSON "
                              "Lines: evidence for likely_recoverable")
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument("--store", metavar="DIR",
+                       help="the columnar store (Parquet) the archive is compacted into and "
+                            "read from (a local path or a Hadoop URI; default: .columnar in "
+                            "the input when it is one local directory)")
+    store.add_argument("--no-store", action="store_true",
+                       help="read the JSON Lines archive itself, keep no columnar store")
     parser.add_argument("--drain", action="store_true",
                         help="first run the drain tool once into --archive")
     parser.add_argument("--archive", metavar="DIR",
                         help="the drain's archive directory (the input when --input is not "
                              "given)")
     args = parser.parse_args(argv)
+    if args.keep is not None and not args.reports:
+        parser.error("--keep needs --reports DIR")
+    if args.keep is None:
+        args.keep = history.DEFAULT_KEEP
+    if args.keep < 1:
+        parser.error("--keep must be at least 1")
+    if args.reports and local_path(args.reports) is None:
+        parser.error("--reports needs a local directory (it keeps locks and a 'latest' "
+                     "symlink); give a Hadoop URI to --output instead")
     if args.drain and not args.archive:
         parser.error("--drain needs --archive DIR")
     if not args.input:
         if not args.archive:
             parser.error("--input is required (or --archive)")
         args.input = [args.archive]
+    if args.store is None and not args.no_store:
+        args.store = default_store(args.input)
     return args
+
+
+def default_store(inputs: Sequence[str]) -> str | None:
+    """``.columnar`` inside the input when it is one local directory (a hidden directory: the
+    drain and Spark's listing of the archive leave it alone); else None (no store)."""
+    if len(inputs) != 1:
+        return None
+    path = local_path(inputs[0])
+    if path is None or glob.has_magic(path) or not os.path.isdir(path):
+        return None
+    return os.path.join(path, ".columnar")
+
+
+def run_dated(compute, spark, args: argparse.Namespace) -> None:
+    """``--reports DIR``: this run into DIR/<UTC time>/, compared with the latest earlier
+    complete run (or ``--previous``); then DIR/latest and the pruning (:mod:`.history`)."""
+    run = history.start(local_path(args.reports))
+    try:
+        compute.run_report(spark, args.input, run.path, traffic=args.traffic,
+                           store=args.store, previous=args.previous or run.previous)
+        deleted = run.finish(args.keep)
+    finally:
+        run.close()
+    print(f"{args.reports}/{history.LATEST} -> {run.name}; compared with "
+          f"{args.previous or run.previous or 'nothing (the first run)'}; deleted "
+          f"{len(deleted)} older run(s), keeping {args.keep}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,11 +259,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.drain:
             run_drain(args.archive)
         check_local_inputs(args.input)
-        check_local_output(args.output)
+        check_local_output(args.reports or args.output,
+                           "--reports" if args.reports else "--output")
+        if args.store is not None:
+            check_local_output(args.store, "--store")
         compute = load_compute()
         spark, created = compute.get_session(args.master)
         try:
-            compute.run_report(spark, args.input, args.output, traffic=args.traffic)
+            if args.reports:
+                run_dated(compute, spark, args)
+            else:
+                compute.run_report(spark, args.input, args.output, traffic=args.traffic,
+                                   store=args.store, previous=args.previous)
         finally:
             if created:
                 spark.stop()
