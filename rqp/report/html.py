@@ -605,7 +605,9 @@ def render(summary: dict, timeline: Timeline, samples: list[dict],
         'it, run it with <code>--dry-run</code> first, then without. Transient reasons are '
         'retried (once the cause is fixed), reasons that are a property of the message are '
         'discarded (sending it again fails again); narrow a rule with <code>queue:</code>, '
-        '<code>host:</code> or <code>older_than:</code> (README, Replay rules).</p>')
+        '<code>host:</code> or <code>older_than:</code> (README, Replay rules). Added to '
+        '<code>/etc/rqp/dlq-rules.yaml</code>, a rule is applied to each new dead letter as '
+        'it arrives by <code>rqp-dlq-handler.service</code>.</p>')
     for r in by_reason:
         i, rule = reason_ids[r["reason"]], _rules.replay_rule(r["reason"])
         action = _rules.suggested_action(r["reason"])
