@@ -258,6 +258,20 @@ def _timeline(by_hour_reason: DataFrame, first, last) -> report_html.Timeline:
         rows=tuple((_iso(r["bucket"]), r["reason"], int(r["count"])) for r in rows))
 
 
+class _Phases:
+    """Wall time of each phase of a run (``summary.json``'s ``phases_seconds``; the benchmark
+    reports them)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._last, 3)
+        self._last = now
+
+
 def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
                traffic: str | None = None, out=None, err=None,
                store: str | None = None, previous: str | None = None) -> dict:
@@ -268,6 +282,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     started = time.monotonic()
+    phases = _Phases()
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     # Let adaptive execution size the cached dead letters' partitions like any shuffle output.
     spark.conf.set("spark.sql.optimizer.canChangeCachedPlanOutputPartitioning", "true")
@@ -277,6 +292,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     if store is not None:  # take what is new into the columnar store, answer from the store
         columnar_store = columnar.Store(spark, store)
         compaction = columnar_store.compact(inputs, read_archives)
+        phases.done("compact")
         raw = columnar_store.read()
         files = compaction.files
         if raw is None:
@@ -294,6 +310,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         check = check_archives(rows, files)
+        phases.done("read_dedupe_check")
         if check.unreadable_lines:
             err.write(f"{PROG}: warning: {check.unreadable_lines} line(s) are not dead-letter "
                       f"records of schema {', '.join(map(str, READABLE_SCHEMAS))}; left out:\n")
@@ -305,6 +322,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         for table in TABLES:
             written[table.name] = write_table(
                 spark, table, table.build(dead, traffic_df), output)
+        phases.done("tables")
     finally:
         rows.unpersist()
 
@@ -377,6 +395,8 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         .limit(report_html.BREAKDOWN_ROWS).collect()]
     samples = [_plain(r) for r in written["samples"].orderBy("reason").collect()]
     timeline = _timeline(written["by_hour_reason"], first, last)
+    phases.done("summary")
+    summary["phases_seconds"] = phases.seconds
     summary["elapsed_seconds"] = round(time.monotonic() - started, 3)
     write_text(spark, _join(output, "summary.json"),
                json.dumps(summary, indent=2, sort_keys=False) + "\n")

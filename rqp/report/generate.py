@@ -316,8 +316,12 @@ def _write_file(task: tuple) -> tuple[str, int]:
 
 
 def generate(records: int, output: str, seed: int = 1, per_file: int = DEFAULT_PER_FILE,
-             processes: int = 2, start: str = DEFAULT_START, compress: bool = True) -> list[str]:
-    """Write ``records`` archive lines under ``output``; return the file paths, in order."""
+             processes: int = 2, start: str = DEFAULT_START, compress: bool = True,
+             reuse: bool = False) -> list[str]:
+    """Write ``records`` archive lines under ``output``; return the file paths, in order.
+    ``reuse``: a file already there is kept (each file is a function of the seed, its number
+    and its line count, and is written under a temporary name then renamed, so one that exists
+    is whole) — only while ``per_file`` divides ``records`` (then every file has that count)."""
     if records < 0 or per_file < 1:
         raise ValueError("records must be >= 0 and per_file >= 1")
     os.makedirs(output, exist_ok=True)
@@ -327,12 +331,18 @@ def generate(records: int, output: str, seed: int = 1, per_file: int = DEFAULT_P
     for index, first in enumerate(range(0, records, per_file)):
         path = os.path.join(output, f"dlq-{seed}-{index:05d}{suffix}")
         tasks.append((world, seed, index, min(per_file, records - first), path, compress))
-    if processes <= 1 or len(tasks) <= 1:
+    kept = []
+    if reuse and records % per_file == 0:
+        kept = [(t[4], t[3]) for t in tasks if os.path.exists(t[4])]
+        tasks = [t for t in tasks if not os.path.exists(t[4])]
+    if not tasks:
+        done = []
+    elif processes <= 1 or len(tasks) <= 1:
         done = [_write_file(t) for t in tasks]
     else:
         with multiprocessing.get_context("fork").Pool(min(processes, len(tasks))) as pool:
             done = pool.map(_write_file, tasks, chunksize=1)
-    return [path for path, _ in done]
+    return sorted(path for path, _ in kept + done)
 
 
 def main(argv: list[str] | None = None) -> int:
