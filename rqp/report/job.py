@@ -4,6 +4,7 @@
 
     rqp-dlq-report --input PATH_OR_GLOB [PATH_OR_GLOB ...] --output DIR [--master URL]
                    [--traffic PATH] [--drain --archive DIR] [--previous DIR]
+                   [--store DIR | --no-store]
     rqp-dlq-report --input ... --reports DIR [--keep N] [...]
     spark-submit [--master URL ...] rqp/report/job.py --input ... --output ...
 
@@ -13,6 +14,12 @@ Paths and URIs (``hdfs://``, ``s3a://``, ``file://``) go to Spark as they are. E
 read with the explicit schema of :mod:`rqp.report.schema`; a file with a line whose ``schema``
 is not 1 stops the job with an error naming the file (exit status 2); lines that are not JSON
 objects of that shape are counted (``unreadable_lines``), named on stderr and left out.
+
+The archive is first compacted into a columnar store (:mod:`rqp.report.columnar`: Parquet by
+day; each run takes only the files no earlier run took) and the report answers from the store:
+``--store DIR`` (a path or a Hadoop URI), by default ``.columnar`` inside the input when the
+input is one local directory; with other inputs and no ``--store``, or with ``--no-store``,
+the JSON is read itself, every run.
 
 Under ``--output``:
 
