@@ -529,6 +529,28 @@ def test_forward_header_no_discard_and_ignore(tmp_path):
     assert DeadLetterRecord.from_bytes(send.calls[-1][1]) == row_to_record(ignored)
 
 
+def test_a_message_is_forwarded_once_not_round_and_round(tmp_path):
+    """A forward (header: no, the message keeps its key) whose copy is dead-lettered again and
+    matches the rule again is kept, saying so: else --follow would send it round every round."""
+    archive = tmp_path / "archive"
+    rules = rules_from_data({"rules": [{"reason": "QUEUE_FULL", "action": "forward",
+                                        "to": Q2}]})
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x71, payload=b"round")])
+    send = FakeSend(archive)
+    Replayer(archive, rules, send=send, out=print, now_ns=NOW).run()
+    assert send.calls == [(Q2, b"round", 0x71)]
+    # its copy, dead-lettered on Q2 after the forward (the fake clock: 10 s later)
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, queue_key=Q2, key=0x71,
+                                payload=b"round", age=-10)])
+    lines: list[str] = []
+    replayer = Replayer(archive, rules, send=send, out=lines.append, now_ns=NOW + 20 * 10**9)
+    replayer.run()
+    assert send.calls == [(Q2, b"round", 0x71)]  # not again
+    assert replayer.counts["kept"] == 1 and lines[0].startswith("kept")
+    assert "dead-lettered again: kept, not forwarded round again" in lines[0]
+    assert len(list(read_archive(archive))) == 1
+
+
 def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
     """The waits between rounds (given to an injected wait, so no real time passes): from 0.1 s
     doubling to --poll while nothing happens; cut short by a retry falling due or a new
@@ -710,3 +732,15 @@ def test_a_replay_keeps_the_messages_type_and_priority(tmp_path):
     replayer, _ = replay(archive, RULES, send)
     assert [c[1] for c in send.calls] == [b"typed", b"schema one"]
     assert send.extras == [(7, 9), (1, 4)]
+
+
+def test_the_shipped_example_rules_load():
+    """config/dlq-rules.example.yaml (installed as /etc/rqp/dlq-rules.yaml.example) is valid and
+    does what its comments say."""
+    rules = load_rules(Path(__file__).resolve().parent.parent / "config" /
+                       "dlq-rules.example.yaml")
+    assert [r.action for r in rules] == ["retry", "forward", "discard", "keep"]
+    assert (rules[0].retries, rules[0].interval, rules[0].then) == (5, 600.0, "keep")
+    assert rules[1].header and rules[1].to == 0x5251FFFF
+    assert decide(rules, row(ReasonCode.QUEUE_FULL), NOW).action == "retry"
+    assert decide(rules, row(ReasonCode.NOT_AUTHORIZED), NOW).action == "keep"

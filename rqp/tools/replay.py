@@ -861,6 +861,18 @@ class Replayer:
                 f"{rule.interval:g}s)")
         return decision, f"retry {entry.retries + 1}{of}"
 
+    def _forward_gate(self, row: Mapping, decision: Decision) -> tuple[Decision, str]:
+        """A message forwarded with its key is forwarded once: dead-lettered again after that
+        (its row is newer than the forward), a rule that matches it again would send it round
+        for ever (under ``--follow`` at every round); it is kept, saying so."""
+        entry = self.ledger.get(row)
+        if entry.resent and int(row.get("timestamp_ns") or 0) > entry.resent_ns:
+            return Decision("keep", decision.rule), (
+                f"it was forwarded (or resubmitted) at {iso_utc(entry.resent_ns)} and "
+                "dead-lettered again: kept, not forwarded round again (rqpctl dlq resubmit "
+                "puts it back by hand)")
+        return decision, ""
+
     def _one(self, current: _File, index: int, row: dict, held: bool) -> None:
         decision = decide(self.rules, row, self.now_ns)
         row_id = row.get("id")
@@ -876,13 +888,15 @@ class Replayer:
         note = ""
         if decision.action == "retry":
             decision, note = self._retry_gate(row, decision)
+        elif decision.action == "forward" and not decision.header:
+            decision, note = self._forward_gate(row, decision)
         action = decision.action
         if action in ("keep", "wait"):
             self._seen[row_id] = False
             self.counts["kept"] += 1
             if action == "wait":
                 self._say("waiting" if not self.dry_run else "would wait", row, decision, note)
-            elif note:  # its retries are used up
+            elif note:  # its retries are used up, or it was forwarded once already
                 self._say("kept" if not self.dry_run else "would keep", row, decision, note)
             elif self.dry_run:
                 self._say(_VERBS["keep"][1], row, decision)
