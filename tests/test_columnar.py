@@ -4,6 +4,7 @@ and what a kill does to it; answers equal to reading the JSON archive itself."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import shutil
@@ -13,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rqp.report import columnar, job
-from rqp.report.schema import ArchiveSchemaError
+from rqp.report import columnar, compute, job
 from tests.report_data import (
     PER_FILE, answers, archive_of, csv_lines, generate_archive, report,
 )
@@ -69,18 +69,38 @@ def test_later_runs_take_only_new_files_and_answer_like_the_json(spark, generate
     assert answers(third) == answers(second)
 
 
-def test_a_file_of_another_schema_takes_nothing(spark, generated, tmp_path):
+def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp_path):
+    """A file with a line of a newer schema (a host upgraded first) or that is not gzip at all
+    is named and left out, the others reported; a JSON object without a reason, a queue or a
+    time is an unreadable line; a later run takes the files once they read."""
     archive = archive_of(tmp_path, generated[:2])
-    bad = archive / "zz-future.jsonl"
-    bad.write_text(json.dumps({"schema": 3, "id": "x"}) + "\n")
+    good = json.loads(gzip.open(generated[0], "rt").readline())
+    newer = archive / "dlq-newer.jsonl"  # one line it reads, one of schema 3: left out whole
+    newer.write_text(json.dumps(dict(good, id="n1")) + "\n"
+                     + json.dumps(dict(good, id="n2", schema=3)) + "\n")
+    garbage = archive / "dlq-garbage.jsonl.gz"
+    garbage.write_bytes(os.urandom(4096))
+    incomplete = archive / "dlq-incomplete.jsonl"
+    incomplete.write_text(json.dumps(dict(good, id="i1")) + "\n"
+                          + json.dumps({"schema": 2, "id": "abc"}) + "\n")
     store = tmp_path / "store"
-    with pytest.raises(ArchiveSchemaError, match=r"zz-future\.jsonl: 1 line\(s\) with schema 3"):
-        report(spark, archive, tmp_path / "out", store)
-    assert not list((store / "batches").glob("*.json"))  # nothing was taken...
-    assert _store_files(store) == []  # ... and the batch's rows are gone
-    bad.unlink()
-    summary = report(spark, archive, tmp_path / "out", store)
-    assert summary["store"]["new_files"] == 2 and summary["totals"]["lines"] == 2 * PER_FILE
+    err = io.StringIO()
+    summary = compute.run_report(spark, [str(archive)], str(tmp_path / "out"), out=io.StringIO(),
+                                 err=err, store=str(store))
+    left_out = {Path(f).name: why for f, why in summary["store"]["left_out"].items()}
+    assert set(left_out) == {"dlq-newer.jsonl", "dlq-garbage.jsonl.gz"}
+    assert "1 line(s) of archive schema 3" in left_out["dlq-newer.jsonl"]
+    assert "no line could be read" in left_out["dlq-garbage.jsonl.gz"]
+    assert "dlq-newer.jsonl left out" in err.getvalue()
+    assert summary["store"]["new_files"] == 3
+    assert summary["totals"]["lines"] == 2 * PER_FILE + 2  # none of newer's lines
+    assert summary["totals"]["unreadable_lines"] == 1  # {"schema": 2, "id": "abc"}
+
+    newer.write_text(json.dumps(dict(good, id="n1")) + "\n")  # (the report was upgraded)
+    garbage.unlink()
+    later = report(spark, archive, tmp_path / "out2", store)
+    assert later["store"]["new_files"] == 1 and later["store"]["left_out"] == {}
+    assert later["totals"]["lines"] == 2 * PER_FILE + 3
 
 
 def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None = None):

@@ -29,7 +29,11 @@ A compaction:
    site, an incremental batch of a few thousand dead letters would add hundreds of tiny files
    (measured: 700 files and 21 s for one 50,000-line file, against 7 files by day);
 4. checks the written batch: a file with a line of an archive schema the report does not read
-   fails the run naming the file, and the batch is deleted (nothing was taken);
+   (a host upgraded before the report) is left out whole (the batch is written again without
+   it), and so is a file Spark could not read a line of (not gzip, not text); both are named in
+   the run's warnings and ``summary.json``, and not taken: a later run takes them once the
+   report reads that schema or the file was put right. (A gzip file cut short yields the lines
+   before the cut, and Spark's warning, and is taken: ``ignoreCorruptFiles``);
 5. writes ``batches/<B>.json`` (temporary name, rename): from that moment, and not before, the
    batch counts.
 
@@ -56,7 +60,7 @@ from pyspark.sql.types import DateType, StringType, StructField, StructType
 from rqp.report import analysis, files
 from rqp.report.common import local_path
 from rqp.report.schema import (
-    CORRUPT_RECORD_COLUMN, READ_SCHEMA, READABLE_SCHEMAS, ArchiveSchemaError,
+    CORRUPT_RECORD_COLUMN, READ_SCHEMA, READABLE_SCHEMAS,
 )
 
 __all__ = ["FILE_COLUMN", "NOT_STORED", "Store", "Compaction", "STORE_SCHEMA",
@@ -91,6 +95,7 @@ class Compaction:
     files: int  # archive files in the store, all batches
     batches: int
     removed_uncommitted: int  # batch directories an interrupted run had left
+    left_out: dict  # new files not taken (tried again next run), with why
     seconds: float
 
     def as_dict(self) -> dict:
@@ -100,6 +105,12 @@ class Compaction:
 def _crash_point(step: str) -> None:
     if _CRASH_AFTER == step:
         os.kill(os.getpid(), 9)
+
+
+def _same_as_metadata(uri: str) -> str:
+    """A file's URI as Spark lists it (``file:///a/b``) spelled as its rows' ``_metadata``
+    name it (``file:/a/b``): the one name by which the store knows what it took."""
+    return "file:/" + uri[len("file:///"):] if uri.startswith("file:///") else uri
 
 
 def per_file(rows: DataFrame) -> list:
@@ -174,26 +185,59 @@ class Store:
             committed = self.committed()
             removed = self._remove_uncommitted(committed)
             taken = self.taken(committed)
-            listed = read_archives(self.spark, inputs).inputFiles()
+            listed = [_same_as_metadata(f) for f in read_archives(self.spark, inputs)
+                      .inputFiles()]
             new = sorted(f for f in listed if f not in taken)
             batch = None
             new_lines = 0
+            left_out: dict[str, str] = {}
             if new:
                 batch = (_dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
                          + "-" + secrets.token_hex(4))
-                new_lines = self._write_batch(batch, read_archives(self.spark, new))
+                took, left_out = self._write_batch(batch, new, read_archives)
+                new_lines = sum(took.values())
                 _crash_point("write")
-                record = {"batch": batch, "files": new, "lines": new_lines,
+                record = {"batch": batch, "files": sorted(took), "lines": new_lines,
+                          "left_out": left_out,
                           "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
                 files.write_text(self.spark, files.join(self.batches_dir, f"{batch}.json"),
                                  json.dumps(record, indent=1) + "\n")
                 committed[batch] = record
                 _crash_point("commit")
-        return Compaction(store=self.path, batch=batch, new_files=len(new), new_lines=new_lines,
-                          files=len(taken) + len(new), batches=len(committed),
-                          removed_uncommitted=removed, seconds=time.monotonic() - started)
+                taken |= set(took)
+        return Compaction(store=self.path, batch=batch, new_files=len(new) - len(left_out),
+                          new_lines=new_lines, files=len(taken), batches=len(committed),
+                          removed_uncommitted=removed, left_out=left_out,
+                          seconds=time.monotonic() - started)
 
-    def _write_batch(self, batch: str, raw: DataFrame) -> int:
+    def _write_batch(self, batch: str, new: list[str],
+                     read_archives) -> tuple[dict[str, int], dict[str, str]]:
+        """Write ``new`` as ``batch`` and check it: the lines taken per file, and the files
+        left out with why. A file with a line of a schema the report does not read (a host
+        upgraded first) is left out whole, and so is one Spark cannot read at all (not gzip,
+        not text: it yields no line): neither is taken, so a later run takes it once the report
+        reads its schema or the file was put right. Leaving out a file of the first kind
+        writes the batch again without it (its other lines must not count twice)."""
+        left_out: dict[str, str] = {}
+        while True:
+            self._write(batch, read_archives(self.spark, new))
+            checked = {r[FILE_COLUMN]: r for r in per_file(self._read([batch]))}
+            wrong = {f: r for f, r in checked.items() if r["wrong"]}
+            for f in new:
+                if f not in checked:
+                    left_out[f] = "no line could be read (not gzip or not text, or empty)"
+            if not wrong:
+                return ({f: checked[f]["lines"] for f in new if f in checked}, left_out)
+            for f, r in wrong.items():
+                left_out[f] = (f"{r['wrong']} line(s) of archive schema "
+                               f"{', '.join(r['versions'])}, which this report does not read "
+                               f"({', '.join(map(str, READABLE_SCHEMAS))})")
+            self._delete_batch(batch)
+            new = [f for f in new if f not in left_out]
+            if not new:
+                return {}, left_out
+
+    def _write(self, batch: str, raw: DataFrame) -> None:
         columns = [f.name for f in STORE_SCHEMA.fields if f.name not in PARTITIONS]
         rows = raw.select(
             *columns,
@@ -202,12 +246,6 @@ class Store:
         )
         (rows.sortWithinPartitions("day", "host", "timestamp_ns")
          .write.mode("append").partitionBy(*PARTITIONS).parquet(self.data))
-        checked = per_file(self._read([batch]))
-        bad = [(r[FILE_COLUMN], r["wrong"], r["versions"]) for r in checked if r["wrong"]]
-        if bad:
-            self._delete_batch(batch)
-            raise ArchiveSchemaError.naming(bad)
-        return sum(r["lines"] for r in checked)
 
     def _delete_batch(self, batch: str) -> None:
         for day in files.list_names(self.spark, self.data):

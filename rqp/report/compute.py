@@ -117,6 +117,9 @@ def read_archives(spark: SparkSession, inputs: Sequence[str]) -> DataFrame:
         .option("columnNameOfCorruptRecord", CORRUPT_RECORD_COLUMN)
         .option("pathGlobFilter", ARCHIVE_FILE_GLOB)
         .option("recursiveFileLookup", "true")
+        # a file that is not gzip (or is cut short) ends its own reading, not the job's: the
+        # store names such files (no line read) and leaves them out (rqp.report.columnar)
+        .option("ignoreCorruptFiles", "true")
     )
     try:
         df = reader.json(list(inputs))
@@ -137,11 +140,18 @@ class ArchiveCheck:
 
 def prepare(raw: DataFrame) -> DataFrame:
     """The columns the report uses, plus what :func:`check_archives` needs: ``_valid`` (a
-    readable line of a schema it reads), and for the other lines ``_file``, ``_schema`` and
-    ``_unreadable``. Lines that are not valid get no id, so that normalize keeps every one of
+    readable line of a schema it reads, with a reason, a queue key and a time), and for the
+    other lines ``_file``, ``_schema`` and ``_unreadable`` (not JSON, or a JSON object of a
+    schema it reads without those). Lines that are not valid get no id, so that normalize keeps every one of
     them apart from the dead letters."""
-    corrupt = F.col(CORRUPT_RECORD_COLUMN).isNotNull()
-    valid = ~corrupt & F.coalesce(F.col("schema").isin(*READABLE_SCHEMAS), F.lit(False))
+    readable_schema = F.coalesce(F.col("schema").isin(*READABLE_SCHEMAS), F.lit(False))
+    # A JSON object of a schema we read, but without what makes a dead letter (what failed,
+    # where, when), is not one: counted with the unreadable lines, named, left out.
+    incomplete = (F.col("reason").isNull() | F.col("queue_key").isNull()
+                  | (F.coalesce(F.col("timestamp_ns"), F.lit(0)) <= 0)
+                  & F.col("timestamp").isNull())
+    corrupt = F.col(CORRUPT_RECORD_COLUMN).isNotNull() | (readable_schema & incomplete)
+    valid = ~corrupt & readable_schema
     used = [c for c in ARCHIVE_FIELDS if c not in UNUSED_COLUMNS and c != "schema"]
     return raw.select(
         *[(F.when(valid, F.col("id")) if c == "id" else F.col(c)).alias(c) for c in used],
@@ -293,6 +303,9 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         columnar_store = columnar.Store(spark, store)
         compaction = columnar_store.compact(inputs, read_archives)
         phases.done("compact")
+        for name, why in sorted(compaction.left_out.items()):
+            err.write(f"{PROG}: warning: {name} left out (not taken into the store; tried "
+                      f"again next run): {why}\n")
         raw = columnar_store.read()
         files = compaction.files
         if raw is None:
