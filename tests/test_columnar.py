@@ -154,3 +154,13 @@ def test_store_schema_keeps_every_archive_field_but_the_payload():
     assert "payload_b64" not in names
     assert {"id", "host", "reason", "message_key", "payload_preview", "_corrupt_record",
             "_file", "day", "batch"} <= names
+
+
+def test_a_store_it_cannot_use_is_a_clear_error(spark, generated, tmp_path, capsys):
+    archive = archive_of(tmp_path, generated[:1])
+    status = job.main(["--input", str(archive), "--output", str(tmp_path / "out"),
+                       "--store", "/proc/rqp-store"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "error: --store /proc/rqp-store: cannot use it as the columnar store" in err
+    assert "Traceback" not in err

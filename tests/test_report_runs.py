@@ -43,6 +43,9 @@ def test_each_reasons_rule_loads_in_the_replay_tool_and_acts_on_that_reason(reas
     other = "NO_ROUTE" if reason != "NO_ROUTE" else "QUEUE_FULL"
     assert replay.decide(loaded, dict(ROW, reason=other), 0).action == "keep"
     assert text.startswith("# ") and "\nrules:\n" in text  # says why, then the rule
+    if expected == "retry":  # never for ever (the handler applies it to each dead letter)
+        (rule,) = loaded
+        assert (rule.retries, rule.interval, rule.then) == (rules.RETRIES, 600.0, "keep")
 
 
 def test_transient_reasons_retry_and_intrinsic_ones_never_do():

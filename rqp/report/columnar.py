@@ -50,7 +50,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pyspark.sql import DataFrame, SparkSession
@@ -58,7 +58,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DateType, StringType, StructField, StructType
 
 from rqp.report import analysis, files
-from rqp.report.common import local_path
+from rqp.report.common import ReportError, local_path
 from rqp.report.schema import (
     CORRUPT_RECORD_COLUMN, READ_SCHEMA, READABLE_SCHEMAS,
 )
@@ -156,13 +156,28 @@ class Store:
 
     # -- compaction ------------------------------------------------------------------------
 
+    @contextmanager
     def _lock(self):
+        """One compaction at a time (a local store); the store's directory made if need be."""
         local = local_path(self.path)
         if local is None:  # a shared store: one report job at a time is the operator's to ensure
-            return nullcontext()
-        from rqp.storage.archive import lock_file
+            yield
+            return
+        from rqp.storage.archive import ArchiveError, lock_file
 
-        return lock_file(os.path.join(local, ".lock"), f"a compaction of {self.path}")
+        try:
+            os.makedirs(local, exist_ok=True)
+            held = lock_file(os.path.join(local, ".lock"), f"a compaction of {self.path}")
+            held.__enter__()
+        except OSError as exc:
+            raise ReportError(f"--store {self.path}: cannot use it as the columnar store: "
+                              f"{exc.strerror or exc}") from None
+        except ArchiveError as exc:
+            raise ReportError(f"--store {self.path}: {exc}") from None
+        try:
+            yield
+        finally:
+            held.__exit__(None, None, None)
 
     def _remove_uncommitted(self, committed: dict[str, dict]) -> int:
         removed = 0

@@ -31,6 +31,10 @@ from rqp.protocol import reasons as _reasons
 __all__ = ["suggested_action", "replay_rule", "replay_command"]
 
 _UNKNOWN = re.compile(r"UNKNOWN_[0-9]+")
+#: A suggested retry's limits (as in config/dlq-rules.example.yaml): applied by the handler to
+#: each new dead letter, a retry without them would go on every minute for ever.
+RETRIES = 5
+INTERVAL = "10m"
 
 
 def suggested_action(reason: str | None) -> str | None:
@@ -65,7 +69,11 @@ def replay_rule(reason: str | None) -> str | None:
         return None
     comment = "\n".join(f"# {line}" for line in textwrap.wrap(_why(reason), 88))
     # A JSON string is a YAML double-quoted scalar; the names have no wildcard characters.
-    return f"{comment}\nrules:\n  - reason: {json.dumps(reason)}\n    action: {action}\n"
+    rule = f"{comment}\nrules:\n  - reason: {json.dumps(reason)}\n    action: {action}\n"
+    if action == "retry":  # never for ever: the handler would retry it every minute
+        rule += (f"    retries: {RETRIES}   # at most {RETRIES} times ...\n"
+                 f"    interval: {INTERVAL}   # ... {INTERVAL} apart; then it is kept\n")
+    return rule
 
 
 def replay_command(archive: str | None, rules_file: str) -> str:
