@@ -58,3 +58,24 @@ def test_the_report_runs_unchanged_on_a_standalone_cluster(spark, generated, tmp
         assert csv_lines(tmp_path / "cluster-out", table) == csv_lines(tmp_path / "local-out", table)
     print(f"cluster {cluster_seconds:.1f} s (with its driver's start), local[2] "
           f"{local_seconds:.1f} s (the test session, started)")
+
+
+@pytest.mark.parametrize("master", ["bogus", "local[0]", "spark:/x", "local[two]"])
+def test_a_master_that_is_not_a_url_is_refused_before_spark_starts(master, tmp_path, capsys):
+    from rqp.report import job
+
+    with pytest.raises(SystemExit) as exit_:
+        job.parse_args(["--input", str(tmp_path), "--output", str(tmp_path / "o"),
+                        "--master", master])
+    assert exit_.value.code == 2
+    assert f"--master {master}: not a Spark master URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("master", ["local", "local[*]", "local[2]", "local[2,3]",
+                                    "spark://a:7077,b:7077", "yarn", "k8s://https://k:6443"])
+def test_the_master_urls_spark_takes_are_taken(master, tmp_path):
+    from rqp.report import job
+
+    args = job.parse_args(["--input", str(tmp_path), "--output", str(tmp_path / "o"),
+                           "--master", master])
+    assert args.master == master

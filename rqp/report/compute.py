@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from pyspark import SparkConf, SparkContext, StorageLevel
-from pyspark.errors import AnalysisException, PySparkRuntimeError
+from py4j.protocol import Py4JError
+from pyspark.errors import AnalysisException, PySparkException, PySparkRuntimeError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from rqp.report import analysis, columnar
 from rqp.report import html as report_html
 from rqp.report import rules, trends
+from rqp.protocol.errors import RQPError
 from rqp.report.common import PROG, ReportError
 from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
@@ -513,5 +515,50 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
             builder = builder.master("local[*]")
         return builder.getOrCreate(), not existing
     except PySparkRuntimeError as exc:  # the JVM did not start (no Java, a Java too old, ...)
-        raise ReportError(f"Spark did not start: {_first_line(exc)} (Spark's own words are "
-                          "above; PySpark needs a Java 17 or later runtime)") from None
+        text = _first_line(exc)
+        hint = ("PySpark needs a Java 17 or later runtime" if "JAVA_GATEWAY" in text
+                or "Java gateway" in text else _MASTER_HINT)
+        raise ReportError(f"Spark did not start: {text} (Spark's own words are above; "
+                          f"{hint})") from None
+    except Py4JError as exc:  # the JVM started, the cluster did not take the application
+        hint = ("is a Spark master running at that address, reachable from here, with a worker "
+                "free? Spark's log above says what it tried" if url.startswith("spark://")
+                else _MASTER_HINT)
+        raise ReportError(f"Spark did not start with --master {url}: {_java_first_line(exc)} "
+                          f"({hint})") from None
+
+
+_MASTER_HINT = "a master is local[N], spark://HOST:PORT, yarn or k8s://https://HOST:PORT"
+
+
+class SparkFailed(RQPError):
+    """The job failed inside Spark (exit status 1): what Spark said, in one line."""
+
+
+def _java_first_line(exc: BaseException) -> str:
+    java = getattr(exc, "java_exception", None)
+    try:
+        text = str(java.toString()) if java is not None else str(exc)
+    except Exception:  # (a Py4J error whose text cannot be fetched any more)
+        text = type(exc).__name__
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def explain_failure(spark: SparkSession, exc: BaseException, master: str | None) -> RQPError:
+    """A failure raised by Spark during a run, as one :class:`SparkFailed` line: a context
+    that stopped on its own means the cluster went away or never answered."""
+    try:
+        stopped = spark.sparkContext._jsc is None or spark.sparkContext._jsc.sc().isStopped()
+    except Exception:
+        stopped = True
+    if stopped:
+        return SparkFailed(
+            f"the Spark context stopped during the run (master "
+            f"{master or spark.sparkContext.master}): no master answered at that address, the "
+            f"cluster had no worker with the cores and memory asked for, or the driver ran out "
+            f"of memory; Spark's log above says which ({_java_first_line(exc)})")
+    return SparkFailed(f"Spark failed: {_java_first_line(exc)} (Spark's log is above)")
+
+
+def is_spark_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (Py4JError, PySparkException))

@@ -74,6 +74,7 @@ import argparse
 import glob
 import importlib
 import importlib.util
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -175,6 +176,11 @@ def run_drain(archive: str) -> None:
         raise ReportError(f"--drain: {' '.join(cmd)} failed (exit status {status})")
 
 
+#: The master URLs Spark takes (checked before Spark starts: Spark's own answer to a typo is
+#: that its Java gateway exited).
+MASTER_RE = re.compile(r"local(\[(\*|[1-9][0-9]*)(,[1-9][0-9]*)?\])?|spark://\S+|yarn|k8s://\S+")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -214,6 +220,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the drain's archive directory (the input when --input is not "
                              "given)")
     args = parser.parse_args(argv)
+    if args.master is not None and not MASTER_RE.fullmatch(args.master):
+        parser.error(f"--master {args.master}: not a Spark master URL (local, local[N], "
+                     "local[*], spark://HOST:PORT, yarn, k8s://https://HOST:PORT)")
     if args.keep is not None and not args.reports:
         parser.error("--keep needs --reports DIR")
     if args.keep is None:
@@ -278,6 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 compute.run_report(spark, args.input, args.output, traffic=args.traffic,
                                    store=args.store, previous=args.previous)
+        except Exception as exc:
+            if not compute.is_spark_failure(exc):
+                raise
+            failure = compute.explain_failure(spark, exc, args.master)
+            print(f"{PROG}: error: {failure}", file=sys.stderr)
+            return 1
         finally:
             if created:
                 spark.stop()
