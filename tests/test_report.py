@@ -796,7 +796,8 @@ def test_report_html_renders_in_a_real_browser(report, tmp_path):
         rule = yaml.safe_load(parsed.rules[f"rule-{n}"].split("rqpctl")[0])
         action = "discard" if row["f"]["reason"] in ("MESSAGE_TOO_BIG", "NO_QUEUE_KEY") \
             else "retry"
-        assert rule == {"rules": [{"reason": row["f"]["reason"], "action": action}]}
+        limits = {"retries": 5, "interval": "10m"} if action == "retry" else {}
+        assert rule == {"rules": [{"reason": row["f"]["reason"], "action": action, **limits}]}
 
     shot = tmp_path / "report.png"
     result = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
@@ -846,6 +847,14 @@ def test_report_filters_in_a_real_browser(report, tmp_path):
     assert [e["f"]["reason"] for e in dom.shown("table-reasons")] == ["UNKNOWN_QUEUE"]
     assert [e["id"] for e in dom.filtered if e["tag"] == "div" and not e["off"]] == [
         dom.shown("table-reasons")[0]["id"].replace("reason", "rule")]  # its rule alone
+
+    # as the report names things: case, a trailing dot, a port do not matter
+    dom = _dump_dom(f"{page}#reason=unknown_queue&host=HOSTC.:7460", tmp_path / "profile")
+    assert dom.ids["filter-count"] == "2 of 12 dead letters in the breakdown match"
+    # a value that is not among the choices is not applied, and the page says so
+    dom = _dump_dom(f"{page}#host=nosuchhost", tmp_path / "profile")
+    assert dom.ids["filter-count"] == " host nosuchhost is not among the choices: not applied."
+    assert not [e for e in dom.filtered if e["in"] == "table-breakdown" and e["off"]]
 
     # a queue: its bar and rows only
     dom = _dump_dom(f"{page}#queue=0x00004004", tmp_path / "profile")

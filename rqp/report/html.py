@@ -413,9 +413,15 @@ SCRIPT = """(function () {
       total += n;
       if (!tr.classList.contains("off")) { shown += n; }
     });
-    document.getElementById("filter-count").textContent = any ?
+    var partial = form.getAttribute("data-partial");
+    document.getElementById("filter-count").textContent = (any ?
       shown.toLocaleString("en") + " of " + total.toLocaleString("en") +
-      " dead letters in the breakdown match" : "";
+      (partial ? " dead letters in the breakdown's " + partial + " rows match (the CSV " +
+       "by_reason_queue_host has every row)" : " dead letters in the breakdown match") : "") +
+      unmatched.map(function (u) {
+        return " " + u + " is not among the choices" + (partial ? " (those of the " +
+          "breakdown's largest rows)" : "") + ": not applied.";
+      }).join("");
     var parts = names.filter(function (k) { return k in w; }).map(function (k) {
       return k + "=" + encodeURIComponent(w[k]);
     });
@@ -424,21 +430,30 @@ SCRIPT = """(function () {
                            location.pathname + location.search);
     } catch (e) { /* a file: URL may refuse; the filters work the same */ }
   }
+  // An address's value is matched as the report names things: case, a trailing dot and
+  // a port do not matter (VM:7460 is vm; queue_full is QUEUE_FULL).
+  function same(v) {
+    return String(v).toLowerCase().replace(/:[0-9]+$/, "").replace(/\\.$/, "");
+  }
+  var unmatched = [];
   location.hash.replace(/^#/, "").split("&").forEach(function (part) {
-    var at = part.indexOf("="), select, value;
+    var at = part.indexOf("="), select, value, found = false;
     if (at < 0 || names.indexOf(part.slice(0, at)) < 0) { return; }
     try { value = decodeURIComponent(part.slice(at + 1)); } catch (e) { return; }
     select = form.elements[part.slice(0, at)];
-    for (var j = 0; j < select.options.length; j++) {
-      if (select.options[j].value && JSON.parse(select.options[j].value) === value) {
+    for (var j = 0; j < select.options.length && !found; j++) {
+      if (select.options[j].value && same(JSON.parse(select.options[j].value)) === same(value)) {
         select.selectedIndex = j;
+        found = true;
       }
     }
+    if (!found) { unmatched.push(part.slice(0, at) + " " + value); }
   });
-  form.addEventListener("change", apply);
+  form.addEventListener("change", function () { unmatched = []; apply(); });
   form.addEventListener("submit", function (e) { e.preventDefault(); });
   document.getElementById("filter-clear").addEventListener("click", function () {
     names.forEach(function (k) { form.elements[k].selectedIndex = 0; });
+    unmatched = [];
     apply();
   });
   form.hidden = false;
@@ -489,9 +504,11 @@ def _trends_section(trends: dict, reason_ids: dict) -> str:
         numeric={1}, attrs=[_f(reason=r["reason"]) for r in trends["new_reasons"]]))
     jumped = trends["queues_jumped"]
     out.append('<h3>Queues whose dead-letter rate jumped</h3>')
-    out.append(hbar_chart("chart-queues-jumped", "Dead letters per hour now, queues that jumped",
-                          [(_queue_label(q), q["rate_per_hour"], {"queue": _queue_id(q)})
-                           for q in jumped], color="#cc6677"))
+    if jumped:  # (with none, the table alone says so: not a chart that says "none" too)
+        out.append(hbar_chart("chart-queues-jumped",
+                              "Dead letters per hour now, queues that jumped",
+                              [(_queue_label(q), q["rate_per_hour"], {"queue": _queue_id(q)})
+                               for q in jumped], color="#cc6677"))
     out.append(_table(
         "table-queues-jumped", ["queue", "dead letters (before)", "rate now", "rate before",
                                 "factor"],
@@ -501,9 +518,10 @@ def _trends_section(trends: dict, reason_ids: dict) -> str:
         numeric={1, 2, 3, 4}, attrs=[_f(queue=_queue_id(q)) for q in jumped]))
     growing = trends["growing_hosts"]
     out.append('<h3>Growing hosts</h3>')
-    out.append(hbar_chart("chart-hosts-growing", "Growth of dead letters per hour, by host",
-                          [(f'{h["host"]} ({h["role"]})', h["growth_per_hour"],
-                            {"host": [h["host"]]}) for h in growing], color="#882255"))
+    if growing:
+        out.append(hbar_chart("chart-hosts-growing", "Growth of dead letters per hour, by host",
+                              [(f'{h["host"]} ({h["role"]})', h["growth_per_hour"],
+                                {"host": [h["host"]]}) for h in growing], color="#882255"))
     out.append(_table(
         "table-hosts-growing", ["host", "as", "dead letters (before)", "rate now",
                                 "rate before"],
@@ -569,7 +587,10 @@ def render(summary: dict, timeline: Timeline, samples: list[dict],
     queues = {}
     for row in breakdown:
         queues.setdefault(_queue_id(row), _queue_label(row))
-    add('<form id="filters" hidden>')
+    all_rows = len(breakdown) if breakdown_total is None else breakdown_total
+    partial = (f' data-partial="{_num(len(shown_breakdown))} largest of {_num(all_rows)}"'
+               if all_rows > len(shown_breakdown) else "")
+    add(f'<form id="filters" hidden{partial}>')
     add(_select("host", "host", hosts))
     add(_select("queue", "queue", sorted(queues, key=str), text=lambda q: queues[q]))
     add(_select("reason", "reason", reasons))
