@@ -598,7 +598,7 @@ def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
     assert "paused         the sending MCA is not taking records: trying again every 0.4s" \
         in lines
     assert follower.summary() == \
-        "replayed 1, forwarded 0, discarded 0, kept 0, failed 1 (stopped by a signal)"
+        "replayed 1, forwarded 0, discarded 0, kept 1, failed 0 (stopped by a signal)"
 
 
 def test_follow_drains_when_the_queue_holds_records_and_retries_a_failed_drain_slowly(

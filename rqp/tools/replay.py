@@ -951,6 +951,12 @@ class Replayer:
             self.send(queue_key, payload, replay_key, mtype=mtype, priority=priority)
         except RQPError as exc:
             self._seen[row_id] = False
+            if isinstance(exc, NotConfirmed) and self.follow:
+                # nothing failed: the row stays, and is put back once a sending MCA runs
+                self.paused = True
+                self.counts["kept"] += 1
+                self._say("waiting", row, decision, f"{exc}; kept until one runs")
+                return
             self.counts["failed"] += 1
             if isinstance(exc, MessageTooBig) and decision.header:
                 exc = RQPError(f"{exc}; the record with its header is {len(payload)} bytes: "
