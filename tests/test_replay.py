@@ -314,6 +314,11 @@ def test_bad_command_lines_name_what_is_wrong(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ctl.main([*base, "--follow", "--poll", "0"])
     assert "--poll: expected a number of seconds > 0, got '0'" in capsys.readouterr().err
+    rqprc = Path(__file__).resolve().parent.parent / "config" / "rqprc.minimal.yaml"
+    assert ctl.main(["dlq", "resubmit", "abcdef", "--archive", str(archive), "--rqprc",
+                     str(rqprc), "--to", "otherhost:7460"]) == 2
+    assert "--to otherhost:7460: expected a queue (key or .rqprc name): RQP cannot pin a " \
+        "host" in capsys.readouterr().err
 
 
 def test_duplicates_held_batches_and_the_limit(tmp_path):

@@ -48,7 +48,7 @@ from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
     DEFAULT_POLL, DEFAULT_RATE, Follower, NotConfirmed, Replayer, ReplayRefused, RetryLedger,
-    TransmissionPutter, load_rules, resubmit,
+    TransmissionPutter, load_rules, names_a_host, resubmit,
 )
 
 log = logging.getLogger("rqp.tools.ctl")
@@ -282,6 +282,8 @@ def _resubmit(args) -> int:
                           "--rqprc (none was found)")
     to = None
     if args.to is not None:
+        if (problem := names_a_host(args.to)) is not None:
+            raise ConfigError(f"--to {args.to}: {problem}")
         try:
             to = config.resolve_queue(args.to)
         except ConfigError as exc:

@@ -137,6 +137,16 @@ _AGE_EXPECTED = "expected a duration: seconds, or a number with ms, s, m, h, d o
                 "10m, 2h, 1d)"
 
 
+def names_a_host(to: object) -> str | None:
+    """What is wrong with a destination that names a host (``web-7:7460``, ``q@web-7``), or
+    None: forward, ``then: forward`` and ``resubmit --to`` take a queue."""
+    if isinstance(to, str) and ("@" in to or ":" in to.strip().removeprefix("0x")):
+        return ("expected a queue (key or .rqprc name): RQP cannot pin a host, the sending MCA "
+                "sends to the first host that offers the queue (QUEUE_ASK); to reach one host, "
+                "forward to a queue only that host offers")
+    return None
+
+
 def parse_age(value: object) -> float:
     """Seconds from a number or ``'500ms'``, ``'30s'``, ``'10m'``, ``'2h'``, ``'1d'``, ``'1w'``."""
     seconds = None
@@ -362,10 +372,8 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
             check.fail(path, f"{what} needs key 'to': the queue (key or .rqprc name) to "
                        "forward to")
         to = raw["to"]
-        if isinstance(to, str) and ("@" in to or ":" in to.strip().removeprefix("0x")):
-            bad("to", to, "expected a queue (key or .rqprc name): RQP cannot pin a host, the "
-                "sending MCA sends to the first host that offers the queue (QUEUE_ASK); to "
-                "reach one host, forward to a queue only that host offers")
+        if (problem := names_a_host(to)) is not None:
+            bad("to", to, problem)
         fields["to"] = queue_key("to", to)
         if raw.get("header") is not None:
             header = raw["header"]
