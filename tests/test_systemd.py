@@ -250,3 +250,36 @@ def test_root_stages_the_tree_with_the_target_hosts_paths(scratch):
         if made:
             Path("/opt/rqp").rmdir()
     assert out.returncode == 0 and out.stdout.startswith("usage: rqp-sender"), out.stderr
+
+
+def test_the_target_host_makes_the_user_and_the_owners_again(scratch, tmp_path):
+    """A new user found a tree staged with --root carries the scratch user database's ids: the
+    sysusers.d and tmpfiles.d snippets it installs make the user and the owners on the target
+    host, with that host's ids (systemd-sysusers / systemd-tmpfiles run on an image root)."""
+    sysusers = scratch / "usr/lib/sysusers.d/rqp.conf"
+    tmpfiles = scratch / "usr/lib/tmpfiles.d/rqp.conf"
+    assert sysusers.read_bytes() == (REPO / "config/rqp.sysusers.conf").read_bytes()
+    assert tmpfiles.read_bytes() == (REPO / "config/rqp.tmpfiles.conf").read_bytes()
+    image = tmp_path / "image"
+    (image / "etc").mkdir(parents=True)
+    # an image whose ids 999 are taken already: rqp gets others
+    (image / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n"
+                                      "other:x:999:999::/:/usr/sbin/nologin\n")
+    (image / "etc/group").write_text("root:x:0:\nother:x:999:\n")
+    for snippet, tool in ((sysusers, "systemd-sysusers"), (tmpfiles, "systemd-tmpfiles")):
+        target = image / snippet.relative_to(scratch)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(snippet, target)
+    (image / "etc/rqp").mkdir()
+    made = subprocess.run(["systemd-sysusers", f"--root={image}"], capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    gid = int([line for line in (image / "etc/group").read_text().splitlines()
+               if line.startswith("rqp:")][0].split(":")[2])
+    assert gid != 999
+    owned = subprocess.run(["systemd-tmpfiles", f"--root={image}", "--create"],
+                           capture_output=True, text=True, timeout=60)
+    assert owned.returncode == 0, owned.stderr
+    assert (image / "var/lib/rqp").stat().st_gid == gid
+    assert (image / "etc/rqp").stat().st_gid == gid
+    assert (image / "etc/rqp").stat().st_mode & 0o777 == 0o750
