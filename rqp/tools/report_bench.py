@@ -8,7 +8,7 @@ letters, time per phase.
    file is a function of the seed and its number only, so the first 5 files are exactly what
    generating 1 million lines writes, and one generation serves every size). One file more than
    the largest size is generated: the incremental runs' new file;
-2. starts one SparkSession (``local[2]`` by default, ``spark.driver.memory`` 4g; or
+2. starts one SparkSession (``local[2]`` by default, ``spark.driver.memory`` 8g; or
    ``--cluster``: a standalone cluster of one worker started from PySpark's own spark-class,
    :mod:`rqp.tools.spark_standalone`) and runs the job once on a small archive to warm the JVM
    up (not counted);
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", action="store_true",
                         help="start a one-worker standalone cluster (PySpark's spark-class) and "
                              "use it as the master")
-    parser.add_argument("--driver-memory", default="4g")
+    parser.add_argument("--driver-memory", default="8g",
+                        help="(default 8g: at 4g the 50 M run ran out of memory)")
     parser.add_argument("--executor-memory", default="4g", help="with --cluster")
     parser.add_argument("--processes", type=int, default=2, help="generator processes")
     parser.add_argument("--data", metavar="DIR",
