@@ -96,6 +96,10 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
     assert summary["totals"]["lines"] == 2 * PER_FILE + 2  # none of newer's lines
     assert summary["totals"]["unreadable_lines"] == 1  # {"schema": 2, "id": "abc"}
 
+    again = report(spark, archive, tmp_path / "out1", store)  # nothing fixed yet: no batch
+    assert again["store"]["batch"] is None and again["store"]["batches"] == 1
+    assert set(again["store"]["left_out"]) == set(summary["store"]["left_out"])
+
     newer.write_text(json.dumps(dict(good, id="n1")) + "\n")  # (the report was upgraded)
     garbage.unlink()
     later = report(spark, archive, tmp_path / "out2", store)

@@ -206,12 +206,16 @@ class Store:
             batch = None
             new_lines = 0
             left_out: dict[str, str] = {}
+            took: dict[str, int] = {}
             if new:
                 batch = (_dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
                          + "-" + secrets.token_hex(4))
                 took, left_out = self._write_batch(batch, new, read_archives)
                 new_lines = sum(took.values())
                 _crash_point("write")
+            if not took:  # nothing new, or only files left out: no batch (a record a day for
+                batch = None  # a file that stays unreadable would only pile up)
+            else:
                 record = {"batch": batch, "files": sorted(took), "lines": new_lines,
                           "left_out": left_out,
                           "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
