@@ -77,6 +77,16 @@ def test_the_journal_is_fsynced_before_the_take_and_before_the_frame(testbed):
         assert synced < sent, (marker, events[synced], events[sent])
 
 
+def _answer_writes(events: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(index, how many DELIVERED_YES frames) of each socket write made only of them."""
+    out = []
+    for i, (_, text) in enumerate(events):
+        m = re.match(r'(?:sendto|sendmsg|write|writev)\([0-9]+, "((?:\\2\\0)+)"', text)
+        if m:
+            out.append((i, m[1].count("\\2\\0")))
+    return out
+
+
 def _completed(events: list[tuple[int, str]], start: int) -> int:
     """The index where the call begun at ``start`` returned (its own line, or its
     "resumed" line in the same thread)."""
@@ -111,6 +121,7 @@ def test_the_receiver_answers_only_after_the_dedup_window_is_fsynced(testbed):
     events = _events(trace_path.read_text(errors="replace"))
     dedup_fd = next(re.search(r"= (\d+)$", t)[1] for _, t in events
                     if t.startswith("openat(") and "receiver.dedup" in t and "= -1" not in t)
+    assert sum(n for _, n in _answer_writes(events)) == len(markers)  # one answer each
     for marker in markers:
         put = next(i for i, (_, t) in enumerate(events) if "msgsnd(" in t and marker in t)
         write = next(i for i in range(put + 1, len(events))
@@ -118,10 +129,12 @@ def test_the_receiver_answers_only_after_the_dedup_window_is_fsynced(testbed):
         synced = _completed(events, next(i for i in range(write + 1, len(events))
                                          if events[i][1].startswith(f"fsync({dedup_fd}")))
         assert events[synced][1].endswith("= 0"), events[synced]
-        # the answer on the socket: not stderr (2), nor the one byte "\0" by which the writer
-        # thread wakes the event loop (asyncio's self-pipe: call_soon_threadsafe), which CI saw
-        # between the fsync and the answer of another message and took for the answer
-        answer = next(i for i in range(put + 1, len(events))
-                      if re.match(r'(sendto|sendmsg|write|writev)\((?!2,)(?![0-9]+, "\\0", 1[,)])',
-                                  events[i][1]))
+        # The answer: the write on the socket that carries this message's DELIVERED_YES
+        # (frame "\2\0"). Answers go in order, several to a write when messages share a
+        # commit, so the k-th answer written is the k-th message's. (Not "the first write
+        # after the put": with the messages in flight together, that was the previous
+        # message's answer, and last CI also took the writer thread's one-byte wake-up of the
+        # event loop for one.)
+        k = markers.index(marker)
+        answer = next(i for i, n in _answer_writes(events) if (k := k - n) < 0)
         assert synced < answer, (marker, events[synced], events[answer])
