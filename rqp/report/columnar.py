@@ -50,7 +50,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from pyspark.sql import DataFrame, SparkSession
@@ -160,24 +160,20 @@ class Store:
     def _lock(self):
         """One compaction at a time (a local store); the store's directory made if need be."""
         local = local_path(self.path)
-        if local is None:  # a shared store: one report job at a time is the operator's to ensure
-            yield
-            return
-        from rqp.storage.archive import ArchiveError, lock_file
+        with ExitStack() as held:
+            if local is not None:  # (a shared store: one job at a time is the operator's part)
+                from rqp.storage.archive import ArchiveError, lock_file
 
-        try:
-            os.makedirs(local, exist_ok=True)
-            held = lock_file(os.path.join(local, ".lock"), f"a compaction of {self.path}")
-            held.__enter__()
-        except OSError as exc:
-            raise ReportError(f"--store {self.path}: cannot use it as the columnar store: "
-                              f"{exc.strerror or exc}") from None
-        except ArchiveError as exc:
-            raise ReportError(f"--store {self.path}: {exc}") from None
-        try:
+                try:
+                    os.makedirs(local, exist_ok=True)
+                    held.enter_context(lock_file(os.path.join(local, ".lock"),
+                                                 f"a compaction of {self.path}"))
+                except OSError as exc:
+                    raise ReportError(f"--store {self.path}: cannot use it as the columnar "
+                                      f"store: {exc.strerror or exc}") from None
+                except ArchiveError as exc:
+                    raise ReportError(f"--store {self.path}: {exc}") from None
             yield
-        finally:
-            held.__exit__(None, None, None)
 
     def _remove_uncommitted(self, committed: dict[str, dict]) -> int:
         removed = 0

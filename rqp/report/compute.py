@@ -477,7 +477,13 @@ def format_reason_table(summary: dict) -> str:
 # ------------------------------------------------------------------------------------------
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The first line of what ``exc`` says: for a Java exception through Py4J, the Java one's
+    (the Python text of a Py4J error may not be fetchable any more)."""
+    java = getattr(exc, "java_exception", None)
+    try:
+        text = str(java.toString() if java is not None else exc).strip()
+    except Exception:
+        text = ""
     return text.splitlines()[0] if text else type(exc).__name__
 
 
@@ -524,7 +530,7 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
         hint = ("is a Spark master running at that address, reachable from here, with a worker "
                 "free? Spark's log above says what it tried" if url.startswith("spark://")
                 else _MASTER_HINT)
-        raise ReportError(f"Spark did not start with --master {url}: {_java_first_line(exc)} "
+        raise ReportError(f"Spark did not start with --master {url}: {_first_line(exc)} "
                           f"({hint})") from None
 
 
@@ -533,15 +539,6 @@ _MASTER_HINT = "a master is local[N], spark://HOST:PORT, yarn or k8s://https://H
 
 class SparkFailed(RQPError):
     """The job failed inside Spark (exit status 1): what Spark said, in one line."""
-
-
-def _java_first_line(exc: BaseException) -> str:
-    java = getattr(exc, "java_exception", None)
-    try:
-        text = str(java.toString()) if java is not None else str(exc)
-    except Exception:  # (a Py4J error whose text cannot be fetched any more)
-        text = type(exc).__name__
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def explain_failure(spark: SparkSession, exc: BaseException, master: str | None) -> RQPError:
@@ -556,8 +553,8 @@ def explain_failure(spark: SparkSession, exc: BaseException, master: str | None)
             f"the Spark context stopped during the run (master "
             f"{master or spark.sparkContext.master}): no master answered at that address, the "
             f"cluster had no worker with the cores and memory asked for, or the driver ran out "
-            f"of memory; Spark's log above says which ({_java_first_line(exc)})")
-    return SparkFailed(f"Spark failed: {_java_first_line(exc)} (Spark's log is above)")
+            f"of memory; Spark's log above says which ({_first_line(exc)})")
+    return SparkFailed(f"Spark failed: {_first_line(exc)} (Spark's log is above)")
 
 
 def is_spark_failure(exc: BaseException) -> bool:
