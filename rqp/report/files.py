@@ -18,7 +18,7 @@ import uuid
 from rqp.report.common import ReportError, local_path
 from rqp.system.files import write_file_atomically
 
-__all__ = ["join", "write_text", "read_text", "list_names", "delete", "exists"]
+__all__ = ["join", "write_text", "read_text", "list_names", "delete"]
 
 
 def join(base: str, *parts: str) -> str:
@@ -81,14 +81,6 @@ def list_names(spark, directory: str) -> list[str]:
     if not fs.exists(hadoop_path):
         return []
     return sorted(status.getPath().getName() for status in fs.listStatus(hadoop_path))
-
-
-def exists(spark, path: str) -> bool:
-    local = local_path(path)
-    if local is not None:
-        return os.path.exists(local)
-    hadoop_path, fs = _hadoop(spark, path)
-    return bool(fs.exists(hadoop_path))
 
 
 def delete(spark, path: str) -> None:
