@@ -151,6 +151,29 @@ def test_scale_sweeps_run_every_case_and_leave_nothing_behind(tmp_path):
     assert set(Path("/tmp").glob("rqp-scale-*")) == before  # its working directory is gone
 
 
+def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
+    """Issue 14, scale: a receiver serving 10 sending *hosts* (each agent in network and IPC
+    namespaces of its own, over the testbed's bridge), the agents talking mutual TLS; every
+    message checked, and the hosts' namespaces gone afterwards."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "scale.json"
+    netns = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                               check=True).stdout.split())
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "senders",
+                           "--hosts", "--tls", "--messages", "400", "--rounds", "1",
+                           "--json", str(figures)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(figures.read_text())
+    assert [(c["senders"], c["hosts"], c["tls"]) for c in data] == [(1, True, True),
+                                                                   (10, True, True)]
+    assert all(c["msg_per_s"][0] > 0 and c["cpu_us"]["receiving MCA"][0] > 0 for c in data)
+    assert "SURE 100 B, TLS, each agent on a simulated host of its own" in proc.stdout
+    left = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                              check=True).stdout.split()) - netns
+    assert not {name for name in left if name.startswith("scale-")}
+
+
 @pytest.mark.parametrize("args, error", [
     (["--sweeps", "keys,hosts"], "unknown sweep(s) hosts"),
     (["--size", "99999"], "--size 99999: a payload of 10..{largest} bytes"),

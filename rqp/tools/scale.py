@@ -9,6 +9,12 @@ per producer and queue):
   transmission queue, journal and state directory, fed by a producer of its own (on this one
   machine they share the CPU and the IPC namespace, nothing else).
 
+``--hosts`` puts every agent on a simulated host of its own instead (the test suite's testbed,
+tests/testbed.py, so it needs the source checkout): a network namespace with its own address
+on a bridge and an IPC namespace of its own, so that the receiving MCA serves 10 sending hosts
+over veth links, each sending host's transmission queue and producer invisible to the others.
+``--tls`` has the agents talk mutual TLS (a CA and certificates made for the run).
+
 Per case: messages/s (median over the rounds, first put to last take) and CPU microseconds per
 message of each kind of process (the sum over the processes of that kind, from /proc), so that
 "flat from 1 to 1,000 queue keys" can be read off directly. The consumer is one process that
@@ -23,6 +29,7 @@ raises ``kernel.msgmnb`` there, and removes everything it made at the end.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -45,10 +52,9 @@ from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import LocalQueue, kernel_limits
-from rqp.system.service import sender_serving
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, free_port,
-    START_TIMEOUT, port_open, process_cpu_ns, reexec_isolated, say, unused_key, wait_started,
+    START_TIMEOUT, process_cpu_ns, reexec_isolated, say, unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
@@ -67,11 +73,32 @@ def _tail(size: int) -> bytes:
     return bytes((i * 7 + 3) & 0xFF for i in range(size - HEAD.size))
 
 
+_CLONE_NEWIPC = 0x08000000
+
+
+def enter_ipc_namespace(where: str | int) -> None:
+    """setns(2) this thread into the IPC namespace of the nsfs file ``where`` (a path, or an
+    open descriptor); os.setns is Python 3.12's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = where if isinstance(where, int) else os.open(where, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWIPC) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into the IPC namespace {where}: {os.strerror(err)}")
+    finally:
+        if fd is not where:
+            os.close(fd)
+
+
 def producer_main(parent: int, number: int, rqprc: str, keys: list[int], tag: int,
-                  count: int, size: int, msg_type: int, start, cpu) -> None:
+                  count: int, size: int, msg_type: int, start, cpu,
+                  ipc_ns: str | None = None) -> None:
     """Send ``count`` messages round-robin over ``keys``, after ``start`` (a barrier); put the
-    CPU ns it spent sending in ``cpu[number]``."""
+    CPU ns it spent sending in ``cpu[number]``. ``ipc_ns``: the IPC namespace of the simulated
+    host whose sending MCA it feeds (``--hosts``)."""
     _child_setup(parent)
+    if ipc_ns:
+        enter_ipc_namespace(ipc_ns)
     handles = [rqp.openConnection(k, rqprc=rqprc, start_sender=False) for k in keys]
     tail, pack, send, n = _tail(size), HEAD.pack, rqp.sendMessage, len(handles)
     start.wait()
@@ -165,12 +192,20 @@ class Scale:
         self.queues: list[LocalQueue] = []
         self.taken: set[int] = set()
         self.msg_type = SURE_MSG if args.type == "SURE" else UNSURE_MSG
+        # --hosts: the case's simulated hosts (a Testbed), and while they exist this thread is
+        # in the receiving host's IPC namespace (its queues, the consumer), ours kept in home
+        self.bed = self.receiving_host = None
+        self.sending_hosts: list = []
+        self.home: int | None = None
+        self.tls_dir = workdir / "tls"
 
     # --- one case -----------------------------------------------------------------------------
 
     def run_case(self, case: Case) -> None:
         args, n = self.args, self.args.messages
         try:
+            if args.hosts:
+                self._make_hosts(case.senders)
             dest = self._make_queues(case.keys)
             receiver, port = self._start_receiver()
             senders = [self._start_sender(i, port) for i in range(case.senders)]
@@ -188,7 +223,8 @@ class Scale:
                 ours.send(("consume", tag, per, args.size, self.msg_type == SURE_MSG))
                 producers = [ctx.Process(target=producer_main, args=(
                     os.getpid(), i, str(senders[i % case.senders][1]), dest, tag, per[i],
-                    args.size, self.msg_type, start, cpu)) for i in range(case.producers)]
+                    args.size, self.msg_type, start, cpu, senders[i % case.senders][2]))
+                    for i in range(case.producers)]
                 for p in producers:
                     p.start()
                 self.procs += producers
@@ -228,51 +264,98 @@ class Scale:
         finally:
             self.stop_all()
 
+    def _make_hosts(self, senders: int) -> None:
+        """A receiving host and ``senders`` sending hosts; this thread enters the receiving
+        host's IPC namespace (the destination queues and the consumer live there)."""
+        try:
+            from tests.testbed import Testbed, TestbedError
+        except ImportError as exc:
+            raise BenchError(f"--hosts runs the agents on the test suite's simulated hosts "
+                             f"(tests/testbed.py), which this installation lacks ({exc}): run "
+                             "scripts/bench --scale --hosts from a clone of the project") from None
+        try:
+            self.bed = Testbed(name_prefix="scale", sysctls={"kernel.msgmnb": 1 << 22})
+            self.receiving_host = self.bed.add_host("r")
+            self.sending_hosts = [self.bed.add_host(f"s{i}") for i in range(senders)]
+        except TestbedError as exc:
+            raise BenchError(f"cannot make the simulated hosts: {exc}") from None
+        self.home = os.open("/proc/thread-self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        enter_ipc_namespace(self.receiving_host.ipc_ns_path)
+
     def _make_queues(self, count: int) -> list[int]:
         base = unused_key(self.taken, count)
         for key in range(base, base + count):
             self.queues.append(LocalQueue.create(key, mode=0o600))
         return list(range(base, base + count))
 
-    def _popen(self, argv: list[str], log: Path) -> subprocess.Popen:
+    def _popen(self, argv: list[str], log: Path, host=None) -> subprocess.Popen:
         with open(log, "ab") as log_file:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=log_file, cwd=str(self.workdir),
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            if host is not None:  # (killed by the testbed's close, whatever happens to us)
+                proc = host.popen(argv, stdout=subprocess.DEVNULL, stderr=log_file,
+                                  cwd=str(self.workdir))
+            else:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=log_file,
+                                        cwd=str(self.workdir), start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         self.procs.append(proc)
         return proc
 
+    def _tls(self, name: str) -> str:
+        """The ``tls:`` block of an agent's config (``--tls``): its certificate from the run's
+        CA, named ``name`` (the receiving MCA: the address the senders dial)."""
+        if not self.args.tls:
+            return ""
+        from rqp.tools import tls as tls_tool
+
+        if not (self.tls_dir / "ca.crt").exists():  # one CA for the run
+            self.tls_dir.mkdir(exist_ok=True)
+            tls_tool.init_ca(self.tls_dir, name="RQP scale CA")
+        cert, key = tls_tool.issue(name, self.tls_dir, force=True)
+        return "tls: " + json.dumps({"cert": str(cert), "key": str(key),
+                                     "ca": str(self.tls_dir / "ca.crt")}) + "\n"
+
     def _start_receiver(self) -> tuple[subprocess.Popen, int]:
-        port = free_port()
+        host = self.receiving_host
+        port = free_port() if host is None else 7460
+        address = "127.0.0.1" if host is None else host.address
         self.dlq = unused_key(self.taken)
         self.queues.append(LocalQueue.create(self.dlq, mode=0o600))
-        state = self.workdir / f"receiver-{port}"
+        state = self.workdir / f"receiver-{address}-{port}"
         state.mkdir()
         config = state / "receiver.yaml"
-        config.write_text(f"listen: 127.0.0.1:{port}\ndead_letter_queue: {self.dlq:#x}\n"
+        tls = self._tls(address)
+        config.write_text(f"listen: {address}:{port}\ndead_letter_queue: {self.dlq:#x}\n"
                           f"state_dir: {state}\nput_retry_count: 100\nput_retry_interval: 0.1\n"
-                          "offer:\n  allow: ['*']\n")
+                          "offer:\n  allow: ['*']\n"
+                          + (tls or ("plaintext: true\n" if host is not None else "")))
+        log = state / "receiver.log"
         proc = self._popen([sys.executable, "-m", "rqp_agents.receiver", "--config",
-                            str(config)], state / "receiver.log")
-        wait_started("the receiving MCA", lambda: port_open(port), proc, state / "receiver.log")
+                            str(config)], log, host)
+        wait_started("the receiving MCA", lambda: "listening on" in _read(log), proc, log)
+        self.receiver_address = f"{address}:{port}"
         return proc, port
 
-    def _start_sender(self, number: int, port: int) -> tuple[subprocess.Popen, Path]:
+    def _start_sender(self, number: int, port: int) -> tuple[subprocess.Popen, Path, str | None]:
+        host = self.sending_hosts[number] if self.sending_hosts else None
         xmit = unused_key(self.taken, 2)  # (and its semaphores: xmit, xmit + 1)
-        state = self.workdir / f"sender-{xmit:08x}"
+        state = self.workdir / f"sender-{number}-{xmit:08x}"
         state.mkdir()
         rqprc = state / ".rqprc"
         window = f"window: {self.args.window}\n" if self.args.window is not None else ""
-        rqprc.write_text(f"hosts: [127.0.0.1:{port}]\ntransmission_queue: {xmit:#x}\n"
-                         f"dead_letter_queue: {self.dlq:#x}\nstate_dir: {state}\n"
-                         f"ask_timeout: 2s\nconfirm_timeout: 15s\n{window}")
+        # on a host of its own its DEAD.LETTER.Q is that host's default one
+        dlq = f"dead_letter_queue: {self.dlq:#x}\n" if host is None else ""
+        rqprc.write_text(f"hosts: [{self.receiver_address}]\ntransmission_queue: {xmit:#x}\n"
+                         f"{dlq}state_dir: {state}\nask_timeout: 2s\nconfirm_timeout: 15s\n"
+                         f"{window}" + self._tls(f"scale-sender-{number}"))
+        log = state / "sender.log"
         proc = self._popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
-                           state / "sender.log")
-        wait_started(f"sending MCA {number}", lambda: sender_serving(xmit), proc,
-                     state / "sender.log")
-        # (its semaphores, and the marker of its DEAD.LETTER.Q)
-        self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1, self.dlq]
-        return proc, rqprc
+                           log, host)
+        wait_started(f"sending MCA {number}", lambda: "serving transmission queue" in _read(log),
+                     proc, log)
+        if host is None:  # (its semaphores, and the marker of its DEAD.LETTER.Q)
+            self.semaphores = getattr(self, "semaphores", []) + [xmit, xmit + 1, self.dlq]
+        return proc, rqprc, host.ipc_ns_path if host is not None else None
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -303,13 +386,32 @@ class Scale:
             except sysv_ipc.Error:
                 pass
         self.semaphores = []
+        if self.home is not None:  # back home before the hosts' namespaces go
+            enter_ipc_namespace(self.home)
+            os.close(self.home)
+            self.home = None
+        if self.bed is not None:
+            self.bed.close()
+            for problem in self.bed.cleanup_problems:
+                say(f"rqp-scale: cleaning up the simulated hosts: {problem}", err=True)
+            self.bed, self.receiving_host, self.sending_hosts = None, None, []
+
+
+def _read(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 KINDS = ("producer", "sending MCA", "receiving MCA", "consumer")
 
 
 def table(cases: list[Case], args: argparse.Namespace) -> str:
-    lines = [f"{args.type} {args.size} B, {args.messages} messages per round, median of "
+    where = ("each agent on a simulated host of its own" if args.hosts else
+             "every agent on this host")
+    lines = [f"{args.type} {args.size} B, {'TLS' if args.tls else 'plaintext'}, {where}, "
+             f"{args.messages} messages per round, median of "
              f"{args.rounds} round(s) (spread min-max); CPU us per message per kind of process "
              "(summed over its processes)",
              f"{'case':62} {'msg/s':>22} " + " ".join(f"{k:>13}" for k in KINDS)]
@@ -334,6 +436,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (3)")
     parser.add_argument("--window", type=cli.window, help="the sending MCAs' window (default: "
                         ".rqprc's)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="every agent on a simulated host of its own (network and IPC "
+                        "namespaces, tests/testbed.py of the source checkout)")
+    parser.add_argument("--tls", action="store_true",
+                        help="the agents talk mutual TLS (a CA made for the run)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = parser.parse_args(argv)
     unknown = set(args.sweeps.split(",")) - set(SWEEPS)
@@ -377,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(
                 [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
+                  "hosts": args.hosts, "tls": args.tls,
                   "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu}
                  for c in done], indent=2) + "\n")
         return 0
