@@ -482,6 +482,7 @@ def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest
     h.sent()
     [r] = h.core.route_status(h.now + 49)  # 59 s after the route got busy: still running
     assert (r["state"], r["stalled_since"], r["lag"]) == ("running", None, 59.0)
+    assert r["since"] == 100.0  # (running since the route was found)
     [r] = h.core.route_status(h.now + 50)
     assert r["state"] == "stalled" and r["stalled_since"] == 100.0 and r["lag"] == 60.0
     assert r["stalled_why"] == "connected to b, no answer confirmed a message"
@@ -489,6 +490,7 @@ def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest
     h.answer("b", OK)  # the first is confirmed: progress
     [r] = h.core.route_status(h.now + 59)
     assert (r["state"], r["last_confirmed_at"], r["oldest_taken_at"]) == ("running", 165.0, 110.0)
+    assert r["since"] == 165.0  # running again since the stall ended, not since 100
     [r] = h.core.route_status(h.now + 60)
     assert r["state"] == "stalled" and r["stalled_since"] == 165.0
     h.answer("b", OK)

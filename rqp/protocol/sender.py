@@ -354,6 +354,7 @@ class RouteInfo:
     last_error_at: float | None = None
     last_message_at: float | None = None
     last_confirmed_at: float | None = None
+    resumed_at: float | None = None  # when the last stall ended (a confirmation after one)
     last_event: str = "new"
     since: float = 0.0  # when last_event became what it is
     last_event_at: float = 0.0  # when it last happened
@@ -1120,6 +1121,9 @@ class SenderCore:
         self._fire(msg, T.DELIVERED)
         info = self._info(msg.queue_key)
         info.delivered += msg.count
+        if self._now - max(lane.created_at, info.last_confirmed_at or lane.created_at) \
+                >= self.settings.stall_after:
+            info.resumed_at = self._now  # a stall ends: 'running' counts from here
         info.last_confirmed_at = self._now
         self._finished(msg, "confirmed", str(link.host))
         self._actions.append(Delivered(msg, link.host))
@@ -1582,6 +1586,8 @@ class SenderCore:
                     since = max(lane.created_at, info.last_confirmed_at or lane.created_at)
                 elif state == "connecting":
                     since = max(info.since, self._links[host].failed_at)
+                elif state == "running" and info.resumed_at is not None:
+                    since = max(since, info.resumed_at)  # not 'running for 11s' just after a stall
             by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
             for each in ([lane] if lane is not None else []) + [
                     self._lanes.get((key, c["peer_host"])) for c in copies or ()]:
