@@ -162,6 +162,20 @@ def test_unknown_message_code_names_the_value(code):
         decode(bytes([code, 0]))
 
 
+def test_a_peer_that_speaks_text_is_told_apart():
+    """A peer answering 'HTTP/1.1 400 ...' (rqpctl ping to a web server, a trial's finding) is
+    named a text protocol, not only 'unknown message_code 72'."""
+    decoder = FrameDecoder()
+    decoder.receive_data(b"HTTP/1.1 400 Bad Request\r\n")
+    with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 72 \(0x48, 'H': "
+                       r"a text protocol \(HTTP, SMTP, ...\), not an RQP peer\)"):
+        decoder.next_event()
+    decoder = FrameDecoder()
+    decoder.receive_data(bytes([9, 0]))
+    with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 9 \(0x09\)$"):
+        decoder.next_event()
+
+
 @pytest.mark.parametrize("mtype", [2, 0x80, 0xFF])
 def test_bad_message_type_names_the_value(mtype):
     bad = HELLO[:1] + bytes([mtype]) + HELLO[2:]

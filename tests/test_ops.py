@@ -298,6 +298,8 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "started again, 1 message(s) waiting" in out.stdout, out.stdout
     assert receive(b, Q1, 1, timeout=10) == ["held back"]
+    out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
+    assert out.returncode == 2 and "is not stopped: nothing to start" in out.stdout, out.stdout
     for key, why in ((0x52519999, "has sent nothing for it and .rqprc does not name it"),
                      (0x52510000, "own transmission queue or DEAD.LETTER.Q, not a route")):
         out = rqpctl(a, "route", "stop", hex(key), "--rqprc", str(rqprc))  # (a mistyped key)

@@ -150,7 +150,10 @@ def encode_message_ex(message_type: int, key: int, queue_key: int, message: byte
 def _header_error(header: bytes) -> RemoteProtocolError:
     code = header[0]
     if code not in _BY_CODE:
-        return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x})")
+        text = ""
+        if 0x41 <= code <= 0x5A or 0x61 <= code <= 0x7A:  # a letter: the peer speaks text
+            text = f", {chr(code)!r}: a text protocol (HTTP, SMTP, ...), not an RQP peer"
+        return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x}{text})")
     return RemoteProtocolError(
         f"{c.MessageCode(code).name} with message_type {header[1]}: only SURE_MSG (0) and "
         f"UNSURE_MSG (1) exist")
