@@ -167,6 +167,9 @@ class Sender(Daemon):
         if action == "retry" and key in self.core.stopped:
             return {"error": f"route: queue {format_key(key)} is stopped: rqpctl route start "
                              "it first"}
+        if action == "stop" and key in self.core.stopped:
+            return {"error": f"route: queue {format_key(key)} is already stopped (rqpctl route "
+                             "start it to resume)"}
         if action == "start" and key not in self.core.stopped:
             return {"error": f"route: queue {format_key(key)} is not stopped: nothing to start "
                              "(rqpctl route retry ends a back-off)"}

@@ -67,7 +67,8 @@ def _host_status(agent, host, to_wall: float) -> dict:
     beats = agent.core.heartbeat_status(host)
     if beats["heartbeat_failed_at"] is not None:
         beats["heartbeat_failed_at"] += to_wall  # (the core's times are the loop's clock)
-    return {"host": str(host), "connection": agent.core.link_state(host).value, **beats}
+    return {"host": str(host), "connection": agent.core.link_state(host).value,
+            "connection_text": agent.core.connection_text(host), **beats}
 
 
 def sender_metrics(agent) -> str:

@@ -290,6 +290,8 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     assert receive(b, Q1, 1, timeout=10) == ["waited"]
     out = rqpctl(a, "route", "stop", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "stopped: nothing more is sent" in out.stdout, out.stdout
+    out = rqpctl(a, "route", "stop", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
+    assert out.returncode == 2 and "is already stopped" in out.stdout, out.stdout  # (as start)
     send(a, rqprc, Q1, ["held back"])
     wait_for(lambda: route()["waiting"] == 1, timeout=20, message="the message did not wait")
     assert route()["state"] == "stopped"

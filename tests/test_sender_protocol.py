@@ -387,6 +387,31 @@ def test_retry_budget_dead_letters_a_sure_message():
     assert dl.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
 
 
+def test_the_retry_budget_counts_only_tries_that_reached_a_host():
+    """A trial's finding: with retry_max_attempts 3 and a frozen receiver, a QUEUE_ASK timed
+    out (1), the retry due at once met the connection in its back-off and failed in the same
+    instant (2), so the message was dead-lettered after two connections. A round in which no
+    host could be tried is no failed try: it waits for the connection's next chance; and no
+    retry is announced for a message about to be dead-lettered."""
+    h = Harness(hosts=("b",), max_attempts=3, ask_timeout=2.0)
+    h.submit(Q1, SURE_MSG, b"budget")
+    asks = 0
+    for _ in range(30):  # b connects every time and never answers (frozen)
+        asks += sum(isinstance(ev, QueueAsk) for _, ev in h.sent())
+        if h.of(DeadLetter):
+            break
+        h.advance()
+    [dl] = h.of(DeadLetter)
+    assert dl.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED and "after 3 failed tries" in dl.detail
+    assert asks == 3 and len(h.of(Connect)) == 3
+    notes = [a for a in h.log if isinstance(a, Note)]
+    retries = [n.detail for n in notes if n.kind is NoteKind.RETRY_SCHEDULED]
+    tries = [d for d in retries if "when a connection may be made again" not in d]
+    assert [d.split(" in ")[0] for d in tries] == ["attempt 2", "attempt 3"]  # (no 'attempt 4'
+    assert all("no host answered for queue 0x52510001" in d for d in tries)  # before the end)
+    assert any("when a connection may be made again" in d for d in retries)  # (the wait)
+
+
 def test_transition_table_matches_the_seed_diagram():
     seed_states = {"Waiting for message", "Ask for queue", "Sending message",
                    "Waiting for confirmation", "Increase error counter",
@@ -503,13 +528,13 @@ def test_a_route_that_cannot_connect_is_stalled_with_its_last_error():
     h = Harness(hosts=("b",), stall_after=30.0)
     h.submit(Q1, SURE_MSG)
     h.sent(down=("b",))
+    assert h.core.connection_text("b") == "down (cannot connect: Connection refused)"
     [r] = h.core.route_status(h.now + 29)
     assert (r["state"], r["lag"]) == ("retrying", 29.0)  # (until the next round of asking)
     [r] = h.core.route_status(h.now + 30)
     assert (r["state"], r["stalled_since"], r["lag"]) == ("stalled", 100.0, 30.0)
-    assert r["stalled_why"] == ("retrying after errors; last error: no host offers queue "
-                                "0x52510001 (b: cannot connect: Connection refused, next "
-                                "connect in 0.5s)")
+    assert r["stalled_why"] == ("retrying after errors; last error: no host answered for queue "
+                                "0x52510001 (b: cannot connect: Connection refused)")
 
 
 def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_flight():
@@ -542,7 +567,7 @@ def test_unsure_then_sure_to_a_refusing_host_retries_the_sure_one():
     [status] = h.core.route_status()
     assert status["state"] == "retrying" and "b: cannot connect: Connection refused" in \
         status["last_error"]
-    assert status["last_error"].startswith("no host offers queue")
+    assert status["last_error"].startswith("no host answered for queue")  # (none said no)
     for _ in range(4):  # b keeps refusing: the SURE message keeps its retry scheduled
         connects = len(h.of(Connect))
         h.advance()
@@ -709,9 +734,49 @@ def test_a_stopped_route_holds_its_messages_until_started_and_is_never_stalled()
     h.answer("b", OK)  # the one in flight is confirmed as usual
     [r] = [x for x in h.core.route_status(h.now + 100) if x["queue_key"] == Q1]
     assert (r["state"], r["waiting"], r["stalled_since"]) == ("stopped", 2, None)
+    assert r["since"] == 100.0  # stopped since the stop (a trial saw 'stopped 45s' after 8)
+    h.now += 100  # a long stop is not a stall once started: progress counts from the start
     assert h.core.start_route(Q1, h.now) == 2
     sent = [e.message for _, e in h.sent() if isinstance(e, Message)]
     assert sent == [b"held 1", b"held 2"]
+    [r] = [x for x in h.core.route_status(h.now + 9) if x["queue_key"] == Q1]
+    assert (r["state"], r["since"], r["stalled_since"]) == ("running", 200.0, None)
+    [r] = [x for x in h.core.route_status(h.now + 10) if x["queue_key"] == Q1]
+    assert (r["state"], r["stalled_since"]) == ("stalled", 200.0)
+
+
+def test_a_route_running_again_after_its_connection_came_back_counts_from_then():
+    """A trial's finding: a receiver frozen while idle made the route 'connecting 3s', and
+    after SIGCONT it read 'running 45s' (counted from when the route was first found)."""
+    h = Harness(hosts=("b",), heartbeat_interval=30.0, ask_timeout=2.0)
+    # (the hosts line: a trial saw 'down' for a healthy host no message had needed yet)
+    assert h.core.connection_text("b") == "not connected (no message has needed it yet)"
+    h.submit(Q1, SURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", OK)
+    [r] = h.core.route_status()
+    assert (r["state"], r["since"]) == ("running", 100.0)
+    assert h.core.connection_text("b") == "up"
+    h.now += 30
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]  # a heartbeat, unanswered (frozen)
+    h.now += 2
+    h.core.tick(h.now)  # closed: made again with back-off
+    h.now = h.core.next_deadline()
+    h.core.tick(h.now)
+    h.sent()
+    [r] = h.core.route_status()
+    assert r["state"] == "connecting"
+    assert h.core.connection_text("b") == "up, no answer since a lost heartbeat"
+    h.now += 30
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", YES)  # alive again
+    assert h.core.connection_text("b") == "up"
+    [r] = h.core.route_status(h.now + 3)
+    assert (r["state"], r["since"]) == ("running", h.now)
 
 
 def test_an_idle_route_whose_receiver_closed_the_connection_is_idle_not_connecting():

@@ -318,7 +318,7 @@ class NoteKind(enum.Enum):
     ROUTE_FOUND = "route found"
     ROUTE_DROPPED = "route dropped"
     ERROR_COUNTED = "error counter increased"
-    NO_ROUTE = "no host offers the queue"
+    NO_ROUTE = "no route for the queue"
     RETRY_SCHEDULED = "SURE message will be retried"
     CONNECTION_FAILED = "connection failed"
     CONNECTION_CLOSED = "connection closed while idle"
@@ -355,6 +355,8 @@ class RouteInfo:
     last_message_at: float | None = None
     last_confirmed_at: float | None = None
     resumed_at: float | None = None  # when the last stall ended (a confirmation after one)
+    stopped_at: float | None = None  # when an operator last stopped it (rqpctl route stop)
+    started_at: float | None = None  # and started it again (progress counts from then)
     last_event: str = "new"
     since: float = 0.0  # when last_event became what it is
     last_event_at: float = 0.0  # when it last happened
@@ -432,6 +434,7 @@ class _Link:
     heartbeat_failed_at: float | None = None
     failed_at: float = 0.0  # when it last went down
     answered_at: float = 0.0  # when an answer last came
+    up_at: float = 0.0  # when it last connected (or answered again after a lost heartbeat)
 
 
 @dataclass(eq=False, slots=True)
@@ -454,6 +457,11 @@ class _Lane:
     next_expiry_ms: int = 0
     #: A copies lane's host said QUEUE_NO in this round.
     declined: bool = False
+    #: A host was asked (or connected to) in this round, not only passed over because its
+    #: connection was in its back-off.
+    contacted: bool = False
+    #: A host answered QUEUE_NO in this round (else none answered: down, hung, refused).
+    said_no: bool = False
     #: Its key in the lanes, routes and error counters: the queue key, or (key, host); set
     #: once (it is read for every message).
     id: object = None
@@ -462,6 +470,13 @@ class _Lane:
 
     def __post_init__(self) -> None:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
+
+
+def _no_host(lane: _Lane, why: str) -> str:
+    """Why a round of asking found no host for ``lane``'s queue, in words that do not claim
+    more than was heard: 'offers' only when a host answered QUEUE_NO."""
+    verb = "no host offers" if lane.said_no else "no host answered for"
+    return f"{verb} queue {lane.queue_key:#x} ({why})"
 
 
 #: How many finished messages the sending MCA remembers by key, for ``rqpctl trace``.
@@ -509,6 +524,21 @@ class SenderCore:
 
     def link_state(self, host) -> LinkState:
         return self._links[host].state
+
+    def connection_text(self, host) -> str:
+        """The connection to ``host`` in words (rqpctl status): 'down' only after a failure,
+        and 'up' only while it answers."""
+        link = self._links.get(host)
+        if link is None or link.state is LinkState.DOWN:
+            if link is None or not (link.up_at or link.failed_at):
+                return "not connected (no message has needed it yet)"
+            if link.last_error and link.failed_at >= link.up_at:
+                return f"down ({link.last_error})"
+            return "not connected (closed while idle)"
+        if link.state is LinkState.UP and link.heartbeat_failed_at is not None \
+                and link.answered_at < link.heartbeat_failed_at:
+            return "up, no answer since a lost heartbeat"
+        return link.state.value
 
     def heartbeat_status(self, host) -> dict:
         """Heartbeats sent to ``host`` and those that went unanswered (all time)."""
@@ -659,7 +689,7 @@ class SenderCore:
         link.decoder = FrameDecoder(accept=ANSWERS)
         link.agreed = None
         link.failures = 0
-        link.heard_at = now
+        link.heard_at = link.up_at = now
         link.rewarm = False
         self._note(NoteKind.CONNECTED, None, host)
         self._wake(link)
@@ -871,6 +901,7 @@ class SenderCore:
             lane.refusals = []
             lane.plain_yes = None
             lane.declined = False
+            lane.contacted = lane.said_no = False
         hosts = self._hosts_for(lane)
         while index < len(hosts):
             link = self._links[hosts[index]]
@@ -881,6 +912,7 @@ class SenderCore:
                 index += 1
                 continue
             lane.asking = link.host
+            lane.contacted = True
             if link.state is LinkState.UP and len(link.outstanding) < self.settings.window:
                 # Sent now: if the lane was waiting for room on this link (to send on a route
                 # it has just lost), that wait is over; _wake() must not ask a second time.
@@ -930,16 +962,25 @@ class SenderCore:
                 self._declined(msg, why)
                 continue
             self._fire(msg, T.NO_HOST_LEFT_UNSURE)
-            self._error(lane.queue_key, f"no host offers queue {lane.queue_key:#x} ({why})")
-            self._dead_letter(msg, ReasonCode.NO_ROUTE,
-                              f"no host offers queue {lane.queue_key:#x} ({why})")
-        if lane.pending:
+            self._error(lane.queue_key, _no_host(lane, why))
+            self._dead_letter(msg, ReasonCode.NO_ROUTE, _no_host(lane, why))
+        if lane.pending and not lane.contacted and hosts:
+            # Every host was in its connection's back-off: nobody was tried, so this is no
+            # failed try (it would use up retry_max_attempts without a packet sent). Ask
+            # again when the first of those connections may be made.
+            head = lane.pending[0]
+            self._asked_for(head)
+            lane.retry_at = max(min(self._links[h].retry_at for h in self._hosts_for(lane)),
+                                self._now)
+            self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, None,
+                       f"attempt {head.failures + 1} in {lane.retry_at - self._now:.3g}s, when "
+                       f"a connection may be made again ({why})", head.key)
+        elif lane.pending:
             head = lane.pending[0]
             self._asked_for(head)
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
-            head.last_error = (f"no host offers queue {lane.queue_key:#x} ({why})"
-                               if lane.target is None else
+            head.last_error = (_no_host(lane, why) if lane.target is None else
                                f"no answer for broadcast queue {lane.queue_key:#x} ({why})")
             self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
             if lane.target is not None:
@@ -1008,6 +1049,8 @@ class SenderCore:
         self._forget_if_idle(lane)
 
     def _retry_later(self, lane: _Lane, msg: Outgoing) -> None:
+        if self._budget_spent(msg):
+            return  # no retry to announce: the caller's _pump dead-letters it now
         delay = self.settings.backoff(msg.failures)
         lane.retry_at = self._now + delay
         self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, msg.host,
@@ -1021,6 +1064,8 @@ class SenderCore:
                 or (s.max_age is not None and self._now - msg.taken_at >= s.max_age))
 
     def _answer(self, link: _Link, frame: _Frame, event) -> None:
+        if link.heartbeat_failed_at is not None and link.answered_at < link.heartbeat_failed_at:
+            link.up_at = self._now  # alive again after a lost heartbeat: 'running' from here
         link.heard_at = link.answered_at = self._now
         if link.outstanding:  # the next frame's wait starts no earlier than now
             nxt = link.outstanding[0]
@@ -1042,6 +1087,7 @@ class SenderCore:
                                    f"carry {head.why_ex}")
             else:
                 lane.declined = lane.declined or not yes
+                lane.said_no = lane.said_no or not yes
                 self._ask_answered(link, lane, yes, "QUEUE_NO")
         else:
             self._info(lane.queue_key).rtts.append(self._now - frame.sent_at)
@@ -1121,8 +1167,8 @@ class SenderCore:
         self._fire(msg, T.DELIVERED)
         info = self._info(msg.queue_key)
         info.delivered += msg.count
-        if self._now - max(lane.created_at, info.last_confirmed_at or lane.created_at) \
-                >= self.settings.stall_after:
+        if self._now - max(lane.created_at, info.last_confirmed_at or lane.created_at,
+                           info.started_at or lane.created_at) >= self.settings.stall_after:
             info.resumed_at = self._now  # a stall ends: 'running' counts from here
         info.last_confirmed_at = self._now
         self._finished(msg, "confirmed", str(link.host))
@@ -1354,7 +1400,7 @@ class SenderCore:
         :meth:`start_route`. Returns how many wait now."""
         self._now = now
         self.stopped.add(queue_key)
-        self._info(queue_key)
+        self._info(queue_key).stopped_at = now
         return sum(len(lane.pending) for lane in self._lanes.values()
                    if lane.queue_key == queue_key)
 
@@ -1362,6 +1408,7 @@ class SenderCore:
         """Undo :meth:`stop_route`: the waiting messages go on at once."""
         self._now = now
         self.stopped.discard(queue_key)
+        self._info(queue_key).started_at = now  # (the stop is not counted as a stall)
         lanes = [lane for lane in self._lanes.values() if lane.queue_key == queue_key]
         waiting = sum(len(lane.pending) for lane in lanes)
         for lane in lanes:
@@ -1479,7 +1526,8 @@ class SenderCore:
         oldest = min([m.taken_at for m in lane.pending] + taken.get(lane.id, []), default=None)
         if oldest is None or lane.queue_key in self.stopped:
             return None, oldest  # (stopped on purpose: not stalled)
-        progress = max(lane.created_at, info.last_confirmed_at or lane.created_at)
+        progress = max(lane.created_at, info.last_confirmed_at or lane.created_at,
+                       info.started_at or lane.created_at)
         return (progress if now - progress >= self.settings.stall_after else None), oldest
 
     def _stalled_why(self, state: str, host, info: RouteInfo, since: float | None = None) -> str:
@@ -1494,7 +1542,7 @@ class SenderCore:
         elif state == "retrying":
             why = "retrying after errors"
         elif state == "no route":
-            why = "no host offers the queue"
+            why = "no route for the queue"
         else:
             why = state
         fresh = info.last_error and (since is None or (info.last_error_at or 0) >= since)
@@ -1583,11 +1631,20 @@ class SenderCore:
                 state = "stalled" if stalled is not None else state
                 if state in ("retrying", "asking", "connecting") and lane is not None:
                     # for how long it has not got on, not since its last retry or ask
-                    since = max(lane.created_at, info.last_confirmed_at or lane.created_at)
+                    since = max(lane.created_at, info.last_confirmed_at or lane.created_at,
+                                info.started_at or lane.created_at)
                 elif state == "connecting":
                     since = max(info.since, self._links[host].failed_at)
-                elif state == "running" and info.resumed_at is not None:
-                    since = max(since, info.resumed_at)  # not 'running for 11s' just after a stall
+                elif state == "running":  # since it last got going: a route found, a
+                    # connection made, a stall ended, an operator's start
+                    since = max(since, info.resumed_at or 0.0, info.started_at or 0.0,
+                                self._links[host].up_at)
+                elif state == "stopped":
+                    since = info.stopped_at or since
+                elif state == "idle":  # since the last thing it did
+                    since = max(since, info.last_confirmed_at or 0.0, info.started_at or 0.0,
+                                info.last_event_at + self.settings.stall_after
+                                if info.last_event == NoteKind.NO_ROUTE.value else 0.0)
             by_priority: dict[int, int] = {}  # what waits, by priority (highest first)
             for each in ([lane] if lane is not None else []) + [
                     self._lanes.get((key, c["peer_host"])) for c in copies or ()]:
