@@ -171,6 +171,10 @@ def test_a_peer_that_speaks_text_is_told_apart():
                        r"a text protocol \(HTTP, SMTP, ...\), not an RQP peer\)"):
         decoder.next_event()
     decoder = FrameDecoder()
+    decoder.receive_data(b"220 mail.example ESMTP ready\r\n")  # (a trial's SMTP peer)
+    with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 50 \(0x32, '2': "):
+        decoder.next_event()
+    decoder = FrameDecoder()
     decoder.receive_data(bytes([9, 0]))
     with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 9 \(0x09\)$"):
         decoder.next_event()

@@ -181,6 +181,30 @@ def test_a_vanished_peer_on_an_idle_connection_is_found_by_the_heartbeat(testbed
     assert receive(b, Q1, 1) == ["after"]
 
 
+def test_a_frozen_agent_is_not_answering_not_not_running(site):
+    """A trial: with the receiving MCA frozen (SIGSTOP), rqpctl said 'not running' (an
+    operator might start a second agent beside it). Its socket takes the connection and no
+    answer comes: 'not answering', still exit 3 (it serves nothing)."""
+    a, b, rqprc, sender, receiver = site
+    config = b.workdir / "receiver.yaml"
+    receiver.send_signal(signal.SIGSTOP)
+    try:
+        out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", str(config))
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert out.stdout.startswith("receiver: not answering: the agent on ") and \
+            "took the connection but gave no answer within 5 s" in out.stdout, out.stdout
+        js = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", str(config),
+                    "--json")
+        got = json.loads(js.stdout)["receiver"]
+        assert (js.returncode, got["running"], got["answering"]) == (3, True, False)
+    finally:
+        receiver.send_signal(signal.SIGCONT)
+    receiver.send_signal(signal.SIGKILL)  # (gone: now it is not running)
+    receiver.wait(10)
+    out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", str(config))
+    assert out.returncode == 3 and out.stdout.startswith("receiver: not running: "), out.stdout
+
+
 def test_status_watch_refreshes_until_interrupted(site):
     a, b, rqprc, sender, receiver = site
     send(a, rqprc, Q1, ["one"])

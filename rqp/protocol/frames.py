@@ -151,7 +151,7 @@ def _header_error(header: bytes) -> RemoteProtocolError:
     code = header[0]
     if code not in _BY_CODE:
         text = ""
-        if 0x41 <= code <= 0x5A or 0x61 <= code <= 0x7A:  # a letter: the peer speaks text
+        if 0x20 <= code <= 0x7E:  # printable: the peer speaks text ('220 ...', 'HTTP/1.1')
             text = f", {chr(code)!r}: a text protocol (HTTP, SMTP, ...), not an RQP peer"
         return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x}{text})")
     return RemoteProtocolError(

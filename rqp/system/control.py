@@ -43,6 +43,10 @@ class ControlRefused(ControlError):
     """The agent answered, refusing the request (a bad argument): it is running."""
 
 
+class ControlNotAnswering(ControlError):
+    """The agent's socket took the connection, but no answer came: it runs, frozen or hung."""
+
+
 def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
     runtime = os.environ.get("RUNTIME_DIRECTORY")
     if runtime:
@@ -87,14 +91,22 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict]]):
 
 def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args) -> dict:
     """Ask the agent on ``path``; :class:`ControlError` says why it could not be asked."""
+    connected = False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(str(path))
+            connected = True
             sock.sendall(json.dumps({"command": command, **args}).encode() + b"\n")
             data = b""
             while chunk := sock.recv(1 << 16):
                 data += chunk
+    except socket.timeout:
+        if connected:  # (not "not running": a second agent must not be started beside it)
+            raise ControlNotAnswering(
+                f"the agent on {path} took the connection but gave no answer within "
+                f"{timeout:g} s: it runs, but is frozen (SIGSTOP?) or hung") from None
+        raise ControlError(f"cannot ask the agent on {path}: connecting timed out") from None
     except FileNotFoundError:
         raise ControlError(f"no agent is running here ({path} does not exist)") from None
     except ConnectionRefusedError:

@@ -2,8 +2,8 @@
 
 ``rqpctl status [--json]``, ``rqpctl metrics``, ``rqpctl queues``, ``rqpctl send``,
 ``rqpctl receive``. Exit status (for scripts): 0 = fine; 1 = an error; 2 = a usage or
-configuration error; 3 = an agent asked for is not running; 4 = it runs, but a route is not
-healthy (retrying, no route, connecting).
+configuration error; 3 = an agent asked for is not running (or runs and does not answer:
+frozen, hung); 4 = it runs, but a route is not healthy (retrying, no route, connecting).
 """
 
 from __future__ import annotations
@@ -19,11 +19,20 @@ from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
     load_sender_config, parse_host, parse_queue_key,
 )
-from rqp.system.control import ControlError, ControlRefused, default_socket, request
+from rqp.system.control import (
+    ControlError, ControlNotAnswering, ControlRefused, default_socket, request,
+)
 from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
+
+
+def _not_reached(name: str, exc: ControlError) -> str:
+    """Why agent ``name`` could not be asked, in one line: 'not running', or 'not
+    answering' when it runs but does not answer (frozen, hung)."""
+    what = "not answering" if isinstance(exc, ControlNotAnswering) else "not running"
+    return f"{name}: {what}: {exc}"
 UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
 EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse exits
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
@@ -54,7 +63,7 @@ def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
 
 def ask(candidates: list[Path], command: str, **args) -> dict:
     """The first candidate socket that answers; ControlError naming them all if none does."""
-    errors = []
+    errors, frozen = [], False
     for path in candidates:
         try:
             return request(path, command, **args)
@@ -62,7 +71,8 @@ def ask(candidates: list[Path], command: str, **args) -> dict:
             raise  # the agent is there, and said no: that is the answer
         except ControlError as exc:
             errors.append(str(exc))
-    raise ControlError("; ".join(dict.fromkeys(errors)))
+            frozen = frozen or isinstance(exc, ControlNotAnswering)
+    raise (ControlNotAnswering if frozen else ControlError)("; ".join(dict.fromkeys(errors)))
 
 
 def _targets(args) -> list[tuple[str, list[Path]]]:
@@ -101,7 +111,7 @@ def _print_sender(st: dict) -> None:
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({st['dead_letter_queue_depth']}), in flight {st['in_flight']}")
     print("  hosts: " + ", ".join(
-        f"{h['host']} {h['connection']}" + (
+        f"{h['host']} {h.get('connection_text', h['connection'])}" + (
             f" ({h['heartbeat_failures']} heartbeat(s) unanswered, the last "
             f"{_ago(h.get('heartbeat_failed_at'), now)} ago)" if h.get("heartbeat_failures")
             else "") for h in st["hosts"]))
@@ -197,15 +207,17 @@ def _status_once(args) -> int:
         try:
             answers[name] = st = ask(candidates, "status")
         except ControlError as exc:
-            answers[name] = {"agent": name, "running": False, "error": str(exc)}
+            answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
+                             "error": str(exc)}
             if name == "receiver" and receiver_optional:
                 answers[name]["configured"] = False
                 if not args.json:
                     print("receiver: none runs here (no receiver config on this host)")
                 continue
             code = EXIT_NOT_RUNNING  # (it wins over an unhealthy route)
+            answers[name]["answering"] = False
             if not args.json:
-                print(f"{name}: not running: {exc}")
+                print(_not_reached(name, exc))
             continue
         if any(r["state"] in UNHEALTHY for r in st.get("routes", ())) and \
                 code != EXIT_NOT_RUNNING:
@@ -226,12 +238,13 @@ def trace(args) -> int:
         try:
             got = ask(candidates, "trace", key=args.key)["trace"]
         except ControlError as exc:
-            answers[name] = {"running": False, "error": str(exc)}
+            answers[name] = {"running": isinstance(exc, ControlNotAnswering),
+                             "answering": False, "error": str(exc)}
             if name == "receiver" and _receiver_optional(args, targets):
                 answers[name]["configured"] = False
                 continue  # (a sending-only host)
             if not args.json:
-                print(f"{name}: not running: {exc}")
+                print(_not_reached(name, exc))
             continue
         answers[name] = got
         found = found or got is not None
@@ -338,7 +351,7 @@ def metrics(args) -> int:
         except ControlError as exc:
             if name == "receiver" and _receiver_optional(args, targets):
                 continue
-            notes.append(f"# {name}: not running: {exc}")
+            notes.append(f"# {_not_reached(name, exc)}")
             code = EXIT_NOT_RUNNING
     print("\n".join(notes), end="\n" if notes else "")
     if len(texts) == 1:
@@ -463,7 +476,7 @@ def add_commands(groups) -> None:
                        help="ask the agent on this control socket (repeatable)")
 
     p = groups.add_parser("status", help="routes, connections and queues of the running "
-                          "agents", description="Exit 0 fine, 3 an agent is not running, 4 a "
+                          "agents", description="Exit 0 fine, 3 an agent is not running or not answering, 4 a "
                           "route is not healthy.")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
