@@ -606,7 +606,10 @@ class Receiver(Daemon):
                 self.by_queue[(message.queue_key, "repeat")] += 1
                 self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
                                      "answered without putting it again", logging.INFO,
-                                     message.key, format_key(message.queue_key), peer)
+                                     message.key, format_key(message.queue_key), peer,
+                                     extra={"event": "repeat", "peer": peer,
+                                            "queue_key": format_key(message.queue_key),
+                                            "message_key": f"{message.key:#018x}"})
                 return None, "", True
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:

@@ -178,7 +178,8 @@ class Sender(Daemon):
         log.info("route %s: %s, asked by rqpctl (%d message(s) waiting%s)",
                  self._queue_text(key), {"retry": "retry now", "stop": "stopped",
                                          "start": "started again"}[action], held,
-                 " or in flight" if action == "retry" else "")
+                 " or in flight" if action == "retry" else "",
+                 extra={"event": f"route_{action}", "queue_key": format_key(key)})
         routes = [r for r in telemetry.sender_status(self)["routes"] if r["queue_key"] == key]
         return {"queue": format_key(key), "held": held, "route": routes[0] if routes else None}
 
@@ -380,7 +381,9 @@ class Sender(Daemon):
             elif kind is Close:
                 out.pop(act.host, None)  # frames for a connection being given up
                 log.log(logging.DEBUG if act.idle else logging.WARNING,
-                        "closing connection to %s: %s", act.host, act.reason)
+                        "closing connection to %s: %s", act.host, act.reason,
+                        extra={"event": "connection_closing", "peer": str(act.host),
+                               "reason": act.reason})
                 self.links.close(act.host)
             elif kind is Lost:
                 self.stats["lost"] += 1

@@ -357,6 +357,12 @@ def test_json_logs_carry_the_events_fields(testbed):
     assert (dead["reason"], dead["queue_key"], dead["level"]) == ("NO_ROUTE", "0x52510002",
                                                                   "WARNING")
     assert re.fullmatch(r"0x[0-9a-f]{16}", dead["message_key"])
+    assert rqpctl(a, "route", "stop", hex(Q1), "--rqprc", str(rqprc)).returncode == 0
+    wait_for(lambda: '"event": "route_stop"' in a.output(sender, "stderr"), timeout=20,
+             message="no route_stop event logged")  # (a trial: its line had no fields)
+    lines = [json.loads(line) for line in a.output(sender, "stderr").splitlines()]
+    stop = next(line for line in lines if line.get("event") == "route_stop")
+    assert stop["queue_key"] == "0x52510001"
     received = [json.loads(line) for line in b.output(receiver, "stderr").splitlines()]
     opened = next(line for line in received if line.get("event") == "connection_opened")
     assert (opened["peer"], opened["level"]) == (a.address, "INFO")  # (as on dead letters)
