@@ -233,6 +233,8 @@ def did_you_mean(word: object, choices: Iterable[str]) -> str:
 # Value parsers
 
 _DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h)?")
+#: Text in exponent form ('1.0e9'): YAML reads it as a string, and it is no duration here.
+_EXPONENT_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][+-]?[0-9]+\s*(?:ms|s|m|h)?\s*")
 _DURATION_UNITS: Mapping[str | None, Fraction] = {
     "ms": Fraction(1, 1000),
     "s": Fraction(1),
@@ -246,7 +248,10 @@ _DURATION_EXPECTED = "expected a positive duration in seconds (e.g. 2, 0.5, '500
 def parse_duration(value: object) -> float:
     """Seconds from a positive number, or a string: ``'500ms'``, ``'2s'``, ``'3m'``, ``'1h'``."""
     seconds = _duration_seconds(value)
-    if seconds is None or not (math.isfinite(seconds) and seconds > 0):
+    if seconds is None and isinstance(value, str) and _EXPONENT_RE.fullmatch(value):
+        raise BadValueError(value, "expected a duration written out, not in exponent form "
+                            "(e.g. 30, '500ms', '2h'; at most a year)")
+    if seconds is None or math.isnan(seconds) or seconds <= 0:
         raise BadValueError(value, _DURATION_EXPECTED)
     if seconds > MAX_DURATION:
         raise BadValueError(value, f"expected a duration of at most {MAX_DURATION:.0f} s (a year)")
@@ -259,7 +264,9 @@ def _duration_seconds(value: object) -> float | None:
             return float(value)
         if isinstance(value, str) and (match := _DURATION_RE.fullmatch(value.strip())):
             return float(Fraction(match["num"]) * _DURATION_UNITS[match["unit"]])
-    except (OverflowError, ValueError):  # too big for a float, or more digits than int() takes
+    except OverflowError:  # too big for a float: over the limit
+        return math.inf
+    except ValueError:  # more digits than int() takes
         pass
     return None
 
@@ -898,9 +905,10 @@ class _Fields:
         for key in mapping:
             if key in known:
                 continue
-            hint = did_you_mean(key, known)
-            if not hint and key in elsewhere[0]:
-                hint = f" (it belongs in {elsewhere[1]})"
+            # (the other agent's key, exactly, says more than the nearest of ours: a trial got
+            # "did you mean 'state_dir'?" for stall_after in a receiver config)
+            hint = (f" (it belongs in {elsewhere[1]})" if key in elsewhere[0] else
+                    did_you_mean(key, known))
             path = f"{prefix}{key}"
             line = self.lines.get(path)
             where = f" (line {line})" if line else ""

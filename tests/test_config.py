@@ -374,8 +374,11 @@ SENDER_ERRORS = [
     ("ask_timeout: 0", "ask_timeout", "'0'", "expected a positive duration"),
     ("ask_timeout: yes", "ask_timeout", "'true'", "YAML reads yes/no/on/off/true/false as booleans"),
     ("confirm_timeout: 2x", "confirm_timeout", "'2x'", "'500ms'"),
-    ("confirm_timeout: 1e3", "confirm_timeout", "'1e3'", "expected a positive duration"),
-    ("connect_timeout: .inf", "connect_timeout", "'inf'", "expected a positive duration"),
+    ("confirm_timeout: 1e3", "confirm_timeout", "'1e3'", "not in exponent form"),
+    # (a trial: 1.0e9 was called "not a positive duration"; YAML reads it as text)
+    ("stall_after: 1.0e9", "stall_after", "'1.0e9'", "expected a duration written out, not in "
+     "exponent form"),
+    ("connect_timeout: .inf", "connect_timeout", "'inf'", "at most 31536000 s (a year)"),
     ("connect_timeout: -2s", "connect_timeout", "'-2s'", "expected a positive duration"),
     ("connect_timeout: 1000000000", "connect_timeout", "'1000000000'", "at most 31536000 s (a year)"),
     ("retry_backoff_initial: [1]", "retry_backoff_initial", "'[1]'", "expected a positive duration"),
@@ -528,6 +531,9 @@ def test_receiver_key_in_rqprc_is_pointed_out(tmp_path: Path) -> None:
     message = str(sender_error(tmp_path, "hosts: [a]\nput_retry_count: 2\n"))
     assert "unknown key 'put_retry_count' (it belongs in a receiver config" in message
     assert "(it belongs in the sender's .rqprc" in str(receiver_error(tmp_path, "hosts: [a]\n"))
+    for key, value in (("stall_after", "5s"), ("heartbeat_interval", "3s")):  # (a trial: these
+        message = str(receiver_error(tmp_path, f"{key}: {value}\n"))  # got "did you mean
+        assert f"unknown key '{key}' (it belongs in the sender's .rqprc)" in message  # state_dir"
 
 
 def test_yaml_syntax_error_has_line_and_column(tmp_path: Path) -> None:
