@@ -26,13 +26,6 @@ from rqp.system.queues import QueueEmpty, format_key, list_queues
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
-
-
-def _not_reached(name: str, exc: ControlError) -> str:
-    """Why agent ``name`` could not be asked, in one line: 'not running', or 'not
-    answering' when it runs but does not answer (frozen, hung)."""
-    what = "not answering" if isinstance(exc, ControlNotAnswering) else "not running"
-    return f"{name}: {what}: {exc}"
 UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
 EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse exits
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
@@ -59,6 +52,13 @@ def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
     config = load_receiver_config(path) if path else ReceiverConfig()
     return "receiver", _candidates(config.control_socket, "/run/rqp/receiver/control.sock",
                                    config.state_dir, "receiver")
+
+
+def _not_reached(name: str, exc: ControlError) -> str:
+    """Why agent ``name`` could not be asked, in one line: 'not running', or 'not
+    answering' when it runs but does not answer (frozen, hung)."""
+    what = "not answering" if isinstance(exc, ControlNotAnswering) else "not running"
+    return f"{name}: {what}: {exc}"
 
 
 def ask(candidates: list[Path], command: str, **args) -> dict:
@@ -476,8 +476,8 @@ def add_commands(groups) -> None:
                        help="ask the agent on this control socket (repeatable)")
 
     p = groups.add_parser("status", help="routes, connections and queues of the running "
-                          "agents", description="Exit 0 fine, 3 an agent is not running or not answering, 4 a "
-                          "route is not healthy.")
+                          "agents", description="Exit 0 fine, 3 an agent is not running or "
+                          "not answering, 4 a route is not healthy.")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
