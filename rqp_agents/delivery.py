@@ -125,17 +125,26 @@ class LocalDelivery:
                 return exc.reason, str(exc), key
         return None
 
-    async def put(self, message) -> tuple[ReasonCode | None, str]:
-        """Put the message in its queue; (None, "") or why not."""
+    def put_at_once(self, message) -> bool:
+        """The common case, without waiting: True when the message is in its queue now (one
+        msgsnd on a queue opened before). False when :meth:`put` must decide: the queue not
+        opened yet, full, gone, not offered; then nothing was put."""
         key = message.queue_key
         queue = self._queues.get(key)
-        if queue is not None and self._allowed(key):  # the common case: one msgsnd, done
-            try:
-                queue.put(message.message, mtype=getattr(message, "mtype", DEFAULT_MTYPE),
-                          block=False)
-                return None, ""
-            except (QueueError, MessageTooBig):
-                pass  # full, gone, ...: the same put again, below, says what to do
+        if queue is None or not self._allowed(key):
+            return False
+        try:
+            queue.put(message.message, mtype=getattr(message, "mtype", DEFAULT_MTYPE),
+                      block=False)
+        except (QueueError, MessageTooBig):
+            return False  # full, gone, ...: put() tries again and says what to do
+        return True
+
+    async def put(self, message) -> tuple[ReasonCode | None, str]:
+        """Put the message in its queue; (None, "") or why not."""
+        if self.put_at_once(message):
+            return None, ""
+        key = message.queue_key
         name = f"queue {format_key(key)}"
         if not self._allowed(key):
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"

@@ -26,7 +26,7 @@ from rqp.protocol.events import MessageEx, OversizedMessage
 from rqp.protocol.frames import CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.constants import KNOWN_EXTENSIONS
-from rqp.protocol.receiver import Ask, Batch, ReceiverConnection, Refuse
+from rqp.protocol.receiver import Ask, Batch, Put, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
@@ -61,6 +61,10 @@ CONNECTION_LOG_BURST = 20
 NOTICE_MEMORY = 100_000
 #: Peers remembered for rqpctl trace (a key is looked up in the window once per peer).
 PEER_MEMORY = 1024
+
+
+#: What a put without waiting did (Receiver._put_at_once).
+_PUT, _REPEAT = "put", "repeat"
 
 
 class DeadLetterUnavailable(RQPError):
@@ -440,7 +444,8 @@ class Receiver(Daemon):
                         framed = True
                         info["frames"] += 1
                         sure = sure or _answers_sure(request)
-                        batch.append(await self._handle(conn, request, who, info))
+                        batch.append(self._handle_at_once(conn, request, who, info)
+                                     or await self._handle(conn, request, who, info))
                         if len(batch) >= ANSWER_BATCH:
                             answers.send(batch, sure)
                             batch, sure = [], False
@@ -490,6 +495,21 @@ class Receiver(Daemon):
                             "messages: the de-duplication window cannot record them (the sender "
                             "keeps them and sends them again): %s", logging.ERROR, peer, exc,
                             extra={"event": "dedup_unrecorded", "peer": label, "address": peer})
+
+    def _handle_at_once(self, conn: ReceiverConnection, request, who: Peer,
+                        info: dict) -> bytes | None:
+        """The common request answered without waiting: a Put this peer may make, whose
+        message goes into its queue at once (or is a repeat). None when :meth:`_handle` must
+        answer it: then nothing of it was done."""
+        if type(request) is not Put or not self.gate.allows(who, request.message.queue_key):
+            return None
+        done = self._put_at_once(request.message, who.label)
+        if done is None:
+            return None
+        if done is _REPEAT:
+            info["repeats"] += 1
+            return conn.answer_put(request, True)
+        return self._delivered(conn, request, info)
 
     async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label
@@ -589,27 +609,51 @@ class Receiver(Daemon):
                 info["dead_letters"] += 1
         return conn.answer_batch(batch, False)
 
+    def _put_at_once(self, message, peer: str):
+        """A put that needs no waiting, the common case: _PUT, or _REPEAT for a SURE message
+        put before (not put again). None when :meth:`_put` must wait: the same message is
+        being put from another connection just now, or its queue is full, not opened yet...;
+        then nothing was done."""
+        if message.message_type != SURE_MSG:
+            return _PUT if self.delivery.put_at_once(message) else None
+        key = scoped_key(peer, message.key)  # a peer's keys never hide another's
+        if key in self._putting:
+            return None
+        if self.dedup.seen(key):
+            self._repeat(message, peer)
+            return _REPEAT
+        if not self.delivery.put_at_once(message):
+            return None
+        self.dedup.record(key)  # made durable before the answer is written
+        return _PUT
+
+    def _repeat(self, message, peer: str) -> None:
+        self.stats["repeats"] += 1
+        self.by_queue[(message.queue_key, "repeat")] += 1
+        self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
+                             "answered without putting it again", logging.INFO,
+                             message.key, format_key(message.queue_key), peer,
+                             extra={"event": "repeat", "peer": peer,
+                                    "queue_key": format_key(message.queue_key),
+                                    "message_key": f"{message.key:#018x}"})
+
     async def _put(self, message, peer: str) -> tuple[ReasonCode | None, str, bool]:
         """Put one message: (None, "", False), or why not; a SURE one once per key: a repeat
         is not put again, (None, "", True)."""
+        done = self._put_at_once(message, peer)
+        if done is not None:
+            return None, "", done is _REPEAT
         if message.message_type != SURE_MSG:
             reason, detail = await self.delivery.put(message)
         else:
-            key = scoped_key(peer, message.key)  # a peer's keys never hide another's
+            key = scoped_key(peer, message.key)
             while key in self._putting:  # the same message on another connection, just now
                 busy = self._putting[key]
                 if busy is None:
                     busy = self._putting[key] = asyncio.Event()
                 await busy.wait()
             if self.dedup.seen(key):
-                self.stats["repeats"] += 1
-                self.by_queue[(message.queue_key, "repeat")] += 1
-                self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
-                                     "answered without putting it again", logging.INFO,
-                                     message.key, format_key(message.queue_key), peer,
-                                     extra={"event": "repeat", "peer": peer,
-                                            "queue_key": format_key(message.queue_key),
-                                            "message_key": f"{message.key:#018x}"})
+                self._repeat(message, peer)
                 return None, "", True
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
@@ -624,17 +668,22 @@ class Receiver(Daemon):
 
     async def _answered(self, conn: ReceiverConnection, request, reason, detail: str,
                         who: Peer, info: dict) -> bytes:
-        message = request.message
         if reason is None:
-            self.stats["messages"] += 1
-            info["messages"] += 1
-            self.by_queue[(message.queue_key, "put")] += 1
-            self.bytes_by_queue[message.queue_key] += len(message.message)
-            return conn.answer_put(request, True)
+            return self._delivered(conn, request, info)
+        message = request.message
         await self._dead_letter(message, reason, detail, who)
         info["dead_letters"] += 1
         self.by_queue[(message.queue_key, "dead_lettered")] += 1
         return conn.answer_put(request, False)
+
+    def _delivered(self, conn: ReceiverConnection, request, info: dict) -> bytes:
+        """Count a message put and answer DELIVERED_YES."""
+        message = request.message
+        self.stats["messages"] += 1
+        info["messages"] += 1
+        self.by_queue[(message.queue_key, "put")] += 1
+        self.bytes_by_queue[message.queue_key] += len(message.message)
+        return conn.answer_put(request, True)
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> None:
         """Write the dead letter of ``message`` (within ``who``'s dead-letter budget); raise

@@ -405,3 +405,25 @@ def test_the_struct_writers_of_the_hot_path_build_what_construct_declares(
         F.MESSAGE_EX.build({"message_type": kind, "key": key, "queue_key": queue_key,
                             "mtype": mtype, "priority": priority, "flags": flags,
                             "expires_at_ms": expires, "message": body})
+
+
+@given(st.integers(0, 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+       st.integers(1, 2**63 - 1), st.integers(0, 9), st.sampled_from([0, 1]),
+       st.integers(0, 2**64 - 1), st.binary(max_size=64))
+def test_the_decoders_unchecked_constructors_build_what_the_dataclasses_do(
+        message_type, key, queue_key, mtype, priority, flags, expires, body):
+    """The decoder builds its messages without __post_init__'s second check: the same objects,
+    every declared field set (a field added to the dataclass and not to them fails here)."""
+    import dataclasses
+
+    from rqp.protocol.events import unchecked_message, unchecked_message_ex
+
+    base = dict(message_type=message_type, key=key, queue_key=queue_key, message=body)
+    extras = dict(mtype=mtype, priority=priority, flags=flags, expires_at_ms=expires)
+    for cls, made in ((Message, unchecked_message(*base.values())),
+                      (MessageEx, unchecked_message_ex(*base.values(), *extras.values()))):
+        values = base if cls is Message else base | extras
+        assert type(made) is cls
+        assert [f.name for f in dataclasses.fields(cls)] == list(values)
+        assert {f.name: getattr(made, f.name) for f in dataclasses.fields(cls)} == values
+        assert made == cls(**values) and hash(made) == hash(cls(**values))

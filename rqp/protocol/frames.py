@@ -30,7 +30,7 @@ from rqp.protocol.codec import struct_of
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import (
     DeliveredError, DeliveredYes, Event, Message, MessageEx, OversizedMessage, QueueAsk, QueueNo,
-    QueueYes, check_extras,
+    QueueYes, check_extras, unchecked_message, unchecked_message_ex,
 )
 
 __all__ = [
@@ -343,11 +343,10 @@ class FrameDecoder:
         start = pos + fixed
         self._pos = start + length
         body = bytes(buf[start:start + length])
-        if extended:
-            return MessageEx(message_type=message_type, key=key, queue_key=queue_key,
-                             message=body, mtype=mtype, priority=priority, flags=flags,
-                             expires_at_ms=expires_at_ms)
-        return Message(message_type=message_type, key=key, queue_key=queue_key, message=body)
+        if extended:  # (every field checked above: no second check in __post_init__)
+            return unchecked_message_ex(message_type, key, queue_key, body, mtype, priority,
+                                        flags, expires_at_ms)
+        return unchecked_message(message_type, key, queue_key, body)
 
     def _need_more(self, code: int, size: int):
         if self._eof:

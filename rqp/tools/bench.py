@@ -883,11 +883,9 @@ class Bench:
                 self.mtype = mtype
                 self.label = "uvloop" if loop == "uvloop" else \
                     transport if mtype == 1 else "MESSAGE_EX"
-                for size in SIZES:
-                    for msg_type in (SURE_MSG, UNSURE_MSG):
-                        self.results.append(self.throughput(msg_type, size,
-                                                            self.args.count[size],
-                                                            self.args.rounds))
+                for msg_type, size in self.args.cases:
+                    self.results.append(self.throughput(msg_type, size, self.args.count[size],
+                                                        self.args.rounds))
                 self.latencies.append(self.measure_latency(self.args.latency_samples))
             self._finish_raw()
             self._stop_agents(check=True)
@@ -999,7 +997,8 @@ class Bench:
             f"msg_qbytes), kernel.msgmax {self.msgmax} B",
             f"Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
             f"{self.load:.2f} at the start; messages per case: "
-            + ", ".join(f"{self.args.count[s]} x {size_label(s)}" for s in SIZES)
+            + ", ".join(f"{self.args.count[s]} x {size_label(s)}"
+                        for s in dict.fromkeys(size for _, size in self.args.cases))
             + f"; msg/s = median of {self.args.rounds} round(s); every message checked "
             "(count, bytes, SURE order)",
             "",
@@ -1079,6 +1078,17 @@ class Bench:
 # --------------------------------------------------------------------------------------------
 
 
+def _case(text: str) -> tuple[int, int]:
+    """``--case``: 'sure:100' -> (SURE_MSG, 100)."""
+    kind, _, size = text.strip().lower().partition(":")
+    types = {"sure": SURE_MSG, "unsure": UNSURE_MSG}
+    if kind not in types or not size.isdigit() or int(size) not in SIZES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a case is TYPE:SIZE, TYPE sure or unsure, SIZE one of "
+            + ", ".join(str(s) for s in SIZES))
+    return types[kind], int(size)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m rqp.tools.bench",  # (scripts/bench runs it; there is no rqp-bench command)
@@ -1114,6 +1124,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--window", type=cli.window, default=None, metavar="N",
                         help="the sending MCA's window (frames in flight per connection; "
                         "default: .rqprc's default)")
+    parser.add_argument("--case", action="append", type=_case, metavar="TYPE:SIZE",
+                        dest="cases", help="run only this throughput case (repeatable): "
+                        "sure:100, unsure:100, sure:4096 or unsure:4096 (default: all four)")
     parser.add_argument("--stall", type=float, default=STALL, metavar="SECONDS",
                         help=f"fail when no message moves for this long (default {STALL:g})")
     args = parser.parse_args(argv)
@@ -1121,6 +1134,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.messages is not None and args.messages < 1:
         parser.error("--messages must be at least 1")
     args.count = {s: args.messages or n for s, n in base.items()}
+    args.cases = list(dict.fromkeys(args.cases)) if args.cases else \
+        [(t, size) for size in SIZES for t in (SURE_MSG, UNSURE_MSG)]
     args.transports = ["plaintext", "TLS"] if args.tls else ["plaintext"]
     #: (transport, mtype, event loop of the agents) of each pass over the cases
     args.variants = [(t, 1, "asyncio") for t in args.transports] + (
