@@ -487,8 +487,9 @@ class Receiver(Daemon):
                 self._idle.add(task)  # waiting for bytes: nothing in flight
                 wait = self.config.idle_timeout if framed else self.config.first_frame_timeout
                 try:
-                    data = await asyncio.wait_for(reader.read(READ_SIZE), wait)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(wait):  # (wait_for: a task per read, 3x dearer)
+                        data = await reader.read(READ_SIZE)
+                except TimeoutError:
                     self.stats["timed_out_connections"] += 1
                     self._goings.report("closing connection from %s: %s", logging.INFO, peer,
                                         f"idle for {wait:g}s (idle_timeout)" if framed else
