@@ -444,6 +444,25 @@ def test_peek_copies_without_taking(make_queue):
     assert q.get() == b"first" and q.peek(0) == (b"second", 3)
 
 
+def test_peek_of_a_message_larger_than_the_ones_before_asks_again_with_room_for_any(make_queue):
+    """A peek asks for about the size of the last messages (the kernel copies all of msgsz);
+    a longer one is copied whole all the same, at any index and after any mix of sizes."""
+    from rqp.system.queues import PEEK_SIZE_MIN
+
+    q = make_queue()
+    limit = min(q.msgmax, kernel_limits().msgmnb // 2)
+    sizes = [10, PEEK_SIZE_MIN + 1, 3, limit, 1, 2 * PEEK_SIZE_MIN - 1, 2 * PEEK_SIZE_MIN + 1]
+    for i, size in enumerate(sizes):
+        body = bytes([65 + i]) * size
+        q.put(body, mtype=i + 1)
+        assert q.peek(0) == (body, i + 1)  # growing and shrinking, one at a time
+        assert q.get() == body
+    for size in (5, limit // 2, 7):  # several in the queue: each index its own size
+        q.put(b"m" * size)
+    assert [len(q.peek(i)[0]) for i in range(3)] == [5, limit // 2, 7]
+    assert [len(q.peek(i)[0]) for i in (2, 1, 0)] == [7, limit // 2, 5]
+
+
 def test_peek_of_a_removed_queue(make_queue):
     q = make_queue()
     q.remove()

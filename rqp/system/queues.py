@@ -247,13 +247,15 @@ class LocalQueue:
     blocking call. ``timeout=None`` with ``block=True`` is a true blocking call (no polling).
     """
 
-    __slots__ = ("_mq", "_key", "_msgmax", "_copy_buffer", "_copy_type", "_copy_text")
+    __slots__ = ("_mq", "_key", "_msgmax", "_copy_buffer", "_copy_type", "_copy_text",
+                 "_peek_size")
 
     def __init__(self, mq: sysv_ipc.MessageQueue, key: int, msgmax: int):
         self._mq = mq
         self._key = key
         self._msgmax = msgmax
         self._copy_buffer = None
+        self._peek_size = min(PEEK_SIZE_MIN, msgmax)
 
     # -- construction --------------------------------------------------------------------
 
@@ -356,6 +358,7 @@ class LocalQueue:
                 f"queue {format_key(self._key)} was removed and created again", queue_key=self._key
             )
         self._mq, self._msgmax, self._copy_buffer = mq, msgmax, None
+        self._peek_size = min(PEEK_SIZE_MIN, msgmax)
 
     # -- put -----------------------------------------------------------------------------
 
@@ -511,8 +514,18 @@ class LocalQueue:
             buf = self._copy_buffer = ctypes.create_string_buffer(_LONG_SIZE + self._msgmax)
             self._copy_type = ctypes.c_long.from_buffer(buf)
             self._copy_text = ctypes.addressof(buf) + _LONG_SIZE
-        n = _libc.msgrcv(self._mq.id, buf, self._msgmax, index, _MSG_COPY | _IPC_NOWAIT)
+        # The kernel copies the whole msgsz from user space before it even looks at the
+        # message (prepare_copy): ask for about what the last ones needed, not msgmax
+        # (1.9 us against 3.0 a peek of a 140-byte message here), and for msgmax when
+        # that was too little.
+        size = self._peek_size
+        n = _libc.msgrcv(self._mq.id, buf, size, index, _MSG_COPY | _IPC_NOWAIT)
+        if n < 0 and size < self._msgmax and ctypes.get_errno() == errno.E2BIG:
+            size = self._msgmax
+            n = _libc.msgrcv(self._mq.id, buf, size, index, _MSG_COPY | _IPC_NOWAIT)
         if n >= 0:  # (only the n bytes copied are read: not the whole msgmax buffer)
+            # room for twice this one; shrinking slowly after a large one
+            self._peek_size = min(self._msgmax, max(PEEK_SIZE_MIN, 2 * n, size - size // 16))
             return ctypes.string_at(self._copy_text, n), self._copy_type.value
         err = ctypes.get_errno()
         if err == errno.ENOMSG:
@@ -560,6 +573,8 @@ _libc.msgrcv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.
                          ctypes.c_int)
 _libc.msgrcv.restype = ctypes.c_ssize_t
 _MSG_COPY = 0o40000  # linux/msg.h
+#: The smallest msgsz a peek asks for (see LocalQueue.peek).
+PEEK_SIZE_MIN = 1024
 _IPC_NOWAIT = 0o4000
 _LONG_SIZE = ctypes.sizeof(ctypes.c_long)
 
