@@ -32,6 +32,15 @@ UNSURE_MSG = 1
 ERROR_LIMIT = 3
 
 
+class StateEnum(enum.Enum):
+    """The base of the protocol cores' states and events (whose transition tables are dicts
+    looked up several times a message): hashed by identity, in C. Enum's own ``__hash__``
+    hashes the member's name in Python; its members are singletons compared by identity
+    either way."""
+
+    __hash__ = object.__hash__
+
+
 class MessageCode(enum.IntEnum):
     """The six frame kinds of spec section 4 and ``MESSAGE_EX`` of section 6, by their
     ``message_code``."""

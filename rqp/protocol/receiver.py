@@ -21,12 +21,11 @@ all at once (every message ``DELIVERED_YES``, or every one ``DELIVERED_ERROR``).
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from rqp.protocol.constants import (
-    BATCH_MORE, EXT_MESSAGE, HARD_MESSAGE_CAP, KNOWN_EXTENSIONS, MAX_BATCH, SURE_MSG,
+    BATCH_MORE, EXT_MESSAGE, HARD_MESSAGE_CAP, KNOWN_EXTENSIONS, MAX_BATCH, SURE_MSG, StateEnum,
 )
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import (
@@ -43,7 +42,7 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
+class State(StateEnum):
     WAITING_FOR_MESSAGE = "Waiting for message"
     SENDING_DELIVERED_YES = "Sending delivered_yes"
     SENDING_QUEUE_YES = "Sending queue_yes"
@@ -51,7 +50,7 @@ class State(enum.Enum):
     SENDING_DELIVERED_ERROR = "Sending delivered error and putting message to DEAD.LETTER.Q"
 
 
-class Outcome(enum.Enum):
+class Outcome(StateEnum):
     """What the daemon found out about a request (the seed's events, split by their result)."""
 
     QUEUE_ASK_OFFERED = "Queue_ask, queue offered"

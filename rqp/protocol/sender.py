@@ -56,6 +56,7 @@ from typing import Callable
 from rqp.protocol import constants as C
 from rqp.protocol.constants import (
     BATCH_MORE, DEFAULT_PRIORITY, ERROR_LIMIT, EXT_MESSAGE, KNOWN_EXTENSIONS, SURE_MSG, UNSURE_MSG,
+    StateEnum,
 )
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import ANSWERS, DeliveredError, DeliveredYes, QueueAsk, QueueNo, QueueYes
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 
-class MsgState(enum.Enum):
+class MsgState(StateEnum):
     """The seed's states of the sending MCA, as seen by one message."""
 
     WAITING_FOR_MESSAGE = "Waiting for message"
@@ -88,7 +89,7 @@ class MsgState(enum.Enum):
     DECLINED = "not for this host (a broadcast copy its host declined)"
 
 
-class Trigger(enum.Enum):
+class Trigger(StateEnum):
     """The seed's events, split where the diagram branches on the message type or a count."""
 
     NEW_MESSAGE_ROUTED = "New message, route known"
@@ -375,13 +376,13 @@ ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle
 
 # --- internal bookkeeping --------------------------------------------------------------------
 
-class LinkState(enum.Enum):
+class LinkState(StateEnum):
     DOWN = "down"
     CONNECTING = "connecting"
     UP = "up"
 
 
-class LinkEvent(enum.Enum):
+class LinkEvent(StateEnum):
     CONNECT = "connect"
     CONNECTED = "connected"
     FAILED = "connect failed"
