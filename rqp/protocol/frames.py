@@ -110,6 +110,10 @@ _PACK_HEADER = _unpacker(MESSAGE_HEADER).pack
 _PACK_EX_HEADER = _unpacker(MESSAGE_EX_HEADER).pack
 # The two-octet answers are constant for data=0, which is all we ever send.
 _ANSWER_BYTES = {cls: bytes((code, 0)) for code, cls in _EVENT_FOR_CODE.items()}
+#: The decoder's two-octet events, made once: frozen, so one object serves every frame alike
+#: (a sending MCA decodes one DELIVERED_YES a message).
+_REPLY_EVENTS = {code: tuple(cls(data=data) for data in range(256))
+                 for code, cls in _EVENT_FOR_CODE.items()}
 # Fixed size of each frame up to and including its last fixed field.
 _FIXED_SIZE = {c.MESSAGE: MESSAGE_HEADER_SIZE, c.QUEUE_ASK: QUEUE_ASK.sizeof(),
                c.MESSAGE_EX: MESSAGE_EX_HEADER_SIZE, **{code: 2 for code in _EVENT_FOR_CODE}}
@@ -313,7 +317,7 @@ class FrameDecoder:
             if code == c.QUEUE_ASK:
                 return QueueAsk(data=buf[pos + 1],
                                 queue_key=int.from_bytes(buf[pos + 2:pos + fixed], "big"))
-            return _EVENT_FOR_CODE[code](data=buf[pos + 1])
+            return _REPLY_EVENTS[code][buf[pos + 1]]
         # Code and type are checked above; the struct reader only splits the fixed fields.
         extended = code == c.MESSAGE_EX
         if extended:
