@@ -256,3 +256,17 @@ def test_a_stream_ending_inside_a_batch_is_a_protocol_error():
     conn.receive_data(b"")
     with pytest.raises(rqp.RemoteProtocolError, match="inside a batch"):
         conn.next_request()
+
+
+def test_the_core_makes_its_puts_without_the_dataclass_init_and_they_are_puts():
+    """next_request() builds each Put without the frozen dataclass' __init__: the same object,
+    and Put has no other field it would leave unset."""
+    import dataclasses
+
+    from rqp.protocol.events import Message
+    from rqp.protocol.receiver import Put, _new_put
+
+    assert [f.name for f in dataclasses.fields(Put)] == ["message"]
+    message = Message(message_type=SURE_MSG, key=7, queue_key=0x5151, message=b"m")
+    made = _new_put(message)
+    assert type(made) is Put and made == Put(message) and made.message is message

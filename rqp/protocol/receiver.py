@@ -172,7 +172,7 @@ class ReceiverConnection:
                     raise RemoteProtocolError(f"stream closed inside a batch of "
                                               f"{len(self._batch)} MESSAGE_EX frame(s)")
                 return event
-            if self._batch or _batch_more(event):
+            if self._batch or (type(event) is not Message and _batch_more(event)):
                 request = self._batched(event)
                 if request is None:
                     continue  # more of the batch to come: nothing to answer yet
@@ -229,7 +229,7 @@ class ReceiverConnection:
                           "held back to keep the order: an earlier SURE message for this queue "
                           "was refused on this connection and not sent again yet; putting this "
                           "one would overtake it")
-        return Put(event)
+        return _new_put(event)
 
     def _fire(self, outcome: Outcome) -> None:
         try:
@@ -295,6 +295,16 @@ class ReceiverConnection:
             self._held_keys.update(m.queue_key for m in request.messages
                                    if m.message_type == SURE_MSG)
         return answer * len(request.messages)
+
+
+_SET_PUT_MESSAGE = Put.message.__set__
+
+
+def _new_put(message) -> Put:
+    """``Put(message)`` without the frozen dataclass' ``__init__`` (one a message)."""
+    put = object.__new__(Put)
+    _SET_PUT_MESSAGE(put, message)
+    return put
 
 
 def _batch_more(event) -> bool:
