@@ -215,8 +215,10 @@ class _Answers:
     queues it; a commit's done-callback writes the batches at the head of the queue whose
     commits are done, in order (no task per batch). ``room`` waits while ANSWERS_IN_FLIGHT
     batches wait, and for the socket's buffer (``drain``); ``flush`` waits for all of them.
-    A failed commit fails the batch that needed it and every one after it: the connection
-    is then closed with them unanswered (the sender keeps those messages)."""
+    A failed commit fails the batch that needed it and every one after it, for good: the
+    connection is closed with them unanswered (the sender keeps those messages), the failure
+    is raised once (by the next call) and nothing is written after it, not even a batch whose
+    own commit would succeed: its answers would reach the peer as answers to other frames."""
 
     def __init__(self, writer: asyncio.StreamWriter, commits: GroupCommit) -> None:
         self._writer = writer
@@ -225,12 +227,16 @@ class _Answers:
         self._waiting: collections.deque[tuple[asyncio.Future | None, bytes]] = \
             collections.deque()
         self._failure: BaseException | None = None  # a failed commit's, raised once
+        self._failed = False  # a commit failed: closed, nothing is written any more
         self._moved: asyncio.Future | None = None  # done when batches are written (or fail)
 
     def send(self, batch: list[bytes], sure: bool) -> None:
         """Send ``batch`` (answers, in order) once what it confirms is durable: with ``sure``
         (it answers SURE messages), once the window holds every key recorded so far; else as
-        soon as the batches before it are sent."""
+        soon as the batches before it are sent. After a failed commit: dropped."""
+        if self._failed:
+            self._raise_failure()
+            return
         durable = self._commits.durable() if sure else None  # (raises if none can succeed)
         self._raise_failure()
         data = b"".join(batch)
@@ -257,7 +263,7 @@ class _Answers:
                         if later is not None:
                             later.add_done_callback(_retrieved)
                     waiting.clear()
-                    self._failure = failure
+                    self._failure, self._failed = failure, True
                     self._writer.close()  # at once, the connection may be waiting for bytes
                     break
             waiting.popleft()
@@ -510,8 +516,9 @@ class Receiver(Daemon):
                         batch.append(self._handle_at_once(conn, request, who, info)
                                      or await self._handle(conn, request, who, info))
                         if len(batch) >= ANSWER_BATCH:
-                            answers.send(batch, sure)
-                            batch, sure = [], False
+                            full, batch = batch, []  # (first: sent once, even if it raises)
+                            answers.send(full, sure)
+                            sure = False
                             await answers.room()
                 finally:  # whatever happens next, what was answered is sent, in order
                     if batch:
