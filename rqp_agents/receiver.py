@@ -238,7 +238,6 @@ class _Answers:
             self._raise_failure()
             return
         durable = self._commits.durable() if sure else None  # (raises if none can succeed)
-        self._raise_failure()
         data = b"".join(batch)
         if durable is None and not self._waiting:
             self._writer.write(data)
