@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rqp.protocol.constants import UINT64_MAX
+from tests.logfiles import written
 from rqp.storage.dedup import (
     DEDUP_ENTRY,
     DEDUP_ENTRY_SIZE,
@@ -69,8 +70,17 @@ def entries_of(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
+def window_bytes(path) -> bytes:
+    """A window file's header and entries, without the zero bytes reserved after them (checked
+    to be zeros). The entries end at the first entry boundary after the last non-zero byte: an
+    entry is never all zeros (its crc32 would be 0xecbb4b55)."""
+    last = max(DEDUP_HEADER_SIZE, len(path.read_bytes().rstrip(b"\0")))
+    entries = -(-(last - DEDUP_HEADER_SIZE) // DEDUP_ENTRY_SIZE)
+    return written(path, DEDUP_HEADER_SIZE + entries * DEDUP_ENTRY_SIZE)
+
+
 def file_keys(path) -> list[int]:
-    return [k for k, _ in entries_of(path.read_bytes())]
+    return [k for k, _ in entries_of(window_bytes(path))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,7 +112,7 @@ def test_file_is_header_then_entries_in_record_order(path, clock):
     w.record(UINT64_MAX)
     w.commit()
     ms = int(T0 * 1000)
-    assert path.read_bytes() == HEADER + encode_entry(7, ms) + encode_entry(UINT64_MAX, ms + 1)
+    assert window_bytes(path) == HEADER + encode_entry(7, ms) + encode_entry(UINT64_MAX, ms + 1)
     w.close()
     assert oct(path.stat().st_mode & 0o777) == "0o600"
 
@@ -379,27 +389,36 @@ def _write_window(path, keys, clock):
     for key in keys:
         w.record(key)
     w.close()
-    return path.read_bytes()
+    return window_bytes(path)
 
 
+@pytest.mark.parametrize("reserve", [0, 100], ids=["file-ends", "zeros-follow"])
 @pytest.mark.parametrize("kept", range(DEDUP_ENTRY_SIZE))
-def test_torn_tail_at_every_length_of_the_last_entry(tmp_path, clock, kept):
+def test_torn_tail_at_every_length_of_the_last_entry(tmp_path, clock, kept, reserve):
+    """A commit's write torn by a crash: the file ends inside the entry, or (the window
+    reserves space ahead of its appends) zero bytes follow the part that reached the disk."""
     path = tmp_path / "w.dedup"
     data = _write_window(path, [10, 11, 12], clock)
     good_end = DEDUP_HEADER_SIZE + 2 * DEDUP_ENTRY_SIZE
-    path.write_bytes(data[:good_end + kept])
+    path.write_bytes(data[:good_end + kept] + bytes(reserve))
+    # (the bytes not written may have been zeros anyway: then the entry is whole)
+    whole = reserve > 0 and not any(data[good_end + kept:good_end + DEDUP_ENTRY_SIZE])
     w = DedupWindow(path, clock=clock)
-    assert [w.seen(k) for k in (10, 11, 12)] == [True, True, False]
-    if kept:
-        assert len(w.problems) == 1
-        assert f"offset {good_end}" in w.problems[0] and "torn" in w.problems[0]
+    assert [w.seen(k) for k in (10, 11, 12)] == [True, True, whole]
+    if whole:
+        assert w.problems == []
+        good_end += DEDUP_ENTRY_SIZE
+    elif any(data[good_end:good_end + kept]):
+        assert len(w.problems) == 1 and f"offset {good_end}" in w.problems[0]
+        assert ("torn" if reserve == 0 else "crc32") in w.problems[0]
+        assert path.stat().st_size == good_end  # cut, so that new entries follow good ones
     else:
         assert w.problems == []  # a clean cut between two entries is no problem
-    assert path.stat().st_size == good_end  # cut, so that new entries follow good ones
+    written(path, good_end)
     w.record(13)
     w.close()
     w = DedupWindow(path, clock=clock)
-    assert [w.seen(k) for k in (10, 11, 12, 13)] == [True, True, False, True]
+    assert [w.seen(k) for k in (10, 11, 12, 13)] == [True, True, whole, True]
     assert w.problems == []
     w.close()
 
@@ -493,7 +512,7 @@ def test_compaction_keeps_exactly_the_live_keys(path, clock):
         w.record(key)
         clock.advance(1)
     w.commit()  # 11 entries > 2 x 5 keys: compacted
-    assert entries_of(path.read_bytes()) == [
+    assert entries_of(window_bytes(path)) == [
         (k, int(T0 * 1000) + (k - 1) * 1000) for k in range(7, 12)]
     clock.advance(97.5)  # keys 7, 8, 9 (recorded at T0 + 6, 7, 8 s) are 100 s old or more
     w.compact()

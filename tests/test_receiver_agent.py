@@ -29,6 +29,8 @@ from rqp.protocol.events import Message, QueueAsk
 from rqp.protocol.frames import encode
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags
+from rqp.storage.dedup import DEDUP_ENTRY_SIZE, DEDUP_HEADER_SIZE
+from tests.logfiles import written
 from tests.rqp_peer import (
     DELIVERED_ERROR,
     DELIVERED_YES,
@@ -877,8 +879,10 @@ def test_a_failed_dedup_write_closes_unanswered_and_the_resend_is_not_put_twice(
     assert answers(pb.exchange("c1", [msg(Q1, b"one", key=0x51), msg(Q1, b"two", key=0x52)])) \
         == ["DELIVERED_YES"] * 2
     _, hard = resource.prlimit(rx.pid, resource.RLIMIT_FSIZE)
-    resource.prlimit(rx.pid, resource.RLIMIT_FSIZE,
-                     ((state / "receiver.dedup").stat().st_size, hard))
+    # (the file is longer: space reserved ahead of the appends, which a limit below it forbids)
+    two_keys = DEDUP_HEADER_SIZE + 2 * DEDUP_ENTRY_SIZE
+    written(state / "receiver.dedup", two_keys)
+    resource.prlimit(rx.pid, resource.RLIMIT_FSIZE, (two_keys, hard))
     connect(pb, "c2", r)
     pb.send("c2", [msg(Q1, b"three", key=0x53), msg(Q1, b"four", key=0x54)])
     got = pb.read_to_eof("c2", timeout=10)

@@ -109,11 +109,14 @@ offset  size  field     meaning
 ======  ====  ========  ==================================================================
 
 A key may have several entries (recorded again after it expired); the last one counts.
+After the last entry the file holds zero bytes: space allocated ahead of the appends
+(:mod:`rqp.storage.log`), so that a commit's sync need not write the file's size each time.
 
-**Reading** (at open) stops at the first entry whose crc32 does not match, or at a last
-entry shorter than 20 bytes (a torn write); every entry before it is kept, the file is cut
-there (and fsynced) so that new entries follow good ones, and ``problems`` says what was
-dropped, at which offset. A file that does not start with the magic is refused
+**Reading** (at open) stops at the first entry whose crc32 does not match (an entry of zeros
+never does: the crc32 of 16 zero bytes is 0xecbb4b55), or at a last entry shorter than 20
+bytes (a torn write); every entry before it is kept. If only zero bytes follow, that is the
+reserved space and the clean end of the file. Otherwise the file is cut there (and fsynced)
+so that new entries follow good ones, and ``problems`` says what was dropped, at which offset. A file that does not start with the magic is refused
 (:class:`DedupError`), as is an unknown version; an empty file or a torn header is taken as an
 empty window and rewritten.
 
@@ -145,7 +148,7 @@ from construct import Bytes, Const, Int8ub, Int32ub, Int64ub, Struct
 from rqp.protocol.codec import struct_of
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RQPError
-from rqp.storage.log import LogFile, ReplaceFailed
+from rqp.storage.log import LogFile, ReplaceFailed, written_end
 
 __all__ = [
     "scoped_key",
@@ -571,8 +574,8 @@ class DedupWindow:
             raise DedupError(f"{path}: unsupported de-duplication file version {data[4]} "
                              f"(this program reads version {DEDUP_VERSION})")
         good_end = self._load(data)
-        file.size = len(data)
-        if good_end < len(data):
+        file.size = good_end
+        if written_end(data, good_end) > good_end:  # (only zeros after it: reserved space)
             try:
                 file.cut(good_end)
             except OSError as exc:
@@ -601,13 +604,17 @@ class DedupWindow:
                 keys.popitem(last=False)
             count += 1
         end = DEDUP_HEADER_SIZE + count * size
-        if bad is not None:
+        written = written_end(data, end)  # then to the end of its entry (may end in zeros):
+        written = min(len(data), written + (DEDUP_HEADER_SIZE - written) % size)
+        if written == end:
+            pass  # the clean end: nothing, or only the reserved space, after the last entry
+        elif bad is not None:
             stored, computed = bad
             self.problems.append(
                 f"{self.path}: offset {end}: entry {count} has crc32 {stored:#010x}, its bytes "
-                f"give {computed:#010x}; it and the {len(data) - end - size} bytes after it are "
-                f"dropped (the file is cut at offset {end})")
-        elif whole < len(body):
+                f"give {computed:#010x}; it and the {max(0, written - end - size)} bytes "
+                f"after it are dropped (the file is cut at offset {end})")
+        else:
             self.problems.append(
                 f"{self.path}: offset {end}: torn last entry of {len(body) - whole} bytes "
                 f"(an entry is {size}); dropped (the file is cut at offset {end})")

@@ -6,7 +6,11 @@ dead-lettered. At start the journal is replayed first: every record appended and
 sent again (the receiver de-duplicates by message key).
 
 The journal is one file, ``{state_dir}/{name}.journal``: a 16-byte file header, then entries one
-after the other. Every integer is an unsigned big-endian number; there is no padding.
+after the other. Every integer is an unsigned big-endian number; there is no padding between
+entries. After the last entry the file holds zero bytes: space allocated ahead of the appends
+(:mod:`rqp.storage.log`), so that a sync need not write the file's size each time. A reader
+stops where an entry would start and only zero bytes are left (no entry is all zeros: its
+length is at least 9).
 
 File header
 ===========
@@ -76,12 +80,13 @@ Recovery at open
   must not start without it).
 * Entries are read in order. Reading stops at the first entry that is torn (the file ends inside
   it), has an absurd length (< 9 or > 64 MiB), a wrong crc, an unknown kind, or a length that
-  does not match its kind. Everything before it is kept. Everything from it to the end of the
-  file is **discarded**: a log cannot find the start of the next entry safely once one is
-  damaged (the length of the damaged entry cannot be trusted). Nothing is destroyed, though: the
-  discarded bytes are first copied to ``{name}.journal.discarded-{UTC timestamp}`` (fsynced) for
-  an operator; then the journal is truncated to the end of the last good entry (and fsynced), so
-  that new appends follow valid data. After a crash the torn tail is a write whose ``append``
+  does not match its kind; unless everything from there on is zero bytes (reserved space: the
+  clean end of the journal). Everything before it is kept. Everything from it to the last
+  written (non-zero) byte is **discarded**: a log cannot find the start of the next entry safely
+  once one is damaged (the length of the damaged entry cannot be trusted). Nothing is destroyed,
+  though: the discarded bytes are first copied to ``{name}.journal.discarded-{UTC timestamp}``
+  (fsynced) for an operator; then the journal is truncated to the end of the last good entry
+  (and fsynced), so that new appends follow valid data. After a crash the torn tail is a write whose ``append``
   never returned, so nothing acknowledged is lost.
 * Every such finding is reported, with its byte offset, in :attr:`Journal.problems`.
 * An APPEND of a seq that is still live (only a bug could write one: the crc is valid) raises
@@ -152,7 +157,7 @@ from construct import (
 from rqp.protocol.codec import struct_of
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
-from rqp.storage.log import LogFile, ReplaceFailed
+from rqp.storage.log import LogFile, ReplaceFailed, written_end
 
 __all__ = [
     "APPEND_BODY",
@@ -547,19 +552,20 @@ class Journal:
             max_seq = max(max_seq, seq)
             offset = end
         self._file.size = offset
-        if bad is not None:
+        if bad is not None and written_end(data, offset) > offset:  # (zeros: reserved space)
             self._discard_tail(data, offset, bad)
         if len(live) > 1 and list(live) != sorted(live):
             self._live = dict(sorted(live.items()))
         self._next_seq = max(base_seq, max_seq + 1, 1)
 
     def _discard_tail(self, data: bytes, offset: int, reason: str) -> None:
-        """Save ``data[offset:]`` to a side file, then cut the journal at ``offset``."""
+        """Save the written bytes from ``offset`` on to a side file, then cut the journal at
+        ``offset``."""
         side = self._file.cut(offset, keep_copy="discarded")
-        self._report(f"{reason} at offset {offset}; the {len(data) - offset} bytes from offset "
-                     f"{offset} to the end were discarded (entries after a damaged one cannot be "
-                     f"found safely; copy saved in {side.name}) and the file truncated to "
-                     f"{offset} bytes")
+        self._report(f"{reason} at offset {offset}; the {written_end(data, offset) - offset} "
+                     f"bytes written from offset {offset} on were discarded (entries after a "
+                     f"damaged one cannot be found safely; copy saved in {side.name}) and the "
+                     f"file truncated to {offset} bytes")
 
     def _create(self, base_seq: int) -> None:
         self._file.create(encode_header(base_seq))

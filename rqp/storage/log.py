@@ -9,6 +9,14 @@ decides what is live; :class:`LogFile` does what both need of the file, the same
   short or failed write overwrites its bytes; a failed write is cut back);
 * **group commit**: a batch of entries is one write and one ``fsync``; a failed ``fsync``
   leaves the outcome unknown, so the user stops writing until the file is replaced;
+* **space reserved ahead** (``fallocate``, :data:`RESERVE` bytes at a time): an append lands
+  in space the file already has and counts in its size, so the file's size changes once a
+  reserve, not once a batch, and the ``fsync`` of a batch has no new size to commit: on ext4
+  here a small append and ``fsync`` took ~135 µs into reserved space against ~200 µs when each
+  append grew the file (``fdatasync`` instead of ``fsync`` made no difference then). The file therefore ends in zero bytes after the good data; a
+  reader that finds only zero bytes where the next entry would start has reached the end
+  (:func:`written_end`): an entry of either user is never all zero bytes (a journal entry's
+  length is at least 9, a window entry's crc32 of zeros is not zero);
 * **recovery**: the user replays the bytes and says where the good entries end; a damaged
   tail is cut there (:meth:`LogFile.cut`), optionally after saving a copy beside the file;
   a file that is not the user's at all is moved aside, never overwritten;
@@ -25,7 +33,10 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LogFile", "ReplaceFailed", "pwrite_all", "read_all"]
+__all__ = ["LogFile", "RESERVE", "ReplaceFailed", "pwrite_all", "read_all", "written_end"]
+
+#: Bytes of file allocated ahead of the appends at a time (see the module docstring).
+RESERVE = 1 << 20
 
 
 def pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -48,6 +59,13 @@ def read_all(fd: int) -> bytes:
         offset += len(chunk)
 
 
+def written_end(data: bytes, offset: int) -> int:
+    """Where the written bytes of ``data`` (a whole file) end: after its last non-zero byte,
+    and not before ``offset`` (the end of the good entries). ``written_end(data, offset) ==
+    offset`` means that everything after the good entries is reserved space, not damage."""
+    return max(offset, len(data.rstrip(b"\0")))
+
+
 def _utc_stamp() -> str:
     ns = time.time_ns()
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
@@ -68,12 +86,15 @@ class LogFile:
     """The file at ``path``: its descriptor, where the good data ends (:attr:`size`) and the
     operations above. Not thread-safe: the user holds its own lock around the calls."""
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True,
+                 reserve: int = RESERVE) -> None:
         self.path = Path(path)
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         self.fsync_enabled = fsync
+        self.reserve = reserve
         self.fd = -1
-        self.size = 0
+        self.size = 0       # where the good data ends: the next append goes here
+        self.allocated = 0  # the file's length (its size on disk): zero bytes after ``size``
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -100,16 +121,19 @@ class LogFile:
 
     def open(self) -> bytes | None:
         """Open the existing file for appending and return all its bytes, or None if there is
-        none. :attr:`size` is left at 0: the user sets it to where its good entries end."""
+        none. :attr:`size` is left at 0: the user sets it to where its good entries end, and
+        cuts the file there (:meth:`cut`) if anything but zero bytes follows (:func:`written_end`)."""
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            return read_all(self.fd)
+            data = read_all(self.fd)
         except BaseException:
             self.close()
             raise
+        self.allocated = len(data)
+        return data
 
     def create(self, data: bytes) -> None:
         """A new file holding ``data`` (a header, maybe entries), atomically."""
@@ -125,10 +149,12 @@ class LogFile:
 
     def cut(self, offset: int, *, keep_copy: str | None = None) -> Path | None:
         """Cut the file at ``offset`` (a damaged tail), durably. With ``keep_copy``, the bytes
-        cut off are first saved to ``<file>.<keep_copy>-<UTC time>``; its path is returned."""
+        cut off (up to the last written one: not the reserved space after it) are first saved
+        to ``<file>.<keep_copy>-<UTC time>``; its path is returned."""
         side = None
         if keep_copy is not None:
-            tail = read_all(self.fd)[offset:]
+            data = read_all(self.fd)
+            tail = data[offset:written_end(data, offset)]
             side = self._unused(f"{self.path.name}.{keep_copy}-{_utc_stamp()}")
             fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -141,7 +167,7 @@ class LogFile:
         os.ftruncate(self.fd, offset)
         if self.fsync_enabled:
             os.fsync(self.fd)
-        self.size = offset
+        self.size = self.allocated = offset
         return side
 
     def _unused(self, name: str) -> Path:
@@ -154,19 +180,36 @@ class LogFile:
     # --- writing -------------------------------------------------------------------------------
 
     def append(self, data: bytes) -> None:
-        """Write ``data`` at the end of the good data. On failure the file is cut back to
-        where it was (if even that fails, OSError with ``cut_back_failed`` set) and the error
-        raised; :attr:`size` moves only on success."""
+        """Write ``data`` at the end of the good data, in reserved space (reserving more first
+        if it does not fit). On failure the file is cut back to where the good data ended (if
+        even that fails, OSError with ``cut_back_failed`` set) and the error raised; :attr:`size`
+        moves only on success."""
         start = self.size
+        end = start + len(data)
+        if end > self.allocated:
+            self._reserve(end)
         try:
             pwrite_all(self.fd, data, start)
         except BaseException as exc:
             try:
                 os.ftruncate(self.fd, start)
+                self.allocated = start
             except OSError as exc2:
                 exc.cut_back_failed = exc2
             raise
-        self.size = start + len(data)
+        self.size = end
+        self.allocated = max(self.allocated, end)
+
+    def _reserve(self, end: int) -> None:
+        """Allocate the file up to :attr:`reserve` bytes past ``end``. Without the space (or
+        with a file system that cannot), nothing is reserved: the write grows the file, and
+        only the sync costs more."""
+        try:
+            os.posix_fallocate(self.fd, self.allocated, end + self.reserve - self.allocated)
+        except OSError:
+            pass  # ENOSPC, EOPNOTSUPP: the write itself says whether the data fits
+        with contextlib.suppress(OSError):  # a failed allocation may have done part of it
+            self.allocated = os.fstat(self.fd).st_size
 
     def sync(self, fd: int | None = None) -> None:
         """fsync the file (or ``fd``, a descriptor of it taken earlier): the group commit."""
@@ -194,7 +237,7 @@ class LogFile:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp_path)
             raise
-        old, self.fd, self.size = self.fd, fd, len(data)
+        old, self.fd, self.size, self.allocated = self.fd, fd, len(data), len(data)
         if old >= 0 and not keep_old:
             os.close(old)
             old = -1
