@@ -423,15 +423,30 @@ def test_torn_tail_at_every_length_of_the_last_entry(tmp_path, clock, kept, rese
     w.close()
 
 
-def test_torn_write_of_a_whole_batch(tmp_path, clock):
+@pytest.mark.parametrize("reserve", [0, 100], ids=["file-ends", "zeros-follow"])
+def test_torn_write_of_a_whole_batch(tmp_path, clock, reserve):
     path = tmp_path / "w.dedup"
     data = _write_window(path, range(10), clock)
     for cut in range(DEDUP_HEADER_SIZE, len(data) + 1):
-        path.write_bytes(data[:cut])
+        path.write_bytes(data[:cut] + bytes(reserve))
         whole = (cut - DEDUP_HEADER_SIZE) // DEDUP_ENTRY_SIZE
+        if reserve and whole < 10 and not any(data[cut:DEDUP_HEADER_SIZE + (whole + 1) * 20]):
+            whole += 1  # (the bytes not written were zeros anyway: the entry is whole)
         w = DedupWindow(path, clock=clock)
         assert [k for k in range(10) if w.seen(k)] == list(range(whole))
         w.close()
+
+
+def test_data_after_zeros_in_the_reserved_space_is_damage(path, clock):
+    """Zeros where the next entry would start are the end only if nothing but zeros follows."""
+    data = _write_window(path, range(3), clock)
+    path.write_bytes(data + bytes(5 * DEDUP_ENTRY_SIZE) + encode_entry(9, 1) + bytes(300))
+    w = DedupWindow(path, clock=clock)
+    assert [k for k in (0, 1, 2, 9) if w.seen(k)] == [0, 1, 2]
+    assert len(w.problems) == 1 and f"offset {len(data)}: entry 3 has crc32" in w.problems[0]
+    assert f"the {5 * DEDUP_ENTRY_SIZE} bytes after it" in w.problems[0]
+    assert path.read_bytes() == data  # cut, so that new entries follow good ones
+    w.close()
 
 
 def test_bad_crc_in_the_middle(path, clock):

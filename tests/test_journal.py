@@ -306,6 +306,23 @@ def test_torn_tail_every_length(tmp_path, reserve):
             assert recovered(j) == expected
 
 
+def test_data_after_zeros_in_the_reserved_space_is_damage(tmp_path):
+    """Zeros where the next entry would start are the end only if nothing but zeros follows:
+    bytes further on (a write whose first block did not reach the disk) are a damaged tail,
+    cut and kept aside like any other."""
+    data, offsets = _three_entries(tmp_path)
+    junk = encode_append(5, 55, b"never acknowledged")
+    (tmp_path / "sender.journal").write_bytes(data + bytes(5000) + junk + bytes(3000))
+    with Journal(tmp_path) as j:
+        assert recovered(j) == _expected_live_at(len(data), offsets)
+        assert len(j.problems) == 1 and f"offset {len(data)}" in j.problems[0]
+        assert f"the {5000 + len(junk)} bytes written" in j.problems[0]
+        saved = side_files(tmp_path, "discarded")
+        assert len(saved) == 1 and saved[0].read_bytes() == bytes(5000) + junk
+        assert (tmp_path / "sender.journal").read_bytes() == data  # cut
+        assert j.append([(14, b"new")]) == [4]
+
+
 @pytest.mark.parametrize("damage", ["crc", "kind", "length", "record_length", "huge"])
 def test_damaged_middle_entry(tmp_path, damage):
     data, offsets = _three_entries(tmp_path)

@@ -87,38 +87,53 @@ def test_cut_keeps_a_copy_and_move_aside_never_overwrites(log):
 def test_appends_go_into_space_reserved_ahead(tmp_path):
     """The file grows a reserve at a time (so that a sync has no new size to commit), and the
     bytes after the good data are zeros, which a reader takes for the end (written_end)."""
-    f = LogFile(tmp_path / "x.log", reserve=100)
+    reserve = 64 << 10
+    f = LogFile(tmp_path / "x.log", reserve=reserve)
     f.create(b"HEAD")
     assert f.path.stat().st_size == f.allocated == 4  # (a new file is exact until appended to)
     f.append(b"a" * 10)
-    assert f.path.stat().st_size == f.allocated == 4 + 10 + 100
-    assert f.path.stat().st_blocks > 0
+    st = f.path.stat()
+    assert st.st_size == f.allocated == 4 + 10 + reserve
+    assert st.st_blocks * 512 >= st.st_size  # allocated, not a sparse file
     sizes = set()
     for _ in range(9):
         f.append(b"b" * 10)
         sizes.add(f.path.stat().st_size)
-    assert sizes == {114} and f.size == 104  # all inside the first reserve
-    f.append(b"c" * 20)
-    assert f.size == 124 and f.allocated == f.path.stat().st_size == 224
+    assert sizes == {14 + reserve} and f.size == 104  # all inside the first reserve
+    f.append(b"c" * reserve)
+    assert f.size == 104 + reserve
+    assert f.allocated == f.path.stat().st_size == 104 + 2 * reserve
     data = f.path.read_bytes()
-    assert written_end(data, 0) == 124 and written_end(data, 124) == 124
-    assert written(f.path, 124) == b"HEAD" + b"a" * 10 + b"b" * 90 + b"c" * 20
+    assert written_end(data, 0) == f.size and written_end(data, f.size) == f.size
+    assert written(f.path, f.size) == b"HEAD" + b"a" * 10 + b"b" * 90 + b"c" * reserve
     f.close()
     g = LogFile(f.path)
-    assert g.open() == data and g.allocated == 224 and g.size == 0  # (the user says where)
+    assert g.open() == data and g.allocated == len(data) and g.size == 0  # (the user says)
     g.close()
 
 
 def test_without_space_for_a_reserve_an_append_grows_the_file(log, monkeypatch):
-    def no_space(fd, offset, length):
+    """A reserve that fails part-way is given back (ext4 keeps the blocks it got before it
+    ran out: on a nearly full disk, all that is left), and none is tried again for the next
+    RESERVE bytes."""
+    real = os.posix_fallocate
+    tries = []
+
+    def runs_out_half_way(fd, offset, length):
+        tries.append(length)
+        real(fd, offset, length // 2)  # what the file system got before it ran out
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    monkeypatch.setattr(os, "posix_fallocate", runs_out_half_way)
     log.append(b"one")
     log.append(b"two")
     assert log.path.read_bytes() == b"HEADonetwo" and log.size == log.allocated == 10
+    assert len(tries) == 1 and log.path.stat().st_blocks * 512 < RESERVE // 2
     monkeypatch.undo()
-    log.append(b"!")
-    assert log.allocated == 11 + RESERVE and written(log.path, 11) == b"HEADonetwo!"
+    log.append(b"!")  # space again, but the next try is a reserve later
+    assert log.allocated == 11 and log.path.read_bytes() == b"HEADonetwo!"
+    log.append(b"x" * RESERVE)
+    assert log.allocated == 11 + 2 * RESERVE and log.size == 11 + RESERVE
+    assert written(log.path, 11 + RESERVE) == b"HEADonetwo!" + b"x" * RESERVE
 
 
 def test_a_cut_saves_the_written_bytes_not_the_reserve(tmp_path):

@@ -116,9 +116,9 @@ After the last entry the file holds zero bytes: space allocated ahead of the app
 never does: the crc32 of 16 zero bytes is 0xecbb4b55), or at a last entry shorter than 20
 bytes (a torn write); every entry before it is kept. If only zero bytes follow, that is the
 reserved space and the clean end of the file. Otherwise the file is cut there (and fsynced)
-so that new entries follow good ones, and ``problems`` says what was dropped, at which offset. A file that does not start with the magic is refused
-(:class:`DedupError`), as is an unknown version; an empty file or a torn header is taken as an
-empty window and rewritten.
+so that new entries follow good ones, and ``problems`` says what was dropped, at which offset.
+A file that does not start with the magic is refused (:class:`DedupError`), as is an unknown
+version; an empty file or a torn header is taken as an empty window and rewritten.
 
 **Compaction**: when, after a ``commit()``, the file holds more than twice as many entries as
 there are keys in the window and is larger than ``compact_min_bytes`` (1 MiB), the keys of the

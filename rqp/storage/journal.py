@@ -86,8 +86,8 @@ Recovery at open
   once one is damaged (the length of the damaged entry cannot be trusted). Nothing is destroyed,
   though: the discarded bytes are first copied to ``{name}.journal.discarded-{UTC timestamp}``
   (fsynced) for an operator; then the journal is truncated to the end of the last good entry
-  (and fsynced), so that new appends follow valid data. After a crash the torn tail is a write whose ``append``
-  never returned, so nothing acknowledged is lost.
+  (and fsynced), so that new appends follow valid data. After a crash the torn tail is a write
+  whose ``append`` never returned, so nothing acknowledged is lost.
 * Every such finding is reported, with its byte offset, in :attr:`Journal.problems`.
 * An APPEND of a seq that is still live (only a bug could write one: the crc is valid) raises
   :class:`JournalError`; the file is not touched.
@@ -593,7 +593,8 @@ class Journal:
 
     @property
     def file_bytes(self) -> int:
-        """Size of the journal file (header included)."""
+        """Where the journal's entries end (header included): the file's length less the
+        space reserved after them."""
         with self._cond:
             return self._file.size
 

@@ -13,10 +13,11 @@ decides what is live; :class:`LogFile` does what both need of the file, the same
   in space the file already has and counts in its size, so the file's size changes once a
   reserve, not once a batch, and the ``fsync`` of a batch has no new size to commit: on ext4
   here a small append and ``fsync`` took ~135 µs into reserved space against ~200 µs when each
-  append grew the file (``fdatasync`` instead of ``fsync`` made no difference then). The file therefore ends in zero bytes after the good data; a
-  reader that finds only zero bytes where the next entry would start has reached the end
-  (:func:`written_end`): an entry of either user is never all zero bytes (a journal entry's
-  length is at least 9, a window entry's crc32 of zeros is not zero);
+  append grew the file (``fdatasync`` instead of ``fsync`` made no difference then). The file
+  therefore ends in zero bytes after the good data; a reader that finds only zero bytes where
+  the next entry would start has reached the end (:func:`written_end`): an entry of either user
+  is never all zero bytes (a journal entry's length is at least 9, a window entry's crc32 of
+  zeros is not zero);
 * **recovery**: the user replays the bytes and says where the good entries end; a damaged
   tail is cut there (:meth:`LogFile.cut`), optionally after saving a copy beside the file;
   a file that is not the user's at all is moved aside, never overwritten;
@@ -95,6 +96,7 @@ class LogFile:
         self.fd = -1
         self.size = 0       # where the good data ends: the next append goes here
         self.allocated = 0  # the file's length (its size on disk): zero bytes after ``size``
+        self._retry_reserve = 0  # after a failed reserve, none again before this offset
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -122,7 +124,8 @@ class LogFile:
     def open(self) -> bytes | None:
         """Open the existing file for appending and return all its bytes, or None if there is
         none. :attr:`size` is left at 0: the user sets it to where its good entries end, and
-        cuts the file there (:meth:`cut`) if anything but zero bytes follows (:func:`written_end`)."""
+        cuts the file there (:meth:`cut`) if anything but zero bytes follows
+        (:func:`written_end`)."""
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -186,7 +189,7 @@ class LogFile:
         moves only on success."""
         start = self.size
         end = start + len(data)
-        if end > self.allocated:
+        if end > self.allocated and end >= self._retry_reserve:
             self._reserve(end)
         try:
             pwrite_all(self.fd, data, start)
@@ -202,14 +205,20 @@ class LogFile:
 
     def _reserve(self, end: int) -> None:
         """Allocate the file up to :attr:`reserve` bytes past ``end``. Without the space (or
-        with a file system that cannot), nothing is reserved: the write grows the file, and
-        only the sync costs more."""
+        with a file system that cannot), nothing is reserved and nothing is tried again for
+        the next :attr:`reserve` bytes: the writes grow the file, only the syncs cost more."""
+        before = self.allocated
         try:
-            os.posix_fallocate(self.fd, self.allocated, end + self.reserve - self.allocated)
-        except OSError:
-            pass  # ENOSPC, EOPNOTSUPP: the write itself says whether the data fits
-        with contextlib.suppress(OSError):  # a failed allocation may have done part of it
-            self.allocated = os.fstat(self.fd).st_size
+            os.posix_fallocate(self.fd, before, end + self.reserve - before)
+        except OSError:  # ENOSPC, EOPNOTSUPP: the write itself says whether the data fits
+            self._retry_reserve = end + self.reserve
+            try:  # ext4 keeps what it allocated before it ran out: on a nearly full disk
+                os.ftruncate(self.fd, before)  # that is all the space left, give it back
+            except OSError:
+                with contextlib.suppress(OSError):  # (zeros: harmless after ``size``)
+                    self.allocated = os.fstat(self.fd).st_size
+            return
+        self.allocated = end + self.reserve
 
     def sync(self, fd: int | None = None) -> None:
         """fsync the file (or ``fd``, a descriptor of it taken earlier): the group commit."""
