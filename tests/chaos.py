@@ -154,9 +154,11 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
         return b.output(consumer).count("\n")
 
     deadline = time.monotonic() + timeout
-    for _ in range(faults):
-        # strike at a random point of the stream: after a random number of deliveries
-        target = delivered() + rng.randint(sure // (faults * 4) + 1, sure // faults + 1)
+    for i in range(faults):
+        # strike at a random point of the stream: after a random number of deliveries, and
+        # early enough that every fault falls inside the stream however fast it flows
+        target = min(delivered() + rng.randint(sure // (faults * 4) + 1, sure // faults + 1),
+                     sure * (i + 1) // (faults + 1))
         wait_for(lambda: delivered() >= target or consumer.poll() is not None,
                  timeout=max(deadline - time.monotonic(), 1), message="the stream stalled")
         if consumer.poll() is not None:
