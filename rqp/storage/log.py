@@ -247,6 +247,7 @@ class LogFile:
                 os.unlink(self.tmp_path)
             raise
         old, self.fd, self.size, self.allocated = self.fd, fd, len(data), len(data)
+        self._retry_reserve = 0  # (a new file: worth a reserve again)
         if old >= 0 and not keep_old:
             os.close(old)
             old = -1
