@@ -134,6 +134,13 @@ def test_without_space_for_a_reserve_an_append_grows_the_file(log, monkeypatch):
     log.append(b"x" * RESERVE)
     assert log.allocated == 11 + 2 * RESERVE and log.size == 11 + RESERVE
     assert written(log.path, 11 + RESERVE) == b"HEADonetwo!" + b"x" * RESERVE
+    monkeypatch.setattr(os, "posix_fallocate", runs_out_half_way)
+    log.append(b"y" * (RESERVE + 1))  # past the reserve: fails again ...
+    assert log.allocated == log.size == 12 + 2 * RESERVE and len(tries) == 2
+    monkeypatch.undo()
+    log.replace(b"HEAD")  # ... but a new file (a compaction) tries again at once
+    log.append(b"z")
+    assert log.allocated == 5 + RESERVE and written(log.path, 5) == b"HEADz"
 
 
 def test_a_cut_saves_the_written_bytes_not_the_reserve(tmp_path):
