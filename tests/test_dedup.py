@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rqp.protocol.constants import UINT64_MAX
-from tests.logfiles import written
 from rqp.storage.dedup import (
     DEDUP_ENTRY,
     DEDUP_ENTRY_SIZE,
@@ -29,6 +28,7 @@ from rqp.storage.dedup import (
     encode_entry,
     window_path,
 )
+from tests.logfiles import written
 
 HEADER = b"RQPD\x01\x00\x00\x00"
 T0 = 1_700_000_000.0  # a unix time, in seconds

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rqp.protocol.errors import RQPError
-from tests.logfiles import written
 from rqp.storage.journal import (
     APPEND_FIXED_SIZE,
     ENTRY_PREFIX_SIZE,
@@ -32,6 +31,7 @@ from rqp.storage.journal import (
     encode_header,
     encode_release,
 )
+from tests.logfiles import written
 
 
 def live(j: Journal) -> dict[int, tuple[int, bytes]]:
