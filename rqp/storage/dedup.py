@@ -573,9 +573,9 @@ class DedupWindow:
             file.close()
             raise DedupError(f"{path}: unsupported de-duplication file version {data[4]} "
                              f"(this program reads version {DEDUP_VERSION})")
-        good_end = self._load(data)
+        good_end, damaged = self._load(data)
         file.size = good_end
-        if written_end(data, good_end) > good_end:  # (only zeros after it: reserved space)
+        if damaged:  # (only zeros after the good entries: reserved space, nothing to cut)
             try:
                 file.cut(good_end)
             except OSError as exc:
@@ -583,8 +583,9 @@ class DedupWindow:
                 raise DedupError(f"{path}: cannot cut the damaged tail at offset {good_end}: "
                                  f"{exc}") from exc
 
-    def _load(self, data: bytes) -> int:
-        """Replay the entries of ``data`` (a whole file); return where the good ones end."""
+    def _load(self, data: bytes) -> tuple[int, bool]:
+        """Replay the entries of ``data`` (a whole file); return where the good ones end, and
+        whether anything but zeros follows them."""
         body = memoryview(data)[DEDUP_HEADER_SIZE:]
         size = DEDUP_ENTRY_SIZE
         whole = len(body) // size * size
@@ -623,7 +624,7 @@ class DedupWindow:
         self._keys = collections.OrderedDict(
             (k, t) for k, t in keys.items() if now - t < age)
         self._file_entries = count
-        return end
+        return end, written > end
 
     def _create(self) -> None:
         try:

@@ -552,17 +552,18 @@ class Journal:
             max_seq = max(max_seq, seq)
             offset = end
         self._file.size = offset
-        if bad is not None and written_end(data, offset) > offset:  # (zeros: reserved space)
-            self._discard_tail(data, offset, bad)
+        written = written_end(data, offset) if bad is not None else offset
+        if written > offset:  # (only zeros after the good entries: reserved space)
+            self._discard_tail(offset, written, bad)
         if len(live) > 1 and list(live) != sorted(live):
             self._live = dict(sorted(live.items()))
         self._next_seq = max(base_seq, max_seq + 1, 1)
 
-    def _discard_tail(self, data: bytes, offset: int, reason: str) -> None:
-        """Save the written bytes from ``offset`` on to a side file, then cut the journal at
-        ``offset``."""
+    def _discard_tail(self, offset: int, written: int, reason: str) -> None:
+        """Save the written bytes from ``offset`` on (to ``written``) to a side file, then cut
+        the journal at ``offset``."""
         side = self._file.cut(offset, keep_copy="discarded")
-        self._report(f"{reason} at offset {offset}; the {written_end(data, offset) - offset} "
+        self._report(f"{reason} at offset {offset}; the {written - offset} "
                      f"bytes written from offset {offset} on were discarded (entries after a "
                      f"damaged one cannot be found safely; copy saved in {side.name}) and the "
                      f"file truncated to {offset} bytes")
