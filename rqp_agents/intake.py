@@ -21,6 +21,7 @@ from rqp.protocol.constants import SURE_MSG
 from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError, RQPError
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
+from rqp.protocol.sender import budget_size
 from rqp.storage.journal import Journal
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import Doorbell, KeySource
@@ -29,12 +30,6 @@ __all__ = ["Budget", "Intake", "Item", "Taken", "budget_size"]
 
 log = logging.getLogger("rqp.sender")
 
-#: Messages held in memory per frame the window lets be in flight (per host), and at least
-#: this many. What a kill -9 can lose of UNSURE messages is what is held: measured with
-#: scripts/chaos --scenarios kill-sender (3 seeds x 8 kills), 16 per frame lost ~149 UNSURE a
-#: kill, 2 per frame 3-6, and the throughput did not drop (issue 14).
-HELD_PER_WINDOW_FRAME = 2
-MIN_HELD = 64
 #: Records taken in one go by the reader thread once the first one has arrived.
 READ_BATCH = 256
 #: An idle sending MCA looks at its transmission queue at least this often, for producers
@@ -44,11 +39,6 @@ IDLE_POLL = 0.05
 #: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
 #: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
 Item = list
-
-
-def budget_size(window: int, hosts: int) -> int:
-    """How many messages a sending MCA holds in memory for this window and number of hosts."""
-    return max(MIN_HELD, HELD_PER_WINDOW_FRAME * window * hosts)
 
 
 class Taken:

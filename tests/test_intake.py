@@ -3,7 +3,8 @@ rest wait in the kernel queue. A SIGHUP that changes the window or the hosts res
 
 from __future__ import annotations
 
-from rqp_agents.intake import MIN_HELD, Budget, budget_size
+from rqp.protocol.sender import MIN_HELD, budget_size
+from rqp_agents.intake import Budget
 
 
 def test_budget_size_follows_window_and_hosts():

@@ -480,6 +480,20 @@ def _no_host(lane: _Lane, why: str) -> str:
     return f"{verb} queue {lane.queue_key:#x} ({why})"
 
 
+#: Messages held in memory per frame the window lets be in flight (per host), and at least
+#: this many. What a kill -9 can lose of UNSURE messages is what is held: measured with
+#: scripts/chaos --scenarios kill-sender (3 seeds x 8 kills), 16 per frame lost ~149 UNSURE a
+#: kill, 2 per frame 3-6, and the throughput did not drop (issue 14).
+HELD_PER_WINDOW_FRAME = 2
+MIN_HELD = 64
+
+
+def budget_size(window: int, hosts: int) -> int:
+    """How many messages a sending MCA holds in memory (taken off its transmission queue, not
+    finished) for this window and number of hosts."""
+    return max(MIN_HELD, HELD_PER_WINDOW_FRAME * window * hosts)
+
+
 #: How many finished messages the sending MCA remembers by key, for ``rqpctl trace``.
 FINISHED_MEMORY = 100_000
 
