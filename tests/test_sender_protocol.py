@@ -10,6 +10,7 @@ from rqp import SURE_MSG, UNSURE_MSG
 from rqp.protocol.constants import EXT_MESSAGE
 from rqp.protocol.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
 from rqp.protocol.frames import FrameDecoder, encode
+from rqp.protocol import sender as sender_core
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.sender import (
     TRANSITIONS, Close, Connect, DeadLetter, Delivered, Lost, MsgState, Note, NoteKind, Send,
@@ -777,6 +778,48 @@ def test_a_route_running_again_after_its_connection_came_back_counts_from_then()
     assert h.core.connection_text("b") == "up"
     [r] = h.core.route_status(h.now + 3)
     assert (r["state"], r["since"]) == ("running", h.now)
+
+
+def test_a_lane_gone_idle_is_taken_back_as_new_for_the_next_message_of_its_key():
+    """An idle lane is kept for reuse (IDLE_LANES): one taken back is busy from now, and a
+    back-off it was in when its last message left it (expired) does not hold the next one."""
+    h = Harness(hosts=("b",), backoff_initial=30.0, stall_after=60.0)
+    h.submit(Q1, SURE_MSG, b"a", expires_at_ms=h.wall + 10_000)
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", ERR)  # the first retry is at once (asking again) ...
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", ERR)  # ... the second after backoff_initial: at 130
+    assert not h.sent()
+    h.wall += 20_000
+    h.now += 1
+    h.core.tick(h.now)  # "a" expires before its retry: dead-lettered, its lane idle
+    assert [a.reason for a in h.actions() if isinstance(a, DeadLetter)] == [ReasonCode.EXPIRED]
+    h.now += 1
+    h.submit(Q1, SURE_MSG, b"b")
+    assert [type(e).__name__ for _, e in h.sent()] == ["QueueAsk"]  # at once, not at 130
+    [r] = h.core.route_status(h.now + 59)  # busy since "b" came, not since "a" did
+    assert (r["state"], r["stalled_since"]) == ("asking", None)
+    [r] = h.core.route_status(h.now + 60)
+    assert (r["state"], r["stalled_since"]) == ("stalled", h.now)
+
+
+def test_idle_lanes_kept_for_reuse_are_bounded(monkeypatch):
+    """Messages spread over more queue keys than IDLE_LANES keep only the lanes of the most
+    recently busy keys: the sending MCA's memory does not grow with every key it has seen."""
+    monkeypatch.setattr(sender_core, "IDLE_LANES", 2)
+    h = Harness(hosts=("b",))
+    keys = [Q1 + i for i in range(5)]
+    for key in keys:
+        h.submit(key, UNSURE_MSG)
+        h.serve({"b": set(keys)})
+    assert list(h.core._idle_lanes) == keys[-2:] and not h.core._lanes
+    h.submit(keys[0], UNSURE_MSG)  # a dropped lane is made again, a kept one taken back
+    h.submit(keys[4], UNSURE_MSG)
+    assert list(h.core._lanes) == [keys[0], keys[4]] and list(h.core._idle_lanes) == keys[3:4]
 
 
 def test_an_idle_route_whose_receiver_closed_the_connection_is_idle_not_connecting():
