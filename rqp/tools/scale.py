@@ -18,9 +18,8 @@ over veth links, each sending host's transmission queue and producer invisible t
 Per case: messages/s (median over the rounds, first put to last take) and CPU microseconds per
 message of each kind of process (the sum over the processes of that kind, from /proc), so that
 "flat from 1 to 1,000 queue keys" can be read off directly. The consumer is one process that
-takes from every destination queue (with more than one queue it polls them, pausing
-POLL_PAUSE when a pass over all of them found nothing: its CPU is reported but is the harness's,
-not RQP's).
+takes each message from the queue it must be next on, waiting there (no polling over many
+queues: the CPU it spends is reported, but it is the harness's, not RQP's).
 
 Like rqp-bench it re-executes itself in a private IPC namespace (root, ``unshare --ipc``),
 raises ``kernel.msgmnb`` there, and removes everything it made at the end.
@@ -59,7 +58,6 @@ from rqp.tools.bench import (
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
 HEAD = struct.Struct(">IHI")
-POLL_PAUSE = 0.002
 #: A round that has not finished after this many seconds fails the run.
 ROUND_TIMEOUT = 300.0
 SWEEPS = {
@@ -127,46 +125,34 @@ def consumer_main(parent: int, keys: list[int], conn) -> None:
 
 
 def _consume(queues, tag: int, counts: list[int], size: int, ordered: bool):
-    expected = sum(counts)
+    """Take the round's messages, each from the queue it must be next on, waiting there: one
+    producer sends round-robin over the queues, so its message ``i`` is the next on queue
+    ``i % len(queues)`` (per queue, messages come in the order sent); several producers send
+    to one queue. (A message that never comes: the parent's ROUND_TIMEOUT ends the round.)"""
+    if len(counts) > 1 and len(queues) > 1:
+        raise BenchError("several producers over several queues: no sweep has that case")
     seen = [bytearray(c) for c in counts]
-    last_seq: dict[tuple[int, int], int] = {}
+    last_seq: dict[int, int] = {}
     tail, unpack = _tail(size), HEAD.unpack_from
-    got = first = last = 0
-    deadline = time.monotonic() + ROUND_TIMEOUT
-    single = len(queues) == 1
-    while got < expected:
-        found = 0
-        for index, mq in enumerate(queues):
-            while got < expected:
-                try:
-                    data = mq.receive(block=single)[0]
-                except sysv_ipc.BusyError:
-                    break
-                last = time.monotonic_ns()
-                first = first or last
-                got += 1
-                found += 1
-                if len(data) != size or not data.endswith(tail):
-                    raise BenchError(f"a message of {len(data)} bytes, expected {size}")
-                t, producer, seq = unpack(data)
-                if t != tag or producer >= len(counts) or seq >= counts[producer]:
-                    raise BenchError(f"a message of round {t}, producer {producer}, sequence "
-                                     f"{seq}: not one of this round's")
-                if seen[producer][seq]:
-                    raise BenchError(f"producer {producer} sequence {seq}: a duplicate")
-                seen[producer][seq] = 1
-                if ordered:
-                    stream = (producer, index)
-                    if last_seq.get(stream, -1) > seq:
-                        raise BenchError(f"producer {producer}: SURE sequence {seq} after "
-                                         f"{last_seq[stream]} on the same queue")
-                    last_seq[stream] = seq
-                if single:
-                    break
-        if not found and not single:
-            if time.monotonic() > deadline:
-                raise BenchError(f"{got} of {expected} messages after {ROUND_TIMEOUT:g}s")
-            time.sleep(POLL_PAUSE)  # a poll over many queues: nothing is waiting anywhere
+    first = last = 0
+    for i in range(sum(counts)):
+        data = queues[i % len(queues)].receive()[0]
+        last = time.monotonic_ns()
+        first = first or last
+        if len(data) != size or not data.endswith(tail):
+            raise BenchError(f"a message of {len(data)} bytes, expected {size}")
+        t, producer, seq = unpack(data)
+        if t != tag or producer >= len(counts) or seq >= counts[producer]:
+            raise BenchError(f"a message of round {t}, producer {producer}, sequence "
+                             f"{seq}: not one of this round's")
+        if seen[producer][seq]:
+            raise BenchError(f"producer {producer} sequence {seq}: a duplicate")
+        seen[producer][seq] = 1
+        if ordered:  # (one queue per producer's message: its sequence orders the stream)
+            if last_seq.get(producer, -1) > seq:
+                raise BenchError(f"producer {producer}: SURE sequence {seq} after "
+                                 f"{last_seq[producer]} on the same queue")
+            last_seq[producer] = seq
     return first, last
 
 
