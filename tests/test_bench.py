@@ -186,3 +186,38 @@ def test_scale_refuses_bad_arguments_at_once(args, error):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     error = error.format(largest=kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE)
     assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+
+
+def test_corebench_carries_every_message_through_both_cores(tmp_path, capsys):
+    """rqp-corebench: the two protocol cores against each other (no I/O), key counts
+    interleaved; every message must be confirmed, each core's CPU a message is reported."""
+    from rqp.tools import corebench
+
+    figures = tmp_path / "core.json"
+    assert corebench.main(["--keys", "1,7", "--messages", "500", "--repeat", "2",
+                           "--type", "UNSURE", "--json", str(figures)]) == 0
+    data = json.loads(figures.read_text())
+    assert (data["type"], data["messages"], sorted(data["runs"])) == ("UNSURE", 500, ["1", "7"])
+    for runs in data["runs"].values():
+        assert len(runs) == 2 and all(r["sending"] > 0 and r["receiving"] > 0 for r in runs)
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["1", "7"]
+
+
+def test_corebench_fails_when_a_message_is_not_confirmed(monkeypatch, capsys):
+    """A message the sending core dead-letters (queue key 0 is IPC_PRIVATE, never sent) fails
+    the run: the figures count only messages carried end to end."""
+    from rqp.tools import corebench
+
+    monkeypatch.setattr(corebench, "FIRST_KEY", 0)
+    assert corebench.main(["--keys", "2", "--messages", "10", "--repeat", "1"]) == 1
+    assert "the sending core did DeadLetter(" in capsys.readouterr().err
+
+
+def test_corebench_names_a_bad_argument(capsys):
+    from rqp.tools import corebench
+
+    with pytest.raises(SystemExit) as exit_:
+        corebench.main(["--keys", "1,many"])
+    assert exit_.value.code == 2
+    assert "--keys 1,many: whole numbers" in capsys.readouterr().err
