@@ -447,6 +447,9 @@ def test_transition_table_matches_the_seed_diagram():
         # spec section 6, not in the seed: expiry, and a message only MESSAGE_EX can carry
         ("Waiting for message", "expiry time passed while waiting", "Put message to DEAD.LETTER.Q"),
         ("Ask for queue", "expiry time passed while waiting", "Put message to DEAD.LETTER.Q"),
+        # retry_max_attempts / retry_max_age, not in the seed: the budget can run out while a
+        # SURE message waits to ask again (every host in its back-off)
+        ("Ask for queue", "SURE retry budget spent", "Put message to DEAD.LETTER.Q"),
         ("Ask for queue", "Queue_yes only from plain RQP/1 hosts, message needs MESSAGE_EX",
          "Put message to DEAD.LETTER.Q"),
         # spec section 6, broadcast: a copy its host declines; the last copy, if none went out
@@ -462,6 +465,22 @@ def test_transition_table_matches_the_seed_diagram():
     assert table_arrows == seed_arrows
     for final in (MsgState.DELIVERED, MsgState.LOST, MsgState.DEAD_LETTERED, MsgState.DECLINED):
         assert TRANSITIONS[final] == {}
+
+
+def test_a_retry_budget_that_runs_out_while_every_host_is_in_back_off_dead_letters():
+    """A review found the sending MCA stopped on its own error ("cannot go from 'Ask for
+    queue' on 'SURE retry budget spent'"): a SURE message that failed once waits in "Ask for
+    queue" while every host is in its connection's back-off, and retry_max_age ran out there.
+    It is dead-lettered RETRY_BUDGET_EXHAUSTED, as when the budget runs out between tries."""
+    h = Harness(hosts=("b",), max_age=60.0)
+    h.submit(Q1, SURE_MSG, b"old")
+    assert h.sent(down=("b",)) == []  # cannot connect: a failed try, then b in back-off
+    h.now += 100
+    h.core.tick(h.now)
+    [dead] = [a for a in h.actions() if isinstance(a, DeadLetter)]
+    assert (dead.message.payload, dead.reason) == (b"old", ReasonCode.RETRY_BUDGET_EXHAUSTED)
+    assert dead.detail.startswith("not delivered after 1 failed tries (0 MESSAGE frame(s) sent)")
+    assert h.core.held == 0
 
 
 def test_route_status_in_words():

@@ -128,6 +128,9 @@ TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
         T.NO_HOST_LEFT_SURE: S.WAITING_FOR_MESSAGE,
         T.NO_HOST_CAN_CARRY: S.PUT_TO_DEAD_LETTER_Q,
         T.EXPIRED: S.PUT_TO_DEAD_LETTER_Q,
+        # (a SURE message that failed before, waiting to ask again while every host is in its
+        # connection's back-off: it is not sent again, so its retry budget can run out there)
+        T.RETRY_BUDGET_SPENT: S.PUT_TO_DEAD_LETTER_Q,
         T.NO_HOST_TAKES_COPY: S.PUT_TO_DEAD_LETTER_Q,
         T.DECLINED: S.DECLINED,
     },
