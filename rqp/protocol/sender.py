@@ -1514,7 +1514,8 @@ class SenderCore:
         """An idle lane leaves the busy ones, kept for reuse (the least recently busy of
         those beyond IDLE_LANES is dropped)."""
         if not lane.pending and not lane.inflight and lane.asking is None:
-            if self._lanes.pop(lane.id, None) is lane:
+            if self._lanes.get(lane.id) is lane:  # (not another, busy lane of the same id)
+                del self._lanes[lane.id]
                 idle = self._idle_lanes
                 idle[lane.id] = lane
                 if len(idle) > IDLE_LANES:
