@@ -136,7 +136,8 @@ def _consume(queues, tag: int, counts: list[int], size: int, ordered: bool):
     tail, unpack = _tail(size), HEAD.unpack_from
     first = last = 0
     for i in range(sum(counts)):
-        data = queues[i % len(queues)].receive()[0]
+        index = i % len(queues)
+        data = queues[index].receive()[0]
         last = time.monotonic_ns()
         first = first or last
         if len(data) != size or not data.endswith(tail):
@@ -148,10 +149,13 @@ def _consume(queues, tag: int, counts: list[int], size: int, ordered: bool):
         if seen[producer][seq]:
             raise BenchError(f"producer {producer} sequence {seq}: a duplicate")
         seen[producer][seq] = 1
-        if ordered:  # (one queue per producer's message: its sequence orders the stream)
+        if seq % len(queues) != index:
+            raise BenchError(f"producer {producer} sequence {seq} on queue {index} of "
+                             f"{len(queues)}: it was sent to queue {seq % len(queues)}")
+        if ordered:  # (each queue keeps the order sent, so every producer's stream is ordered)
             if last_seq.get(producer, -1) > seq:
-                raise BenchError(f"producer {producer}: SURE sequence {seq} after "
-                                 f"{last_seq[producer]} on the same queue")
+                raise BenchError(f"producer {producer}: SURE sequence {seq} taken after "
+                                 f"{last_seq[producer]}")
             last_seq[producer] = seq
     return first, last
 
