@@ -61,8 +61,9 @@ class _Pair:
         self.spent = {"sending": 0, "receiving": 0}
 
     def carry(self, messages: int) -> None:
-        """Submit ``messages`` (round-robin over the keys, from where the last call ended) and
-        carry them until every one is confirmed, adding up each core's CPU time."""
+        """Submit ``messages`` (round-robin over the keys, from the first) and carry them until
+        every one is confirmed, adding up each core's CPU time. After each batch of actions
+        the sending side asks the core when to call it next, as the agent does."""
         sender, receiver, keys = self.sender, self.receiver, self.queue_keys
         clock, spent = time.thread_time_ns, self.spent
         submitted = confirmed = 0
@@ -89,6 +90,7 @@ class _Pair:
                 elif kind is not Note:
                     raise CoreBenchError(f"the sending core did {action!r}: every message "
                                          "must be confirmed")
+            sender.next_deadline()
             t1 = clock()
             if frames:
                 receiver.receive_data(b"".join(frames))
