@@ -84,6 +84,28 @@ rqp.sendMessage(h, b"give up on me", rqp.SURE_MSG)
     assert not log_lines(a, again, "journal:")
 
 
+def test_retry_age_running_out_while_the_receiver_is_down_dead_letters_and_runs_on(testbed):
+    """A review found the sending MCA stopped (exit 70, "cannot go from 'Ask for queue' on
+    'SURE retry budget spent'") when retry_max_age ran out while its only receiver could not be
+    reached: the message waited to ask again with the host in its connection's back-off."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")  # nothing listens on b
+    # Tries at 0, 0.5, 1.5 s; from 2.5 s it waits to ask again until b's connection may be
+    # made (3.5 s): the 3 s budget runs out in that wait.
+    rqprc = write_rqprc(a, [b], retry_backoff_initial="0.5s", retry_backoff_max="5s",
+                        retry_max_age="3s")
+    sender = start_sender(a, rqprc)
+    a.python(r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+rqp.sendMessage(h, b"nobody home", rqp.SURE_MSG)
+""", str(rqprc))
+    [dl] = wait_for(lambda: dead_letters(a), timeout=30, message="no dead letter")
+    assert (dl["reason"], dl["payload"]) == ("RETRY_BUDGET_EXHAUSTED", "nobody home")
+    assert sender.poll() is None, a.output(sender, "stderr")[-3000:]
+    sender.send_signal(15)
+    assert sender.wait(30) == 0
+
+
 def test_keys_stay_unique_across_restarts(testbed):
     a, b = testbed.add_host("a"), testbed.add_host("b")
     fake = b.popen([sys.executable, str(Path(__file__).with_name("fake_receiver.py")),
