@@ -503,8 +503,8 @@ FINISHED_MEMORY = 100_000
 #: How many idle lanes (nothing waiting, in flight or asked) the sending MCA keeps for reuse,
 #: the most recently busy ones: a message for a queue key that has one takes it back instead
 #: of making a lane (about 1 KiB each). With messages spread over many keys, most lanes go
-#: idle after every message: making one for each cost this core about 0.4 µs a message at
-#: 1,000 keys (``scripts/bench --core``: 10.1-10.2 µs a message, 9.8-9.9 reusing them; 8.6-9.1
+#: idle after every message: making one for each cost this core about 0.5 µs a message at
+#: 1,000 keys (``scripts/bench --core``: 8.5-9.3 µs a message, 8.0-8.3 reusing them; 7.2-8.0
 #: with one key).
 IDLE_LANES = 4096
 
