@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol import sender as sender_core
 from rqp.protocol.constants import EXT_MESSAGE
 from rqp.protocol.events import DeliveredError, DeliveredYes, Message, QueueAsk, QueueNo, QueueYes
 from rqp.protocol.frames import FrameDecoder, encode
-from rqp.protocol import sender as sender_core
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.sender import (
     TRANSITIONS, Close, Connect, DeadLetter, Delivered, Lost, MsgState, Note, NoteKind, Send,
@@ -828,7 +828,7 @@ def test_a_lane_gone_idle_is_taken_back_as_new_for_the_next_message_of_its_key()
 
 def test_idle_lanes_kept_for_reuse_are_bounded(monkeypatch):
     """Messages spread over more queue keys than IDLE_LANES keep only the lanes of the most
-    recently busy keys: the sending MCA's memory does not grow with every key it has seen."""
+    recently busy keys: the lanes kept do not grow with every key the sending MCA has seen."""
     monkeypatch.setattr(sender_core, "IDLE_LANES", 2)
     h = Harness(hosts=("b",))
     keys = [Q1 + i for i in range(5)]
