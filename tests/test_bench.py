@@ -214,10 +214,17 @@ def test_corebench_fails_when_a_message_is_not_confirmed(monkeypatch, capsys):
     assert "the sending core did DeadLetter(" in capsys.readouterr().err
 
 
-def test_corebench_names_a_bad_argument(capsys):
+@pytest.mark.parametrize("args, error", [
+    (["--keys", "1,many"], "--keys 1,many: whole numbers"),
+    (["--keys", "0"], "--keys 0: at least 1"),
+    (["--window", "0"], "--window 0: at least 1"),
+    (["--json", "/nonexistent-dir/figures.json"], "--json /nonexistent-dir/figures.json: its "
+     "directory does not exist"),
+])
+def test_corebench_names_a_bad_argument_before_running(args, error, capsys):
     from rqp.tools import corebench
 
     with pytest.raises(SystemExit) as exit_:
-        corebench.main(["--keys", "1,many"])
+        corebench.main(args)
     assert exit_.value.code == 2
-    assert "--keys 1,many: whole numbers" in capsys.readouterr().err
+    assert error in capsys.readouterr().err

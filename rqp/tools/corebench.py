@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -141,6 +142,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                ("--window", args.window, 1)):
         if value < least:
             parser.error(f"{name} {value}: at least {least}")
+    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
+        parser.error(f"--json {args.json}: its directory does not exist or cannot be written")
     return args
 
 
