@@ -34,6 +34,18 @@ seconds = number(float, minimum=0, what="a number of seconds")
 #: A sending MCA's window (frames in flight per connection), as .rqprc's ``window`` takes it.
 window = number(int, minimum=1, maximum=65536, what="a window of frames")
 
+
+def output_file(text: str) -> str:
+    """An argparse type: a file to write at the end of a run (figures), checked now so that a
+    long run is not lost to a bad path: not a directory, in a directory that can be written."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory: name a file in it")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: its directory does not exist or cannot be "
+                                         "written")
+    return text
+
 def listen_address(text: str) -> str:
     """An argparse type: ``HOST:PORT``, ``HOST``, ``[v6]:PORT`` or ``:PORT`` (all addresses),
     checked now and given back as text (a missing port is the configuration's)."""

@@ -1105,7 +1105,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"table shows the median (default {DEFAULT_ROUNDS}, 1 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="small counts: a smoke test of a few seconds")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--json", metavar="FILE", type=cli.output_file,
+                        help="also write the figures to FILE")
     parser.add_argument("--tls", action="store_true",
                         help="run every case again with the agents talking mutual TLS (same run, "
                         "same queues and raw pipeline): TLS against plaintext")
@@ -1171,12 +1172,12 @@ def reexec_isolated(argv: list[str], module: str = "rqp.tools.bench") -> None:
     os.execve(unshare, [*cmd, "--", sys.executable, "-m", module, *argv], env)
 
 
-def sweep_stale_workdirs() -> None:
+def sweep_stale_workdirs(prefix: str = WORKDIR_PREFIX) -> None:
     """Remove the working directories of earlier runs that were killed (SIGKILL) and so
-    could not remove their own: ``rqp-bench-PID-*`` of this user whose PID is gone."""
+    could not remove their own: ``PREFIX PID-*`` of this user whose PID is gone."""
     tmp = Path(tempfile.gettempdir())
-    for path in tmp.glob(f"{WORKDIR_PREFIX}*-*"):
-        pid = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+    for path in tmp.glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
         try:
             if not pid.isdigit() or path.lstat().st_uid != os.getuid() or not path.is_dir():
                 continue
