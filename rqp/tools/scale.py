@@ -52,14 +52,17 @@ from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
-    BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, free_port,
-    START_TIMEOUT, process_cpu_ns, reexec_isolated, say, unused_key, wait_started,
+    BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, _raise_on_signal,
+    free_port, START_TIMEOUT, process_cpu_ns, reexec_isolated, say, sweep_stale_workdirs,
+    unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
 HEAD = struct.Struct(">IHI")
 #: A round that has not finished after this many seconds fails the run.
 ROUND_TIMEOUT = 300.0
+#: The run's working directory in $TMPDIR: PREFIX PID-random.
+WORKDIR_PREFIX = "rqp-scale-"
 SWEEPS = {
     "keys": [dict(keys=k, producers=1, senders=1) for k in (1, 10, 100, 1000)],
     "producers": [dict(keys=1, producers=p, senders=1) for p in (1, 5, 20)],
@@ -419,7 +422,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sweeps", default="keys,producers,senders",
                         help="which sweeps, comma-separated (default: all of "
                         f"{', '.join(SWEEPS)})")
-    parser.add_argument("--type", choices=("SURE", "UNSURE"), default="SURE")
+    parser.add_argument("--type", choices=("SURE", "UNSURE"), type=str.upper, default="SURE")
     parser.add_argument("--size", type=int, default=100, help="payload bytes (default 100)")
     parser.add_argument("--messages", type=int, default=20_000,
                         help="messages per round (default 20000)")
@@ -431,7 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "namespaces, tests/testbed.py of the source checkout)")
     parser.add_argument("--tls", action="store_true",
                         help="the agents talk mutual TLS (a CA made for the run)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--json", metavar="FILE", type=cli.output_file,
+                        help="also write the figures to FILE")
     args = parser.parse_args(argv)
     unknown = set(args.sweeps.split(",")) - set(SWEEPS)
     if unknown:
@@ -446,8 +450,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--messages {args.messages}: at least 20")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
-    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
-        parser.error(f"--json {args.json}: its directory does not exist or cannot be written")
     return args
 
 
@@ -461,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
             "kernel.msgmnb for its queues", err=True)
         return 2
     Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
-    workdir = Path(tempfile.mkdtemp(prefix=f"rqp-scale-{os.getpid()}-"))
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # (stopped: clean up as on Ctrl-C)
+        signal.signal(sig, _raise_on_signal)
+    sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     scale = Scale(args, workdir)
     cases = [Case(name, **spec) for name in args.sweeps.split(",") for spec in SWEEPS[name]]
     done: list[Case] = []
@@ -487,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
         scale.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
 
