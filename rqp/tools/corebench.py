@@ -19,18 +19,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from rqp import cli
 from rqp.protocol.constants import DEFAULT_WINDOW, KNOWN_EXTENSIONS, SURE_MSG, UNSURE_MSG
 from rqp.protocol.frames import NEED_DATA
 from rqp.protocol.receiver import Ask, Put, ReceiverConnection
+from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.protocol.sender import (
     Connect, Delivered, Note, Send, SenderCore, Settings, budget_size,
 )
+from rqp.system.queues import kernel_limits
 
 #: The receiving MCA (any name: nothing is connected).
 PEER = "receiver"
@@ -127,23 +129,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="messages a run (default 60000)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="runs of each key count, interleaved (default 5)")
-    parser.add_argument("--type", choices=("SURE", "UNSURE"), default="SURE")
-    parser.add_argument("--size", type=int, default=100, help="payload bytes (default 100)")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+    parser.add_argument("--type", choices=("SURE", "UNSURE"), type=str.upper, default="SURE")
+    parser.add_argument("--size", type=int, default=100,
+                        help="payload bytes, at most what a transmission record carries "
+                        "(default 100)")
+    parser.add_argument("--window", type=cli.window, default=DEFAULT_WINDOW,
                         help=f"the sending core's window (default {DEFAULT_WINDOW})")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--json", metavar="FILE", type=cli.output_file,
+                        help="also write the figures to FILE")
     args = parser.parse_args(argv)
     try:
         args.keys = [int(k) for k in args.keys.split(",")]
     except ValueError:
         parser.error(f"--keys {args.keys}: whole numbers, comma-separated, e.g. 1,1000")
     for name, value, least in (("--keys", min(args.keys), 1), ("--messages", args.messages, 1),
-                               ("--repeat", args.repeat, 1), ("--size", args.size, 0),
-                               ("--window", args.window, 1)):
+                               ("--repeat", args.repeat, 1), ("--size", args.size, 0)):
         if value < least:
             parser.error(f"{name} {value}: at least {least}")
-    if args.json and not os.access(Path(args.json).resolve().parent, os.W_OK):
-        parser.error(f"--json {args.json}: its directory does not exist or cannot be written")
+    largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
+    if args.size > largest:
+        parser.error(f"--size {args.size}: at most {largest} (msgmax {kernel_limits().msgmax} "
+                     f"less the {TRANSMISSION_HEADER_SIZE}-byte record header: no sending MCA "
+                     "carries more)")
     return args
 
 
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{args.type} {args.size} B, window {args.window}, {args.messages} messages a run, "
           f"{args.repeat} run(s) of each: CPU us a message, median (min-max)")
-    print(f"{'queue keys':>10} {'sending core':>20} {'receiving core':>20} {'both':>20}")
+    print(f"{'queue keys':>10} {'sending core':>20} {'receiving core':>20} {'both':>20}  "
+          f"both against {args.keys[0]} key(s)")
     base = None
     for keys, results in runs.items():
         cells = []
