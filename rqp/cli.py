@@ -46,6 +46,7 @@ def output_file(text: str) -> str:
                                          "written")
     return text
 
+
 def listen_address(text: str) -> str:
     """An argparse type: ``HOST:PORT``, ``HOST``, ``[v6]:PORT`` or ``:PORT`` (all addresses),
     checked now and given back as text (a missing port is the configuration's)."""
