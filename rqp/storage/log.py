@@ -63,8 +63,9 @@ def read_all(fd: int) -> bytes:
 def written_end(data: bytes, offset: int) -> int:
     """Where the written bytes of ``data`` (a whole file) end: after its last non-zero byte,
     and not before ``offset`` (the end of the good entries). ``written_end(data, offset) ==
-    offset`` means that everything after the good entries is reserved space, not damage."""
-    return max(offset, len(data.rstrip(b"\0")))
+    offset`` means that everything after the good entries is reserved space, not damage.
+    Only the bytes after ``offset`` are looked at (and copied): not the whole file again."""
+    return offset + len(data[offset:].rstrip(b"\0"))
 
 
 def _utc_stamp() -> str:
