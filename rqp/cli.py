@@ -35,6 +35,19 @@ seconds = number(float, minimum=0, what="a number of seconds")
 window = number(int, minimum=1, maximum=65536, what="a window of frames")
 
 
+def key_counts(text: str) -> list[int]:
+    """An argparse type: queue key counts for a benchmark, comma-separated whole numbers >= 1
+    (``1,1000``)."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, comma-separated (e.g. "
+                                         f"1,1000), got {text!r}")
+    return counts
+
+
 def output_file(text: str) -> str:
     """An argparse type: a file to write at the end of a run (figures), checked now so that a
     long run is not lost to a bad path: not a directory, in a directory that can be written."""

@@ -17,7 +17,7 @@ import pytest
 
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import kernel_limits
-from rqp.tools import bench
+from rqp.tools import bench, scale
 from rqp.tools.bench import PAYLOAD_HEAD, BenchError, filler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,14 +163,14 @@ def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
     figures = tmp_path / "scale.json"
     netns = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                check=True).stdout.split())
-    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "senders",
-                           "--hosts", "--tls", "--messages", "400", "--rounds", "1",
-                           "--json", str(figures)], cwd=ROOT,
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys,senders",
+                           "--keys", "3", "--hosts", "--tls", "--messages", "400",
+                           "--rounds", "1", "--json", str(figures)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     data = json.loads(figures.read_text())
-    assert [(c["senders"], c["hosts"], c["tls"]) for c in data] == [(1, True, True),
-                                                                   (10, True, True)]
+    assert [(c["keys"], c["senders"], c["hosts"], c["tls"]) for c in data] == [
+        (3, 1, True, True), (1, 1, True, True), (1, 10, True, True)]
     assert all(c["msg_per_s"][0] > 0 and c["cpu_us"]["receiving MCA"][0] > 0 for c in data)
     assert "SURE 100 B, TLS, each agent on a simulated host of its own" in proc.stdout
     left = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
@@ -184,12 +184,15 @@ def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
     (["--window", "0"], "argument --window: expected a window of frames in 1..65536, got '0'"),
     (["--rounds", "0"], "--rounds 0: at least 1"),
     (["--json", "/tmp"], "argument --json: '/tmp' is a directory: name a file in it"),
+    (["--keys", "10,x"], "argument --keys: expected whole numbers >= 1, comma-separated"),
+    (["--keys", "1,99999"], "--keys 99999: at most {msgmni_room} (kernel.msgmni"),
 ])
 def test_scale_refuses_bad_arguments_at_once(args, error):
     python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
     proc = subprocess.run([str(python), "-m", "rqp.tools.scale", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-    error = error.format(largest=kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE)
+    error = error.format(largest=kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE,
+                         msgmni_room=kernel_limits().msgmni - scale.QUEUES_BESIDE)
     assert proc.returncode == 2 and error in proc.stderr, proc.stderr
 
 
@@ -220,8 +223,9 @@ def test_corebench_fails_when_a_message_is_not_confirmed(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("args, error", [
-    (["--keys", "1,many"], "--keys 1,many: whole numbers"),
-    (["--keys", "0"], "--keys 0: at least 1"),
+    (["--keys", "1,many"], "argument --keys: expected whole numbers >= 1, comma-separated "
+     "(e.g. 1,1000), got '1,many'"),
+    (["--keys", "0"], "expected whole numbers >= 1, comma-separated (e.g. 1,1000), got '0'"),
     (["--window", "0"], "expected a window of frames in 1..65536, got '0'"),
     (["--json", "/nonexistent-dir/figures.json"], "'/nonexistent-dir/figures.json': its "
      "directory does not exist"),

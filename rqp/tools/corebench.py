@@ -123,7 +123,7 @@ def run(keys: int, messages: int, window: int, message_type: int, size: int) -> 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rqp.tools.corebench",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", default="1,1000",
+    parser.add_argument("--keys", type=cli.key_counts, default=[1, 1000],
                         help="queue key counts, comma-separated (default 1,1000)")
     parser.add_argument("--messages", type=int, default=60_000,
                         help="messages a run (default 60000)")
@@ -138,12 +138,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", metavar="FILE", type=cli.output_file,
                         help="also write the figures to FILE")
     args = parser.parse_args(argv)
-    try:
-        args.keys = [int(k) for k in args.keys.split(",")]
-    except ValueError:
-        parser.error(f"--keys {args.keys}: whole numbers, comma-separated, e.g. 1,1000")
-    for name, value, least in (("--keys", min(args.keys), 1), ("--messages", args.messages, 1),
-                               ("--repeat", args.repeat, 1), ("--size", args.size, 0)):
+    for name, value, least in (("--messages", args.messages, 1), ("--repeat", args.repeat, 1),
+                               ("--size", args.size, 0)):
         if value < least:
             parser.error(f"{name} {value}: at least {least}")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE

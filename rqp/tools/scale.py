@@ -3,7 +3,7 @@
 Three sweeps, each case with fresh agents, every message checked (exactly once; SURE in order
 per producer and queue):
 
-* **queue keys**: one producer sends round-robin over 1 .. 1,000 destination queues;
+* **queue keys**: one producer sends round-robin over 1 .. 1,000 destination queues (``--keys``);
 * **producers**: 1 .. 20 producer processes send to one queue through one sending MCA;
 * **sending MCAs**: one receiving MCA serves 1 .. 10 sending MCAs, each with its own
   transmission queue, journal and state directory, fed by a producer of its own (on this one
@@ -63,8 +63,12 @@ HEAD = struct.Struct(">IHI")
 ROUND_TIMEOUT = 300.0
 #: The run's working directory in $TMPDIR: PREFIX PID-random.
 WORKDIR_PREFIX = "rqp-scale-"
+#: The keys sweep's queue key counts (``--keys``).
+KEY_COUNTS = [1, 10, 100, 1000]
+#: Queues a run makes besides one a key: transmission queues and DEAD.LETTER.Qs (10 senders).
+QUEUES_BESIDE = 32
 SWEEPS = {
-    "keys": [dict(keys=k, producers=1, senders=1) for k in (1, 10, 100, 1000)],
+    "keys": [dict(keys=k, producers=1, senders=1) for k in KEY_COUNTS],
     "producers": [dict(keys=1, producers=p, senders=1) for p in (1, 5, 20)],
     "senders": [dict(keys=1, producers=s, senders=s) for s in (1, 10)],
 }
@@ -422,6 +426,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sweeps", default="keys,producers,senders",
                         help="which sweeps, comma-separated (default: all of "
                         f"{', '.join(SWEEPS)})")
+    parser.add_argument("--keys", type=cli.key_counts, default=KEY_COUNTS,
+                        help="the keys sweep's queue key counts, comma-separated (default "
+                        f"{','.join(map(str, KEY_COUNTS))})")
     parser.add_argument("--type", choices=("SURE", "UNSURE"), type=str.upper, default="SURE")
     parser.add_argument("--size", type=int, default=100, help="payload bytes (default 100)")
     parser.add_argument("--messages", type=int, default=20_000,
@@ -441,6 +448,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown sweep(s) {', '.join(sorted(unknown))}: one of "
                      f"{', '.join(SWEEPS)}")
+    room = kernel_limits().msgmni - QUEUES_BESIDE
+    if max(args.keys) > room:
+        parser.error(f"--keys {max(args.keys)}: at most {room} (kernel.msgmni "
+                     f"{kernel_limits().msgmni}: one queue a key, and {QUEUES_BESIDE} beside)")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
     if not HEAD.size <= args.size <= largest:
         parser.error(f"--size {args.size}: a payload of {HEAD.size}..{largest} bytes (msgmax "
@@ -468,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     scale = Scale(args, workdir)
-    cases = [Case(name, **spec) for name in args.sweeps.split(",") for spec in SWEEPS[name]]
+    sweeps = {**SWEEPS, "keys": [dict(keys=k, producers=1, senders=1) for k in args.keys]}
+    cases = [Case(name, **spec) for name in args.sweeps.split(",") for spec in sweeps[name]]
     done: list[Case] = []
     try:
         for case in cases:
