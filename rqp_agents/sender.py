@@ -32,8 +32,8 @@ from rqp.protocol.records import (
     REPLAYED_NOTE, UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
 )
 from rqp.protocol.sender import (
-    Close, Connect, DeadLetter, Declined, Delivered, FanoutEnded, Lost, Note, NoteKind, Send,
-    SenderCore, Settings,
+    QUEUE_MEMORY, Close, Connect, DeadLetter, Declined, Delivered, FanoutEnded, Lost, Note,
+    NoteKind, Send, SenderCore, Settings,
 )
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
@@ -161,9 +161,12 @@ class Sender(Daemon):
         if key in (self.config.transmission_queue, self.config.dead_letter_queue):
             return {"error": f"route: {format_key(key)} is this sending MCA's own "
                              "transmission queue or DEAD.LETTER.Q, not a route"}
-        if key not in self.core.info and key not in self.config.queues.values():
+        if key not in self.core.info and key not in self.core.routes and \
+                key not in self.config.queues.values():
             return {"error": f"route: no route for queue {format_key(key)}: this sending MCA "
-                             "has sent nothing for it and .rqprc does not name it"}
+                             "has sent nothing for it lately (it remembers the "
+                             f"{QUEUE_MEMORY} queues most recently busy) and .rqprc does not "
+                             "name it"}
         if action == "retry" and key in self.core.stopped:
             return {"error": f"route: queue {format_key(key)} is stopped: rqpctl route start "
                              "it first"}

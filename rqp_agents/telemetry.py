@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 from rqp.protocol.errors import RQPError
-from rqp.protocol.sender import ROUTE_STATES
+from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, ROUTE_STATES
 from rqp.system.control import Metric, render
 from rqp.system.queues import LocalQueue, format_key, list_queues
 
@@ -58,7 +59,9 @@ def sender_status(agent) -> dict:
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
         "in_flight": agent.core.in_flight, "incarnation": f"{agent.keys.incarnation:08x}",
         "hosts": [_host_status(agent, h, to_wall) for h in agent.config.hosts],
-        "routes": routes, "stats": dict(agent.stats),
+        "routes": routes, "queue_memory": QUEUE_MEMORY, "route_cache": ROUTE_CACHE,
+        "forgotten": asdict(agent.core.forgotten),
+        "stats": dict(agent.stats),
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
 
@@ -90,6 +93,10 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_stalled_seconds", "gauge",
          "seconds since the route last made progress while stalled, by queue (0: not stalled)"),
         ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
+        ("rqp_sender_forgotten_total", "counter",
+         f"idle queues whose figures were let go beyond the {QUEUE_MEMORY} most recently busy "
+         "(what=queues: their series end), routes let go beyond the "
+         f"{ROUTE_CACHE} most recently found (what=routes: asked for again)"),
         ("rqp_sender_copies_total", "counter",
          "broadcast copies finished, by queue, host and outcome"),
         ("rqp_sender_copies_waiting", "gauge", "broadcast copies not sent yet, by queue and host"),
@@ -123,6 +130,8 @@ def sender_metrics(agent) -> str:
             for outcome in ("delivered", "declined", "lost", "dead_lettered"):
                 m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
             m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
+    for what in ("queues", "routes"):
+        m["rqp_sender_forgotten_total"].add(getattr(agent.core.forgotten, what), what=what)
     for host in agent.config.hosts:
         beats = agent.core.heartbeat_status(host)
         m["rqp_sender_heartbeats_total"].add(beats["heartbeats"], peer=str(host))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE
 from tests.agents import (
     PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
 )
@@ -55,8 +56,11 @@ def test_status_of_healthy_agents(site):
         (2, 6, 2, 0)
     assert 0 < route["rtt_p50_ms"] <= route["rtt_p99_ms"] and route["retry_in"] is None
     assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
+    assert st["forgotten"] == {"queues": 0, "routes": 0, "sent": 0, "sent_bytes": 0,
+                               "delivered": 0, "lost": 0, "dead_lettered": 0, "errors": 0}
+    assert (st["queue_memory"], st["route_cache"]) == (QUEUE_MEMORY, ROUTE_CACHE)
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
-    assert "PROD_THE_SCHED_COMMON" in text and "running" in text
+    assert "PROD_THE_SCHED_COMMON" in text and "running" in text and "forgotten" not in text
     # a sending-only host: no receiver is no fault (a trial saw exit 3 here)
     out = rqpctl(a, "status", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "receiver: none runs here" in out.stdout, out.stdout
@@ -95,6 +99,7 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     assert 'state="running"' not in now and 'state="idle"' not in now, now
     assert any(l.startswith("rqp_journal_depth ") and float(l.split()[1]) == 1 for l in lines)
     assert "# TYPE rqp_sender_messages_total counter" in lines
+    assert 'rqp_sender_forgotten_total{what="queues"} 0.0' in lines
     # the receiver is not running: a clear message and exit 3
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"))
@@ -327,7 +332,7 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     assert receive(b, Q1, 1, timeout=10) == ["held back"]
     out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 2 and "is not stopped: nothing to start" in out.stdout, out.stdout
-    for key, why in ((0x52519999, "has sent nothing for it and .rqprc does not name it"),
+    for key, why in ((0x52519999, "has sent nothing for it lately"),
                      (0x52510000, "own transmission queue or DEAD.LETTER.Q, not a route")):
         out = rqpctl(a, "route", "stop", hex(key), "--rqprc", str(rqprc))  # (a mistyped key)
         assert out.returncode == 2 and why in out.stdout, out.stdout

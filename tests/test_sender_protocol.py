@@ -841,6 +841,90 @@ def test_idle_lanes_kept_for_reuse_are_bounded(monkeypatch):
     assert list(h.core._lanes) == [keys[0], keys[4]] and list(h.core._idle_lanes) == keys[3:4]
 
 
+BCAST = Q1 + 100
+
+
+def _many_keys(n: int):
+    """A core with one host, b, that offers ``n`` queue keys and the broadcast name BCAST
+    (errors do not drop a route before 5): (harness, keys, offers)."""
+    h = Harness(hosts=("b",), error_limit=5, broadcast=frozenset({BCAST}))
+    keys = [Q1 + i for i in range(n)]
+    return h, keys, {"b": set(keys) | {BCAST}}
+
+
+def test_idle_queue_keys_beyond_queue_memory_let_their_figures_go(monkeypatch):
+    """A producer writing to ever new queue keys does not grow the sending MCA's figures
+    without end: beyond QUEUE_MEMORY the least recently busy idle keys' figures are added up
+    in ``forgotten``; their routes stay (no new QUEUE_ASK). Busy, stopped and broadcast keys
+    keep theirs, however many keys come after them."""
+    monkeypatch.setattr(sender_core, "QUEUE_MEMORY", 4)
+    h, keys, offers = _many_keys(6)
+    bcast = BCAST
+    h.submit(bcast, UNSURE_MSG)
+    h.submit(keys[0], UNSURE_MSG)
+    h.serve(offers)
+    h.core.stop_route(keys[0], h.now)  # stopped, idle: kept
+    h.submit(keys[1], UNSURE_MSG)
+    h.serve(offers, deliver=lambda host, msg: False)  # lost, its route's error counter 1
+    for key in keys[2:]:
+        h.submit(key, UNSURE_MSG)
+        h.serve(offers)
+    assert set(h.core.info) == {bcast, keys[0], keys[4], keys[5]}
+    assert set(h.core.routes) == {(bcast, "b"), *keys}  # (the routes are all kept)
+    assert h.core.error_count("b", keys[1]) == 1
+    gone = h.core.forgotten
+    assert (gone.queues, gone.routes, gone.sent, gone.delivered, gone.lost) == (3, 0, 3, 2, 1)
+    status = {r["queue_key"]: r for r in h.core.route_status()}
+    assert status[keys[0]]["state"] == "stopped" and keys[1] not in status
+    h.submit(keys[3], UNSURE_MSG, b"again")  # its route is still known: no QUEUE_ASK
+    assert [type(e).__name__ for _, e in h.serve(offers)] == ["Message"]
+    assert h.core.info[keys[3]].delivered == 1  # (from zero again)
+
+
+def test_routes_beyond_the_route_cache_are_forgotten_and_asked_again(monkeypatch):
+    """Beyond ROUTE_CACHE the routes found least recently of idle keys go, with their error
+    counters: the next message of such a key asks the hosts again. A busy key's route and a
+    broadcast copies' route stay."""
+    monkeypatch.setattr(sender_core, "ROUTE_CACHE", 3)
+    h, keys, offers = _many_keys(5)
+    bcast = BCAST
+    h.submit(bcast, UNSURE_MSG)
+    h.submit(keys[0], UNSURE_MSG)
+    h.serve(offers, deliver=lambda host, msg: False)  # (an error counted on keys[0]'s route)
+    assert h.core.error_count("b", keys[0]) == 1
+    for key in keys[1:]:
+        h.submit(key, UNSURE_MSG)
+        h.serve(offers)
+    assert list(h.core.routes) == [(bcast, "b"), keys[3], keys[4]]
+    assert h.core.error_count("b", keys[0]) == 0 and h.core.forgotten.routes == 3
+    assert sum(link.routed for link in h.core._links.values()) == 3
+    h.submit(keys[0], UNSURE_MSG, b"again")
+    assert [type(e).__name__ for _, e in h.serve(offers)] == ["QueueAsk", "Message"]
+    assert set(h.core.routes) == {(bcast, "b"), keys[4], keys[0]}
+
+
+def test_a_key_busy_when_the_memories_are_full_is_kept(monkeypatch):
+    """A key with a message in flight keeps its figures and its route, whatever comes after
+    it."""
+    monkeypatch.setattr(sender_core, "QUEUE_MEMORY", 2)
+    monkeypatch.setattr(sender_core, "ROUTE_CACHE", 2)
+    h = Harness(hosts=("b", "c"))
+    h.submit(Q1, SURE_MSG, b"slow")
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", NO)
+    assert h.sent() == [("c", Ask(Q1))]
+    h.answer("c", YES)
+    assert [(host, type(e).__name__) for host, e in h.sent()] == [("c", "Message")]
+    others = [Q2 + i for i in range(1, 6)]  # (c never answers Q1's MESSAGE)
+    for key in others:
+        h.submit(key, SURE_MSG)
+        h.serve({"b": set(others)})
+    assert list(h.core.info) == [Q1, others[-1]] and list(h.core.routes) == [Q1, others[-1]]
+    assert h.core.forgotten.delivered == len(others) - 1
+    h.answer("c", OK)
+    assert h.core.info[Q1].delivered == 1 and h.of(Delivered)[-1].message.payload == b"slow"
+
+
 def test_an_idle_route_whose_receiver_closed_the_connection_is_idle_not_connecting():
     """A trial: after a receiver restart (it closes its connections in order) idle routes
     showed 'connecting' until the next message, and rqpctl status exited 4. A route over a

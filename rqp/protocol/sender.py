@@ -38,7 +38,12 @@ send bytes, close, dead-letter, release). Every rule of the spec lives here:
   ``MESSAGE_EX`` frames with ``BATCH_MORE`` on all but the last, keys ``key``, ``key + 1``, ...;
   the unit is delivered when every frame is answered ``DELIVERED_YES``, else (SURE) sent again
   whole with the same keys. A plain RQP/1 peer cannot carry a batch's all-or-nothing: as for
-  an ``mtype`` other than 1.
+  an ``mtype`` other than 1;
+* memory: what is held per queue key is bounded. Of the idle keys (nothing waiting, in flight
+  or asked) only the :data:`QUEUE_MEMORY` most recently busy keep their figures (the rest are
+  added up in :attr:`SenderCore.forgotten`), and only the :data:`ROUTE_CACHE` most recently
+  routed keep their route and error counters (a key forgotten there asks the hosts again, as
+  after a restart).
 
 Each message walks the seed's state diagram, :data:`TRANSITIONS`; the MCA as a whole is in
 *Waiting for message* once opened.
@@ -69,7 +74,8 @@ from rqp.protocol.reasons import ReasonCode
 __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
     "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
-    "RouteInfo", "ROUTE_STATES", "Declined", "FanoutEnded", "Fanout",
+    "RouteInfo", "ROUTE_STATES", "Declined", "FanoutEnded", "Fanout", "Forgotten",
+    "QUEUE_MEMORY", "ROUTE_CACHE",
 ]
 
 
@@ -508,6 +514,47 @@ FINISHED_MEMORY = 100_000
 #: with one key).
 IDLE_LANES = 4096
 
+#: How many queue keys the sending MCA keeps the figures of (``rqpctl status``, the metrics)
+#: when idle, the most recently busy ones; the figures of the others are added up in
+#: :attr:`SenderCore.forgotten`, and a key busy again starts from zero. A key with messages
+#: waiting, in flight or asked for, an operator's stopped key and a broadcast key keep theirs.
+#: Without a bound a producer writing to ever new keys grew the agent ~1.5-9 KiB a key, every
+#: status and metrics call ~9-16 µs a key (on the event loop) and every scrape ~20 series a
+#: key, without end.
+QUEUE_MEMORY = 4096
+#: How many routes (queue key -> host, with its error counters) the sending MCA keeps for
+#: idle keys, the most recently found ones (~80 bytes each); a key beyond asks the hosts
+#: again at its next message (a QUEUE_ASK round trip). Far above QUEUE_MEMORY, because that
+#: round trip is dear: keys cycling beyond the routes kept cost the receiving MCA ~60 µs a
+#: message more and cut msg/s by 2.5 (``scripts/bench --scale``-like run, 6,000 keys, when
+#: both bounds were 4,096).
+ROUTE_CACHE = 65536
+
+
+@dataclass(slots=True)
+class Forgotten:
+    """What the sending MCA forgot of its idle queue keys: ``queues`` whose figures it let go
+    (beyond QUEUE_MEMORY), those figures added up (with the keys' it kept they make the
+    whole), and ``routes`` it let go (beyond ROUTE_CACHE)."""
+
+    queues: int = 0
+    routes: int = 0
+    sent: int = 0
+    sent_bytes: int = 0
+    delivered: int = 0
+    lost: int = 0
+    dead_lettered: int = 0
+    errors: int = 0
+
+    def add(self, info: RouteInfo) -> None:
+        self.queues += 1
+        self.sent += info.sent
+        self.sent_bytes += info.sent_bytes
+        self.delivered += info.delivered
+        self.lost += info.lost
+        self.dead_lettered += info.dead_lettered
+        self.errors += info.errors
+
 
 class SenderCore:
     """The sending MCA's decisions. Call a method, then :meth:`take_actions`."""
@@ -531,7 +578,9 @@ class SenderCore:
         self._actions: list = []
         self._seq = 0
         self._now = 0.0
-        self.info: dict[int, RouteInfo] = {}
+        #: What each queue key kept did, the least recently busy first (QUEUE_MEMORY).
+        self.info: OrderedDict[int, RouteInfo] = OrderedDict()
+        self.forgotten = Forgotten()
         #: Per (broadcast queue key, host): how its copies fared (rqpctl status).
         self.copies_info: dict[tuple[int, object], RouteInfo] = {}
         #: The end of the last FINISHED_MEMORY messages, by key (rqpctl trace):
@@ -645,10 +694,13 @@ class SenderCore:
             lane = self._idle_lanes.pop(lane_id, None)
             if lane is None:
                 lane = _Lane(msg.queue_key, target, created_at=self._now)
-                self._info(msg.queue_key)
             else:  # (every round of asking starts afresh: only these carry over)
                 lane.created_at, lane.retry_at, lane.next_expiry_ms = self._now, 0.0, 0
-            self._lanes[lane_id] = lane
+            self._lanes[lane_id] = lane  # (busy before _info: never the key it forgets)
+            try:
+                self.info.move_to_end(msg.queue_key)  # the most recently busy
+            except KeyError:
+                self._info(msg.queue_key)
         self._enqueue(lane, msg)
         self._pump(lane)
 
@@ -1260,11 +1312,31 @@ class SenderCore:
     def _set_route(self, route, host) -> None:
         """``route`` (a lane's id) goes to ``host``; each link counts the routes it carries
         (heartbeats are for links that carry one: looked up for every next_deadline)."""
-        old = self.routes.get(route)
+        old = self.routes.pop(route, None)  # (and back in as the most recent)
         if old is not None:
             self._links[old].routed -= 1
         self.routes[route] = host
         self._links[host].routed += 1
+        if len(self.routes) > ROUTE_CACHE:
+            self._forget_routes(route)
+
+    def _forget_routes(self, new_route) -> None:
+        """Let go of the routes found least recently beyond ROUTE_CACHE that may be (not
+        ``new_route``, no busy lane's, no broadcast copies'), with their error counters: the
+        next message for one asks the hosts again."""
+        routes, lanes = self.routes, self._lanes
+        excess, looked = len(routes) - ROUTE_CACHE, 0
+        while excess > 0 and looked < len(routes):
+            looked += 1
+            route = next(iter(routes))
+            host = routes.pop(route)
+            if route == new_route or route in lanes or not isinstance(route, int):
+                routes[route] = host  # (busy now, or kept: the most recent ones)
+                continue
+            self._links[host].routed -= 1
+            self.errors.pop((host, route), None)
+            self.forgotten.routes += 1
+            excess -= 1
 
     def _drop_route(self, route, host, why: str) -> None:
         """``route``: a lane's id (a queue key, or (queue key, host) for broadcast copies)."""
@@ -1362,8 +1434,9 @@ class SenderCore:
         link.last_error = why
         link.failed_at = self._now
         for route, host in self.routes.items():  # its routes show it, with the time
-            if host == link.host:
-                self._error(route if isinstance(route, int) else route[0], f"{link.host}: {why}")
+            key = route if isinstance(route, int) else route[0]
+            if host == link.host and key in self.info:  # (not the idle ones forgotten)
+                self._error(key, f"{link.host}: {why}")
         link.retry_at = self._now + self.settings.reconnect_delay(link.failures)
         self._note(NoteKind.CONNECTION_FAILED, None, link.host, why)
         waiting, link.waiting = list(link.waiting), {}
@@ -1548,7 +1621,23 @@ class SenderCore:
         info = self.info.get(queue_key)
         if info is None:
             info = self.info[queue_key] = RouteInfo(queue_key, since=self._now)
+            if len(self.info) > QUEUE_MEMORY:
+                self._forget_figures(queue_key)
         return info
+
+    def _forget_figures(self, new_key: int) -> None:
+        """Let go of the figures of the least recently busy queue keys beyond QUEUE_MEMORY that
+        may be (not ``new_key``, none busy, stopped or broadcast): added to :attr:`forgotten`."""
+        info, lanes, keep = self.info, self._lanes, self.stopped | self.settings.broadcast
+        excess, looked = len(info) - QUEUE_MEMORY, 0
+        while excess > 0 and looked < len(info):
+            looked += 1
+            key = next(iter(info))
+            if key == new_key or key in lanes or key in keep:
+                info.move_to_end(key)  # (busy now, or kept: the most recent ones)
+                continue
+            self.forgotten.add(info.pop(key))
+            excess -= 1
 
     def _taken_at_by_lane(self) -> dict:
         """When each message in flight was taken, by lane (for the lag; status only)."""
@@ -1704,8 +1793,7 @@ class SenderCore:
                 "route_changes": info.route_changes, "last_error": info.last_error,
                 "last_error_at": info.last_error_at, "last_message_at": info.last_message_at,
                 "last_confirmed_at": info.last_confirmed_at, "oldest_taken_at": oldest,
-                "rtt_p50_ms": _percentile_ms(info.rtts, 0.5),
-                "rtt_p99_ms": _percentile_ms(info.rtts, 0.99),
+                **_rtt_percentiles_ms(info.rtts),
                 "retry_in": max(lane.retry_at - now, 0.0) if lane is not None and
                 lane.pending and lane.retry_at > now else None,
                 "lag": 0.0 if oldest is None else max(now - oldest, 0.0),
@@ -1751,10 +1839,11 @@ def _place(msg: Outgoing) -> tuple[int, int]:
     return (-msg.priority, msg.seq)
 
 
-def _percentile_ms(samples, p: float) -> float | None:
-    """The ``p`` quantile (nearest rank) of ``samples`` seconds, in ms; None if none."""
+def _rtt_percentiles_ms(samples) -> dict:
+    """``rtt_p50_ms`` and ``rtt_p99_ms``: the quantiles (nearest rank) of ``samples`` seconds,
+    in ms (one sort for both); None if there are none."""
     if not samples:
-        return None
-    ordered = sorted(samples)
-    return round(ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))] * 1000,
-                 3)
+        return {"rtt_p50_ms": None, "rtt_p99_ms": None}
+    ordered, n = sorted(samples), len(samples)
+    return {name: round(ordered[min(n - 1, max(0, math.ceil(p * n) - 1))] * 1000, 3)
+            for name, p in (("rtt_p50_ms", 0.5), ("rtt_p99_ms", 0.99))}

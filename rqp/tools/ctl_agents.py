@@ -148,6 +148,13 @@ def _print_sender(st: dict) -> None:
                   f"delivered {c['declined']:>4} declined {c['waiting']:>6} waiting "
                   f"{c['in_flight']:>4} in flight {c['lost']:>4} lost "
                   f"{c['dead_lettered']:>4} dead  {c['last_error'] or '-'}")
+    gone = st.get("forgotten") or {}
+    if gone.get("queues"):
+        print(f"  and {gone['queues']} idle queue(s) forgotten (beyond the "
+              f"{st.get('queue_memory')} most recently busy): "
+              f"sent {gone['sent']} ({gone['sent_bytes']} bytes), delivered "
+              f"{gone['delivered']}, lost {gone['lost']}, dead-lettered "
+              f"{gone['dead_lettered']}, errors {gone['errors']}")
 
 
 def _print_receiver(st: dict) -> None:
