@@ -106,6 +106,57 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     assert out.returncode == 3 and "not running" in out.stdout
 
 
+MANY_QUEUES = r"""
+import sys, sysv_ipc
+first, n, action = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+queues = [sysv_ipc.MessageQueue(first + i, sysv_ipc.IPC_CREAT, mode=0o600) for i in range(n)]
+if action == "count":  # how many hold exactly one message
+    print(sum(q.current_messages == 1 for q in queues))
+"""
+
+SEND_EACH = r"""
+import sys, rqp
+rqprc, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    h = rqp.openConnection(first + i, rqprc=rqprc, start_sender=False)
+    rqp.sendMessage(h, b"one", rqp.UNSURE_MSG)
+    rqp.closeConnection(h)
+"""
+
+
+def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbed):
+    """A producer writing to more queue keys than QUEUE_MEMORY, through real agents: status
+    and metrics show the most recently busy QUEUE_MEMORY queues and add up the others
+    (forgotten, in words, in --json and in rqp_sender_forgotten_total); the routes are kept,
+    so rqpctl route still knows a queue whose figures were let go."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    a.sysctl("kernel.msgmnb", 1 << 22)  # (the transmission queue takes them all at once)
+    start_receiver(b, config=receiver_config(b))
+    first, n = 0x52600000, QUEUE_MEMORY + 40
+    b.python(MANY_QUEUES, str(first), str(n), "make", timeout=60)
+    rqprc = write_rqprc(a, [b], metrics_listen=":9746")
+    start_sender(a, rqprc)
+    a.python(SEND_EACH, str(rqprc), str(first), str(n), timeout=120)
+    wait_for(lambda: int(b.python(MANY_QUEUES, str(first), str(n), "count")) == n,
+             timeout=120, message="not every queue got its message")
+    st = next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc),
+                                     "--json").stdout).values()))
+    assert len(st["routes"]) == QUEUE_MEMORY
+    assert {r["queue_key"] for r in st["routes"]} == set(range(first + 40, first + n))
+    gone = st["forgotten"]
+    assert (gone["queues"], gone["routes"], gone["sent"], gone["delivered"]) == (40, 0, 40, 40)
+    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert f"and 40 idle queue(s) forgotten (beyond the {QUEUE_MEMORY} most recently busy): " \
+        "sent 40 (120 bytes), delivered 40" in text, text[-600:]
+    metrics = a.python("import urllib.request; print(urllib.request.urlopen("
+                       "'http://127.0.0.1:9746/metrics', timeout=30).read().decode())")
+    assert 'rqp_sender_forgotten_total{what="queues"} 40.0' in metrics.splitlines()
+    out = rqpctl(a, "route", "stop", hex(first), "--rqprc", str(rqprc))  # its route is known
+    assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
+    out = rqpctl(a, "route", "start", hex(first), "--rqprc", str(rqprc))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(testbed):
     """Issue 15: "it says running, but nothing moves". A receiving MCA frozen (SIGSTOP) under
     load: the connection is up and nothing times out yet, but after stall_after without a
