@@ -32,8 +32,8 @@ from rqp.protocol.records import (
     REPLAYED_NOTE, UNKNOWN_MESSAGE_TYPE, AgentKind, DeadLetterRecord,
 )
 from rqp.protocol.sender import (
-    QUEUE_MEMORY, Close, Connect, DeadLetter, Declined, Delivered, FanoutEnded, Lost, Note,
-    NoteKind, Send, SenderCore, Settings,
+    QUEUE_MEMORY, WAITING_FOR_ROUTE_MAX, Close, Connect, DeadLetter, Declined, Delivered,
+    FanoutEnded, Lost, Note, NoteKind, Send, SenderCore, Settings,
 )
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
@@ -97,6 +97,9 @@ class Sender(Daemon):
         self.intake = Intake(config.transmission_queue, self.state_dir, self.name, self.keys,
                              budget_size(config.window, len(config.hosts)))
         self.intake.fanout = (config.broadcast_keys, config.hosts)
+        #: Messages waiting for a route whose places in the budget were given back (up to
+        #: WAITING_FOR_ROUTE_MAX): they do not hold up the queues that have one.
+        self._waiting_given = 0
         self._releases: list[int] = []
         self._copies_done: list[tuple[int, int]] = []  # (journal seq, copy key)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -412,9 +415,29 @@ class Sender(Daemon):
         if finished or delivered:
             self.stats["delivered"] += delivered
             self.intake.budget.give(finished + delivered)
+        self._hold_waiting_beyond_budget()
         if self._releases or self._copies_done:
             self._release_journaled()
         self._schedule()
+
+    def _hold_waiting_beyond_budget(self) -> None:
+        """Messages waiting for a route do not count against the budget (up to
+        WAITING_FOR_ROUTE_MAX): their places are given back while they wait, taken back when
+        a route is found (or they end: then the 'finished' above gave theirs again)."""
+        waiting = self.core.waiting_for_route()
+        now = min(waiting, WAITING_FOR_ROUTE_MAX)
+        if now == self._waiting_given:
+            return
+        if now > self._waiting_given:
+            self.intake.budget.give(now - self._waiting_given)
+        else:
+            self.intake.budget.force(self._waiting_given - now)
+        if waiting >= WAITING_FOR_ROUTE_MAX > self._waiting_given:
+            log.warning("%d messages wait for a route (no host offers their queues): no more "
+                        "are held beside them; the transmission queue waits until some go "
+                        "(rqpctl status shows which)", waiting,
+                        extra={"event": "waiting_for_route_full"})
+        self._waiting_given = now
 
     def _copy_done(self, msg) -> None:
         """A journaled broadcast copy is done (the journal releases the message with its last)."""

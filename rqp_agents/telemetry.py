@@ -57,6 +57,7 @@ def sender_status(agent) -> dict:
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
+        "waiting_for_route": agent.core.waiting_for_route(),
         "in_flight": agent.core.in_flight, "incarnation": f"{agent.keys.incarnation:08x}",
         "hosts": [_host_status(agent, h, to_wall) for h in agent.config.hosts],
         "routes": routes, "queue_memory": QUEUE_MEMORY, "route_cache": ROUTE_CACHE,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE
+from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX
 from tests.agents import (
     PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
 )
@@ -155,6 +155,62 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
     out = rqpctl(a, "route", "start", hex(first), "--rqprc", str(rqprc))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+SEND_TO_MANY = r"""
+import sys, rqp
+rqprc, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    h = rqp.openConnection(first + i, rqprc=rqprc, start_sender=False)
+    rqp.sendMessage(h, b"nobody takes this", rqp.SURE_MSG)
+    rqp.closeConnection(h)
+"""
+
+
+def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
+    """A trial: SURE messages for more queues than the sending MCA's budget that no host
+    offers (mistyped keys, queues not made yet) filled the budget, and the sending MCA took
+    nothing more off its transmission queue, for any queue, until a route came. They are
+    held beyond the budget now: a queue that has a route still gets its messages, and
+    status says how many wait for a route."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="30s",
+                        retry_backoff_max="30s")  # (budget 64 messages)
+    start_sender(a, rqprc)
+    a.python(SEND_TO_MANY, str(rqprc), str(0x52700000), "100", timeout=60)
+    send(a, rqprc, Q1, [f"m{i}" for i in range(10)])
+    assert receive(b, Q1, 10, timeout=30) == [f"m{i}" for i in range(10)]
+    st = wait_for(lambda: (st := next(iter(json.loads(rqpctl(
+        a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json").stdout).values())))
+        ["waiting_for_route"] == 100 and st, timeout=30, message="not all 100 wait for a route")
+    assert st["journal_depth"] == 100 and st["transmission_queue_depth"] == 0
+    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert ", 100 waiting for a route" in text, text[:400]
+
+
+def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testbed):
+    """Beyond WAITING_FOR_ROUTE_MAX messages waiting for a route, the rest count against the
+    budget again: memory stays bounded, the transmission queue keeps what is not taken, and
+    the log says why."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    a.sysctl("kernel.msgmnb", 1 << 22)
+    start_receiver(b, config=receiver_config(b))
+    rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="60s",
+                        retry_backoff_max="60s")  # (budget 64 messages)
+    sender = start_sender(a, rqprc, log_level="INFO")
+    total = WAITING_FOR_ROUTE_MAX + 64 + 50
+    a.python(SEND_TO_MANY, str(rqprc), str(0x52700000), str(total), timeout=120)
+
+    def status():
+        return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                           str(rqprc), "--json").stdout).values()))
+    st = wait_for(lambda: (st := status())["waiting_for_route"] == total - 50 and st,
+                  timeout=120, message="the sending MCA did not take what its bounds allow")
+    assert st["transmission_queue_depth"] == 50 and st["journal_depth"] == total - 50
+    assert log_lines(a, sender, "wait for a route (no host offers their queues): no more are "
+                     "held beside them")
 
 
 def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(testbed):

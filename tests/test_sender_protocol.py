@@ -903,6 +903,31 @@ def test_routes_beyond_the_route_cache_are_forgotten_and_asked_again(monkeypatch
     assert set(h.core.routes) == {(bcast, "b"), keys[4], keys[0]}
 
 
+def test_messages_waiting_for_a_route_are_counted_apart():
+    """What waits for a route (asked for, or waiting to ask again after no host offered the
+    queue) is counted, so that the agent holds it beyond its budget: a route found, or the
+    lane gone idle, and it no longer counts; a route dropped, and its waiting messages do."""
+    h = Harness(hosts=("b",), backoff_initial=30.0)
+    h.submit(Q1, SURE_MSG, b"a")
+    h.submit(Q1, UNSURE_MSG, b"behind it")
+    assert h.core.waiting_for_route() == 2  # (asking)
+    h.serve({"b": set()})  # no host offers Q1: SURE waits with back-off, UNSURE behind it
+    assert h.core.waiting_for_route() == 2 and h.core.held == 2
+    h.submit(Q2, SURE_MSG)
+    h.serve({"b": {Q2}})  # Q2 has a route: delivered, never counted once routed
+    assert h.core.waiting_for_route() == 2
+    h.advance()
+    h.serve({"b": {Q1}})  # Q1 offered now: both go
+    assert h.core.waiting_for_route() == 0 and h.core.held == 0
+    h.submit(Q1, SURE_MSG, b"c")  # routed: sent at once, not waiting for a route
+    assert h.core.waiting_for_route() == 0
+    assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
+    h.answer("b", ERR)  # SURE not confirmed: its route is dropped, it asks again
+    assert h.core.waiting_for_route() == 1
+    h.serve({"b": {Q1}})
+    assert h.core.waiting_for_route() == 0 and not h.core._unrouted
+
+
 def test_a_key_busy_when_the_memories_are_full_is_kept(monkeypatch):
     """A key with a message in flight keeps its figures and its route, whatever comes after
     it."""

@@ -75,7 +75,7 @@ __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
     "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
     "RouteInfo", "ROUTE_STATES", "Declined", "FanoutEnded", "Fanout", "Forgotten",
-    "QUEUE_MEMORY", "ROUTE_CACHE",
+    "QUEUE_MEMORY", "ROUTE_CACHE", "WAITING_FOR_ROUTE_MAX",
 ]
 
 
@@ -499,8 +499,16 @@ MIN_HELD = 64
 
 def budget_size(window: int, hosts: int) -> int:
     """How many messages a sending MCA holds in memory (taken off its transmission queue, not
-    finished) for this window and number of hosts."""
+    finished) for this window and number of hosts, besides those waiting for a route."""
     return max(MIN_HELD, HELD_PER_WINDOW_FRAME * window * hosts)
+
+
+#: Messages waiting for a route (SenderCore.waiting_for_route) are held beyond the budget, up
+#: to this many: else SURE messages for queues no host offers (a mistyped key, a queue not made
+#: yet) filled the budget and the sending MCA took nothing more, for any queue, until a route
+#: came (a trial: 256 of them froze a host's traffic). The rest of them, beyond this, count
+#: against the budget again. About 32 MiB of 8 KiB messages.
+WAITING_FOR_ROUTE_MAX = 4096
 
 
 #: How many finished messages the sending MCA remembers by key, for ``rqpctl trace``.
@@ -573,6 +581,9 @@ class SenderCore:
         self._lanes: dict[int, _Lane] = {}
         #: Idle lanes for reuse, by id, the least recently busy first (at most IDLE_LANES).
         self._idle_lanes: OrderedDict[object, _Lane] = OrderedDict()
+        #: The busy lanes of ordinary queue keys that have no route (asking, or waiting to ask
+        #: again): what :meth:`waiting_for_route` counts.
+        self._unrouted: set[_Lane] = set()
         self.routes: dict[int, object] = {}
         self.errors: dict[tuple[object, int], int] = {}
         self._actions: list = []
@@ -599,6 +610,16 @@ class SenderCore:
     @property
     def in_flight(self) -> int:
         return sum(lane.inflight for lane in self._lanes.values())
+
+    def waiting_for_route(self) -> int:
+        """Messages of queue keys that have no route behind a SURE message: being asked for,
+        or waiting with back-off to ask again because no host offered the queue (with any
+        UNSURE messages queued behind it). The sending MCA holds these beyond its budget (up
+        to WAITING_FOR_ROUTE_MAX), so that they do not stop the queues that have a route. An
+        UNSURE message at the head of such a queue is asked for once and dead-lettered if no
+        host offers it, so it is not counted (nor are broadcast copies)."""
+        return sum(len(lane.pending) for lane in self._unrouted
+                   if lane.pending and lane.pending[0].message_type == SURE_MSG)
 
     def link_state(self, host) -> LinkState:
         return self._links[host].state
@@ -697,6 +718,8 @@ class SenderCore:
             else:  # (every round of asking starts afresh: only these carry over)
                 lane.created_at, lane.retry_at, lane.next_expiry_ms = self._now, 0.0, 0
             self._lanes[lane_id] = lane  # (busy before _info: never the key it forgets)
+            if target is None and lane_id not in self.routes:
+                self._unrouted.add(lane)
             try:
                 self.info.move_to_end(msg.queue_key)  # the most recently busy
             except KeyError:
@@ -1317,6 +1340,9 @@ class SenderCore:
             self._links[old].routed -= 1
         self.routes[route] = host
         self._links[host].routed += 1
+        lane = self._lanes.get(route)
+        if lane is not None:
+            self._unrouted.discard(lane)
         if len(self.routes) > ROUTE_CACHE:
             self._forget_routes(route)
 
@@ -1343,6 +1369,9 @@ class SenderCore:
         if self.routes.get(route) == host:
             del self.routes[route]
             self._links[host].routed -= 1
+            lane = self._lanes.get(route)
+            if lane is not None and lane.target is None:
+                self._unrouted.add(lane)
             self.errors.pop((host, route), None)
             self._note(NoteKind.ROUTE_DROPPED, route if isinstance(route, int) else route[0],
                        host, why)
@@ -1587,6 +1616,7 @@ class SenderCore:
         """An idle lane leaves the busy ones, kept for reuse (the least recently busy of
         those beyond IDLE_LANES is dropped)."""
         if not lane.pending and not lane.inflight and lane.asking is None:
+            self._unrouted.discard(lane)
             if self._lanes.get(lane.id) is lane:  # (not another, busy lane of the same id)
                 del self._lanes[lane.id]
                 idle = self._idle_lanes
