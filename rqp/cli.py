@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 
 def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a number",
@@ -37,14 +38,14 @@ window = number(int, minimum=1, maximum=65536, what="a window of frames")
 
 def key_counts(text: str) -> list[int]:
     """An argparse type: queue key counts for a benchmark, comma-separated whole numbers >= 1
-    (``1,1000``)."""
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
+    (``1,1000``), each once."""
+    parts = text.split(",")
+    counts = [int(part) for part in parts if re.fullmatch(r"[0-9]+", part)]
+    if len(counts) != len(parts) or not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, comma-separated (e.g. "
                                          f"1,1000), got {text!r}")
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"each count once, got {text!r}")
     return counts
 
 

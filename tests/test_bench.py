@@ -211,7 +211,12 @@ def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
     (["--rounds", "0"], "--rounds 0: at least 1"),
     (["--json", "/tmp"], "argument --json: '/tmp' is a directory: name a file in it"),
     (["--keys", "10,x"], "argument --keys: expected whole numbers >= 1, comma-separated"),
+    (["--keys", "+3"], "argument --keys: expected whole numbers >= 1, comma-separated"),
+    (["--keys", "1,1"], "argument --keys: each count once, got '1,1'"),
     (["--keys", "1,99999"], "--keys 99999: at most {msgmni_room} (kernel.msgmni"),
+    (["--keys", "500", "--messages", "100"], "--keys 500: more keys than --messages 100"),
+    (["--sweeps", "producers", "--keys", "5"], "--keys sets the keys sweep's counts: add keys "
+     "to --sweeps"),
 ])
 def test_scale_refuses_bad_arguments_at_once(args, error):
     python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
@@ -258,6 +263,9 @@ def test_corebench_fails_when_a_message_is_not_confirmed(monkeypatch, capsys):
     (["--json", "/tmp"], "'/tmp' is a directory: name a file in it"),
     (["--window", "70000"], "expected a window of frames in 1..65536, got '70000'"),
     (["--size", "100000000"], "--size 100000000: at most"),
+    (["--keys", "\u0661\u0662"], "expected whole numbers >= 1"),  # (Arabic-Indic: int() takes)
+    (["--keys", "100000000", "--messages", "100"], "--keys 100000000: more keys than "
+     "--messages 100"),
 ])
 def test_corebench_names_a_bad_argument_before_running(args, error, capsys):
     from rqp.tools import corebench

@@ -142,6 +142,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                ("--size", args.size, 0)):
         if value < least:
             parser.error(f"{name} {value}: at least {least}")
+    if max(args.keys) > args.messages:
+        parser.error(f"--keys {max(args.keys)}: more keys than --messages {args.messages} (a "
+                     "run sends each key at least one)")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
     if args.size > largest:
         parser.error(f"--size {args.size}: at most {largest} (msgmax {kernel_limits().msgmax} "

@@ -426,7 +426,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sweeps", default="keys,producers,senders",
                         help="which sweeps, comma-separated (default: all of "
                         f"{', '.join(SWEEPS)})")
-    parser.add_argument("--keys", type=cli.key_counts, default=KEY_COUNTS,
+    parser.add_argument("--keys", type=cli.key_counts,
                         help="the keys sweep's queue key counts, comma-separated (default "
                         f"{','.join(map(str, KEY_COUNTS))})")
     parser.add_argument("--type", choices=("SURE", "UNSURE"), type=str.upper, default="SURE")
@@ -448,10 +448,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown sweep(s) {', '.join(sorted(unknown))}: one of "
                      f"{', '.join(SWEEPS)}")
+    if args.keys is not None and "keys" not in args.sweeps.split(","):
+        parser.error("--keys sets the keys sweep's counts: add keys to --sweeps")
+    args.keys = args.keys or KEY_COUNTS
     room = kernel_limits().msgmni - QUEUES_BESIDE
     if max(args.keys) > room:
         parser.error(f"--keys {max(args.keys)}: at most {room} (kernel.msgmni "
                      f"{kernel_limits().msgmni}: one queue a key, and {QUEUES_BESIDE} beside)")
+    if "keys" in args.sweeps.split(",") and max(args.keys) > args.messages:
+        parser.error(f"--keys {max(args.keys)}: more keys than --messages {args.messages} (a "
+                     "round sends each key at least one)")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
     if not HEAD.size <= args.size <= largest:
         parser.error(f"--size {args.size}: a payload of {HEAD.size}..{largest} bytes (msgmax "
