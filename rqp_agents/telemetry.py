@@ -96,8 +96,9 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_route_state", "gauge", "1 for the state each route is in, else 0"),
         ("rqp_sender_forgotten_total", "counter",
          f"idle queues whose figures were let go beyond the {QUEUE_MEMORY} most recently busy "
-         "(what=queues: their series end), routes let go beyond the "
-         f"{ROUTE_CACHE} most recently found (what=routes: asked for again)"),
+         "(what=queues: their series end, their figures go on under queue=\"forgotten\"), "
+         f"routes let go beyond the {ROUTE_CACHE} most recently found (what=routes: asked "
+         "for again)"),
         ("rqp_sender_copies_total", "counter",
          "broadcast copies finished, by queue, host and outcome"),
         ("rqp_sender_copies_waiting", "gauge", "broadcast copies not sent yet, by queue and host"),
@@ -131,8 +132,15 @@ def sender_metrics(agent) -> str:
             for outcome in ("delivered", "declined", "lost", "dead_lettered"):
                 m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
             m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
+    gone = agent.core.forgotten  # (their figures under queue="forgotten": the sums stay whole)
+    q = {"queue": "forgotten", "name": "", "peer": ""}
+    m["rqp_sender_messages_total"].add(gone.sent, **q)
+    m["rqp_sender_bytes_total"].add(gone.sent_bytes, **q)
+    for outcome in ("delivered", "lost", "dead_lettered"):
+        m["rqp_sender_outcomes_total"].add(getattr(gone, outcome), outcome=outcome, **q)
+    m["rqp_sender_errors_total"].add(gone.errors, **q)
     for what in ("queues", "routes"):
-        m["rqp_sender_forgotten_total"].add(getattr(agent.core.forgotten, what), what=what)
+        m["rqp_sender_forgotten_total"].add(getattr(gone, what), what=what)
     for host in agent.config.hosts:
         beats = agent.core.heartbeat_status(host)
         m["rqp_sender_heartbeats_total"].add(beats["heartbeats"], peer=str(host))

@@ -146,11 +146,16 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     gone = st["forgotten"]
     assert (gone["queues"], gone["routes"], gone["sent"], gone["delivered"]) == (40, 0, 40, 40)
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
-    assert f"and 40 idle queue(s) forgotten (beyond the {QUEUE_MEMORY} most recently busy): " \
-        "sent 40 (120 bytes), delivered 40" in text, text[-600:]
+    assert f"and idle queues let go (beyond the {QUEUE_MEMORY} most recently busy; 40 times " \
+        "so far, a queue busy again counts anew): sent 40 (120 bytes), delivered 40" in text, \
+        text[-600:]
     metrics = a.python("import urllib.request; print(urllib.request.urlopen("
                        "'http://127.0.0.1:9746/metrics', timeout=30).read().decode())")
-    assert 'rqp_sender_forgotten_total{what="queues"} 40.0' in metrics.splitlines()
+    lines = metrics.splitlines()
+    assert 'rqp_sender_forgotten_total{what="queues"} 40.0' in lines
+    assert 'rqp_sender_messages_total{name="",peer="",queue="forgotten"} 40.0' in lines
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in lines  # the sum is the whole
+               if line.startswith("rqp_sender_messages_total{")) == n
     out = rqpctl(a, "route", "stop", hex(first), "--rqprc", str(rqprc))  # its route is known
     assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
     out = rqpctl(a, "route", "start", hex(first), "--rqprc", str(rqprc))

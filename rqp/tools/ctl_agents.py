@@ -152,8 +152,8 @@ def _print_sender(st: dict) -> None:
                   f"{c['dead_lettered']:>4} dead  {c['last_error'] or '-'}")
     gone = st.get("forgotten") or {}
     if gone.get("queues"):
-        print(f"  and {gone['queues']} idle queue(s) forgotten (beyond the "
-              f"{st.get('queue_memory')} most recently busy): "
+        print(f"  and idle queues let go (beyond the {st.get('queue_memory')} most recently "
+              f"busy; {gone['queues']} times so far, a queue busy again counts anew): "
               f"sent {gone['sent']} ({gone['sent_bytes']} bytes), delivered "
               f"{gone['delivered']}, lost {gone['lost']}, dead-lettered "
               f"{gone['dead_lettered']}, errors {gone['errors']}")
