@@ -54,3 +54,19 @@ def test_report_output_onto_a_file_is_refused_before_spark(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"--output {tmp_path / 'taken' / 'report'}: {tmp_path / 'taken'} is not a directory" \
         in out.stderr
+
+
+def test_rqpctl_whose_reader_went_away_exits_as_on_sigpipe(tmp_path):
+    """A trial: `rqpctl status | head -1` printed "[Errno 32] Broken pipe" and exited 1, a
+    code rqpctl does not document. Its reader gone, it exits quietly with 141 (128 + SIGPIPE)
+    as any Unix tool does."""
+    read, write = os.pipe()
+    os.close(read)  # (gone before rqpctl writes a byte)
+    try:
+        out = subprocess.run([sys.executable, "-m", "rqp.tools.ctl", "status"], cwd=tmp_path,
+                             env={**os.environ, "HOME": str(tmp_path)}, stdout=write,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                             timeout=60)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")

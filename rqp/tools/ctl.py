@@ -406,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # (a reader that went away is found here, not at exit)
+        return code
+    except BrokenPipeError:  # whoever read the output went away (| head): as on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConfigError as exc:
         print(f"rqpctl: {exc}", file=sys.stderr)
         return 2
