@@ -66,6 +66,8 @@ PEER_MEMORY = 1024
 
 #: What a put without waiting did (Receiver._put_at_once).
 _PUT, _REPEAT = "put", "repeat"
+#: Indexes of telemetry.QueueFigures.OUTCOMES.
+_PUT_FIGURE, _REPEAT_FIGURE, _DEAD_LETTERED_FIGURE = 0, 1, 2
 
 
 class DeadLetterUnavailable(RQPError):
@@ -343,8 +345,7 @@ class Receiver(Daemon):
         self._errors = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
         self._repeats = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
-        self.by_queue: dict[tuple[int, str], int] = collections.Counter()
-        self.bytes_by_queue: dict[int, int] = collections.Counter()
+        self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
                       "timed_out_connections": 0}
 
@@ -656,7 +657,7 @@ class Receiver(Daemon):
                     break
                 self.stats["messages"] += 1
                 info["messages"] += 1
-                self.by_queue[(message.queue_key, "put")] += 1
+                self.figures.count(message.queue_key, _PUT_FIGURE, len(message.message))
         self.stats["batches"] += 1
         log.debug("MESSAGE_EX batch of %d for queue %s from=%s: %s", len(batch.messages),
                   format_key(batch.messages[0].queue_key), peer,
@@ -698,7 +699,7 @@ class Receiver(Daemon):
 
     def _repeat(self, message, peer: str) -> None:
         self.stats["repeats"] += 1
-        self.by_queue[(message.queue_key, "repeat")] += 1
+        self.figures.count(message.queue_key, _REPEAT_FIGURE)
         self._repeats.report("repeat of SURE message key=%#018x for queue %s from %s: "
                              "answered without putting it again", logging.INFO,
                              message.key, format_key(message.queue_key), peer,
@@ -742,7 +743,7 @@ class Receiver(Daemon):
         message = request.message
         await self._dead_letter(message, reason, detail, who)
         info["dead_letters"] += 1
-        self.by_queue[(message.queue_key, "dead_lettered")] += 1
+        self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
         return conn.answer_put(request, False)
 
     def _delivered(self, conn: ReceiverConnection, request, info: dict) -> bytes:
@@ -750,8 +751,7 @@ class Receiver(Daemon):
         message = request.message
         self.stats["messages"] += 1
         info["messages"] += 1
-        self.by_queue[(message.queue_key, "put")] += 1
-        self.bytes_by_queue[message.queue_key] += len(message.message)
+        self.figures.count(message.queue_key, _PUT_FIGURE, len(message.message))
         return conn.answer_put(request, True)
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> None:

@@ -6,22 +6,54 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 
+from rqp.protocol.constants import QUEUE_MEMORY
 from rqp.protocol.errors import RQPError
-from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, ROUTE_STATES
+from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
 from rqp.system.control import Metric, render
 from rqp.system.queues import LocalQueue, format_key, list_queues
 
 __all__ = ["sender_status", "sender_metrics", "receiver_status", "receiver_metrics"]
 
 
-def offered_queues(agent) -> list[dict]:
+class QueueFigures:
+    """What a receiving MCA did per queue key (messages put, repeats, dead-lettered, bytes
+    put) for the QUEUE_MEMORY keys most recently busy; the others' are added up in
+    ``forgotten``: a peer sending to ever new queue keys grows neither the agent nor a scrape
+    without end (a trial: 26,000 queues, 2.2 s a scrape of the receiving MCA alone)."""
+
+    OUTCOMES = ("put", "repeat", "dead_lettered")  # (then the bytes put)
+
+    def __init__(self, memory: int = QUEUE_MEMORY) -> None:
+        self.memory = memory
+        self.by_queue: OrderedDict[int, list[int]] = OrderedDict()  # the least recent first
+        self.forgotten = [0, 0, 0, 0]
+        self.forgotten_queues = 0
+
+    def count(self, queue_key: int, outcome: int, size: int = 0) -> None:
+        """One message of ``queue_key``: ``outcome`` an index of OUTCOMES, ``size`` bytes put."""
+        figures = self.by_queue.get(queue_key)
+        if figures is None:
+            figures = self.by_queue[queue_key] = [0, 0, 0, 0]
+            if len(self.by_queue) > self.memory:
+                _, gone = self.by_queue.popitem(last=False)
+                self.forgotten = [a + b for a, b in zip(self.forgotten, gone)]
+                self.forgotten_queues += 1
+        else:
+            self.by_queue.move_to_end(queue_key)
+        figures[outcome] += 1
+        figures[3] += size
+
+
+def offered_queues(agent, among=None) -> list[dict]:
     """The local queues of a receiving MCA's host (but DEAD.LETTER.Q), and whether each is
-    offered."""
+    offered; with ``among`` (keys), only those and the queues its config names."""
     out = []
     for q in list_queues():
-        if q.key == agent.config.dead_letter_queue:
+        if q.key == agent.config.dead_letter_queue or among is not None and \
+                q.key not in among and not agent.config.queue_name(q.key):
             continue
         out.append({"queue": format_key(q.key), "queue_key": q.key,
                     "name": agent.config.queue_name(q.key), "depth": q.messages,
@@ -187,6 +219,9 @@ def receiver_status(agent) -> dict:
 def receiver_metrics(agent) -> str:
     m = {name: Metric(name, kind, text) for name, kind, text in (
         ("rqp_receiver_messages_total", "counter", "MESSAGE frames, by queue and outcome"),
+        ("rqp_receiver_forgotten_total", "counter",
+         f"queues whose figures were let go beyond the {QUEUE_MEMORY} most recently busy "
+         "(their series end, their figures go on under queue=\"forgotten\")"),
         ("rqp_receiver_bytes_total", "counter", "payload bytes put, by queue"),
         ("rqp_receiver_asks_total", "counter", "QUEUE_ASK frames answered"),
         ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
@@ -208,10 +243,16 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
         ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
         ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
-    for (key, outcome), count in sorted(agent.by_queue.items()):
-        m["rqp_receiver_messages_total"].add(count, queue=format_key(key), outcome=outcome)
-    for key, count in sorted(agent.bytes_by_queue.items()):
-        m["rqp_receiver_bytes_total"].add(count, queue=format_key(key))
+    figures = agent.figures
+    rows = [(format_key(key), f) for key, f in sorted(figures.by_queue.items())]
+    for queue, f in rows + ([("forgotten", figures.forgotten)] if figures.forgotten_queues
+                            else []):
+        for outcome, count in zip(QueueFigures.OUTCOMES, f):
+            if count:
+                m["rqp_receiver_messages_total"].add(count, queue=queue, outcome=outcome)
+        if f[0]:
+            m["rqp_receiver_bytes_total"].add(f[3], queue=queue)
+    m["rqp_receiver_forgotten_total"].add(figures.forgotten_queues, what="queues")
     m["rqp_receiver_asks_total"].add(agent.stats["asks"])
     m["rqp_receiver_connections"].add(len(agent._peers))
     m["rqp_receiver_connections_total"].add(agent.stats["connections"])
@@ -230,7 +271,7 @@ def receiver_metrics(agent) -> str:
     depth = _depth(agent.dead_letters.queue)
     if depth is not None:
         m["rqp_dead_letter_queue_depth"].add(depth)
-    for q in offered_queues(agent):
+    for q in offered_queues(agent, among=figures.by_queue):
         m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
         m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
     m["rqp_up_seconds"].add(round(time.time() - agent.started, 3))

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX
+from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
     PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
 )
@@ -160,6 +161,18 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
     out = rqpctl(a, "route", "start", hex(first), "--rqprc", str(rqprc))
     assert out.returncode == 0, out.stdout + out.stderr
+    # the receiving MCA keeps the figures of as many queues, the rest under "forgotten"
+    lines = b.python("import urllib.request; print(urllib.request.urlopen("
+                     "'http://127.0.0.1:9747/metrics', timeout=30).read().decode())").splitlines()
+    assert 'rqp_receiver_forgotten_total{what="queues"} 40.0' in lines
+    assert 'rqp_receiver_messages_total{outcome="put",queue="forgotten"} 40.0' in lines
+    puts = [line for line in lines if line.startswith("rqp_receiver_messages_total{")]
+    assert len(puts) == QUEUE_MEMORY + 1 and sum(float(p.rsplit(" ", 1)[1]) for p in puts) == n
+    assert len([line for line in lines if line.startswith("rqp_receiver_queue_depth{")]) == \
+        QUEUE_MEMORY  # (the queues of the figures kept; none is named in its config here)
+    text = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
+                  str(b.workdir / "receiver.yaml")).stdout
+    assert f", and {n - 20} more (--json lists them)" in text, text[-300:]
 
 
 SEND_TO_MANY = r"""
@@ -487,6 +500,21 @@ def test_json_logs_carry_the_events_fields(testbed):
     bad = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                 env={**os.environ, "RQP_LOG_FORMAT": "xml"}, check=False)
     assert bad.returncode == 2 and "unknown log format 'xml' (from $RQP_LOG_FORMAT)" in bad.stderr
+
+
+def test_the_receivers_figures_keep_the_most_recently_busy_queues():
+    """QueueFigures: at most ``memory`` queues, the least recently busy let go first, their
+    figures added up, so that sums stay whole."""
+    figures = QueueFigures(memory=2)
+    figures.count(1, 0, 10)
+    figures.count(2, 1)
+    figures.count(1, 0, 5)  # 1 is the most recent now
+    figures.count(3, 2)  # 2 goes
+    assert list(figures.by_queue) == [1, 3] and figures.by_queue[1] == [2, 0, 0, 15]
+    assert (figures.forgotten, figures.forgotten_queues) == ([0, 1, 0, 0], 1)
+    figures.count(2, 0, 7)  # back, from zero; 1 goes
+    assert list(figures.by_queue) == [3, 2] and figures.by_queue[2] == [1, 0, 0, 7]
+    assert (figures.forgotten, figures.forgotten_queues) == ([2, 1, 0, 15], 2)
 
 
 def test_receiver_metrics_over_http_and_rqpctl(site):

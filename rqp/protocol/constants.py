@@ -71,6 +71,10 @@ HARD_MESSAGE_CAP = (1 << 31) - 1
 # The documented defaults (README, Configuration; the example files in config/): the one table.
 # rqp.config's loaders and the sender core's Settings both read these names.
 DEFAULT_PORT = 7460
+#: How many queues' figures an agent keeps for rqpctl status and the metrics, the most
+#: recently busy; the figures of the others are added up under "forgotten" (the sending MCA:
+#: ``rqp.protocol.sender``; the receiving MCA: ``rqp_agents.telemetry.QueueFigures``).
+QUEUE_MEMORY = 4096
 DEFAULT_TRANSMISSION_QUEUE = 0x52510000  # "RQ" 0000
 DEFAULT_DEAD_LETTER_QUEUE = 0x5251DEAD  # "RQ" DEAD
 DEAD_LETTER_QUEUE_NAME = "DEAD.LETTER.Q"

@@ -529,7 +529,7 @@ IDLE_LANES = 4096
 #: Without a bound a producer writing to ever new keys grew the agent ~1.5-9 KiB a key, every
 #: status and metrics call ~9-16 µs a key (on the event loop) and every scrape ~20 series a
 #: key, without end.
-QUEUE_MEMORY = 4096
+QUEUE_MEMORY = C.QUEUE_MEMORY
 #: How many routes (queue key -> host, with its error counters) the sending MCA keeps for
 #: idle keys, the most recently found ones (~80 bytes each); a key beyond asks the hosts
 #: again at its next message (a QUEUE_ASK round trip). Far above QUEUE_MEMORY, because that

@@ -30,6 +30,8 @@ UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
 EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse exits
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
 DEFAULT_PING_QUEUE = 0x52510001
+#: Queues the receiving MCA's status line of offers names (the rest: how many; --json has all).
+OFFERS_SHOWN = 20
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 
 
@@ -177,8 +179,11 @@ def _print_receiver(st: dict) -> None:
               f"dead-lettered, {c['asks']} asks, {c.get('refused', 0)} denied; may use "
               f"{c.get('may_use', '?')}")
     offered = [q for q in st["queues"] if q["offered"]]
+    shown = sorted(offered, key=lambda q: not q["name"])[:OFFERS_SHOWN]  # (named ones first)
+    more = f", and {len(offered) - len(shown)} more (--json lists them)" \
+        if len(offered) > len(shown) else ""
     print("  offers: " + (", ".join(q["queue"] + (f" {q['name']}" if q["name"] else "")
-                                    for q in offered) or "nothing (no writable queue)"))
+                                    for q in shown) + more or "nothing (no writable queue)"))
 
 
 def status(args) -> int:
