@@ -117,10 +117,10 @@ if action == "count":  # how many hold exactly one message
 
 SEND_EACH = r"""
 import sys, rqp
-rqprc, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for i in range(n):
+rqprc, first, n, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+for i in range(n):  # one message to each of n queue keys from first on
     h = rqp.openConnection(first + i, rqprc=rqprc, start_sender=False)
-    rqp.sendMessage(h, b"one", rqp.UNSURE_MSG)
+    rqp.sendMessage(h, b"one", rqp.SURE_MSG if kind == "SURE" else rqp.UNSURE_MSG)
     rqp.closeConnection(h)
 """
 
@@ -137,7 +137,7 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     b.python(MANY_QUEUES, str(first), str(n), "make", timeout=60)
     rqprc = write_rqprc(a, [b], metrics_listen=":9746")
     start_sender(a, rqprc)
-    a.python(SEND_EACH, str(rqprc), str(first), str(n), timeout=120)
+    a.python(SEND_EACH, str(rqprc), str(first), str(n), "UNSURE", timeout=120)
     wait_for(lambda: int(b.python(MANY_QUEUES, str(first), str(n), "count")) == n,
              timeout=120, message="not every queue got its message")
     st = next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc),
@@ -175,16 +175,6 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     assert f", and {n - 20} more (--json lists them)" in text, text[-300:]
 
 
-SEND_TO_MANY = r"""
-import sys, rqp
-rqprc, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for i in range(n):
-    h = rqp.openConnection(first + i, rqprc=rqprc, start_sender=False)
-    rqp.sendMessage(h, b"nobody takes this", rqp.SURE_MSG)
-    rqp.closeConnection(h)
-"""
-
-
 def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
     """A trial: SURE messages for more queues than the sending MCA's budget that no host
     offers (mistyped keys, queues not made yet) filled the budget, and the sending MCA took
@@ -197,7 +187,7 @@ def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
     rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="30s",
                         retry_backoff_max="30s")  # (budget 64 messages)
     start_sender(a, rqprc)
-    a.python(SEND_TO_MANY, str(rqprc), str(0x52700000), "100", timeout=60)
+    a.python(SEND_EACH, str(rqprc), str(0x52700000), "100", "SURE", timeout=60)
     send(a, rqprc, Q1, [f"m{i}" for i in range(10)])
     assert receive(b, Q1, 10, timeout=30) == [f"m{i}" for i in range(10)]
     st = wait_for(lambda: (st := next(iter(json.loads(rqpctl(
@@ -219,7 +209,7 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
                         retry_backoff_max="60s")  # (budget 64 messages)
     sender = start_sender(a, rqprc, log_level="INFO")
     total = WAITING_FOR_ROUTE_MAX + 64 + 50
-    a.python(SEND_TO_MANY, str(rqprc), str(0x52700000), str(total), timeout=120)
+    a.python(SEND_EACH, str(rqprc), str(0x52700000), str(total), "SURE", timeout=120)
 
     def status():
         return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
