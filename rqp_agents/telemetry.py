@@ -139,6 +139,8 @@ def sender_metrics(agent) -> str:
          "heartbeats not answered in time (the connection was closed), by host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal"),
+        ("rqp_sender_waiting_for_route", "gauge",
+         "messages held while no host offers their queue (asking, or waiting to ask again)"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
         ("rqp_transmission_queue_depth", "gauge", "records on the transmission queue"),
         ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
@@ -180,6 +182,7 @@ def sender_metrics(agent) -> str:
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)
+    m["rqp_sender_waiting_for_route"].add(agent.core.waiting_for_route())
     for name, queue in (("rqp_dead_letter_queue_depth", agent.dead_letters.queue),
                         ("rqp_transmission_queue_depth", agent.intake.queue)):
         depth = _depth(queue)

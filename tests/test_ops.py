@@ -196,6 +196,9 @@ def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
     assert st["journal_depth"] == 100 and st["transmission_queue_depth"] == 0
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert ", 100 waiting for a route" in text, text[:400]
+    metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert any(line.startswith("rqp_sender_waiting_for_route") and line.endswith(" 100.0")
+               for line in metrics.splitlines()), metrics[-500:]
 
 
 def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testbed):
