@@ -85,3 +85,26 @@ def test_no_host_offers_the_broadcast_one_dead_letter(testbed):
     [dead] = dead_letters(a)
     assert dead["reason"] == "NO_ROUTE" and dead["payload"] == "lonely"
     assert "no host takes broadcast queue" in dead["detail"]
+
+
+def test_sure_copies_for_a_host_that_is_down_do_not_stop_the_other_queues(testbed):
+    """More SURE broadcast messages than the sending MCA's budget, one host of the name down:
+    each message waits for its copy to that host, and used to hold its place in the budget
+    until then, so the budget filled and nothing else was taken off the transmission queue.
+    They are held beside the budget now: an ordinary queue still gets its messages."""
+    a, b, d = (testbed.add_host(n) for n in "abd")
+    make_queue(b, BQ)
+    make_queue(b, 0x52510001)
+    start_receiver(b)  # (d has none: down)
+    rqprc = write_rqprc(a, [b, d], window=8, retry_backoff_initial="30s",
+                        retry_backoff_max="30s",  # (budget 64 messages)
+                        queues={"PROD_ALL_BA": BQ, "PROD_THE_BA": 0x52510001})
+    start_sender(a, rqprc)
+    many = [f"all-{i}" for i in range(80)]
+    send(a, rqprc, BQ, many, SURE_MSG)
+    send(a, rqprc, 0x52510001, ["after them"], SURE_MSG)
+    assert receive(b, 0x52510001, 1, timeout=30) == ["after them"]
+    assert receive(b, BQ, 80) == many
+    st = wait_for(lambda: (st := sender_status(a, rqprc))["waiting_for_route"] == 80 and st,
+                  timeout=30, message="the 80 broadcast messages did not all wait for d")
+    assert copies(st)[d.address]["waiting"] == 80 and st["journal_depth"] == 80

@@ -60,6 +60,7 @@ def test_sure_copy_for_a_host_that_is_down_waits_with_backoff_and_goes_when_it_i
     assert status["b"]["waiting"] == 3 and status["b"]["state"] == "retrying"
     assert "Connection refused" in status["b"]["last_error"]
     assert status["a"]["delivered"] == 3 and status["a"]["waiting"] == 0
+    assert h.core.waiting_for_route() == 3  # (messages, each held for its copy to b)
     for _ in range(3):  # b stays down a while: asked again with back-off, nothing lost
         h.advance()
         h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
@@ -72,6 +73,7 @@ def test_sure_copy_for_a_host_that_is_down_waits_with_backoff_and_goes_when_it_i
     assert [ev.message for host, ev in frames if isinstance(ev, Message)] == [b"m0", b"m1", b"m2"]
     assert delivered(h) == sorted([(host, b"m%d" % n) for host in "abc" for n in range(3)])
     assert len(h.of(FanoutEnded)) == 3 and h.core.held == 0
+    assert h.core.waiting_for_route() == 0
 
 
 def test_unsure_copy_for_a_host_that_does_not_answer_is_declined_not_dead_lettered():

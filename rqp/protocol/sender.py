@@ -581,8 +581,8 @@ class SenderCore:
         self._lanes: dict[int, _Lane] = {}
         #: Idle lanes for reuse, by id, the least recently busy first (at most IDLE_LANES).
         self._idle_lanes: OrderedDict[object, _Lane] = OrderedDict()
-        #: The busy lanes of ordinary queue keys that have no route (asking, or waiting to ask
-        #: again): what :meth:`waiting_for_route` counts.
+        #: The busy lanes that have no route (asking, or waiting to ask again): what
+        #: :meth:`waiting_for_route` counts.
         self._unrouted: set[_Lane] = set()
         self.routes: dict[int, object] = {}
         self.errors: dict[tuple[object, int], int] = {}
@@ -613,13 +613,20 @@ class SenderCore:
 
     def waiting_for_route(self) -> int:
         """Messages of queue keys that have no route behind a SURE message: being asked for,
-        or waiting with back-off to ask again because no host offered the queue (with any
-        UNSURE messages queued behind it). The sending MCA holds these beyond its budget (up
-        to WAITING_FOR_ROUTE_MAX), so that they do not stop the queues that have a route. An
-        UNSURE message at the head of such a queue is asked for once and dead-lettered if no
-        host offers it, so it is not counted (nor are broadcast copies)."""
-        return sum(len(lane.pending) for lane in self._unrouted
-                   if lane.pending and lane.pending[0].message_type == SURE_MSG)
+        or waiting with back-off to ask again because no host offered the queue or its host
+        is down (with any UNSURE messages queued behind it); a broadcast message once, however
+        many of its copies wait so. The sending MCA holds these beyond its budget (up to
+        WAITING_FOR_ROUTE_MAX), so that they do not stop the queues that have a route. An
+        UNSURE message at the head of such a queue is asked for once and dead-lettered (or its
+        copy declined) if no host takes it, so it is not counted."""
+        count, fanouts = 0, set()
+        for lane in self._unrouted:
+            if lane.pending and lane.pending[0].message_type == SURE_MSG:
+                if lane.target is None:
+                    count += len(lane.pending)
+                else:
+                    fanouts.update(msg.fanout for msg in lane.pending)
+        return count + len(fanouts)
 
     def link_state(self, host) -> LinkState:
         return self._links[host].state
@@ -718,7 +725,7 @@ class SenderCore:
             else:  # (every round of asking starts afresh: only these carry over)
                 lane.created_at, lane.retry_at, lane.next_expiry_ms = self._now, 0.0, 0
             self._lanes[lane_id] = lane  # (busy before _info: never the key it forgets)
-            if target is None and lane_id not in self.routes:
+            if lane_id not in self.routes:
                 self._unrouted.add(lane)
             try:
                 self.info.move_to_end(msg.queue_key)  # the most recently busy
@@ -1370,7 +1377,7 @@ class SenderCore:
             del self.routes[route]
             self._links[host].routed -= 1
             lane = self._lanes.get(route)
-            if lane is not None and lane.target is None:
+            if lane is not None:
                 self._unrouted.add(lane)
             self.errors.pop((host, route), None)
             self._note(NoteKind.ROUTE_DROPPED, route if isinstance(route, int) else route[0],
