@@ -421,10 +421,11 @@ class Sender(Daemon):
         self._schedule()
 
     def _hold_waiting_beyond_budget(self) -> None:
-        """Messages waiting for a route do not count against the budget (up to
-        WAITING_FOR_ROUTE_MAX): their places are given back while they wait, taken back when
-        a route is found (or they end: then the 'finished' above gave theirs again)."""
-        waiting = self.core.waiting_for_route()
+        """Messages waiting for a route, or in a route an operator stopped, do not count
+        against the budget (up to WAITING_FOR_ROUTE_MAX): their places are given back while
+        they wait, taken back when a route is found or the route started (or they end: then
+        the 'finished' above gave theirs again)."""
+        waiting = self.core.held_aside()
         now = min(waiting, WAITING_FOR_ROUTE_MAX)
         if now == self._waiting_given:
             return
@@ -433,9 +434,10 @@ class Sender(Daemon):
         else:
             self.intake.budget.force(self._waiting_given - now)
         if waiting >= WAITING_FOR_ROUTE_MAX > self._waiting_given:
-            log.warning("%d messages wait for a route (no host offers their queues): no more "
-                        "are held beside them; the transmission queue waits until some go "
-                        "(rqpctl status shows which)", waiting,
+            log.warning("%d messages wait for a route (no host offers their queues, or their "
+                        "host is down) or in stopped routes: no more are held beside them; the "
+                        "transmission queue waits until some go (rqpctl status shows which)",
+                        waiting,
                         extra={"event": "waiting_for_route_full"})
         self._waiting_given = now
 

@@ -201,6 +201,27 @@ def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
                for line in metrics.splitlines()), metrics[-500:]
 
 
+def test_a_stopped_route_does_not_stop_the_other_queues(testbed):
+    """rqpctl route stop for longer than the budget lasts: the stopped route's messages wait
+    beside the budget, another queue's messages still go; started again, they all go."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b))
+    make_queue(b, Q1)
+    make_queue(b, Q2)
+    rqprc = write_rqprc(a, [b], window=8, queues={"PROD_THE_SCHED_COMMON": Q1})  # (budget 64)
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["first"])
+    assert receive(b, Q1, 1) == ["first"]
+    assert rqpctl(a, "route", "stop", hex(Q1), "--rqprc", str(rqprc)).returncode == 0
+    held = [f"held-{i}" for i in range(80)]
+    send(a, rqprc, Q1, held)
+    a.python(SEND_EACH, str(rqprc), str(Q1), "1", "UNSURE", timeout=60)  # (an UNSURE one too)
+    send(a, rqprc, Q2, ["meanwhile"])
+    assert receive(b, Q2, 1, timeout=30) == ["meanwhile"]
+    assert rqpctl(a, "route", "start", hex(Q1), "--rqprc", str(rqprc)).returncode == 0
+    assert receive(b, Q1, 81, timeout=30) == held + ["one"]
+
+
 def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testbed):
     """Beyond WAITING_FOR_ROUTE_MAX messages waiting for a route, the rest count against the
     budget again: memory stays bounded, the transmission queue keeps what is not taken, and
@@ -220,8 +241,7 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
     st = wait_for(lambda: (st := status())["waiting_for_route"] == total - 50 and st,
                   timeout=120, message="the sending MCA did not take what its bounds allow")
     assert st["transmission_queue_depth"] == 50 and st["journal_depth"] == total - 50
-    assert log_lines(a, sender, "wait for a route (no host offers their queues): no more are "
-                     "held beside them")
+    assert log_lines(a, sender, "or in stopped routes: no more are held beside them")
 
 
 def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(testbed):

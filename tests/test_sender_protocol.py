@@ -928,6 +928,27 @@ def test_messages_waiting_for_a_route_are_counted_apart():
     assert h.core.waiting_for_route() == 0 and not h.core._unrouted
 
 
+def test_a_stopped_routes_messages_are_held_aside_each_once():
+    """held_aside: what waits for a route and what waits in a stopped route (SURE or UNSURE),
+    a lane in both counted once; started again, its messages count against the budget."""
+    h = Harness(hosts=("b",), backoff_initial=30.0)
+    h.submit(Q1, SURE_MSG)
+    h.serve({"b": {Q1}})  # Q1 has a route
+    h.core.stop_route(Q1, h.now)
+    for payload in (b"s", b"t"):
+        h.submit(Q1, SURE_MSG, payload)
+    h.submit(Q1, UNSURE_MSG, b"u")
+    h.submit(Q2, SURE_MSG)
+    h.serve({"b": set()})  # Q2: no host offers it
+    assert (h.core.waiting_for_route(), h.core.held_aside()) == (1, 4)
+    h.core.stop_route(Q2, h.now)  # (waiting for a route and stopped: once)
+    assert h.core.held_aside() == 4
+    h.core.start_route(Q1, h.now)
+    h.serve({"b": {Q1}})
+    assert h.core.held_aside() == 1 and [d.message.payload for d in h.of(Delivered)][-3:] == \
+        [b"s", b"t", b"u"]
+
+
 def test_a_key_busy_when_the_memories_are_full_is_kept(monkeypatch):
     """A key with a message in flight keeps its figures and its route, whatever comes after
     it."""

@@ -497,6 +497,18 @@ HELD_PER_WINDOW_FRAME = 2
 MIN_HELD = 64
 
 
+def _messages_in(lanes) -> int:
+    """The messages waiting in ``lanes``: a broadcast message once, however many of its copies
+    wait there."""
+    count, fanouts = 0, set()
+    for lane in lanes:
+        if lane.target is None:
+            count += len(lane.pending)
+        else:
+            fanouts.update(msg.fanout for msg in lane.pending)
+    return count + len(fanouts)
+
+
 def budget_size(window: int, hosts: int) -> int:
     """How many messages a sending MCA holds in memory (taken off its transmission queue, not
     finished) for this window and number of hosts, besides those waiting for a route."""
@@ -619,14 +631,20 @@ class SenderCore:
         WAITING_FOR_ROUTE_MAX), so that they do not stop the queues that have a route. An
         UNSURE message at the head of such a queue is asked for once and dead-lettered (or its
         copy declined) if no host takes it, so it is not counted."""
-        count, fanouts = 0, set()
-        for lane in self._unrouted:
-            if lane.pending and lane.pending[0].message_type == SURE_MSG:
-                if lane.target is None:
-                    count += len(lane.pending)
-                else:
-                    fanouts.update(msg.fanout for msg in lane.pending)
-        return count + len(fanouts)
+        return _messages_in(self._waiting_for_route())
+
+    def held_aside(self) -> int:
+        """What the sending MCA holds beside its budget (up to WAITING_FOR_ROUTE_MAX): the
+        messages waiting for a route (:meth:`waiting_for_route`) and every message waiting in
+        a route an operator stopped (``rqpctl route stop``), each message once."""
+        lanes = self._waiting_for_route()
+        if self.stopped:
+            lanes |= {lane for lane in self._lanes.values() if lane.queue_key in self.stopped}
+        return _messages_in(lanes)
+
+    def _waiting_for_route(self) -> set:
+        return {lane for lane in self._unrouted
+                if lane.pending and lane.pending[0].message_type == SURE_MSG}
 
     def link_state(self, host) -> LinkState:
         return self._links[host].state
