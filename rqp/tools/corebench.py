@@ -123,7 +123,7 @@ def run(keys: int, messages: int, window: int, message_type: int, size: int) -> 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rqp.tools.corebench",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=cli.key_counts, default=[1, 1000],
+    parser.add_argument("--keys", type=cli.key_counts,
                         help="queue key counts, comma-separated (default 1,1000)")
     parser.add_argument("--messages", type=int, default=60_000,
                         help="messages a run (default 60000)")
@@ -142,7 +142,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                ("--size", args.size, 0)):
         if value < least:
             parser.error(f"{name} {value}: at least {least}")
-    if max(args.keys) > args.messages:
+    if args.keys is None:  # (the default counts run with any --messages)
+        args.keys = [1, 1000]
+    elif max(args.keys) > args.messages:
         parser.error(f"--keys {max(args.keys)}: more keys than --messages {args.messages} (a "
                      "run sends each key at least one)")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE

@@ -450,12 +450,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      f"{', '.join(SWEEPS)}")
     if args.keys is not None and "keys" not in args.sweeps.split(","):
         parser.error("--keys sets the keys sweep's counts: add keys to --sweeps")
-    args.keys = args.keys or KEY_COUNTS
+    given, args.keys = args.keys is not None, args.keys or KEY_COUNTS
     room = kernel_limits().msgmni - QUEUES_BESIDE
     if max(args.keys) > room:
         parser.error(f"--keys {max(args.keys)}: at most {room} (kernel.msgmni "
                      f"{kernel_limits().msgmni}: one queue a key, and {QUEUES_BESIDE} beside)")
-    if "keys" in args.sweeps.split(",") and max(args.keys) > args.messages:
+    if given and max(args.keys) > args.messages:  # (the default counts run with any --messages)
         parser.error(f"--keys {max(args.keys)}: more keys than --messages {args.messages} (a "
                      "round sends each key at least one)")
     largest = kernel_limits().msgmax - TRANSMISSION_HEADER_SIZE
