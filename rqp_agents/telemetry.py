@@ -173,6 +173,7 @@ def sender_metrics(agent) -> str:
     for outcome in ("delivered", "lost", "dead_lettered"):
         m["rqp_sender_outcomes_total"].add(getattr(gone, outcome), outcome=outcome, **q)
     m["rqp_sender_errors_total"].add(gone.errors, **q)
+    m["rqp_sender_route_changes_total"].add(gone.route_changes, **q)
     for what in ("queues", "routes"):
         m["rqp_sender_forgotten_total"].add(getattr(gone, what), what=what)
     for host in agent.config.hosts:

@@ -59,7 +59,8 @@ def test_status_of_healthy_agents(site):
     assert 0 < route["rtt_p50_ms"] <= route["rtt_p99_ms"] and route["retry_in"] is None
     assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
     assert st["forgotten"] == {"queues": 0, "routes": 0, "sent": 0, "sent_bytes": 0,
-                               "delivered": 0, "lost": 0, "dead_lettered": 0, "errors": 0}
+                               "delivered": 0, "lost": 0, "dead_lettered": 0, "errors": 0,
+                               "route_changes": 0}
     assert (st["queue_memory"], st["route_cache"]) == (QUEUE_MEMORY, ROUTE_CACHE)
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert "PROD_THE_SCHED_COMMON" in text and "running" in text and "forgotten" not in text
@@ -156,6 +157,7 @@ def test_idle_queues_beyond_the_memory_are_added_up_in_status_and_metrics(testbe
     lines = metrics.splitlines()
     assert 'rqp_sender_forgotten_total{what="queues"} 40.0' in lines
     assert 'rqp_sender_messages_total{name="",peer="",queue="forgotten"} 40.0' in lines
+    assert 'rqp_sender_route_changes_total{name="",peer="",queue="forgotten"} 40.0' in lines
     assert sum(float(line.rsplit(" ", 1)[1]) for line in lines  # the sum is the whole
                if line.startswith("rqp_sender_messages_total{")) == n
     out = rqpctl(a, "route", "stop", hex(first), "--rqprc", str(rqprc))  # its route is known

@@ -565,6 +565,7 @@ class Forgotten:
     lost: int = 0
     dead_lettered: int = 0
     errors: int = 0
+    route_changes: int = 0
 
     def add(self, info: RouteInfo) -> None:
         self.queues += 1
@@ -574,6 +575,7 @@ class Forgotten:
         self.lost += info.lost
         self.dead_lettered += info.dead_lettered
         self.errors += info.errors
+        self.route_changes += info.route_changes
 
 
 class SenderCore:
