@@ -949,6 +949,26 @@ def test_a_stopped_routes_messages_are_held_aside_each_once():
         [b"s", b"t", b"u"]
 
 
+def test_lanes_left_waiting_for_a_link_with_room_are_woken_at_the_next_tick():
+    """The net under the wake-ups (SenderCore._stranded): a lane left waiting for a link that
+    is up and has room -- a state no known path leaves, made here by hand -- makes the next
+    deadline now, and tick() asks for it, instead of waiting for a heartbeat's answer."""
+    h = Harness(hosts=("b",), window=2)
+    h.submit(Q1, SURE_MSG)
+    h.serve({"b": {Q1}})  # connected, idle
+    h.submit(Q2, SURE_MSG)
+    assert h.sent() == [("b", Ask(Q2))]
+    lane = h.core._lanes[Q2]
+    h.answer("b", NO)  # (no route: retry in 0.5 s) ...
+    h.sent()
+    lane.retry_at = 0.0  # ... but, as if a wake-up were lost, it waits for b, which has room
+    lane.asking = "b"
+    h.core._links["b"].waiting[lane] = None
+    assert h.core.next_deadline() == h.now
+    h.core.tick(h.now)
+    assert h.sent() == [("b", Ask(Q2))]
+
+
 def test_a_key_busy_when_the_memories_are_full_is_kept(monkeypatch):
     """A key with a message in flight keeps its figures and its route, whatever comes after
     it."""

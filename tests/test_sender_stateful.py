@@ -369,6 +369,18 @@ class SenderMachine(RuleBasedStateMachine):
                 f"{self.core.held} message(s) held and nothing will move them"
 
     @invariant()
+    def no_lane_waits_for_a_link_with_room(self):  # (what SenderCore._stranded nets)
+        for host, link in self.core._links.items():
+            assert not self.core._stranded(link), \
+                f"{len(link.waiting)} lane(s) wait for {host}, which is up and has room"
+
+    @invariant()
+    def the_lanes_without_a_route_are_known(self):  # (what waiting_for_route counts)
+        core = self.core
+        assert core._unrouted == {lane for lane in core._lanes.values()
+                                  if lane.id not in core.routes}
+
+    @invariant()
     def held_as_counted(self):
         assert self.core.held == sum(1 for t in self.taken.values() if t.end is None)
 

@@ -683,6 +683,8 @@ class SenderCore:
     def next_deadline(self) -> float | None:
         """When :meth:`tick` must be called next (answer overdue, back-off over)."""
         times = [link.outstanding[0].deadline for link in self._links.values() if link.outstanding]
+        if any(self._stranded(link) for link in self._links.values()):
+            times.append(self._now)  # (tick() wakes them)
         times += [link.retry_at for link in self._links.values()
                   if link.waiting and link.state is LinkState.DOWN and link.retry_at > self._now]
         times += [lane.retry_at for lane in self._lanes.values()
@@ -892,6 +894,8 @@ class SenderCore:
         connections are probed (heartbeats)."""
         self._now = now
         for link in self._links.values():
+            if self._stranded(link):
+                self._wake(link)
             if link.outstanding and link.outstanding[0].deadline <= now:
                 frame = link.outstanding[0]
                 what = ("heartbeat QUEUE_ASK" if frame.lane is None else "QUEUE_ASK"
@@ -1412,6 +1416,14 @@ class SenderCore:
         except KeyError:
             raise LocalProtocolError(f"connection to {link.host}: {event.value!r} in state "
                                      f"{link.state.value!r}") from None
+
+    def _stranded(self, link: _Link) -> bool:
+        """Lanes wait for ``link`` while it is up and has room: no answer to come would wake
+        them. Every path that frees room wakes them at once; this is the net under those (a
+        trial saw 128 lanes wait 30 s, until a heartbeat's answer woke them, after restarts
+        of the sending MCA with 3,000 queues waiting for a route; not reproduced since)."""
+        return bool(link.waiting) and link.state is LinkState.UP and \
+            len(link.outstanding) < self.settings.window
 
     def _wait_for(self, link: _Link, lane: _Lane) -> None:
         link.waiting[lane] = None
