@@ -967,6 +967,8 @@ def test_lanes_left_waiting_for_a_link_with_room_are_woken_at_the_next_tick():
     assert h.core.next_deadline() == h.now
     h.core.tick(h.now)
     assert h.sent() == [("b", Ask(Q2))]
+    [late] = [n for n in h.of(Note) if n.kind is NoteKind.WOKEN_LATE]  # (logged: a bug)
+    assert late.host == "b" and late.detail.startswith("1 of them, ")
 
 
 def test_a_key_busy_when_the_memories_are_full_is_kept(monkeypatch):

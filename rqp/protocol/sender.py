@@ -334,6 +334,7 @@ class NoteKind(enum.Enum):
     CONNECTION_CLOSED = "connection closed while idle"
     CONNECTED = "connected"
     COPIES_WAIT = "a broadcast host does not answer: its SURE copies wait"
+    WOKEN_LATE = "queues waiting for a connection with room woken late (a bug: please report)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -895,6 +896,9 @@ class SenderCore:
         self._now = now
         for link in self._links.values():
             if self._stranded(link):
+                self._note(NoteKind.WOKEN_LATE, None, link.host,
+                           f"{len(link.waiting)} of them, {len(link.outstanding)} frame(s) in "
+                           "flight")
                 self._wake(link)
             if link.outstanding and link.outstanding[0].deadline <= now:
                 frame = link.outstanding[0]
