@@ -510,6 +510,22 @@ def _messages_in(lanes) -> int:
     return count + len(fanouts)
 
 
+def _let_go(entries: dict, limit: int, kept, gone) -> None:
+    """Bring ``entries`` (least recent first) down to ``limit``: the first ones go, each to
+    ``gone(key, value)``, but those ``kept(key)`` says to keep, which move to the end (the
+    most recent); stops when every entry has been looked at once."""
+    excess, looked = len(entries) - limit, 0
+    while excess > 0 and looked < len(entries):
+        looked += 1
+        key = next(iter(entries))
+        value = entries.pop(key)
+        if kept(key):
+            entries[key] = value
+            continue
+        gone(key, value)
+        excess -= 1
+
+
 def budget_size(window: int, hosts: int) -> int:
     """How many messages a sending MCA holds in memory (taken off its transmission queue, not
     finished) for this window and number of hosts, besides those waiting for a route."""
@@ -1385,19 +1401,15 @@ class SenderCore:
         """Let go of the routes found least recently beyond ROUTE_CACHE that may be (not
         ``new_route``, no busy lane's, no broadcast copies'), with their error counters: the
         next message for one asks the hosts again."""
-        routes, lanes = self.routes, self._lanes
-        excess, looked = len(routes) - ROUTE_CACHE, 0
-        while excess > 0 and looked < len(routes):
-            looked += 1
-            route = next(iter(routes))
-            host = routes.pop(route)
-            if route == new_route or route in lanes or not isinstance(route, int):
-                routes[route] = host  # (busy now, or kept: the most recent ones)
-                continue
+        lanes = self._lanes
+
+        def gone(route, host) -> None:
             self._links[host].routed -= 1
             self.errors.pop((host, route), None)
             self.forgotten.routes += 1
-            excess -= 1
+
+        _let_go(self.routes, ROUTE_CACHE, lambda route: route == new_route or route in lanes
+                or not isinstance(route, int), gone)
 
     def _drop_route(self, route, host, why: str) -> None:
         """``route``: a lane's id (a queue key, or (queue key, host) for broadcast copies)."""
@@ -1701,16 +1713,9 @@ class SenderCore:
     def _forget_figures(self, new_key: int) -> None:
         """Let go of the figures of the least recently busy queue keys beyond QUEUE_MEMORY that
         may be (not ``new_key``, none busy, stopped or broadcast): added to :attr:`forgotten`."""
-        info, lanes, keep = self.info, self._lanes, self.stopped | self.settings.broadcast
-        excess, looked = len(info) - QUEUE_MEMORY, 0
-        while excess > 0 and looked < len(info):
-            looked += 1
-            key = next(iter(info))
-            if key == new_key or key in lanes or key in keep:
-                info.move_to_end(key)  # (busy now, or kept: the most recent ones)
-                continue
-            self.forgotten.add(info.pop(key))
-            excess -= 1
+        lanes, keep = self._lanes, self.stopped | self.settings.broadcast
+        _let_go(self.info, QUEUE_MEMORY, lambda key: key == new_key or key in lanes
+                or key in keep, lambda key, info: self.forgotten.add(info))
 
     def _taken_at_by_lane(self) -> dict:
         """When each message in flight was taken, by lane (for the lag; status only)."""
