@@ -48,12 +48,13 @@ READ_SIZE = 1 << 16
 #: each batch once the de-duplication window holds its SURE keys durably (one fsync per
 #: commit, in a writer thread).
 ANSWER_BATCH = 64
-#: Answer batches of one connection waiting for their commit, at most; then the connection
-#: reads no more until the oldest is sent. A receiving MCA killed between putting messages and
-#: committing their keys puts them again when they are re-sent: at most ANSWER_BATCH *
-#: ANSWERS_IN_FLIGHT frames per connection, and never more than the sender's window (frames
-#: it sent and has no answer for).
-ANSWERS_IN_FLIGHT = 4
+#: Answers of one connection waiting for their commit, at most (a connection reads no more
+#: while another full batch would go beyond it). A receiving MCA killed between putting
+#: messages and committing their keys puts them again when they are re-sent: at most this many
+#: frames per connection, and never more than the sender's window (frames it sent and has no
+#: answer for). Counted in frames, not batches: a batch also ends with each read, which holds
+#: 16 frames of 4 KiB (a bound of 2 batches let only 32 of those wait).
+UNCOMMITTED_MAX = 2 * ANSWER_BATCH
 #: Lines about connections opening, closing and failing: at most this many of each kind per
 #: interval (a peer reconnecting in a loop must not fill the journal).
 CONNECTION_LOG_INTERVAL = 10.0
@@ -215,8 +216,9 @@ class _Answers:
 
     ``send`` writes a batch at once when nothing it needs is still being committed, else
     queues it; a commit's done-callback writes the batches at the head of the queue whose
-    commits are done, in order (no task per batch). ``room`` waits while ANSWERS_IN_FLIGHT
-    batches wait, and for the socket's buffer (``drain``); ``flush`` waits for all of them.
+    commits are done, in order (no task per batch). ``room`` waits until another full batch
+    may wait within UNCOMMITTED_MAX answers, and for the socket's buffer (``drain``);
+    ``flush`` waits for all of them.
     A failed commit fails the batch that needed it and every one after it, for good: the
     connection is closed with them unanswered (the sender keeps those messages), the failure
     is raised once (by the next call) and nothing is written after it, not even a batch whose
@@ -225,9 +227,10 @@ class _Answers:
     def __init__(self, writer: asyncio.StreamWriter, commits: GroupCommit) -> None:
         self._writer = writer
         self._commits = commits
-        #: (the commit it waits for or None, the answers), in order
-        self._waiting: collections.deque[tuple[asyncio.Future | None, bytes]] = \
+        #: (the commit it waits for or None, the answers, how many), in order
+        self._waiting: collections.deque[tuple[asyncio.Future | None, bytes, int]] = \
             collections.deque()
+        self._answers_waiting = 0  # the sum of their counts
         self._failure: BaseException | None = None  # a failed commit's, raised once
         self._failed = False  # a commit failed: closed, nothing is written any more
         self._moved: asyncio.Future | None = None  # done when batches are written (or fail)
@@ -244,7 +247,8 @@ class _Answers:
         if durable is None and not self._waiting:
             self._writer.write(data)
             return
-        self._waiting.append((durable, data))
+        self._waiting.append((durable, data, len(batch)))
+        self._answers_waiting += len(batch)
         if durable is not None:
             durable.add_done_callback(self._release)
 
@@ -253,21 +257,23 @@ class _Answers:
         close the connection with it and every batch after it unwritten."""
         waiting = self._waiting
         while waiting:
-            durable, data = waiting[0]
+            durable, data, count = waiting[0]
             if durable is not None:
                 if not durable.done():
                     break
                 failure = asyncio.CancelledError() if durable.cancelled() else \
                     durable.exception()
                 if failure is not None:
-                    for later, _ in waiting:  # same failure: seen here, not logged as lost
+                    for later, _, _ in waiting:  # same failure: seen here, not logged as lost
                         if later is not None:
                             later.add_done_callback(_retrieved)
                     waiting.clear()
+                    self._answers_waiting = 0
                     self._failure, self._failed = failure, True
                     self._writer.close()  # at once, the connection may be waiting for bytes
                     break
             waiting.popleft()
+            self._answers_waiting -= count
             self._writer.write(data)
         if self._moved is not None and not self._moved.done():
             self._moved.set_result(None)
@@ -285,9 +291,10 @@ class _Answers:
         self._raise_failure()
 
     async def room(self) -> None:
-        """Wait until fewer than ANSWERS_IN_FLIGHT batches wait and the socket drained."""
+        """Wait until a full batch more may wait for its commit (within UNCOMMITTED_MAX
+        answers) and the socket drained."""
         self._raise_failure()
-        while len(self._waiting) >= ANSWERS_IN_FLIGHT:
+        while self._answers_waiting > UNCOMMITTED_MAX - ANSWER_BATCH:
             await self._wait_moved()
         await self._writer.drain()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rqp import cli
 from rqp.protocol.constants import DEFAULT_WINDOW
-from rqp_agents.receiver import ANSWER_BATCH, ANSWERS_IN_FLIGHT
+from rqp_agents.receiver import UNCOMMITTED_MAX
 from tests.agents import dead_letters, make_queue, start_receiver, start_sender, write_rqprc
 from tests.testbed import wait_for
 
@@ -117,11 +117,11 @@ def _count(report: Report, received: list[str]) -> None:
 def duplicate_bound(scenario: str, faults: int, window: int = DEFAULT_WINDOW) -> int:
     """The documented duplicate window: a receiving MCA killed between putting messages and
     committing their keys puts them again when they are re-sent: per kill, at most what one
-    connection has unanswered (the sender's window, and the receiver's answer batches that may
-    wait for a commit). Nowhere else."""
+    connection has unanswered (the sender's window, and the answers the receiver lets wait for
+    a commit). Nowhere else."""
     if scenario != "kill-receiver":
         return 0
-    return min(window, ANSWER_BATCH * ANSWERS_IN_FLIGHT) * faults
+    return min(window, UNCOMMITTED_MAX) * faults
 
 
 def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_000,

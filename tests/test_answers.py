@@ -16,7 +16,7 @@ import json
 import pytest
 
 from rqp.storage.dedup import DedupError
-from rqp_agents.receiver import ANSWER_BATCH, _Answers
+from rqp_agents.receiver import ANSWER_BATCH, UNCOMMITTED_MAX, _Answers
 from tests.rqp_peer import DELIVERED_YES, QUEUE_YES, SURE, pack_ask, pack_message
 
 YES = DELIVERED_YES
@@ -112,6 +112,38 @@ def test_sure_batches_are_written_in_order_whatever_order_their_commits_end_in()
     _run(body)
 
 
+@pytest.mark.parametrize("size", [ANSWER_BATCH, 16, 1])
+def test_reading_stops_at_uncommitted_max_answers_however_the_batches_are_cut(size) -> None:
+    """What a receiving MCA killed before its commit puts twice is bounded in frames, however
+    the reads cut the batches (a read of 64 KiB holds 16 frames of 4 KiB)."""
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        commits = [loop.create_future() for _ in range(UNCOMMITTED_MAX // size + 1)]
+        writer = Writer()
+        answers = _Answers(writer, Commits(*commits))
+        sent = 0
+        while True:  # the connection loop: room for a full batch, then a batch
+            room = asyncio.ensure_future(answers.room())
+            await _turn()
+            if not room.done():
+                break
+            answers.send([YES] * size, sure=True)
+            sent += size
+        # it stops once another full batch might not fit: never beyond the bound
+        assert UNCOMMITTED_MAX - ANSWER_BATCH < sent <= UNCOMMITTED_MAX
+        commits[0].set_result(None)  # the oldest batch's commit ends: it is written ...
+        await _turn()
+        assert room.done()  # ... and a full batch fits again
+        for commit in commits:
+            if not commit.done():
+                commit.set_result(None)
+        await room
+        await answers.flush()
+        assert writer.written() == YES * sent
+
+    _run(body)
+
+
 def test_a_failed_commit_closes_the_connection_and_nothing_is_written_after_it() -> None:
     async def body() -> None:
         loop = asyncio.get_running_loop()
@@ -162,10 +194,11 @@ def test_a_send_that_raises_the_failure_is_not_sent_again() -> None:
 
 #: Runs in a testbed host: a real Receiver, a real System V queue, real TCP on loopback with
 #: small socket buffers; the window's first append fails with ENOSPC. The peer sends FILLER
-#: asks and reads none of their answers, so that the receiver still has some of them to write
-#: when it closes the connection (as when a peer is slow to read); once they are handled,
-#: ANSWER_BATCH SURE messages, an ask of MARKER whose handling waits until their commit has
-#: failed and 2 * ANSWER_BATCH asks more, in one write. Once the receiver is done with the
+#: asks and reads none of their answers (its transport paused: they back up in the receiver's
+#: transport once the two small socket buffers are full), so that the receiver still has some
+#: of them to write when it closes the connection (as when a peer is slow to read); once they
+#: are handled, ANSWER_BATCH SURE messages, an ask of MARKER whose handling waits until their
+#: commit has failed and 2 * ANSWER_BATCH asks more, in one write. Once the receiver is done with the
 #: connection, it reads everything there is.
 CONVERSE = r"""
 import asyncio, errno, json, socket, sys, sysv_ipc
@@ -231,10 +264,12 @@ async def main():
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(server.sockets[0].getsockname())
     reader, writer = await asyncio.open_connection(sock=sock)
+    writer.transport.pause_reading()  # (reads nothing: the receiver's answers back up)
     writer.write(head)
     await asyncio.wait_for(filled.wait(), 30)
     writer.write(tail)
     await asyncio.wait_for(done.wait(), 30)
+    writer.transport.resume_reading()
     got = await asyncio.wait_for(reader.read(), 30)  # until the receiver closes
     writer.close()
     server.close()
