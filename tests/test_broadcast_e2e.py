@@ -8,6 +8,7 @@ import json
 import signal
 
 from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol.sender import budget_size
 from tests.agents import (
     dead_letters, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
 )
@@ -97,14 +98,15 @@ def test_sure_copies_for_a_host_that_is_down_do_not_stop_the_other_queues(testbe
     make_queue(b, 0x52510001)
     start_receiver(b)  # (d has none: down)
     rqprc = write_rqprc(a, [b, d], window=8, retry_backoff_initial="30s",
-                        retry_backoff_max="30s",  # (budget 64 messages)
+                        retry_backoff_max="30s",
                         queues={"PROD_ALL_BA": BQ, "PROD_THE_BA": 0x52510001})
     start_sender(a, rqprc)
-    many = [f"all-{i}" for i in range(80)]
+    count = budget_size(8, 2) + 16  # (more than the budget holds)
+    many = [f"all-{i}" for i in range(count)]
     send(a, rqprc, BQ, many, SURE_MSG)
     send(a, rqprc, 0x52510001, ["after them"], SURE_MSG)
     assert receive(b, 0x52510001, 1, timeout=30) == ["after them"]
-    assert receive(b, BQ, 80) == many
-    st = wait_for(lambda: (st := sender_status(a, rqprc))["waiting_for_route"] == 80 and st,
-                  timeout=30, message="the 80 broadcast messages did not all wait for d")
-    assert copies(st)[d.address]["waiting"] == 80 and st["journal_depth"] == 80
+    assert receive(b, BQ, count) == many
+    st = wait_for(lambda: (st := sender_status(a, rqprc))["waiting_for_route"] == count and st,
+                  timeout=30, message="the broadcast messages did not all wait for d")
+    assert copies(st)[d.address]["waiting"] == count and st["journal_depth"] == count

@@ -199,7 +199,7 @@ def test_receiver_config_file_must_exist(tmp_path: Path) -> None:
 def test_sender_defaults(tmp_path: Path) -> None:
     cfg = load_sender(tmp_path, "hosts: [rqp1]\n")
     assert cfg.hosts == (HostAddress("rqp1", 7460),)
-    assert (cfg.port, cfg.error_limit, cfg.window) == (7460, 3, 128)
+    assert (cfg.port, cfg.error_limit, cfg.window) == (7460, 3, 256)
     assert cfg.transmission_queue == DEFAULT_TRANSMISSION_QUEUE
     assert cfg.dead_letter_queue == DEFAULT_DEAD_LETTER_QUEUE
     assert (cfg.ask_timeout, cfg.confirm_timeout, cfg.connect_timeout) == (2.0, 15.0, 2.0)

@@ -3,13 +3,14 @@ rest wait in the kernel queue. A SIGHUP that changes the window or the hosts res
 
 from __future__ import annotations
 
-from rqp.protocol.sender import MIN_HELD, budget_size
+from rqp.protocol.sender import HELD_AHEAD, budget_size
 from rqp_agents.intake import Budget
 
 
 def test_budget_size_follows_window_and_hosts():
-    assert budget_size(64, 1) == 128 and budget_size(64, 3) == 384  # 2 per window frame
-    assert budget_size(1, 1) == MIN_HELD
+    assert HELD_AHEAD == 64  # what the figures below assume
+    assert budget_size(256, 1) == 320 and budget_size(256, 3) == 960  # the window and 64, a host
+    assert budget_size(1, 1) == 65
 
 
 def test_resize_keeps_what_is_held():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX
+from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX, budget_size
 from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
@@ -188,7 +188,8 @@ def test_sure_messages_no_host_takes_do_not_stop_the_other_queues(testbed):
     start_receiver(b, config=receiver_config(b))
     make_queue(b, Q1)
     rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="30s",
-                        retry_backoff_max="30s")  # (budget 64 messages)
+                        retry_backoff_max="30s")
+    assert 100 > budget_size(8, 1)  # (more than the budget holds)
     start_sender(a, rqprc)
     a.python(SEND_EACH, str(rqprc), str(0x52700000), "100", "SURE", timeout=60)
     send(a, rqprc, Q1, [f"m{i}" for i in range(10)])
@@ -211,18 +212,18 @@ def test_a_stopped_route_does_not_stop_the_other_queues(testbed):
     start_receiver(b, config=receiver_config(b))
     make_queue(b, Q1)
     make_queue(b, Q2)
-    rqprc = write_rqprc(a, [b], window=8, queues={"PROD_THE_SCHED_COMMON": Q1})  # (budget 64)
+    rqprc = write_rqprc(a, [b], window=8, queues={"PROD_THE_SCHED_COMMON": Q1})
     start_sender(a, rqprc)
     send(a, rqprc, Q1, ["first"])
     assert receive(b, Q1, 1) == ["first"]
     assert rqpctl(a, "route", "stop", hex(Q1), "--rqprc", str(rqprc)).returncode == 0
-    held = [f"held-{i}" for i in range(80)]
+    held = [f"held-{i}" for i in range(budget_size(8, 1) + 8)]  # (more than the budget holds)
     send(a, rqprc, Q1, held)
     a.python(SEND_EACH, str(rqprc), str(Q1), "1", "UNSURE", timeout=60)  # (an UNSURE one too)
     send(a, rqprc, Q2, ["meanwhile"])
     assert receive(b, Q2, 1, timeout=30) == ["meanwhile"]
     assert rqpctl(a, "route", "start", hex(Q1), "--rqprc", str(rqprc)).returncode == 0
-    assert receive(b, Q1, 81, timeout=30) == held + ["one"]
+    assert receive(b, Q1, len(held) + 1, timeout=30) == held + ["one"]
 
 
 def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testbed):
@@ -233,10 +234,10 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
     a.sysctl("kernel.msgmnb", 1 << 22)
     start_receiver(b, config=receiver_config(b))
     rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="60s",
-                        retry_backoff_max="60s")  # (budget 64 messages)
+                        retry_backoff_max="60s")
     sender = start_sender(a, rqprc, log_level="INFO")
     started = time.monotonic()
-    total = WAITING_FOR_ROUTE_MAX + 64 + 50
+    total = WAITING_FOR_ROUTE_MAX + budget_size(8, 1) + 50
     a.python(SEND_EACH, str(rqprc), str(0x52700000), str(total), "SURE", timeout=120)
 
     def status():
@@ -246,7 +247,7 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
                   timeout=120, message="the sending MCA did not take what its bounds allow")
     assert st["transmission_queue_depth"] == 50 and st["journal_depth"] == total - 50
     assert log_lines(a, sender, "or in stopped routes: no more are held beside them")
-    # each of the 4,160 was asked for and found no route: those lines are rate-limited
+    # each of those held was asked for and found no route: those lines are rate-limited
     windows = (time.monotonic() - started) // NOTE_INTERVAL + 1  # (begun since the start)
     assert 0 < len(log_lines(a, sender, "no route for the queue")) <= windows * NOTE_BURST
 
