@@ -14,7 +14,7 @@ from rqp.config import ReceiverConfig
 from rqp.protocol.constants import DEFAULT_MTYPE
 from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
 from rqp.protocol.reasons import ReasonCode
-from rqp.system.queues import LocalQueue, format_key, may_write_every_queue, write_access
+from rqp.system.queues import LocalQueue, format_key, may_write, may_write_every_queue
 from rqp.system.service import is_agent_queue
 
 __all__ = ["LocalDelivery"]
@@ -75,7 +75,7 @@ class LocalDelivery:
         if not self._allowed(queue_key):
             return False
         try:
-            return write_access(queue_key).writable
+            return may_write(queue_key)
         except QueueError as exc:
             log.warning("queue %s: cannot tell whether it is writable: %s",
                         format_key(queue_key), exc)

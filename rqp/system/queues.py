@@ -718,7 +718,20 @@ def write_access(key: int, *, euid: int | None = None, egid: int | None = None,
 
 def may_write(key: int, *, euid: int | None = None, egid: int | None = None,
               groups: list[int] | tuple[int, ...] | None = None) -> bool:
-    """True if the queue exists and the identity (default: this process) may write to it."""
+    """True if the queue exists and the identity (default: this process) may write to it.
+
+    For this process it is :func:`write_access`'s answer without its reason: the one
+    ``msgget(key, S_IWUSR)`` that decides it there (0.4 us against 25 for the whole of
+    write_access, which also reads the queue's permissions and this process's capabilities to
+    say why). A receiving MCA asks it for every QUEUE_ASK and every queue it lists."""
+    if euid is None and egid is None and groups is None:
+        try:
+            sysv_ipc.MessageQueue(check_key(key), 0, mode=_S_IWUSR)
+            return True
+        except (sysv_ipc.PermissionsError, sysv_ipc.ExistentialError):
+            return False
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, key, "checking write access") from None
     return write_access(key, euid=euid, egid=egid, groups=groups).writable
 
 
