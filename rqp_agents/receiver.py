@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import logging
 import queue
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,12 @@ ANSWER_BATCH = 64
 #: answer for). Counted in frames, not batches: a batch also ends with each read, which holds
 #: 16 frames of 4 KiB (a bound of 2 batches let only 32 of those wait).
 UNCOMMITTED_MAX = 2 * ANSWER_BATCH
+#: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
+#: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
+#: leaves in this host's memory (the kernel's autotuning let it grow to 4 MiB: a trial had 2
+#: million messages put for a client that read no answer). Such a peer is closed after
+#: idle_timeout without reading any.
+ANSWER_SEND_BUFFER = 64 * 1024
 #: Lines about connections opening, closing and failing: at most this many of each kind per
 #: interval (a peer reconnecting in a loop must not fill the journal).
 CONNECTION_LOG_INTERVAL = 10.0
@@ -211,22 +218,29 @@ def _log_compaction(done: asyncio.Future) -> None:
         log.warning("%s", done.exception())
 
 
+class PeerNotReading(RQPError):
+    """The peer has read none of its answers for idle_timeout: the connection is closed."""
+
+
 class _Answers:
     """One connection's answers, sent in order, each batch once its SURE keys are durable.
 
     ``send`` writes a batch at once when nothing it needs is still being committed, else
     queues it; a commit's done-callback writes the batches at the head of the queue whose
     commits are done, in order (no task per batch). ``room`` waits until another full batch
-    may wait within UNCOMMITTED_MAX answers, and for the socket's buffer (``drain``);
-    ``flush`` waits for all of them.
+    may wait within UNCOMMITTED_MAX answers, and for the socket's buffer (``drain``, at most
+    ``patience`` seconds: then PeerNotReading); ``flush`` waits for all of them.
     A failed commit fails the batch that needed it and every one after it, for good: the
     connection is closed with them unanswered (the sender keeps those messages), the failure
     is raised once (by the next call) and nothing is written after it, not even a batch whose
     own commit would succeed: its answers would reach the peer as answers to other frames."""
 
-    def __init__(self, writer: asyncio.StreamWriter, commits: GroupCommit) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, commits: GroupCommit,
+                 patience: float | None = None) -> None:
         self._writer = writer
         self._commits = commits
+        self._patience = patience  # seconds the peer may leave the socket's buffer full
+        self._stuck = False  # it did: nothing more is waited for
         #: (the commit it waits for or None, the answers, how many), in order
         self._waiting: collections.deque[tuple[asyncio.Future | None, bytes, int]] = \
             collections.deque()
@@ -296,14 +310,27 @@ class _Answers:
         self._raise_failure()
         while self._answers_waiting > UNCOMMITTED_MAX - ANSWER_BATCH:
             await self._wait_moved()
-        await self._writer.drain()
+        await self._drain()
 
     async def flush(self) -> None:
-        """Wait until every batch is written (or raise the failure that stops them)."""
+        """Wait until every batch is written (or raise the failure that stops them); at once
+        if the peer was found not reading."""
+        if self._stuck:
+            return
         self._raise_failure()
         while self._waiting:
             await self._wait_moved()
-        await self._writer.drain()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        """The socket's buffer drained, within ``patience``."""
+        try:
+            async with asyncio.timeout(self._patience):
+                await self._writer.drain()
+        except TimeoutError:
+            self._stuck = True
+            raise PeerNotReading(f"it left its answers unread for {self._patience:g}s "
+                                 "(idle_timeout)") from None
 
 
 class Receiver(Daemon):
@@ -459,6 +486,12 @@ class Receiver(Daemon):
             writer.close()
             return
         self._connections.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ANSWER_SEND_BUFFER)
+            except OSError:
+                pass  # (the kernel's default, then)
         try:
             self._idle.add(task)  # (a handshake has nothing in flight)
             who = await self.gate.identify(writer, peer_host, _peer(address))
@@ -492,7 +525,7 @@ class Receiver(Daemon):
                                     "address": peer, "identity": who.identity or ""})
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
-        answers = _Answers(writer, self.commits)
+        answers = _Answers(writer, self.commits, self.config.idle_timeout)
         framed = False  # a complete frame has come
         try:
             while True:
@@ -546,6 +579,12 @@ class Receiver(Daemon):
             self.fatal(f"the connection from {peer}", exc)
         except DedupError as exc:
             self._unrecorded(peer, exc, who.label)
+        except PeerNotReading as exc:
+            writer.transport.abort()  # (a close would wait for the peer to read them)
+            self.stats["timed_out_connections"] += 1
+            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
+                                extra=dict(event="connection_timed_out", peer=who.label,
+                                           address=peer))
         except RQPError as exc:
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
                                 extra=dict(event="connection_refused", peer=who.label,

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from rqp.storage.dedup import DedupError
-from rqp_agents.receiver import ANSWER_BATCH, UNCOMMITTED_MAX, _Answers
+from rqp_agents.receiver import ANSWER_BATCH, UNCOMMITTED_MAX, PeerNotReading, _Answers
 from tests.rqp_peer import DELIVERED_YES, QUEUE_YES, SURE, pack_ask, pack_message
 
 YES = DELIVERED_YES
@@ -140,6 +140,25 @@ def test_reading_stops_at_uncommitted_max_answers_however_the_batches_are_cut(si
         await room
         await answers.flush()
         assert writer.written() == YES * sent
+
+    _run(body)
+
+
+class FullWriter(Writer):
+    """A peer that reads nothing: the socket's buffer never drains."""
+
+    async def drain(self) -> None:
+        await asyncio.get_running_loop().create_future()
+
+
+def test_a_peer_that_leaves_its_answers_unread_is_given_up_after_its_patience() -> None:
+    async def body() -> None:
+        writer = FullWriter()
+        answers = _Answers(writer, Commits(None), patience=0.05)
+        answers.send([YES], sure=True)
+        with pytest.raises(PeerNotReading, match=r"left its answers unread for 0.05s"):
+            await answers.room()
+        await asyncio.wait_for(answers.flush(), 1)  # (at once: nothing more is waited for)
 
     _run(body)
 

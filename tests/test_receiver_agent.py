@@ -1056,6 +1056,51 @@ def test_connection_limits_and_timeouts(testbed):
     assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
 
 
+#: Runs on host b: SURE messages to the receiver on ARGV[1] for queue ARGV[2], in writes of
+#: 1,000, reading none of the answers (a small receive buffer), until the receiver closes the
+#: connection or ARGV[3] messages are sent; prints how many were written and how it ended.
+NOT_READING = r"""
+import socket, sys
+from tests.rqp_peer import SURE, pack_message
+host, queue_key, most = sys.argv[1], int(sys.argv[2], 0), int(sys.argv[3])
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+sock.connect((host, 7460))
+sock.settimeout(60)
+sent, ended = 0, "all sent"
+try:
+    while sent < most:
+        sock.sendall(b"".join(pack_message(SURE, sent + i + 1, queue_key, b"x")
+                              for i in range(1000)))
+        sent += 1000
+except (ConnectionResetError, BrokenPipeError) as exc:
+    ended = type(exc).__name__
+except TimeoutError:
+    ended = "blocked for 60 s"
+print(sent, ended)
+"""
+
+
+def test_a_peer_that_reads_no_answers_is_bounded_then_closed(testbed):
+    """A trial: a client that never read its answers had 2 million messages put, the kernel
+    keeping up to 4 MiB of answers for it, and the connection open for good. Now the answers
+    it leaves unread fit in a small socket buffer (then its frames are not read), and after
+    idle_timeout it is closed; the others are served meanwhile."""
+    r = rig(testbed, {**BASE_CONFIG, "idle_timeout": "1s"}, queues={Q1: 0o660, Q2: 0o660},
+            sysctls={"kernel.msgmnb": 1 << 22})
+    most = 1_000_000  # (the kernel would have held answers for twice as many)
+    out = r.b.python(NOT_READING, r.a.address, hex(Q1), str(most), timeout=240).split()
+    sent, ended = int(out[0]), " ".join(out[1:])
+    assert ended in ("ConnectionResetError", "BrokenPipeError"), (sent, ended)
+    wait_for(lambda: "left its answers unread for 1s (idle_timeout)" in r.log(), timeout=10,
+             message="the closing is not logged")
+    put = r.qa.depth(Q1)
+    assert 0 < put <= sent < most
+    assert put < 200_000, f"{put} messages put for a peer that read no answer"
+    connect(r.pb, "after", r)  # the others are served
+    assert answers(r.pb.exchange("after", [ask(Q2)])) == ["QUEUE_YES"]
+
+
 def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(testbed):
     """Issue 12, safe defaults: with no config the receiver was reachable from everywhere."""
     a, b = testbed.add_host("a"), testbed.add_host("b")
