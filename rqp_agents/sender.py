@@ -130,10 +130,11 @@ class Sender(Daemon):
         await self.start_service(self.control_path, self.config.metrics_listen)
         self._replay()
         self.intake.start(self.loop, self._on_records, self._stopping.set, self.fatal)
-        log.info("serving transmission queue %s (DEAD.LETTER.Q %s); hosts %s; keys from "
-                 "incarnation %08x", format_key(self.config.transmission_queue),
+        log.info("serving transmission queue %s (DEAD.LETTER.Q %s); hosts %s; window %d; "
+                 "keys from incarnation %08x", format_key(self.config.transmission_queue),
                  format_key(self.config.dead_letter_queue),
-                 ", ".join(map(str, self.config.hosts)), self.keys.incarnation)
+                 ", ".join(map(str, self.config.hosts)), self.config.window,
+                 self.keys.incarnation)
         plain = [str(h) for h in self.config.hosts
                  if self.config.tls_for(h) is None and not is_loopback(h.host)]
         if plain:
