@@ -246,6 +246,8 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
     st = wait_for(lambda: (st := status())["waiting_for_route"] == total - 50 and st,
                   timeout=120, message="the sending MCA did not take what its bounds allow")
     assert st["transmission_queue_depth"] == 50 and st["journal_depth"] == total - 50
+    assert (st["window"], st["held_most"]) == (8, budget_size(8, 1))
+    assert log_lines(a, sender, "; window 8; keys from incarnation")  # (its start-up line)
     assert log_lines(a, sender, "or in stopped routes: no more are held beside them")
     # each of those held was asked for and found no route: those lines are rate-limited
     windows = (time.monotonic() - started) // NOTE_INTERVAL + 1  # (begun since the start)
