@@ -219,7 +219,8 @@ def _log_compaction(done: asyncio.Future) -> None:
 
 
 class PeerNotReading(RQPError):
-    """The peer has read none of its answers for idle_timeout: the connection is closed."""
+    """The peer left its answers unread (the socket's buffer full) for idle_timeout: the
+    connection is given up."""
 
 
 class _Answers:
@@ -580,11 +581,7 @@ class Receiver(Daemon):
         except DedupError as exc:
             self._unrecorded(peer, exc, who.label)
         except PeerNotReading as exc:
-            writer.transport.abort()  # (a close would wait for the peer to read them)
-            self.stats["timed_out_connections"] += 1
-            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
-                                extra=dict(event="connection_timed_out", peer=who.label,
-                                           address=peer))
+            self._not_reading(writer, peer, who, exc)
         except RQPError as exc:
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
                                 extra=dict(event="connection_refused", peer=who.label,
@@ -600,11 +597,21 @@ class Receiver(Daemon):
                 await answers.flush()
             except DedupError as exc:
                 self._unrecorded(peer, exc, who.label)
+            except PeerNotReading as exc:  # (first found here: after a bad frame, a stop)
+                self._not_reading(writer, peer, who, exc)
             except RQPError as exc:
                 self._errors.report("closing connection from %s without answering what it "
                                     "sent last: %s", logging.WARNING, peer, exc)
             except (ConnectionError, OSError):
                 pass
+
+    def _not_reading(self, writer: asyncio.StreamWriter, peer: str, who: Peer,
+                     exc: PeerNotReading) -> None:
+        writer.transport.abort()  # (a close would wait for the peer to read its answers)
+        self.stats["timed_out_connections"] += 1
+        self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
+                            extra=dict(event="connection_timed_out", peer=who.label,
+                                       address=peer))
 
     def _unrecorded(self, peer: str, exc: DedupError, label: str) -> None:
         self._errors.report("closing connection from %s without answering its last SURE "
