@@ -475,6 +475,8 @@ def _int_parser(low: int, high: int | None, what: str) -> Callable[[object], int
     expected = f"expected {what}: an integer {span}"
 
     def parse(value: object) -> int:
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            raise BadValueError(value, f"{expected} (a string here: write it without quotes)")
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadValueError(value, expected)
         if value < low or (high is not None and value > high):
