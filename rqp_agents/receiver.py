@@ -49,12 +49,16 @@ READ_SIZE = 1 << 16
 #: each batch once the de-duplication window holds its SURE keys durably (one fsync per
 #: commit, in a writer thread).
 ANSWER_BATCH = 64
+#: Every answer frame is 2 octets (spec: one per MESSAGE or QUEUE_ASK frame): answers are
+#: counted by their octets, so that an atomic batch counts one per message.
+ANSWER_OCTETS = 2
 #: Answers of one connection waiting for their commit, at most (a connection reads no more
 #: while another full batch would go beyond it). A receiving MCA killed between putting
 #: messages and committing their keys puts them again when they are re-sent: at most this many
 #: frames per connection, and never more than the sender's window (frames it sent and has no
 #: answer for). Counted in frames, not batches: a batch also ends with each read, which holds
-#: 16 frames of 4 KiB (a bound of 2 batches let only 32 of those wait).
+#: 16 frames of 4 KiB (a bound of 2 batches let only 32 of those wait). An atomic batch's
+#: answers come together: one of up to MAX_BATCH messages can go beyond this.
 UNCOMMITTED_MAX = 2 * ANSWER_BATCH
 #: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
 #: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
@@ -262,8 +266,9 @@ class _Answers:
         if durable is None and not self._waiting:
             self._writer.write(data)
             return
-        self._waiting.append((durable, data, len(batch)))
-        self._answers_waiting += len(batch)
+        count = len(data) // ANSWER_OCTETS
+        self._waiting.append((durable, data, count))
+        self._answers_waiting += count
         if durable is not None:
             durable.add_done_callback(self._release)
 
@@ -548,16 +553,18 @@ class Receiver(Daemon):
                 finally:
                     self._idle.discard(task)
                 conn.receive_data(data)
-                batch, sure = [], False
+                batch, sure, octets = [], False, 0
                 try:
                     while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
                         framed = True
                         info["frames"] += 1
                         sure = sure or _answers_sure(request)
-                        batch.append(self._handle_at_once(conn, request, who, info)
-                                     or await self._handle(conn, request, who, info))
-                        if len(batch) >= ANSWER_BATCH:
-                            full, batch = batch, []  # (first: sent once, even if it raises)
+                        answer = self._handle_at_once(conn, request, who, info) \
+                            or await self._handle(conn, request, who, info)
+                        batch.append(answer)
+                        octets += len(answer)  # (an atomic batch: one answer per message)
+                        if octets >= ANSWER_BATCH * ANSWER_OCTETS:
+                            full, batch, octets = batch, [], 0  # (first: sent once)
                             answers.send(full, sure)
                             sure = False
                             await answers.room()

@@ -144,6 +144,25 @@ def test_reading_stops_at_uncommitted_max_answers_however_the_batches_are_cut(si
     _run(body)
 
 
+def test_an_atomic_batchs_answers_count_one_per_message() -> None:
+    """A batch of 256 messages is one request with 256 answers: they all count against
+    UNCOMMITTED_MAX (it may go beyond it, being put whole), and reading waits for its commit."""
+    async def body() -> None:
+        commit = asyncio.get_running_loop().create_future()
+        writer = Writer()
+        answers = _Answers(writer, Commits(commit))
+        answers.send([YES * 256], sure=True)
+        room = asyncio.ensure_future(answers.room())
+        await _turn()
+        assert not room.done()
+        commit.set_result(None)
+        await room
+        await answers.flush()
+        assert writer.written() == YES * 256
+
+    _run(body)
+
+
 class FullWriter(Writer):
     """A peer that reads nothing: the socket's buffer never drains."""
 
