@@ -25,7 +25,7 @@ from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_
 from rqp.protocol.access import Allowance, Peer
 from rqp.protocol.errors import LocalProtocolError
 from rqp.protocol.events import MessageEx, OversizedMessage
-from rqp.protocol.frames import CLOSED, NEED_DATA
+from rqp.protocol.frames import ANSWER_SIZE, CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.constants import KNOWN_EXTENSIONS
 from rqp.protocol.receiver import Ask, Batch, Put, ReceiverConnection, Refuse
@@ -49,9 +49,6 @@ READ_SIZE = 1 << 16
 #: each batch once the de-duplication window holds its SURE keys durably (one fsync per
 #: commit, in a writer thread).
 ANSWER_BATCH = 64
-#: Every answer frame is 2 octets (spec: one per MESSAGE or QUEUE_ASK frame): answers are
-#: counted by their octets, so that an atomic batch counts one per message.
-ANSWER_OCTETS = 2
 #: Answers of one connection waiting for their commit, at most (a connection reads no more
 #: while another full batch would go beyond it). A receiving MCA killed between putting
 #: messages and committing their keys puts them again when they are re-sent: at most this many
@@ -266,7 +263,7 @@ class _Answers:
         if durable is None and not self._waiting:
             self._writer.write(data)
             return
-        count = len(data) // ANSWER_OCTETS
+        count = len(data) // ANSWER_SIZE  # (an atomic batch: one answer per message)
         self._waiting.append((durable, data, count))
         self._answers_waiting += count
         if durable is not None:
@@ -563,7 +560,7 @@ class Receiver(Daemon):
                             or await self._handle(conn, request, who, info)
                         batch.append(answer)
                         octets += len(answer)  # (an atomic batch: one answer per message)
-                        if octets >= ANSWER_BATCH * ANSWER_OCTETS:
+                        if octets >= ANSWER_BATCH * ANSWER_SIZE:
                             full, batch, octets = batch, [], 0  # (first: sent once)
                             answers.send(full, sure)
                             sure = False

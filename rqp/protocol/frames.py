@@ -36,7 +36,8 @@ from rqp.protocol.events import (
 __all__ = [
     "MESSAGE", "DELIVERED_YES", "DELIVERED_ERROR", "QUEUE_ASK", "QUEUE_YES", "QUEUE_NO", "FRAME",
     "MESSAGE_EX", "MESSAGE_EX_HEADER", "MESSAGE_EX_HEADER_SIZE",
-    "MESSAGE_HEADER", "MESSAGE_HEADER_SIZE", "encode", "encode_message", "encode_message_ex",
+    "MESSAGE_HEADER", "MESSAGE_HEADER_SIZE", "ANSWER_SIZE", "encode", "encode_message",
+    "encode_message_ex",
     "decode", "FrameDecoder",
     "NEED_DATA", "CLOSED",
 ]
@@ -72,6 +73,8 @@ DELIVERED_YES = _reply(c.DELIVERED_YES)
 DELIVERED_ERROR = _reply(c.DELIVERED_ERROR)
 QUEUE_YES = _reply(c.QUEUE_YES)
 QUEUE_NO = _reply(c.QUEUE_NO)
+#: Every answer (DELIVERED_YES/ERROR, QUEUE_YES/NO) is this many octets.
+ANSWER_SIZE: Final = DELIVERED_YES.sizeof()
 QUEUE_ASK = Struct(
     "message_code" / Const(c.QUEUE_ASK, Int8ub),
     "data" / Default(Int8ub, 0),
@@ -116,7 +119,8 @@ _REPLY_EVENTS = {code: tuple(cls(data=data) for data in range(256))
                  for code, cls in _EVENT_FOR_CODE.items()}
 # Fixed size of each frame up to and including its last fixed field.
 _FIXED_SIZE = {c.MESSAGE: MESSAGE_HEADER_SIZE, c.QUEUE_ASK: QUEUE_ASK.sizeof(),
-               c.MESSAGE_EX: MESSAGE_EX_HEADER_SIZE, **{code: 2 for code in _EVENT_FOR_CODE}}
+               c.MESSAGE_EX: MESSAGE_EX_HEADER_SIZE,
+               **{code: ANSWER_SIZE for code in _EVENT_FOR_CODE}}
 _CARRIES_MESSAGE = (c.MESSAGE, c.MESSAGE_EX)
 
 
