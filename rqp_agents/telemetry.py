@@ -202,7 +202,8 @@ def receiver_status(agent) -> dict:
         "max_message_size": agent.max_message_size,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
-        "dedup_window_keys": len(agent.dedup),
+        "dedup_window_keys": len(agent.dedup),  # (kept: the same as dedup_window["keys"])
+        "dedup_window": agent.dedup.state(),
         "connections": sorted(agent._peers.values(), key=lambda p: p["since"]),
         "queues": offered_queues(agent),
         "tls": agent.config.tls is not None,
@@ -245,6 +246,11 @@ def receiver_metrics(agent) -> str:
          "accepts refused by the system for want of file descriptors"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
+        ("rqp_receiver_dedup_keys", "gauge",
+         "SURE message keys held in the de-duplication window"),
+        ("rqp_receiver_dedup_max_keys", "gauge", "dedup_window_keys: the most it holds"),
+        ("rqp_receiver_dedup_oldest_seconds", "gauge",
+         "age of the oldest key held (when full, how long a key stays in the window)"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
         ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
         ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
@@ -276,6 +282,11 @@ def receiver_metrics(agent) -> str:
     depth = _depth(agent.dead_letters.queue)
     if depth is not None:
         m["rqp_dead_letter_queue_depth"].add(depth)
+    window = agent.dedup.state()
+    m["rqp_receiver_dedup_keys"].add(window["keys"])
+    m["rqp_receiver_dedup_max_keys"].add(window["max_keys"])
+    if window["oldest_age"] is not None:
+        m["rqp_receiver_dedup_oldest_seconds"].add(round(window["oldest_age"], 3))
     for q in offered_queues(agent, among=figures.by_queue):
         m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
         m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import stat
 import subprocess
@@ -292,6 +293,24 @@ def test_window_by_age(path, clock):
     w = DedupWindow(path, clock=clock, max_age=60.0)
     assert len(w) == 0 and w.oldest_age() is None
     w.close()
+
+
+def test_state_says_when_keys_leave_by_count_before_their_age(clock):
+    w = DedupWindow(None, clock=clock, max_keys=2, max_age=60.0)
+    assert w.state() == {"keys": 0, "max_keys": 2, "max_age": 60.0, "oldest_age": None,
+                         "full": False}
+    w.record(1)
+    clock.advance(5)
+    w.record(2)  # full: the next key pushes out the oldest, 5 s old
+    assert w.state() == {"keys": 2, "max_keys": 2, "max_age": 60.0, "oldest_age": 5.0,
+                         "full": True}
+    clock.advance(2)
+    w.record(3)
+    assert not w.seen(1) and w.state()["oldest_age"] == 2.0
+    endless = DedupWindow(None, clock=clock, max_age=math.inf)
+    assert endless.state()["max_age"] is None  # (JSON has no infinity)
+    off = DedupWindow(None, clock=clock, max_keys=0)
+    assert off.state()["full"] is False and off.state()["keys"] == 0
 
 
 def test_expire_by_age_is_persisted_even_without_expire(path, clock):

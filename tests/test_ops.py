@@ -73,6 +73,40 @@ def test_status_of_healthy_agents(site):
     assert out.returncode == 0 and st["stats"]["messages"] == 2
     assert [c["peer"].split(":")[0] for c in st["connections"]] == [a.address]
     assert {q["queue"]: q["offered"] for q in st["queues"]} == {"0x52510001": True}
+    window = st["dedup_window"]  # the two SURE messages' keys, in a window far from full
+    assert (window["keys"], window["max_keys"], window["max_age"], window["full"]) == \
+        (2, 1_000_000, 86400.0, False) and 0 <= window["oldest_age"] < 600
+    text = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
+                  str(b.workdir / "receiver.yaml")).stdout
+    assert "de-duplication window: 2 of 1,000,000 keys, the oldest " in text, text
+    assert "(kept 1d00h)" in text and "FULL" not in text, text
+
+
+def test_a_full_dedup_window_shows_how_long_it_keeps_a_key(testbed):
+    """A window too small for its traffic keeps keys by count, not for dedup_window_age: status
+    says for how long (a repeat arriving later is put twice), and metrics give what the
+    RQPDedupWindowShort alert needs."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b, config=receiver_config(b, "dedup_window_keys: 3\n"))
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], queues={"PROD_THE_SCHED_COMMON": Q1})
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["1", "2", "3", "4", "5"])
+    assert receive(b, Q1, 5) == ["1", "2", "3", "4", "5"]
+    config = str(b.workdir / "receiver.yaml")
+    out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", config, "--json")
+    window = next(iter(json.loads(out.stdout).values()))["dedup_window"]
+    assert (window["keys"], window["max_keys"], window["full"]) == (3, 3, True), window
+    text = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", config).stdout
+    assert re.search(r"de-duplication window: 3 of 3 keys, the oldest \d+s old \(kept "
+                     r"1d00h\); FULL: a key stays only \d+s, a SURE message sent again later "
+                     r"than that is put twice \(raise dedup_window_keys\)", text), text
+    metrics = rqpctl(b, "metrics", "--agent", "receiver", "--socket",
+                     str(b.workdir / "receiver.sock")).stdout
+    assert re.search(r"^rqp_receiver_dedup_keys(\{[^}]*\})? 3(\.0)?$", metrics, re.M), metrics
+    assert re.search(r"^rqp_receiver_dedup_max_keys(\{[^}]*\})? 3(\.0)?$", metrics, re.M), metrics
+    assert re.search(r"^rqp_receiver_dedup_oldest_seconds(\{[^}]*\})? [0-9.]+$", metrics,
+                     re.M), metrics
 
 
 def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):

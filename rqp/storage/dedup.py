@@ -494,6 +494,18 @@ class DedupWindow:
         """Keys held in memory (exact after ``expire()``)."""
         return len(self._keys)
 
+    def state(self) -> dict:
+        """The window as status and metrics show it: ``keys`` held (exact after
+        :meth:`expire`), the limits ``max_keys`` and ``max_age`` (seconds; None for no age
+        limit), ``oldest_age`` (seconds; None when empty) and ``full``: ``max_keys`` keys are
+        held, so each new one pushes out the oldest, and a key stays only about
+        ``oldest_age``, not ``max_age`` (a repeat arriving later is put again)."""
+        held = len(self._keys)
+        return {"keys": held, "max_keys": self.max_keys,
+                "max_age": None if math.isinf(self.max_age) else self.max_age,
+                "oldest_age": self.oldest_age(),
+                "full": self._enabled and held >= self.max_keys}
+
     def oldest_age(self) -> float | None:
         """Age in seconds of the oldest key held (None if none; past ``max_age`` until
         ``expire()`` runs)."""

@@ -161,6 +161,24 @@ def _print_sender(st: dict) -> None:
               f"{gone['dead_lettered']}, errors {gone['errors']}")
 
 
+def _window_line(w: dict) -> str:
+    """The receiving MCA's de-duplication window, and whether it is too small to keep a key
+    for its dedup_window_age."""
+    if not w["max_keys"] or w["max_age"] == 0:
+        return ("de-duplication window: off (dedup_window_keys or dedup_window_age is 0): "
+                "a SURE message sent again is put again")
+    line = f"de-duplication window: {w['keys']:,} of {w['max_keys']:,} keys"
+    if w["oldest_age"] is not None:
+        line += f", the oldest {_ago(0, w['oldest_age'])} old"
+    line += " (kept " + ("until pushed out" if w["max_age"] is None
+                         else f"{_ago(0, w['max_age'])}") + ")"
+    if w["full"] and w["oldest_age"] is not None and \
+            (w["max_age"] is None or w["oldest_age"] < w["max_age"]):
+        line += (f"; FULL: a key stays only {_ago(0, w['oldest_age'])}, a SURE message sent "
+                 "again later than that is put twice (raise dedup_window_keys)")
+    return line
+
+
 def _print_receiver(st: dict) -> None:
     now = st["now"]
     print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
@@ -178,6 +196,8 @@ def _print_receiver(st: dict) -> None:
               f"{c['messages']} put, {c.get('repeats', 0)} repeats, {c['dead_letters']} "
               f"dead-lettered, {c['asks']} asks, {c.get('refused', 0)} denied; may use "
               f"{c.get('may_use', '?')}")
+    if st.get("dedup_window") is not None:
+        print("  " + _window_line(st["dedup_window"]))
     offered = [q for q in st["queues"] if q["offered"]]
     shown = sorted(offered, key=lambda q: not q["name"])[:OFFERS_SHOWN]  # (named ones first)
     more = f", and {len(offered) - len(shown)} more (--json lists them)" \
