@@ -237,6 +237,44 @@ def test_a_batch_with_one_undeliverable_message_is_refused_whole():
     assert conn.answer_batch(batch, False) == b"\x03\x00" * 3
 
 
+def test_an_unfinished_batch_holds_at_most_max_message_size_octets_of_data():
+    """A batch is one System V message at its sender: its messages together may bring no more
+    than one message's max_message_size. Beyond it a frame's body is not kept (a trial held
+    256 x max_message_size per connection with batches it never finished), and the batch is
+    refused whole, MESSAGE_TOO_BIG."""
+    conn = negotiated(max_message_size=100)
+    conn.receive_data(msg_ex(key=1, flags=1, body=b"a" * 60)
+                      + msg_ex(key=2, flags=1, body=b"b" * 40))
+    assert conn.next_request() is NEED_DATA  # 100 octets: all kept, nothing more may come
+    conn.receive_data(msg_ex(key=3, flags=1, body=b"c" * 100))  # its body is skipped
+    assert conn.next_request() is NEED_DATA and conn.decoder.buffered == 0
+    for key in range(4, 200):  # more of the same: nothing more held
+        conn.receive_data(msg_ex(key=key, flags=1, body=b"d" * 100))
+        assert conn.next_request() is NEED_DATA and conn.decoder.buffered == 0
+    conn.receive_data(msg_ex(key=200))  # (an empty last message fits)
+    batch = conn.next_request()
+    assert isinstance(batch, Batch) and len(batch.messages) == 200
+    assert [type(m).__name__ for m in batch.messages[:3]] == \
+        ["MessageEx", "MessageEx", "OversizedMessage"]
+    assert batch.refused.message.key == 3 and batch.refused.reason is ReasonCode.MESSAGE_TOO_BIG
+    assert batch.refused.detail == ("message_length 100 takes its batch over this receiver's "
+                                    "max_message_size 100 octets for the messages of a batch "
+                                    "together (100 before it)")
+    assert conn.answer_batch(batch, False) == b"\x03\x00" * 200
+    conn.receive_data(ask_bits(1))  # (the sender asks again before it sends that queue more)
+    conn.answer_ask(conn.next_request(), True)
+    conn.receive_data(msg_ex(key=201, body=b"e" * 100))  # the next request: the whole limit
+    put = conn.next_request()
+    assert isinstance(put, Put) and put.message.message == b"e" * 100
+
+
+def test_a_batch_within_max_message_size_in_all_is_taken():
+    conn = negotiated(max_message_size=100)
+    conn.receive_data(msg_ex(key=1, flags=1, body=b"a" * 50) + msg_ex(key=2, body=b"b" * 50))
+    batch = conn.next_request()
+    assert batch.refused is None and [len(m.message) for m in batch.messages] == [50, 50]
+
+
 @pytest.mark.parametrize("stream, error", [
     (lambda: msg_ex(flags=1) + ask(), "QueueAsk inside a batch"),
     (lambda: msg_ex(flags=1) + msg(), "Message inside a batch"),

@@ -152,6 +152,10 @@ class ReceiverConnection:
         self._current: Ask | Put | Refuse | Batch | None = None
         self._held_keys: set[int] = set()
         self._batch: list[MessageEx | OversizedMessage] = []
+        #: The most octets of message data one request may bring: a message's, or an atomic
+        #: batch's messages' together (a batch is one System V message at its sender).
+        self.max_message_size = max_message_size
+        self._batch_octets = 0  # the batch's message data held so far
 
     def receive_data(self, data: bytes) -> None:
         self.decoder.receive_data(data)
@@ -191,8 +195,15 @@ class ReceiverConnection:
         self._batch.append(event)
         if len(self._batch) > MAX_BATCH:
             raise RemoteProtocolError(f"a batch of more than {MAX_BATCH} MESSAGE_EX frames")
+        if isinstance(event, MessageEx):
+            self._batch_octets += len(event.message)
         if _batch_more(event):
+            # What the rest may bring: over it, a frame's body is not kept (an oversized
+            # message), so an unfinished batch holds at most max_message_size octets.
+            self.decoder.max_message_size = max(0, self.max_message_size - self._batch_octets)
             return None
+        self.decoder.max_message_size = self.max_message_size
+        self._batch_octets = 0
         messages, self._batch = tuple(self._batch), []
         refused = None
         for message in messages:
@@ -207,6 +218,12 @@ class ReceiverConnection:
             self._held_keys.discard(event.queue_key)
             return Ask(event.queue_key, event.data)
         if isinstance(event, OversizedMessage):
+            if event.limit < self.max_message_size:  # (the limit left for a batch's rest)
+                return Refuse(event, ReasonCode.MESSAGE_TOO_BIG,
+                              f"message_length {event.message_length} takes its batch over "
+                              f"this receiver's max_message_size {self.max_message_size} "
+                              f"octets for the messages of a batch together "
+                              f"({self.max_message_size - event.limit} before it)")
             return Refuse(event, ReasonCode.MESSAGE_TOO_BIG,
                           f"message_length {event.message_length} is over this receiver's "
                           f"max_message_size {event.limit}")
