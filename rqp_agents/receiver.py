@@ -57,6 +57,8 @@ ANSWER_BATCH = 64
 #: 16 frames of 4 KiB (a bound of 2 batches let only 32 of those wait). An atomic batch's
 #: answers come together: one of up to MAX_BATCH messages can go beyond this.
 UNCOMMITTED_MAX = 2 * ANSWER_BATCH
+#: Seconds a stop waits for connections to end once they were cancelled.
+STOP_GRACE = 2.0
 #: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
 #: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
 #: leaves in this host's memory (the kernel's autotuning let it grow to 4 MiB: a trial had 2
@@ -413,8 +415,7 @@ class Receiver(Daemon):
         self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
         await self.wait_for_stop()
-        self._server.close()
-        await self._server.wait_closed()
+        self._server.close()  # no new connections
         for task in list(self._idle):  # nothing in flight on these
             task.cancel()
         busy = self._connections - self._idle
@@ -422,6 +423,15 @@ class Receiver(Daemon):
             await asyncio.wait(busy, timeout=self.delivery.put_budget + 5)
         for task in list(self._connections):
             task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=STOP_GRACE)
+        # Only now: since Python 3.12.1 wait_closed() also waits for every connection to end
+        # (a trial's idle peer held a stop for 33 s, a silent one would for idle_timeout),
+        # and a peer that reads nothing keeps its connection open while answers wait for it.
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), STOP_GRACE)
+        except TimeoutError:
+            log.debug("stopping: connections still closing after %gs", STOP_GRACE)
         expiry.cancel()
         self.stop_service()
         await self.commits.drain()
