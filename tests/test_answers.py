@@ -331,7 +331,10 @@ def test_the_receiver_writes_no_answer_after_a_failed_commit(testbed):
     answers before it were still going out, the peer got QUEUE_NO and 63 QUEUE_YES more, as
     answers to its SURE messages, whose keys the receiver never recorded."""
     host = testbed.add_host("a")
-    queue_key, marker, filler = 0x52510A01, 0x52510A02, 300 * ANSWER_BATCH
+    # 19,200 asks: 38,400 octets of answers, more than the two small socket buffers hold and
+    # less than the transport's 64 KiB high-water mark, over which the receiver would wait
+    # for the peer to read (it reads none) instead of reading on
+    queue_key, marker, filler = 0x52510A01, 0x52510A02, 19_200
     head = pack_ask(queue_key) * filler
     tail = b"".join(pack_message(SURE, key, queue_key, b"m%d" % key)
                     for key in range(1, ANSWER_BATCH + 1))
