@@ -27,10 +27,13 @@ DESCRIPTOR_LOG_INTERVAL = 10.0
 class RateLimitedLog:
     """Lines of one kind logged at most ``burst`` per ``interval`` seconds (a flood from the
     network must not fill the journal); the next line logged says how many were held back
-    since when. :attr:`count` counts them all."""
+    since when, naming them by ``what`` (a plural: the lines of one limit may differ, as a
+    connection closed and one timed out). :attr:`count` counts them all."""
 
-    def __init__(self, log: logging.Logger, interval: float, burst: int = 1) -> None:
+    def __init__(self, log: logging.Logger, interval: float, burst: int = 1, *,
+                 what: str = "lines like it") -> None:
         self.log = log
+        self.what = what
         self.interval = interval
         self.burst = burst
         self.count = 0
@@ -56,7 +59,7 @@ class RateLimitedLog:
         message = text % args if args else text
         if self._held:
             since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
-            message += f" ({self._held} more of this kind not logged since {since})"
+            message += f" ({self._held} more {self.what} not logged since {since})"
             self._held = 0
         self.log.log(level, "%s", message, extra=extra)
 
@@ -79,7 +82,8 @@ class Daemon:
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Accepts refused for want of file descriptors (logged once per interval).
-        self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL)
+        self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
+                                                 what="accepts failed for want of descriptors")
 
     async def start_service(self, control_path: Path, metrics_listen) -> None:
         """Signal handlers, the control socket and (if configured) the metrics endpoint."""

@@ -60,11 +60,15 @@ class Gate:
         self.header_only: collections.Counter[str] = collections.Counter()
         self.suppressed: collections.Counter[str] = collections.Counter()
         self._budget = DeadLetterBudget(config.dead_letter_rate, config.dead_letter_burst)
-        self._budget_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
+        self._budget_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
+                                          what="dead letters over dead_letter_rate")
         self._grants: dict[Peer, Grant] = {}
-        self._limit_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
-        self._handshake_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
-        self._denied_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL)
+        self._limit_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
+                                         what="connections refused by limits")
+        self._handshake_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
+                                             what="failed handshakes")
+        self._denied_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
+                                          what="requests denied by peers rules")
 
     @staticmethod
     def _context(config: ReceiverConfig) -> ssl.SSLContext | None:

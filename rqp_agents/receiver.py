@@ -382,10 +382,11 @@ class Receiver(Daemon):
         self._peer_labels: dict[str, None] = {}
         # Each connection's comings and goings, and the protocol errors that end them: at most
         # CONNECTION_LOG_BURST lines of each per interval, whatever a peer does.
-        self._comings = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
-        self._goings = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
-        self._errors = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
-        self._repeats = RateLimitedLog(log, CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        limit = (CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        self._comings = RateLimitedLog(log, *limit, what="connections opened")
+        self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
+        self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
+        self._repeats = RateLimitedLog(log, *limit, what="repeats")
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,

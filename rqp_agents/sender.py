@@ -106,7 +106,8 @@ class Sender(Daemon):
         #: Notes that come again at every retry of every waiting message: at most
         #: NOTE_BURST of each kind per NOTE_INTERVAL (a trial: 4,352 messages waiting for a
         #: route logged 290 lines a second; rqpctl status shows every route anyway).
-        self._repeated_notes = {kind: RateLimitedLog(log, NOTE_INTERVAL, NOTE_BURST)
+        self._repeated_notes = {kind: RateLimitedLog(log, NOTE_INTERVAL, NOTE_BURST,
+                                                     what=f"lines \"{kind.value}\"")
                                 for kind in (NoteKind.NO_ROUTE, NoteKind.RETRY_SCHEDULED,
                                              NoteKind.COPIES_WAIT)}
         self._releases: list[int] = []

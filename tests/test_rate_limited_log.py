@@ -1,0 +1,31 @@
+"""The agents' rate-limited log lines (rqp_agents.daemon.RateLimitedLog)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from rqp_agents import daemon
+from rqp_agents.daemon import RateLimitedLog
+
+
+def test_the_count_held_back_is_named_for_every_line_of_the_limit(monkeypatch, caplog):
+    """A trial: "connection from X closed (43 more of this kind not logged ...)" where the 43
+    were first-frame time-outs, which go through the same limit. The count now names what
+    the limit covers, not the kind of the line it is added to."""
+    now = [100.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: now[0])
+    log = logging.getLogger("rqp.test-rate-limit")
+    lines = RateLimitedLog(log, interval=10.0, burst=1,
+                           what="connections closed, lost or timed out")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        lines.report("connection from %s timed out", logging.INFO, "a")
+        for peer in "bcd":  # over the burst: held back, counted
+            lines.report("no complete frame from %s", logging.INFO, peer)
+        now[0] += 10.0  # the next interval
+        lines.report("connection from %s closed", logging.INFO, "e")
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first == "connection from a timed out"
+    assert re.fullmatch(r"connection from e closed \(3 more connections closed, lost or timed "
+                        r"out not logged since \d\d:\d\d:\d\d\)", second), second
+    assert lines.count == 5
