@@ -504,6 +504,10 @@ def _duration_at_least(low: float, why: str) -> Callable[[object], float]:
 _parse_stall_after = _duration_at_least(1.0, "less would call every route stalled between "
                                               "two answers")
 _parse_heartbeat = _duration_at_least(1.0, "less would flood each receiver with QUEUE_ASKs")
+# (A trial's 1ms, meant as 1m perhaps, had every sending MCA reconnect between its frames.)
+_parse_connection_timeout = _duration_at_least(0.1, "less closes connections between the "
+                                                    "frames of a working sender: 1m is a minute, "
+                                                    "1ms a millisecond")
 _parse_retry_count = _int_parser(0, None, "a number of retries")
 _parse_attempts = _int_parser(1, None, "a number of attempts")
 _parse_key_count = _int_parser(0, None, "a number of message keys")
@@ -1160,10 +1164,11 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         max_connections=f.get("max_connections", _parse_connections, DEFAULT_MAX_CONNECTIONS),
         max_connections_per_source=f.get("max_connections_per_source", _parse_connections,
                                          DEFAULT_MAX_CONNECTIONS_PER_SOURCE),
-        first_frame_timeout=f.get("first_frame_timeout", parse_duration,
+        first_frame_timeout=f.get("first_frame_timeout", _parse_connection_timeout,
                                   DEFAULT_FIRST_FRAME_TIMEOUT),
-        idle_timeout=f.get("idle_timeout", parse_duration, DEFAULT_IDLE_TIMEOUT),
-        handshake_timeout=f.get("handshake_timeout", parse_duration, DEFAULT_HANDSHAKE_TIMEOUT),
+        idle_timeout=f.get("idle_timeout", _parse_connection_timeout, DEFAULT_IDLE_TIMEOUT),
+        handshake_timeout=f.get("handshake_timeout", _parse_connection_timeout,
+                                DEFAULT_HANDSHAKE_TIMEOUT),
         tls=tls,
         plaintext=plaintext,
         peers=peers,

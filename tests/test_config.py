@@ -826,6 +826,16 @@ def test_the_readme_tables_show_the_defaults():
                        "first_frame_timeout", "idle_timeout"}
 
 
+@pytest.mark.parametrize("key", ["idle_timeout", "first_frame_timeout", "handshake_timeout"])
+def test_connection_timeouts_have_a_floor(tmp_path: Path, key) -> None:
+    """A trial: idle_timeout 1ms (meant as 1m?) was taken, and every sending MCA reconnected
+    between its frames (12,288 sends for 10,000 messages)."""
+    message = str(receiver_error(tmp_path, f"{key}: 1ms\n"))
+    assert f"key '{key}': bad value '1ms': expected a duration of at least 0.1 s" in message
+    assert "1m is a minute, 1ms a millisecond" in message
+    assert getattr(load_receiver(tmp_path, f"{key}: 100ms\n"), key) == 0.1
+
+
 @pytest.mark.parametrize("key, value", [("stall_after", "500ms"), ("heartbeat_interval", "1ms")])
 def test_stall_after_and_heartbeat_interval_have_a_floor(tmp_path: Path, key, value) -> None:
     """A trial: heartbeat_interval 1ms sent 1,244 heartbeats in 1.5 s; stall_after 1ms calls
