@@ -387,6 +387,8 @@ class Receiver(Daemon):
         self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
         self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
         self._repeats = RateLimitedLog(log, *limit, what="repeats")
+        self._repeated_dead_letters = RateLimitedLog(log, *limit,
+                                                     what="repeated dead letters")
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
@@ -830,9 +832,10 @@ class Receiver(Daemon):
         DeadLetterUnavailable if DEAD.LETTER.Q cannot take it."""
         sure, peer = message.message_type == SURE_MSG, who.label
         noticed = (peer, message.key)
-        if sure and noticed in self._noticed:
-            log.info("dead letter (repeat, not written again) reason=%s queue=%s key=%#018x "
-                     "from=%s", reason.name, format_key(message.queue_key), message.key, peer)
+        if sure and noticed in self._noticed:  # (a peer can send these as fast as it likes)
+            self._repeated_dead_letters.report(
+                "dead letter (repeat, not written again) reason=%s queue=%s key=%#018x from=%s",
+                logging.INFO, reason.name, format_key(message.queue_key), message.key, peer)
             return
         allowance = self.gate.dead_letter_allowance(
             who, f"key={message.key:#018x} queue {format_key(message.queue_key)}")

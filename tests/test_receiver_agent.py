@@ -406,6 +406,29 @@ def test_dead_letter_message_over_max_message_size_is_header_only(testbed):
                  since_ns=t0)
 
 
+def test_a_sure_message_refused_again_and_again_is_dead_lettered_and_logged_within_limits(
+        testbed):
+    """A trial: one peer sent the same oversized SURE message again and again (asking for the
+    queue between, as a sending MCA does before it retries) and got one unlimited log line a
+    time, 68,199 in 3 s. The dead letter is written once; the lines about the repeats are
+    rate-limited like every other line a peer can cause."""
+    from rqp_agents.receiver import CONNECTION_LOG_BURST
+    t0 = time.time_ns()
+    r = rig(testbed, {**BASE_CONFIG, "max_message_size": 100}, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    started = time.monotonic()
+    frames = [msg(Q1, b"x" * 200, key=0x300, type=SURE), ask(Q1)] * 300
+    got = r.pb.exchange("c", frames, timeout=30)
+    assert answers(got) == ["DELIVERED_ERROR", "QUEUE_YES"] * 300
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.MESSAGE_TOO_BIG, queue_key=Q1, key=0x300,
+                 message_type=SURE, source=r.b.address, payload=None, original_length=200,
+                 since_ns=t0)
+    windows = 1 + int((time.monotonic() - started) // 10) + 1  # intervals the exchange touched
+    repeats = [line for line in r.log().splitlines() if "dead letter (repeat" in line]
+    assert 1 <= len(repeats) <= windows * CONNECTION_LOG_BURST < 299, len(repeats)
+
+
 def test_dead_letter_message_over_the_queues_max_size_keeps_its_payload(testbed):
     t0 = time.time_ns()
     r = rig(testbed, BASE_CONFIG, before_start=lambda qa: qa.create(Q1, 0o660, max_size=50))
