@@ -273,6 +273,18 @@ def test_claimed_length_2_to_the_63_keeps_memory_bounded():
         decoder.next_event()
 
 
+def test_a_stream_closed_inside_an_oversized_message_ex_names_it():
+    from rqp.protocol.frames import encode_message_ex
+    decoder = FrameDecoder(max_message_size=10)
+    frame = encode_message_ex(0, 7, 0x52510001, b"x" * 100, 1, 4, 0, 0)
+    [event] = decoder.events(frame[:-30])
+    assert isinstance(event, OversizedMessage) and event.extras == (1, 4, 0, 0)
+    decoder.receive_data(b"")
+    with pytest.raises(rqp.RemoteProtocolError,
+                       match="30 octets before the end of an oversized MESSAGE_EX$"):
+        decoder.next_event()
+
+
 def test_claimed_length_over_hard_cap_closes_at_once():
     decoder = FrameDecoder(max_message_size=8192)
     with pytest.raises(rqp.RemoteProtocolError,

@@ -276,8 +276,8 @@ def test_a_batch_within_max_message_size_in_all_is_taken():
 
 
 @pytest.mark.parametrize("stream, error", [
-    (lambda: msg_ex(flags=1) + ask(), "QueueAsk inside a batch"),
-    (lambda: msg_ex(flags=1) + msg(), "Message inside a batch"),
+    (lambda: msg_ex(flags=1) + ask(), "a QUEUE_ASK frame inside a batch"),
+    (lambda: msg_ex(flags=1) + msg(), "a MESSAGE frame inside a batch"),
     (lambda: msg_ex(flags=1) * 257, "more than 256"),
 ])
 def test_a_broken_batch_is_a_protocol_error(stream, error):

@@ -240,8 +240,8 @@ class FrameDecoder:
     resynchronised.
     """
 
-    __slots__ = ("_buf", "_pos", "_skip", "_eof", "_error", "accept", "max_message_size",
-                 "hard_cap")
+    __slots__ = ("_buf", "_pos", "_skip", "_skipping", "_eof", "_error", "accept",
+                 "max_message_size", "hard_cap")
 
     def __init__(self, *, accept=frozenset(_BY_CODE), max_message_size: int = c.HARD_MESSAGE_CAP,
                  hard_cap: int | None = c.HARD_MESSAGE_CAP) -> None:
@@ -253,6 +253,7 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0  # octets of _buf already consumed (compacted lazily, not per frame)
         self._skip = 0  # body octets of an oversized MESSAGE still to discard
+        self._skipping = "MESSAGE"  # (its frame's name, for an error)
         self._eof = False
         self._error: RemoteProtocolError | None = None
 
@@ -300,8 +301,8 @@ class FrameDecoder:
         if self._skip or not avail:
             if self._eof:
                 if self._skip:
-                    raise RemoteProtocolError(
-                        f"stream closed {self._skip} octets before the end of an oversized MESSAGE")
+                    raise RemoteProtocolError(f"stream closed {self._skip} octets before the end "
+                                              f"of an oversized {self._skipping}")
                 return CLOSED
             return NEED_DATA
         code = buf[pos]
@@ -343,6 +344,7 @@ class FrameDecoder:
             del buf[:pos + fixed + have]
             self._pos = 0
             self._skip = length - have
+            self._skipping = c.MessageCode(code).name
             return OversizedMessage(message_type=message_type, key=key,
                                     queue_key=queue_key, message_length=length,
                                     limit=self.max_message_size, extras=extras)

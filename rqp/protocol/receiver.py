@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rqp.protocol.constants import (
-    BATCH_MORE, EXT_MESSAGE, HARD_MESSAGE_CAP, KNOWN_EXTENSIONS, MAX_BATCH, SURE_MSG, StateEnum,
+    BATCH_MORE, EXT_MESSAGE, HARD_MESSAGE_CAP, KNOWN_EXTENSIONS, MAX_BATCH, SURE_MSG, MessageCode,
+    StateEnum,
 )
 from rqp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from rqp.protocol.events import (
@@ -190,8 +191,9 @@ class ReceiverConnection:
         last frame is in (spec section 6: nothing of a batch is answered before)."""
         if not isinstance(event, (MessageEx, OversizedMessage)) or (
                 isinstance(event, OversizedMessage) and event.extras is None):
-            raise RemoteProtocolError(f"a {type(event).__name__} inside a batch of MESSAGE_EX "
-                                      f"frames (BATCH_MORE was set on the one before)")
+            raise RemoteProtocolError(f"a {MessageCode(event.code).name} frame inside a batch "
+                                      f"of MESSAGE_EX frames (BATCH_MORE was set on the one "
+                                      f"before)")
         self._batch.append(event)
         if len(self._batch) > MAX_BATCH:
             raise RemoteProtocolError(f"a batch of more than {MAX_BATCH} MESSAGE_EX frames")
