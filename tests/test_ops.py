@@ -99,8 +99,9 @@ def test_a_full_dedup_window_shows_how_long_it_keeps_a_key(testbed):
     assert (window["keys"], window["max_keys"], window["full"]) == (3, 3, True), window
     text = rqpctl(b, "status", "--agent", "receiver", "--receiver-config", config).stdout
     assert re.search(r"de-duplication window: 3 of 3 keys, the oldest \d+s old \(kept "
-                     r"1d00h\); FULL: a key stays only \d+s, a SURE message sent again later "
-                     r"than that is put twice \(raise dedup_window_keys\)", text), text
+                     r"1d00h\); FULL: each new key pushes out the oldest, before "
+                     r"dedup_window_age: a SURE message sent again after its key left is put "
+                     r"twice \(raise dedup_window_keys\)", text), text
     metrics = rqpctl(b, "metrics", "--agent", "receiver", "--socket",
                      str(b.workdir / "receiver.sock")).stdout
     assert re.search(r"^rqp_receiver_dedup_keys(\{[^}]*\})? 3(\.0)?$", metrics, re.M), metrics

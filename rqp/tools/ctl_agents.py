@@ -174,8 +174,9 @@ def _window_line(w: dict) -> str:
                          else f"{_ago(0, w['max_age'])}") + ")"
     if w["full"] and w["oldest_age"] is not None and \
             (w["max_age"] is None or w["oldest_age"] < w["max_age"]):
-        line += (f"; FULL: a key stays only {_ago(0, w['oldest_age'])}, a SURE message sent "
-                 "again later than that is put twice (raise dedup_window_keys)")
+        line += ("; FULL: each new key pushes out the oldest, before dedup_window_age: a SURE "
+                 "message sent again after its key left is put twice (raise "
+                 "dedup_window_keys)")
     return line
 
 
