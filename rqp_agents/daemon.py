@@ -10,6 +10,7 @@ import resource
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,7 @@ class RateLimitedLog:
                  what: str = "lines like it") -> None:
         self.log = log
         self.what = what
+        _LIMITS.add(self)
         self.interval = interval
         self.burst = burst
         self.count = 0
@@ -41,6 +43,7 @@ class RateLimitedLog:
         self._logged = 0  # lines logged in it
         self._held = 0
         self._held_since = 0.0  # wall-clock time of the first line held back
+        self._held_level = logging.INFO
 
     def report(self, text: str, level: int = logging.WARNING, *args: object,
                extra: dict | None = None) -> None:
@@ -54,6 +57,7 @@ class RateLimitedLog:
             if not self._held:
                 self._held_since = time.time()
             self._held += 1
+            self._held_level = level
             return
         self._logged += 1
         message = text % args if args else text
@@ -62,6 +66,25 @@ class RateLimitedLog:
             message += f" ({self._held} more {self.what} not logged since {since})"
             self._held = 0
         self.log.log(level, "%s", message, extra=extra)
+
+    def flush(self) -> None:
+        """Log how many lines are held back, if any (they would be said with the next line
+        of the limit, which may never come: at exit, or when a flood stops)."""
+        if self._held:
+            since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
+            self.log.log(self._held_level, "%d more %s not logged since %s", self._held,
+                         self.what, since)
+            self._held = 0
+
+
+#: Every limit of this process, for :func:`flush_held_lines` at exit.
+_LIMITS: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+
+
+def flush_held_lines() -> None:
+    """What every rate-limited log of this process held back, said once (at exit)."""
+    for limit in list(_LIMITS):
+        limit.flush()
 
 
 class Daemon:
@@ -267,4 +290,6 @@ def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     except Exception:  # noqa: BLE001 - a bug on the way in or out: say so, with the traceback
         log.critical("unexpected error: exit status %d", EXIT_UNEXPECTED, exc_info=True)
         return EXIT_UNEXPECTED
+    finally:
+        flush_held_lines()  # (a trial: 22 connections stopped, 20 lines, the 2 never counted)
     return EXIT_UNEXPECTED if agent.failed else 0

@@ -29,3 +29,25 @@ def test_the_count_held_back_is_named_for_every_line_of_the_limit(monkeypatch, c
     assert re.fullmatch(r"connection from e closed \(3 more connections closed, lost or timed "
                         r"out not logged since \d\d:\d\d:\d\d\)", second), second
     assert lines.count == 5
+
+
+def test_what_is_held_back_is_said_at_exit(monkeypatch, caplog):
+    """A trial stopped a receiving MCA with 22 connections: 20 'closing connection' lines, and
+    the 2 held back were never counted, as no later line of that limit came."""
+    now = [100.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: now[0])
+    log = logging.getLogger("rqp.test-rate-limit-exit")
+    lines = RateLimitedLog(log, interval=10.0, burst=1, what="connections closed")
+    quiet = RateLimitedLog(log, interval=10.0, burst=1, what="nothing held")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        quiet.report("one line", logging.INFO)
+        for peer in "abc":
+            lines.report("closing connection from %s: stopping", logging.WARNING, peer)
+        daemon.flush_held_lines()
+        daemon.flush_held_lines()  # (said once)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said[:2] == [(logging.INFO, "one line"),
+                        (logging.WARNING, "closing connection from a: stopping")]
+    assert len(said) == 3 and said[2][0] == logging.WARNING
+    assert re.fullmatch(r"2 more connections closed not logged since \d\d:\d\d:\d\d",
+                        said[2][1]), said[2][1]
