@@ -62,19 +62,20 @@ class RateLimitedLog:
         self._logged += 1
         message = text % args if args else text
         if self._held:
-            since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
-            message += f" ({self._held} more {self.what} not logged since {since})"
-            self._held = 0
+            message += f" ({self._take_held()})"
         self.log.log(level, "%s", message, extra=extra)
 
     def flush(self) -> None:
         """Log how many lines are held back, if any (they would be said with the next line
         of the limit, which may never come: at exit, or when a flood stops)."""
         if self._held:
-            since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
-            self.log.log(self._held_level, "%d more %s not logged since %s", self._held,
-                         self.what, since)
-            self._held = 0
+            self.log.log(self._held_level, "%s", self._take_held())
+
+    def _take_held(self) -> str:
+        """'N more <what> not logged since HH:MM:SS', and the count starts again."""
+        since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
+        note, self._held = f"{self._held} more {self.what} not logged since {since}", 0
+        return note
 
 
 #: Every limit of this process, for :func:`flush_held_lines` at exit.
