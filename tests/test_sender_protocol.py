@@ -202,6 +202,31 @@ def test_sure_retries_back_off_exponentially():
     assert gaps == [0, 0.5, 1, 2, 4, 4]  # at once, then doubling up to backoff_max
 
 
+def test_a_back_off_among_many_busy_queues_is_seen_each_time_its_queue_waits_again():
+    """The core looks only at the queues given a time (next_deadline, tick): one that waits
+    again later, after it was idle and its lane reused, is seen again."""
+    h = Harness(hosts=("b",), backoff_initial=0.5, backoff_max=0.5)
+    busy = {Q2 + 1 + n for n in range(300)}
+    for key in sorted(busy):
+        h.submit(key, UNSURE_MSG, b"busy")
+    h.submit(Q1, SURE_MSG, b"first")  # no host offers Q1 yet: it waits 0.5 s
+    h.serve({"b": busy})
+    assert len(h.of(Delivered)) == 300 and h.core.held == 1
+    assert h.advance() == 0.5
+    h.serve({"b": busy | {Q1}})
+    assert [d.message.payload for d in h.of(Delivered)][-1] == b"first"
+    assert h.core.held == 0
+    for key in sorted(busy):
+        h.submit(key, UNSURE_MSG, b"busy again")
+    h.submit(Q1, SURE_MSG, b"second")  # refused this time: tried again after 0.5 s
+    h.serve({"b": busy | {Q1}}, deliver=lambda host, msg: msg.message != b"second")
+    assert h.core.held == 1 and len(h.of(Delivered)) == 601
+    assert h.advance() == 0.5
+    h.serve({"b": busy | {Q1}})
+    assert [d.message.payload for d in h.of(Delivered)][-1] == b"second"
+    assert h.core.held == 0
+
+
 def test_no_host_says_yes_unsure_dead_letter_sure_waits():
     h = Harness()
     h.submit(Q1, UNSURE_MSG, b"u")

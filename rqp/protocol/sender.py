@@ -615,6 +615,12 @@ class SenderCore:
         #: The busy lanes that have no route (asking, or waiting to ask again): what
         #: :meth:`waiting_for_route` counts.
         self._unrouted: set[_Lane] = set()
+        #: The lanes that may be given a time (a back-off's ``retry_at``, a waiting message's
+        #: expiry): what :meth:`next_deadline` and :meth:`tick` look at, so that their cost
+        #: is that of these few, not of every busy lane (a thousand queue keys in flight). A
+        #: superset, each read where it is used; one no longer timed or busy leaves it there.
+        #: (A dict: in the order they were timed, as :meth:`tick` goes through them.)
+        self._timed: dict[_Lane, None] = {}
         self.routes: dict[int, object] = {}
         self.errors: dict[tuple[object, int], int] = {}
         self._actions: list = []
@@ -704,15 +710,24 @@ class SenderCore:
             times.append(self._now)  # (tick() wakes them)
         times += [link.retry_at for link in self._links.values()
                   if link.waiting and link.state is LinkState.DOWN and link.retry_at > self._now]
-        times += [lane.retry_at for lane in self._lanes.values()
-                  if lane.pending and lane.retry_at > self._now]
+        timed = self._timed_lanes()
+        times += [lane.retry_at for lane in timed if lane.pending and lane.retry_at > self._now]
         times += [due for link in self._links.values()
                   if (due := self._heartbeat_due(link)) is not None]
-        expiries = [lane.next_expiry_ms for lane in self._lanes.values()
+        expiries = [lane.next_expiry_ms for lane in timed
                     if lane.pending and lane.next_expiry_ms]
         if expiries and self._clock_ms is not None:
             times.append(self._now + max(0, min(expiries) - self._clock_ms()) / 1000)
         return min(times, default=None)
+
+    def _timed_lanes(self) -> list[_Lane]:
+        """The busy lanes with a back-off or an expiry (the others leave :attr:`_timed`)."""
+        lanes = self._lanes
+        timed = self._timed
+        for lane in [lane for lane in timed if not (lane.retry_at or lane.next_expiry_ms)
+                     or lanes.get(lane.id) is not lane]:
+            del timed[lane]
+        return list(timed)
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -798,8 +813,7 @@ class SenderCore:
                                   f"{copy.queue_key:#x}: the host is no longer in .rqprc")
         return made[0] if made else msg
 
-    @staticmethod
-    def _enqueue(lane: _Lane, msg: Outgoing) -> None:
+    def _enqueue(self, lane: _Lane, msg: Outgoing) -> None:
         """Into its place: after every waiting message of its priority or a higher one that was
         taken before it (the order within a priority is the order taken)."""
         pending = lane.pending
@@ -810,6 +824,7 @@ class SenderCore:
         if msg.expires_at_ms and (not lane.next_expiry_ms
                                   or msg.expires_at_ms < lane.next_expiry_ms):
             lane.next_expiry_ms = msg.expires_at_ms
+            self._timed[lane] = None
 
     def _expired(self, msg: Outgoing) -> bool:
         return bool(msg.expires_at_ms) and self._clock_ms is not None and \
@@ -933,7 +948,7 @@ class SenderCore:
                 else:  # connect again before a message needs it
                     self._go(link, LinkEvent.CONNECT)
                     self._actions.append(Connect(link.host))
-        for lane in list(self._lanes.values()):
+        for lane in self._timed_lanes():
             if lane.pending and lane.next_expiry_ms:
                 self._drop_expired(lane)
                 if not lane.pending:
@@ -1132,6 +1147,7 @@ class SenderCore:
             self._asked_for(head)
             lane.retry_at = max(min(self._links[h].retry_at for h in self._hosts_for(lane)),
                                 self._now)
+            self._timed[lane] = None
             self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, None,
                        f"attempt {head.failures + 1} in {lane.retry_at - self._now:.3g}s, when "
                        f"a connection may be made again ({why})", head.key)
@@ -1213,6 +1229,7 @@ class SenderCore:
             return  # no retry to announce: the caller's _pump dead-letters it now
         delay = self.settings.backoff(msg.failures)
         lane.retry_at = self._now + delay
+        self._timed[lane] = None
         self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, msg.host,
                    f"attempt {msg.failures + 1} in {delay:g}s: {msg.last_error}", msg.key)
 
