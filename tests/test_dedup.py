@@ -307,6 +307,9 @@ def test_state_says_when_keys_leave_by_count_before_their_age(clock):
     clock.advance(2)
     w.record(3)
     assert not w.seen(1) and w.state()["oldest_age"] == 2.0
+    clock.advance(59)  # key 2 is past its age (key 3, 59 s old, is not): it is not counted
+    assert not w.seen(2) and w.state() == {"keys": 1, "max_keys": 2, "max_age": 60.0,
+                                           "oldest_age": 59.0, "full": False}
     endless = DedupWindow(None, clock=clock, max_age=math.inf)
     assert endless.state()["max_age"] is None  # (JSON has no infinity)
     off = DedupWindow(None, clock=clock, max_keys=0)

@@ -495,11 +495,15 @@ class DedupWindow:
         return len(self._keys)
 
     def state(self) -> dict:
-        """The window as status and metrics show it: ``keys`` held (exact after
-        :meth:`expire`), the limits ``max_keys`` and ``max_age`` (seconds; None for no age
-        limit), ``oldest_age`` (seconds; None when empty) and ``full``: ``max_keys`` keys are
-        held, so each new one pushes out the oldest, and a key stays only about
-        ``oldest_age``, not ``max_age`` (a repeat arriving later is put again)."""
+        """The window as status and metrics show it, once the keys past ``max_age`` are
+        dropped (they recognise nothing any more: counted, they made a window look full
+        whose keys were only old): ``keys`` held, the limits ``max_keys`` and ``max_age``
+        (seconds; None for no age limit), ``oldest_age`` (seconds; None when empty) and
+        ``full``: ``max_keys`` keys are held, all younger than ``max_age``, so each new one
+        pushes out the oldest before its age, and a key stays only about ``oldest_age`` (a
+        repeat arriving later is put again)."""
+        if self._enabled:
+            self.expire()
         held = len(self._keys)
         return {"keys": held, "max_keys": self.max_keys,
                 "max_age": None if math.isinf(self.max_age) else self.max_age,

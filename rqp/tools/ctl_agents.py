@@ -164,16 +164,15 @@ def _print_sender(st: dict) -> None:
 def _window_line(w: dict) -> str:
     """The receiving MCA's de-duplication window, and whether it is too small to keep a key
     for its dedup_window_age."""
-    if not w["max_keys"] or w["max_age"] == 0:
-        return ("de-duplication window: off (dedup_window_keys or dedup_window_age is 0): "
-                "a SURE message sent again is put again")
+    if not w["max_keys"]:
+        return ("de-duplication window: off (dedup_window_keys is 0): a SURE message sent "
+                "again is put again")
     line = f"de-duplication window: {w['keys']:,} of {w['max_keys']:,} keys"
     if w["oldest_age"] is not None:
         line += f", the oldest {_ago(0, w['oldest_age'])} old"
     line += " (kept " + ("until pushed out" if w["max_age"] is None
                          else f"{_ago(0, w['max_age'])}") + ")"
-    if w["full"] and w["oldest_age"] is not None and \
-            (w["max_age"] is None or w["oldest_age"] < w["max_age"]):
+    if w["full"]:
         line += ("; FULL: each new key pushes out the oldest, before dedup_window_age: a SURE "
                  "message sent again after its key left is put twice (raise "
                  "dedup_window_keys)")
