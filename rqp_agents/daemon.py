@@ -197,6 +197,7 @@ class Daemon:
     def _on_signal(self, sig: int) -> None:
         if self._stopping.is_set():
             self.log.warning("second %s: exiting at once", signal.Signals(sig).name)
+            flush_held_lines()
             os._exit(0)
         self.log.info("%s: %s", signal.Signals(sig).name, self.stop_note)
         self._stopping.set()

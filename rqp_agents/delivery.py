@@ -16,6 +16,7 @@ from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFo
 from rqp.protocol.reasons import ReasonCode
 from rqp.system.queues import LocalQueue, format_key, may_write, may_write_every_queue
 from rqp.system.service import is_agent_queue
+from rqp_agents.daemon import RateLimitedLog
 
 __all__ = ["LocalDelivery"]
 
@@ -26,7 +27,10 @@ class LocalDelivery:
     """Puts messages in this host's queues for a receiving MCA configured by ``config``
     (replace :attr:`config` on reload: the retry settings are read at each put)."""
 
-    def __init__(self, config: ReceiverConfig) -> None:
+    def __init__(self, config: ReceiverConfig, log_limit: tuple[float, int] = (10.0, 20)) -> None:
+        """``log_limit``: (interval, burst) of the "full: retrying" lines, which a peer
+        sending to a full queue causes one a message."""
+        self._full_log = RateLimitedLog(log, *log_limit, what="waits for a full queue")
         self._allowed_keys: dict[int, tuple[bool, float]] = {}  # key -> (allowed, until)
         self.config = config
         #: False when this process may write into every queue of the host (root,
@@ -97,7 +101,8 @@ class LocalDelivery:
             now = time.monotonic()
             if deadline is None:
                 deadline = now + budget
-                log.info("%s full: retrying for up to %gs", what, budget)
+                self._full_log.report("%s full: retrying for up to %gs", logging.INFO, what,
+                                      budget)
             if now >= deadline:
                 raise QueueFull(f"{what} is full")
             await asyncio.sleep(min(wait, deadline - now))

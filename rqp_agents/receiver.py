@@ -369,7 +369,11 @@ class Receiver(Daemon):
         self.commits = GroupCommit(self.dedup, lambda exc: self.fatal(
             "the de-duplication window (an fsync failed; a restart reopens it)", exc))
         self._putting: dict[int, asyncio.Event | None] = {}  # SURE keys being put right now
-        self.delivery = LocalDelivery(config)
+        # Each connection's comings and goings, the protocol errors that end them, and every
+        # other line a peer causes: at most CONNECTION_LOG_BURST lines of each per interval,
+        # whatever a peer does.
+        limit = (CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
+        self.delivery = LocalDelivery(config, limit)
         self._noticed: dict[tuple[str, int], None] = {}
         self._connections: set[asyncio.Task] = set()
         self._idle: set[asyncio.Task] = set()
@@ -380,15 +384,15 @@ class Receiver(Daemon):
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
         #: Every peer label served since the start, most recent last (rqpctl trace).
         self._peer_labels: dict[str, None] = {}
-        # Each connection's comings and goings, and the protocol errors that end them: at most
-        # CONNECTION_LOG_BURST lines of each per interval, whatever a peer does.
-        limit = (CONNECTION_LOG_INTERVAL, CONNECTION_LOG_BURST)
         self._comings = RateLimitedLog(log, *limit, what="connections opened")
         self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
         self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
         self._repeats = RateLimitedLog(log, *limit, what="repeats")
         self._repeated_dead_letters = RateLimitedLog(log, *limit,
                                                      what="repeated dead letters")
+        self._dead_letters_log = RateLimitedLog(log, *limit, what="dead letters")
+        self._no_room_log = RateLimitedLog(log, *limit,
+                                           what="dead letters DEAD.LETTER.Q could not take")
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
@@ -426,7 +430,11 @@ class Receiver(Daemon):
             task.cancel()
         busy = self._connections - self._idle
         if busy and not self.failed:  # answer what was already received, then close
-            await asyncio.wait(busy, timeout=self.delivery.put_budget + 5)
+            wait = self.delivery.put_budget + 5
+            log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
+                     "hold (a put waits up to put_retry_count x put_retry_interval for a full "
+                     "queue; a second SIGTERM exits at once)", wait, len(busy))
+            await asyncio.wait(busy, timeout=wait)
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -860,21 +868,23 @@ class Receiver(Daemon):
         except (RQPError, OSError) as exc:
             if data is not None:
                 self.dead_letters.discard(data)  # no spill file that no record names
-            log.error("DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x "
-                      "(queue %s, reason %s): %s -- closing the connection unanswered so the "
-                      "sender keeps the message", format_key(self.config.dead_letter_queue),
-                      message.key, format_key(message.queue_key), reason.name, exc)
+            self._no_room_log.report(
+                "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x (queue %s, reason "
+                "%s): %s -- closing the connection unanswered so the sender keeps the message",
+                logging.ERROR, format_key(self.config.dead_letter_queue), message.key,
+                format_key(message.queue_key), reason.name, exc)
             raise DeadLetterUnavailable(str(exc)) from exc
         if sure:
             self._noticed[noticed] = None
             if len(self._noticed) > NOTICE_MEMORY:
                 del self._noticed[next(iter(self._noticed))]
-        log.warning("dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", reason.name,
-                    format_key(message.queue_key), message.key,
-                    "SURE" if sure else "UNSURE", peer, detail,
-                    extra={"event": "dead_letter", "reason": reason.name, "peer": peer,
-                           "queue_key": format_key(message.queue_key),
-                           "message_key": f"{message.key:#018x}"})
+        self._dead_letters_log.report(
+            "dead letter reason=%s queue=%s key=%#018x type=%s from=%s: %s", logging.WARNING,
+            reason.name, format_key(message.queue_key), message.key,
+            "SURE" if sure else "UNSURE", peer, detail,
+            extra={"event": "dead_letter", "reason": reason.name, "peer": peer,
+                   "queue_key": format_key(message.queue_key),
+                   "message_key": f"{message.key:#018x}"})
 
 
 def _answers_sure(request) -> bool:

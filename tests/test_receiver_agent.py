@@ -11,6 +11,7 @@ letters must name b's address as their source. Nothing sleeps to synchronise: ev
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import socket
@@ -429,6 +430,37 @@ def test_a_sure_message_refused_again_and_again_is_dead_lettered_and_logged_with
     assert 1 <= len(repeats) <= windows * CONNECTION_LOG_BURST < 299, len(repeats)
 
 
+def test_dead_letters_and_waits_for_a_full_queue_are_logged_within_limits(testbed):
+    """A trial: a peer's oversized messages gave one 'dead letter' line each (75 in 10 ms),
+    and each message to a full queue one 'full: retrying' line, beyond the 20 a kind per
+    10 s the README promises. Every record is still written; the lines held back are counted
+    as the agent stops."""
+    from rqp_agents.receiver import CONNECTION_LOG_BURST
+    r = rig(testbed, {**BASE_CONFIG, "max_message_size": 100, "put_retry_count": 1,
+                      "put_retry_interval": 0.01, "dead_letter_burst": 1000},
+            sysctls={"kernel.msgmnb": 1 << 20},  # (room in DEAD.LETTER.Q for every record)
+            before_start=lambda qa: qa.create(Q1, 0o660, max_size=50))
+    connect(r.pb, "c", r)
+    started = time.monotonic()
+    got = r.pb.exchange("c", [msg(Q1, b"x" * 200, key=0x400 + n, type=UNSURE)
+                              for n in range(60)], timeout=30)
+    assert answers(got) == ["DELIVERED_ERROR"] * 60  # each too big for max_message_size
+    got = r.pb.exchange("c", [msg(Q1, b"y" * 40, key=0x500 + n, type=UNSURE)
+                              for n in range(60)], timeout=60)
+    assert answers(got) == ["DELIVERED_YES"] + ["DELIVERED_ERROR"] * 59  # then the queue is full
+    assert len(r.qa.dead_letters()) == 119
+    windows = 1 + int((time.monotonic() - started) // 10) + 1  # intervals the exchanges touched
+    log_text = r.log()
+    for needle in ("dead letter reason=", "full: retrying"):
+        lines = [line for line in log_text.splitlines() if needle in line]
+        assert 1 <= len(lines) <= windows * CONNECTION_LOG_BURST < 59, (needle, len(lines))
+    r.rx.terminate()
+    assert r.rx.wait(timeout=30) == 0
+    log_text = r.log()
+    for what in ("dead letters", "waits for a full queue"):
+        assert re.search(rf"\d+ more {what} not logged since", log_text), (what, log_text[-3000:])
+
+
 def test_dead_letter_message_over_the_queues_max_size_keeps_its_payload(testbed):
     t0 = time.time_ns()
     r = rig(testbed, BASE_CONFIG, before_start=lambda qa: qa.create(Q1, 0o660, max_size=50))
@@ -641,20 +673,28 @@ def test_sigterm_with_only_idle_connections_exits_at_once_and_cleanly(testbed):
 
 
 def test_a_second_sigterm_exits_at_once(testbed):
+    """The first says what the stop waits for; the second exits at once, and still says how
+    many rate-limited lines were held back (a trial's second SIGTERM lost them)."""
+    from rqp_agents.receiver import CONNECTION_LOG_BURST
     config = {**BASE_CONFIG, "put_retry_count": 100, "put_retry_interval": 0.1}  # 10 s budget
     r = rig(testbed, config, queues={Q1: 0o660})
     r.qa.fill(Q1)
+    for n in range(CONNECTION_LOG_BURST + 5):  # more 'connection from' lines than are logged
+        connect(r.pb, f"idle{n}", r)
     connect(r.pb, "busy", r)
     r.pb.send("busy", [msg(Q1, b"in flight", key=0x52, type=SURE)])
     wait_for(lambda: "full: retrying" in r.log(), timeout=5, message="the put never started")
     r.rx.send_signal(signal.SIGTERM)
-    wait_for(lambda: "no new connections" in r.log(), timeout=5, message="SIGTERM not seen")
+    wait_for(lambda: "stopping: waiting up to 15s for 1 connection(s)" in r.log(), timeout=5,
+             message="the stop does not say what it waits for")
     assert r.rx.poll() is None  # still retrying the put
     start = time.monotonic()
     r.rx.send_signal(signal.SIGTERM)
     assert r.rx.wait(timeout=3) == 0
     assert time.monotonic() - start < 2
-    assert "second SIGTERM" in r.log()
+    log_text = r.log()
+    assert "second SIGTERM" in log_text
+    assert re.search(r"\d+ more connections opened not logged since", log_text), log_text[-2000:]
     got = r.pb.read_to_eof("busy", timeout=3)
     assert got["data"] == b"" and (got["eof"] or got["reset"]), got
 
