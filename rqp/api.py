@@ -255,11 +255,15 @@ def _connection(handle: int) -> _Connection:
     return conn
 
 
-def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
+def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                 timeout: float | None = None, sync: bool = False, mtype: int = 1,
                 priority: int = DEFAULT_PRIORITY, ttl: float | None = None,
                 expires_at: float | None = None) -> None:
     """Put ``data`` on the transmission queue for the handle's queue.
+
+    ``msg_type``: SURE_MSG (the default) or UNSURE_MSG. Between :func:`beginBatch` and
+    :func:`commitBatch` the message goes into the batch, whose type it takes (given here, it
+    must be the batch's).
 
     Returns once the record is in the kernel's transmission queue; if that queue is full, waits
     (at most ``timeout`` seconds, if given) for the sending MCA to make room.
@@ -280,8 +284,10 @@ def sendMessage(handle: int, data: bytes, msg_type: int = SURE_MSG, *,
     kernel's memory only until the sending MCA takes it: a reboot in between loses it.
     """
     conn = _connection(handle)
-    _check_msg_type(msg_type)
     open_batch = _batches.get(handle)
+    if msg_type is None:
+        msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
+    _check_msg_type(msg_type)
     if open_batch is not None:  # between beginBatch and commitBatch: into the batch
         given = [name for name, value, default in (
             ("priority", priority, DEFAULT_PRIORITY), ("ttl", ttl, None),

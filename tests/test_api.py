@@ -220,6 +220,9 @@ def err(name, fn):
         errors[name] = f"{type(exc).__name__}: {exc}"
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 err("commit_none", lambda: rqp.commitBatch(h))
+rqp.beginBatch(h, rqp.UNSURE_MSG)  # C style, no msg_type: the batch's (a trial's failed)
+err("unsure_c_style", lambda: rqp.sendMessage(h, b"u", mtype=2))
+rqp.rollbackBatch(h)
 err("rollback_none", lambda: rqp.rollbackBatch(h))
 b = rqp.beginBatch(h, rqp.SURE_MSG, priority=7)
 err("twice", lambda: rqp.beginBatch(h))
@@ -251,6 +254,7 @@ print(json.dumps([errors, rolled, got.decode(), sysv_ipc.MessageQueue(0x52510001
     errors, rolled, got, left = out
     assert errors["commit_none"].startswith("RQPError: handle") and "beginBatch first" in \
         errors["commit_none"] and "beginBatch first" in errors["rollback_none"]
+    assert errors["unsure_c_style"] is None
     assert "has a batch open already" in errors["twice"]
     assert "priority given to sendMessage" in errors["priority_in_batch"]
     assert "msg_type 1 here, 0 for the batch" in errors["type_in_batch"]
