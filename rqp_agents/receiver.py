@@ -696,8 +696,8 @@ class Receiver(Daemon):
 
     async def _handle_batch(self, conn: ReceiverConnection, batch: Batch, who: Peer,
                             info: dict) -> bytes:
-        """A spec section 6 batch: refused whole if one message of it is (each dead-lettered,
-        none put), else put in order and answered together. A put that fails part-way (a
+        """A spec section 6 batch: refused whole if one message of it is (each dead-lettered
+        with that one's reason, none put), else put in order and answered together. A put that fails part-way (a
         queue still full after the retry budget) cannot take back the ones before it: the
         batch is answered DELIVERED_ERROR, the rest dead-lettered; a SURE batch sent again is
         then completed without duplicates (the put ones are in the dedup window)."""
@@ -755,8 +755,8 @@ class Receiver(Daemon):
                     f"{failed.reason.name}: {failed.detail}" if refused is not None else
                     f"batch of {len(batch.messages)}: message {cause + 1} {failed.reason.name} "
                     f"after {cause} of it were put; this one was not: {failed.detail}")
-                await self._dead_letter(message, failed.reason if i == cause
-                                        else ReasonCode.PUT_FAILED, detail, who)
+                # (each with the batch's reason: a replay rule for it takes the whole batch)
+                await self._dead_letter(message, failed.reason, detail, who)
                 info["dead_letters"] += 1
         return conn.answer_batch(batch, False)
 
