@@ -697,11 +697,13 @@ class Receiver(Daemon):
     async def _handle_batch(self, conn: ReceiverConnection, batch: Batch, who: Peer,
                             info: dict) -> bytes:
         """A spec section 6 batch: refused whole if one message of it is (each dead-lettered
-        with that one's reason, none put), else put in order and answered together. A put that fails part-way (a
-        queue still full after the retry budget) cannot take back the ones before it: the
-        batch is answered DELIVERED_ERROR, the rest dead-lettered; a SURE batch sent again is
-        then completed without duplicates (the put ones are in the dedup window)."""
+        with that one's reason, none put), else put in order and answered together. A put
+        that fails part-way (a queue still full after the retry budget) cannot take back the
+        ones before it: the batch is answered DELIVERED_ERROR, the rest dead-lettered; a SURE
+        batch sent again is then completed without duplicates (the put ones are in the dedup
+        window)."""
         peer = who.label
+        info["frames"] += len(batch.messages) - 1  # (counted as one request by the caller)
         refused = batch.refused
         if refused is None:
             for message in batch.messages:
@@ -730,6 +732,7 @@ class Receiver(Daemon):
             for i, message in enumerate(batch.messages):
                 reason, detail, repeat = await self._put(message, peer)
                 if repeat:
+                    info["repeats"] += 1
                     continue
                 if reason is not None:  # filled by another writer since the room was there
                     failed = Refuse(message, reason, f"{detail} (message {i + 1} of a batch of "

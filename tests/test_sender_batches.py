@@ -100,3 +100,18 @@ def test_a_connection_lost_mid_batch_settles_the_unit_once():
     frames += batch_frames(h.serve({"b": {Q1}}, ext={"b"}))
     assert [ev.message for _, ev in frames] == [b"one", b"two", b"three"]
     assert len(h.of(Delivered)) == 1 and h.core.held == 0
+
+
+def test_a_batch_whose_retry_budget_runs_out_says_how_many_frames_carried_it():
+    """A trial's batch of 3, sent 3 times, was dead-lettered 'after 3 failed tries (3 MESSAGE
+    frame(s) sent)': 9 MESSAGE_EX frames had gone."""
+    h = Harness(hosts=("b",), max_attempts=3, backoff_initial=0.001, backoff_max=0.001)
+    h.submit(members=MEMBERS)
+    for _ in range(3):
+        h.serve({"b": {Q1}}, ext={"b"}, deliver=lambda host, msg: False)
+        if not h.of(DeadLetter):
+            h.advance()
+    [dead] = h.of(DeadLetter)
+    assert dead.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
+    assert dead.detail.startswith("not delivered after 3 failed tries (sent 3 time(s): 9 "
+                                  "MESSAGE_EX frames)"), dead.detail

@@ -483,6 +483,13 @@ class _Lane:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
 
 
+def _frames_sent(msg: Outgoing) -> str:
+    """How many frames carried ``msg`` so far, in words: a batch's each time it was sent."""
+    if msg.members is None:
+        return f"{msg.attempts} MESSAGE frame(s) sent"
+    return f"sent {msg.attempts} time(s): {msg.attempts * msg.count} MESSAGE_EX frames"
+
+
 def _no_host(lane: _Lane, why: str) -> str:
     """Why a round of asking found no host for ``lane``'s queue, in words that do not claim
     more than was heard: 'offers' only when a host answered QUEUE_NO."""
@@ -981,7 +988,7 @@ class SenderCore:
                 self._fire(head, T.RETRY_BUDGET_SPENT)
                 self._dead_letter(head, ReasonCode.RETRY_BUDGET_EXHAUSTED,
                                   f"not delivered after {head.failures} failed tries "
-                                  f"({head.attempts} MESSAGE frame(s) sent); last error: "
+                                  f"({_frames_sent(head)}); last error: "
                                   f"{head.last_error or 'none'}")
                 continue
             if self._expired(head):
