@@ -232,21 +232,24 @@ def did_you_mean(word: object, choices: Iterable[str]) -> str:
 # --------------------------------------------------------------------------------------------
 # Value parsers
 
-_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h)?")
+_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h|d)?")
 #: Text in exponent form ('1.0e9'): YAML reads it as a string, and it is no duration here.
-_EXPONENT_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][+-]?[0-9]+\s*(?:ms|s|m|h)?\s*")
+_EXPONENT_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][+-]?[0-9]+\s*(?:ms|s|m|h|d)?\s*")
 _DURATION_UNITS: Mapping[str | None, Fraction] = {
     "ms": Fraction(1, 1000),
     "s": Fraction(1),
     None: Fraction(1),
     "m": Fraction(60),
     "h": Fraction(3600),
+    "d": Fraction(86400),
 }
-_DURATION_EXPECTED = "expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s')"
+_DURATION_EXPECTED = ("expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s', "
+                      "'5m', '1h', '1d')")
 
 
 def parse_duration(value: object) -> float:
-    """Seconds from a positive number, or a string: ``'500ms'``, ``'2s'``, ``'3m'``, ``'1h'``."""
+    """Seconds from a positive number, or a string: ``'500ms'``, ``'2s'``, ``'3m'``, ``'1h'``,
+    ``'1d'``."""
     seconds = _duration_seconds(value)
     if seconds is None and isinstance(value, str) and _EXPONENT_RE.fullmatch(value):
         raise BadValueError(value, "expected a duration written out, not in exponent form "
@@ -449,24 +452,42 @@ def _parse_metrics_listen(value: object) -> HostAddress:
     return address
 
 
-_SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib)?", re.IGNORECASE)
-_SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib|tib)?", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_EXPECTED = (
     f"expected a positive number of bytes up to {HARD_MESSAGE_CAP} (e.g. 8192, '8KiB', '1MiB'), "
     "or null for the kernel's msgmax"
 )
+#: The most spill_limit takes: far beyond any disk, only a guard against a typo's zeros.
+MAX_SPILL_LIMIT = 1 << 50
+_SPILL_EXPECTED = "expected a positive number of bytes (e.g. '512MiB', '4GiB', '1TiB')"
+
+
+def _bytes(value: object) -> int:
+    """Bytes from an int or a string with a unit, 0 when it is neither."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (match := _SIZE_RE.fullmatch(value.strip())):
+        if len(match[1]) < 20:
+            return int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
+    return 0
 
 
 def parse_size(value: object) -> int:
-    """Bytes from a positive int, or a string: ``'8192'``, ``'8KiB'``, ``'64 KiB'``, ``'1MiB'``."""
-    size = 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (match := _SIZE_RE.fullmatch(value.strip())):
-        if len(match[1]) < 20:
-            size = int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
+    """Bytes from a positive int, or a string: ``'8192'``, ``'8KiB'``, ``'64 KiB'``, ``'1MiB'``
+    (at most HARD_MESSAGE_CAP: a message size)."""
+    size = _bytes(value)
     if not 1 <= size <= HARD_MESSAGE_CAP:
         raise BadValueError(value, _SIZE_EXPECTED)
+    return size
+
+
+def _parse_spill_limit(value: object) -> int:
+    """Bytes of spill files, as :func:`parse_size` but up to MAX_SPILL_LIMIT."""
+    size = _bytes(value)
+    if not 1 <= size <= MAX_SPILL_LIMIT:
+        raise BadValueError(value, _SPILL_EXPECTED + (
+            f": at most {MAX_SPILL_LIMIT} (1 PiB)" if size > MAX_SPILL_LIMIT else ""))
     return size
 
 
@@ -851,7 +872,10 @@ def _networks(value: object) -> tuple:
 
 def _parse_bool(value: object) -> bool:
     if not isinstance(value, bool):
-        raise BadValueError(value, "expected true or false" + _BOOL_NOTE)
+        quoted = isinstance(value, str) and value.strip().lower() in (
+            "yes", "no", "on", "off", "true", "false", "y", "n")
+        raise BadValueError(value, "expected true or false" + (
+            " (a string here: write it without quotes)" if quoted else _BOOL_NOTE))
     return value
 
 
@@ -1174,7 +1198,7 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         peers=peers,
         dead_letter_rate=f.get("dead_letter_rate", _parse_rate, DEFAULT_DEAD_LETTER_RATE),
         dead_letter_burst=f.get("dead_letter_burst", _parse_burst, DEFAULT_DEAD_LETTER_BURST),
-        spill_limit=f.get("spill_limit", parse_size, DEFAULT_SPILL_LIMIT),
+        spill_limit=f.get("spill_limit", _parse_spill_limit, DEFAULT_SPILL_LIMIT),
         source=f.file,
     )
 

@@ -117,7 +117,8 @@ def test_peers_rules_from_the_config():
     ({"tls": {"cert": "a", "key": "b"}}, "tls.ca", "is required"),
     ({"tls": "yes"}, "tls", "expected a mapping with 'cert'"),
     ({"tls": TLS, "plaintext": True}, "plaintext", "never both"),
-    ({"plaintext": "yes"}, "plaintext", "expected true or false"),
+    ({"plaintext": "yes"}, "plaintext", "expected true or false (a string here: write it "
+     "without quotes)"),
     ({"offer": {"allow": ["PROD_*", "bad pattern*"]}}, "offer.allow[1]", "name patterns"),
     ({"offer": {"allow": ["PRDO_*"]}}, "offer.allow[0]", "(a typo?); known names: "),
     ({"tls": {**TLS, "kye": "x"}}, "tls.kye", "unknown key 'tls.kye'"),

@@ -433,7 +433,8 @@ def test_error_message_form(tmp_path: Path) -> None:
     error = sender_error(tmp_path, "hosts: [a]\nask_timeout: -1\n")
     assert str(error) == (
         f"{tmp_path / '.rqprc'}: key 'ask_timeout': bad value '-1': "
-        "expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s') (line 2)"
+        "expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s', '5m', '1h', "
+        "'1d') (line 2)"
     )
 
 
@@ -659,11 +660,12 @@ def rejects(parser: Callable[[object], object], values: list[object]) -> None:
 
 def test_parse_duration() -> None:
     cases = [(2, 2.0), (0.5, 0.5), ("2", 2.0), ("1.5s", 1.5), ("500ms", 0.5), ("250 ms", 0.25),
-             ("3m", 180.0), ("1h", 3600.0), (".5s", 0.5), (" 2s ", 2.0), ("0.001ms", 1e-6)]
+             ("3m", 180.0), ("1h", 3600.0), ("1d", 86400.0), (".5s", 0.5), (" 2s ", 2.0),
+             ("0.001ms", 1e-6)]
     for value, seconds in cases:
         assert parse_duration(value) == seconds, value
     rejects(parse_duration, [True, False, None, 0, -1, 0.0, float("nan"), float("inf"), "", "s", "2 s s",
-                             "2d", "-1s", "2S", "1e3", "1_000", 10**400, "9" * 5000, [2]])
+                             "2w", "-1s", "2S", "1e3", "1_000", 10**400, "9" * 5000, [2]])
 
 
 def test_parse_queue_key() -> None:
@@ -712,6 +714,17 @@ def test_parse_size() -> None:
     for value, size in cases:
         assert parse_size(value) == size, value
     rejects(parse_size, [0, -1, True, 1.5, "1.5KiB", "8KB", "8k", HARD_MESSAGE_CAP + 1, "2GiB", "9" * 30])
+
+
+def test_spill_limit_takes_sizes_beyond_a_messages() -> None:
+    """A trial: 'spill_limit: 4GiB' was refused with max_message_size's text (up to
+    2147483647, or null for msgmax)."""
+    from rqp.config import MAX_SPILL_LIMIT, _parse_spill_limit
+    assert _parse_spill_limit("4GiB") == 4 << 30 and _parse_spill_limit("1TiB") == 1 << 40
+    rejects(_parse_spill_limit, [0, -1, True, "1.5GiB", MAX_SPILL_LIMIT + 1, "9" * 30])
+    with pytest.raises(ConfigError) as info:
+        _parse_spill_limit(-1)
+    assert "msgmax" not in str(info.value) and "'4GiB'" in str(info.value)
 
 
 # --------------------------------------------------------------------------------------------
