@@ -330,6 +330,7 @@ class Sender(Daemon):
         first, leftovers = self.intake.recover()
         now = self.loop.time()
         for data, record, key, seq, copies in first:
+            self.stats["from_journal"] += 1  # (taken before a restart: not counted in taken)
             self._submit(record, now, Taken(record, seq), key, copies)
         if leftovers:
             self._on_records(leftovers)
