@@ -555,8 +555,11 @@ FINISHED_MEMORY = 100_000
 #: of making a lane (about 1 KiB each). With messages spread over many keys, most lanes go
 #: idle after every message: making one for each cost this core about 0.5 µs a message at
 #: 1,000 keys (``scripts/bench --core``: 8.5-9.3 µs a message, 8.0-8.3 reusing them; 7.2-8.0
-#: with one key).
-IDLE_LANES = 4096
+#: with one key). Four times QUEUE_MEMORY: with 4,096, messages spread over 5,000 keys made a
+#: lane each again (no lane stays idle long enough to be reused when the keys cycle beyond
+#: the bound) and the sending MCA spent 41 µs a message against 32 (``scripts/bench --scale
+#: --sweeps keys --keys 5000``); at most ~16 MiB, used only by that many keys.
+IDLE_LANES = 16384
 
 #: How many queue keys the sending MCA keeps the figures of (``rqpctl status``, the metrics)
 #: when idle, the most recently busy ones; the figures of the others are added up in
