@@ -26,7 +26,7 @@ from rqp.storage.journal import Journal
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import Doorbell, KeySource
 
-__all__ = ["Budget", "Intake", "Item", "Taken", "budget_size"]
+__all__ = ["Budget", "Intake", "Item", "Taken", "budget_size", "messages_in"]
 
 log = logging.getLogger("rqp.sender")
 
@@ -39,6 +39,12 @@ IDLE_POLL = 0.05
 #: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
 #: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
 Item = list
+
+
+def messages_in(record) -> int:
+    """How many application messages a record read off the queue is: a batch's members, 1
+    for any other (and for one that could not be read, a RecordError)."""
+    return len(record.members()) if getattr(record, "is_batch", False) else 1
 
 
 class Taken:
@@ -123,7 +129,10 @@ class Intake:
         self.budget.force(len(entries) + len(leftovers))
         first = [[entry.record, TransmissionRecord.from_bytes(entry.record), entry.key,
                   entry.seq, entry.copies] for entry in entries]
-        log.info("journal: %d SURE message(s) to send again first%s", len(entries),
+        records = f" in {len(entries)} record(s)" if any(item[1].is_batch for item in first) \
+            else ""
+        log.info("journal: %d SURE message(s)%s to send again first%s",
+                 sum(messages_in(item[1]) for item in first), records,
                  f" ({last + 1 - len(leftovers)} of them also still on the transmission queue, "
                  "taken off)" if last >= 0 else "")
         return first, (self._journal(leftovers) if leftovers else [])

@@ -46,7 +46,7 @@ from rqp.system.service import (
 from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
-from rqp_agents.intake import Intake, Taken, budget_size
+from rqp_agents.intake import Intake, Taken, budget_size, messages_in
 from rqp_agents.links import Links
 
 log = logging.getLogger("rqp.sender")
@@ -330,7 +330,8 @@ class Sender(Daemon):
         first, leftovers = self.intake.recover()
         now = self.loop.time()
         for data, record, key, seq, copies in first:
-            self.stats["from_journal"] += 1  # (taken before a restart: not counted in taken)
+            # (taken before a restart: not counted in taken; a batch, its messages)
+            self.stats["from_journal"] += messages_in(record)
             self._submit(record, now, Taken(record, seq), key, copies)
         if leftovers:
             self._on_records(leftovers)
@@ -339,7 +340,7 @@ class Sender(Daemon):
     def _on_records(self, items: list) -> None:
         now = self.loop.time()
         for data, record, key, seq, copies in items:
-            self.stats["taken"] += 1
+            self.stats["taken"] += messages_in(record)  # (every count is of messages)
             if isinstance(record, RecordError):
                 self._dead_letter_raw(data, record)
                 self.intake.budget.give(1)
@@ -376,6 +377,7 @@ class Sender(Daemon):
     def _run_actions(self) -> None:
         out: dict[object, list[bytes]] = {}  # frames per host, written once per batch
         finished = delivered = 0  # messages whose slot in memory is free again
+        delivered_messages = 0  # (a batch: its messages)
         for act in self.core.take_actions():
             kind = type(act)
             if kind is Send:
@@ -391,6 +393,7 @@ class Sender(Daemon):
                     self.stats["copies_delivered"] += 1
                     continue
                 delivered += 1
+                delivered_messages += msg.count
                 if msg.origin.seq is not None:
                     self._releases.append(msg.origin.seq)
             elif kind is Connect:
@@ -404,7 +407,7 @@ class Sender(Daemon):
                                "reason": act.reason})
                 self.links.close(act.host)
             elif kind is Lost:
-                self.stats["lost"] += 1
+                self.stats["lost"] += act.message.count
                 finished += act.message.fanout is None
                 log.warning("UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
                             act.message.key, format_key(act.message.queue_key), act.host,
@@ -425,7 +428,7 @@ class Sender(Daemon):
         for host, frames in out.items():
             self.links.write(host, frames)
         if finished or delivered:
-            self.stats["delivered"] += delivered
+            self.stats["delivered"] += delivered_messages
             self.intake.budget.give(finished + delivered)
         self._hold_waiting_beyond_budget()
         if self._releases or self._copies_done:

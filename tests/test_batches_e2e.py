@@ -138,6 +138,12 @@ def test_sender_killed_while_a_sure_batch_waits_it_arrives_whole_once(testbed_fa
     wait_for(lambda: sender_status(a, rqprc)["journal_depth"] == 0, timeout=30,
              message="the delivered batch stayed in the journal")
     assert depth(b, Q1) == 0 and dead_letters(b) == [] and dead_letters(a) == []
+    # every count is of messages (a trial: 'journal: 3 SURE message(s)' for a batch of 3 and
+    # 2 singles, and taken/delivered/lost counting a batch as one, dead_lettered as three)
+    assert "journal: 3 SURE message(s) in 1 record(s) to send again first" in \
+        log_lines(a, sender, "journal:")[0]
+    stats = sender_status(a, rqprc)["stats"]
+    assert (stats["from_journal"], stats["delivered"]) == (3, 3), stats
 
 
 def test_the_receiver_puts_all_of_a_batch_or_none(testbed_factory):
