@@ -195,6 +195,7 @@ def sender_metrics(agent) -> str:
 
 
 def receiver_status(agent) -> dict:
+    window = agent.dedup.state()  # (first: it drops the keys past their age)
     return {
         "agent": "receiver", "pid": os.getpid(), "host": agent.host,
         "started_at": agent.started, "uptime": time.time() - agent.started,
@@ -202,8 +203,8 @@ def receiver_status(agent) -> dict:
         "max_message_size": agent.max_message_size,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
-        "dedup_window_keys": len(agent.dedup),  # (kept: the same as dedup_window["keys"])
-        "dedup_window": agent.dedup.state(),
+        "dedup_window_keys": window["keys"],  # (kept: the same as dedup_window["keys"])
+        "dedup_window": window,
         "connections": sorted(agent._peers.values(), key=lambda p: p["since"]),
         "queues": offered_queues(agent),
         "tls": agent.config.tls is not None,

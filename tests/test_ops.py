@@ -76,6 +76,7 @@ def test_status_of_healthy_agents(site):
     window = st["dedup_window"]  # the two SURE messages' keys, in a window far from full
     assert (window["keys"], window["max_keys"], window["max_age"], window["full"]) == \
         (2, 1_000_000, 86400.0, False) and 0 <= window["oldest_age"] < 600
+    assert st["dedup_window_keys"] == 2  # (the same count, after the same expiry)
     text = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                   str(b.workdir / "receiver.yaml")).stdout
     assert "de-duplication window: 2 of 1,000,000 keys, the oldest " in text, text
