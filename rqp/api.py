@@ -289,6 +289,8 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
         msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
     _check_msg_type(msg_type)
     if open_batch is not None:  # between beginBatch and commitBatch: into the batch
+        if priority == open_batch.priority:
+            priority = DEFAULT_PRIORITY  # (the batch's, said again: not another)
         given = [name for name, value, default in (
             ("priority", priority, DEFAULT_PRIORITY), ("ttl", ttl, None),
             ("expires_at", expires_at, None), ("timeout", timeout, None), ("sync", sync, False))

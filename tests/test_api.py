@@ -227,10 +227,11 @@ err("rollback_none", lambda: rqp.rollbackBatch(h))
 b = rqp.beginBatch(h, rqp.SURE_MSG, priority=7)
 err("twice", lambda: rqp.beginBatch(h))
 err("priority_in_batch", lambda: rqp.sendMessage(h, b"x", priority=2))
+err("batch_priority_again", lambda: rqp.sendMessage(h, b"x", priority=7))  # the batch's
 err("type_in_batch", lambda: rqp.sendMessage(h, b"x", rqp.UNSURE_MSG))
 err("mtype", lambda: b.send(b"x", mtype=0))
 err("too_big", lambda: b.send(b"y" * 9000))
-for i in range(256):
+for i in range(255):  # (one went in above, at the batch's priority)
     b.send(b"")
 err("too_many", lambda: b.send(b""))
 rolled = rqp.rollbackBatch(h)
@@ -257,9 +258,11 @@ print(json.dumps([errors, rolled, got.decode(), sysv_ipc.MessageQueue(0x52510001
     assert errors["unsure_c_style"] is None
     assert "has a batch open already" in errors["twice"]
     assert "priority given to sendMessage" in errors["priority_in_batch"]
+    assert errors["batch_priority_again"] is None
     assert "msg_type 1 here, 0 for the batch" in errors["type_in_batch"]
     assert "mtype must be an integer in 1.." in errors["mtype"]
-    assert errors["too_big"].startswith("MessageTooBig: the batch would be 9012 bytes")
+    # (9000 and its 12 bytes, after the one b"x" of 13 sent at the batch's priority)
+    assert errors["too_big"].startswith("MessageTooBig: the batch would be 9025 bytes")
     assert "at most 256 messages" in errors["too_many"]
     assert rolled == 256
     assert got == "marker" and left == 0  # nothing of the rolled-back, failed or closed batches
