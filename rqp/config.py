@@ -452,8 +452,9 @@ def _parse_metrics_listen(value: object) -> HostAddress:
     return address
 
 
-_SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib|tib)?", re.IGNORECASE)
-_SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"([0-9]+)\s*(b|kib|mib|gib|tib|pib)?", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+               "pib": 1 << 50}
 _SIZE_EXPECTED = (
     f"expected a positive number of bytes up to {HARD_MESSAGE_CAP} (e.g. 8192, '8KiB', '1MiB'), "
     "or null for the kernel's msgmax"
@@ -872,8 +873,9 @@ def _networks(value: object) -> tuple:
 
 def _parse_bool(value: object) -> bool:
     if not isinstance(value, bool):
+        # (words YAML reads as booleans unquoted: here a string, so they were quoted)
         quoted = isinstance(value, str) and value.strip().lower() in (
-            "yes", "no", "on", "off", "true", "false", "y", "n")
+            "yes", "no", "on", "off", "true", "false")
         raise BadValueError(value, "expected true or false" + (
             " (a string here: write it without quotes)" if quoted else _BOOL_NOTE))
     return value

@@ -119,6 +119,7 @@ def test_peers_rules_from_the_config():
     ({"tls": TLS, "plaintext": True}, "plaintext", "never both"),
     ({"plaintext": "yes"}, "plaintext", "expected true or false (a string here: write it "
      "without quotes)"),
+    ({"plaintext": "y"}, "plaintext", "expected true or false (YAML reads"),  # (y is a string)
     ({"offer": {"allow": ["PROD_*", "bad pattern*"]}}, "offer.allow[1]", "name patterns"),
     ({"offer": {"allow": ["PRDO_*"]}}, "offer.allow[0]", "(a typo?); known names: "),
     ({"tls": {**TLS, "kye": "x"}}, "tls.kye", "unknown key 'tls.kye'"),

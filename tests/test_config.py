@@ -721,7 +721,10 @@ def test_spill_limit_takes_sizes_beyond_a_messages() -> None:
     2147483647, or null for msgmax)."""
     from rqp.config import MAX_SPILL_LIMIT, _parse_spill_limit
     assert _parse_spill_limit("4GiB") == 4 << 30 and _parse_spill_limit("1TiB") == 1 << 40
+    assert _parse_spill_limit("1PiB") == MAX_SPILL_LIMIT
     rejects(_parse_spill_limit, [0, -1, True, "1.5GiB", MAX_SPILL_LIMIT + 1, "9" * 30])
+    with pytest.raises(ConfigError, match=r"at most 1125899906842624 \(1 PiB\)"):
+        _parse_spill_limit("2PiB")
     with pytest.raises(ConfigError) as info:
         _parse_spill_limit(-1)
     assert "msgmax" not in str(info.value) and "'4GiB'" in str(info.value)
