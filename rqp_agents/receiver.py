@@ -685,8 +685,8 @@ class Receiver(Daemon):
             return conn.answer_put(request, False)
         if isinstance(request, Refuse):
             if request.dead_letter:
-                await self._dead_letter(request.message, request.reason, request.detail, who)
-                info["dead_letters"] += 1
+                info["dead_letters"] += await self._dead_letter(
+                    request.message, request.reason, request.detail, who)
             return conn.answer_put(request, False)
         reason, detail, repeat = await self._put(request.message, peer)
         if repeat:
@@ -759,8 +759,8 @@ class Receiver(Daemon):
                     f"batch of {len(batch.messages)}: message {cause + 1} {failed.reason.name} "
                     f"after {cause} of it were put; this one was not: {failed.detail}")
                 # (each with the batch's reason: a replay rule for it takes the whole batch)
-                await self._dead_letter(message, failed.reason, detail, who)
-                info["dead_letters"] += 1
+                info["dead_letters"] += await self._dead_letter(message, failed.reason,
+                                                                detail, who)
         return conn.answer_batch(batch, False)
 
     def _put_at_once(self, message, peer: str):
@@ -825,8 +825,7 @@ class Receiver(Daemon):
         if reason is None:
             return self._delivered(conn, request, info)
         message = request.message
-        await self._dead_letter(message, reason, detail, who)
-        info["dead_letters"] += 1
+        info["dead_letters"] += await self._dead_letter(message, reason, detail, who)
         self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
         return conn.answer_put(request, False)
 
@@ -838,8 +837,9 @@ class Receiver(Daemon):
         self.figures.count(message.queue_key, _PUT_FIGURE, len(message.message))
         return conn.answer_put(request, True)
 
-    async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> None:
-        """Write the dead letter of ``message`` (within ``who``'s dead-letter budget); raise
+    async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> bool:
+        """Write the dead letter of ``message`` (within ``who``'s dead-letter budget): whether
+        one was written (not for a SURE message's repeat, nor beyond the budget); raise
         DeadLetterUnavailable if DEAD.LETTER.Q cannot take it."""
         sure, peer = message.message_type == SURE_MSG, who.label
         noticed = (peer, message.key)
@@ -847,11 +847,11 @@ class Receiver(Daemon):
             self._repeated_dead_letters.report(
                 "dead letter (repeat, not written again) reason=%s queue=%s key=%#018x from=%s",
                 logging.INFO, reason.name, format_key(message.queue_key), message.key, peer)
-            return
+            return False
         allowance = self.gate.dead_letter_allowance(
             who, f"key={message.key:#018x} queue {format_key(message.queue_key)}")
         if allowance is Allowance.NONE:
-            return
+            return False
         header_only = isinstance(message, OversizedMessage) or \
             allowance is Allowance.HEADER_ONLY
         if allowance is Allowance.HEADER_ONLY:
@@ -888,6 +888,7 @@ class Receiver(Daemon):
             extra={"event": "dead_letter", "reason": reason.name, "peer": peer,
                    "queue_key": format_key(message.queue_key),
                    "message_key": f"{message.key:#018x}"})
+        return True
 
 
 def _answers_sure(request) -> bool:

@@ -461,16 +461,18 @@ def test_dead_letters_and_waits_for_a_full_queue_are_logged_within_limits(testbe
         assert re.search(rf"\d+ more {what} not logged since", log_text), (what, log_text[-3000:])
 
 
-def test_a_connections_counts_include_every_frame_and_repeat_of_its_batches(testbed):
+def test_a_connections_counts_are_of_frames_repeats_and_dead_letters_written(testbed):
     """A trial: a batch re-sent after a sender's restart showed '3 frames, 1 put, 0 repeats'
     for its connection, while the log had its 3 repeats: a batch counted as one frame, and
-    its repeats not at all."""
+    its repeats not at all. A second: a SURE message refused again counted a dead letter
+    each time, though it is written once."""
     import json
 
     from rqp.protocol.constants import BATCH_MORE, EXT_MESSAGE
     from rqp.protocol.events import MessageEx, QueueYes
     sock = testbed.workdir / "a" / "receiver.sock"
-    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock)}, queues={Q1: 0o660})
+    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock), "max_message_size": 100},
+            queues={Q1: 0o660})
     batch = raw(b"".join(encode(MessageEx(message_type=SURE, key=0x600 + n, queue_key=Q1,
                                           message=b"b%d" % n, flags=BATCH_MORE if n < 1 else 0))
                          for n in range(2)))
@@ -479,13 +481,19 @@ def test_a_connections_counts_include_every_frame_and_repeat_of_its_batches(test
     r.pb.send("c", [batch, batch])
     assert r.pb.recv("c", 8, timeout=10)["data"] == DELIVERED_YES * 4
     assert r.qa.drain(Q1) == [(1, b"b0"), (1, b"b1")]  # the second time: repeats
+    # one SURE message too big, sent twice: one dead letter (a second trial counted two)
+    too_big = msg(Q1, b"x" * 200, key=0x700, type=SURE)
+    got = r.pb.exchange("c", [too_big, ask(Q1), too_big, ask(Q1)])
+    assert answers(got) == ["DELIVERED_ERROR", "0501"] * 2  # (QUEUE_YES, EXT_MESSAGE)
+    assert len(r.qa.dead_letters()) == 1
     out = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
                    "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml"))),
                    "--json"], check=False, timeout=60)
     st = json.loads(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr
     [conn] = st["receiver"]["connections"]
-    assert (conn["frames"], conn["messages"], conn["repeats"]) == (5, 2, 2), conn
+    assert (conn["frames"], conn["messages"], conn["repeats"], conn["dead_letters"]) == \
+        (9, 2, 2, 1), conn
 
 
 def test_dead_letter_message_over_the_queues_max_size_keeps_its_payload(testbed):
