@@ -434,7 +434,11 @@ class Receiver(Daemon):
             log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
                      "hold (a put waits up to put_retry_count x put_retry_interval for a full "
                      "queue; a second SIGTERM exits at once)", wait, len(busy))
-            await asyncio.wait(busy, timeout=wait)
+            _, still = await asyncio.wait(busy, timeout=wait)
+            if still:
+                log.warning("stopping: %d connection(s) still busy after %gs, closed now: what "
+                            "they had sent and not had answered stays with their senders "
+                            "(SURE, sent again) or is lost (UNSURE)", len(still), wait)
         for task in list(self._connections):
             task.cancel()
         if self._connections:

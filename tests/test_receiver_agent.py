@@ -690,6 +690,23 @@ def test_sigterm_answers_the_request_in_flight_then_exits_0(testbed):
     assert r.qa.dead_letters() == []
 
 
+def test_a_stop_that_gives_up_on_a_busy_connection_says_so(testbed):
+    """A second trial: pipelined frames to a full queue, a SIGTERM: after its wait the
+    receiver closed the connections with frames unanswered, and nothing said so."""
+    config = {**BASE_CONFIG, "put_retry_count": 2, "put_retry_interval": 0.1,
+              "dead_letter_burst": 1000}  # 0.2 s a put, so the stop waits 5.2 s
+    r = rig(testbed, config, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 20})
+    r.qa.fill(Q1)
+    connect(r.pb, "busy", r)
+    r.pb.send("busy", [msg(Q1, b"u%d" % n, key=0x800 + n, type=UNSURE) for n in range(60)])
+    wait_for(lambda: "full: retrying" in r.log(), timeout=5, message="the put never started")
+    r.rx.send_signal(signal.SIGTERM)
+    assert r.rx.wait(timeout=30) == 0
+    got = r.pb.read_to_eof("busy", timeout=5)
+    assert len(got["data"]) < 2 * 60, got  # not every frame was answered ...
+    assert "stopping: 1 connection(s) still busy after 5.2s, closed now" in r.log()  # ... said
+
+
 def test_sigterm_with_only_idle_connections_exits_at_once_and_cleanly(testbed):
     r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
     for name in ("idle1", "idle2"):
