@@ -762,7 +762,8 @@ class Receiver(Daemon):
                     f"{failed.reason.name}: {failed.detail}" if refused is not None else
                     f"batch of {len(batch.messages)}: message {cause + 1} {failed.reason.name} "
                     f"after {cause} of it were put; this one was not: {failed.detail}")
-                # (each with the batch's reason: a replay rule for it takes the whole batch)
+                # (each with the batch's reason, so that a rule for it treats every message
+                # of the batch alike; replay still puts each back on its own)
                 info["dead_letters"] += await self._dead_letter(message, failed.reason,
                                                                 detail, who)
         return conn.answer_batch(batch, False)
