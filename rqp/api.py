@@ -257,7 +257,7 @@ def _connection(handle: int) -> _Connection:
 
 def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                 timeout: float | None = None, sync: bool = False, mtype: int = 1,
-                priority: int = DEFAULT_PRIORITY, ttl: float | None = None,
+                priority: int | None = None, ttl: float | None = None,
                 expires_at: float | None = None) -> None:
     """Put ``data`` on the transmission queue for the handle's queue.
 
@@ -269,7 +269,8 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     (at most ``timeout`` seconds, if given) for the sending MCA to make room.
 
     ``mtype``: the System V message type it is put with at the destination (1 or more), so a
-    consumer can select it with ``msgrcv``'s ``msgtyp``. ``priority`` 0..9 (default 4): waiting
+    consumer can select it with ``msgrcv``'s ``msgtyp``. ``priority`` 0..9 (None: 4, or the
+    batch's in a batch, where no other is taken): waiting
     messages of higher priority are sent first; the order within one priority is kept.
     ``ttl`` (seconds from now) or ``expires_at`` (Unix time, seconds): after it the message is
     never delivered but dead-lettered ``EXPIRED``. A host that speaks plain RQP/1 carries
@@ -289,22 +290,24 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
         msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
     _check_msg_type(msg_type)
     if open_batch is not None:  # between beginBatch and commitBatch: into the batch
-        if priority == open_batch.priority:
-            priority = DEFAULT_PRIORITY  # (the batch's, said again: not another)
         given = [name for name, value, default in (
-            ("priority", priority, DEFAULT_PRIORITY), ("ttl", ttl, None),
-            ("expires_at", expires_at, None), ("timeout", timeout, None), ("sync", sync, False))
-            if value != default]
+            ("ttl", ttl, None), ("expires_at", expires_at, None), ("timeout", timeout, None),
+            ("sync", sync, False)) if value != default]
+        if priority is not None and priority != open_batch.priority:  # (its own: no other)
+            given.insert(0, f"priority {priority} (the batch's is {open_batch.priority})")
         if given or msg_type != open_batch.msg_type:
             raise RQPError(
                 "a batch has one message type, priority and expiry, given to beginBatch, and "
                 "is put by commitBatch (which takes timeout and sync): "
                 + (f"{', '.join(given)} given to sendMessage" if given else
-                   f"msg_type {msg_type} here, {open_batch.msg_type} for the batch"))
+                   f"msg_type {_TYPE_NAMES[msg_type]} here, "
+                   f"{_TYPE_NAMES[open_batch.msg_type]} for the batch"))
         open_batch.send(data, mtype)
         return
     if sync and msg_type != SURE_MSG:
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
+    if priority is None:
+        priority = DEFAULT_PRIORITY
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     limit = conn.producer.limit
@@ -327,6 +330,9 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                               next(_sequence), now_ns, mtype, priority, expires_at_ms)
     conn.producer.put_raw(raw, timeout=timeout, sync=sync,
                           sync_timeout=30.0 if timeout is None else timeout)
+
+
+_TYPE_NAMES = {SURE_MSG: "SURE_MSG", UNSURE_MSG: "UNSURE_MSG"}
 
 
 def _check_msg_type(msg_type) -> None:

@@ -228,6 +228,7 @@ b = rqp.beginBatch(h, rqp.SURE_MSG, priority=7)
 err("twice", lambda: rqp.beginBatch(h))
 err("priority_in_batch", lambda: rqp.sendMessage(h, b"x", priority=2))
 err("batch_priority_again", lambda: rqp.sendMessage(h, b"x", priority=7))  # the batch's
+err("default_priority_in_batch", lambda: rqp.sendMessage(h, b"x", priority=4))  # (4: given)
 err("type_in_batch", lambda: rqp.sendMessage(h, b"x", rqp.UNSURE_MSG))
 err("mtype", lambda: b.send(b"x", mtype=0))
 err("too_big", lambda: b.send(b"y" * 9000))
@@ -257,9 +258,10 @@ print(json.dumps([errors, rolled, got.decode(), sysv_ipc.MessageQueue(0x52510001
         errors["commit_none"] and "beginBatch first" in errors["rollback_none"]
     assert errors["unsure_c_style"] is None
     assert "has a batch open already" in errors["twice"]
-    assert "priority given to sendMessage" in errors["priority_in_batch"]
+    assert "priority 2 (the batch's is 7) given to sendMessage" in errors["priority_in_batch"]
     assert errors["batch_priority_again"] is None
-    assert "msg_type 1 here, 0 for the batch" in errors["type_in_batch"]
+    assert "priority 4 (the batch's is 7)" in errors["default_priority_in_batch"]
+    assert "msg_type UNSURE_MSG here, SURE_MSG for the batch" in errors["type_in_batch"]
     assert "mtype must be an integer in 1.." in errors["mtype"]
     # (9000 and its 12 bytes, after the one b"x" of 13 sent at the batch's priority)
     assert errors["too_big"].startswith("MessageTooBig: the batch would be 9025 bytes")
