@@ -256,12 +256,13 @@ class Intake:
         blocking the loop (a second SIGTERM must still work) and until ``deadline`` (loop
         time) at the latest."""
         loop = asyncio.get_running_loop()
-        done = 0
+        done = done_messages = 0  # records, and the messages in them (a batch's)
         for msg in messages:
             while True:
                 try:
                     self.queue.put(msg.origin.record.to_bytes(), block=False)
                     done += 1
+                    done_messages += msg.count
                     break
                 except QueueFull:
                     if loop.time() >= deadline:
@@ -271,7 +272,8 @@ class Intake:
                     log.error("cannot put message key=%#018x back on the transmission queue: "
                               "%s", msg.key, exc)
                     break
-        log.info("%d message(s) not sent yet put back on the transmission queue", done)
+        log.info("%d record(s) not sent yet put back on the transmission queue (%d message(s))",
+                 done, done_messages)
         if done < len(messages):
             log.error("%d message(s) could not be put back (transmission queue %s full for "
                       "%gs) and are lost", len(messages) - done, format_key(self.key), grace)

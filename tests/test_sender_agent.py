@@ -143,7 +143,8 @@ def test_sigterm_keeps_sure_messages_journaled_and_the_next_start_sends_them_fir
     wait_for(lambda: log_lines(a, sender, "will be retried"), timeout=20, message="no retry")
     sender.send_signal(signal.SIGTERM)
     assert sender.wait(30) == 0
-    assert "1 message(s) not sent yet put back" in log_lines(a, sender, "put back")[0]
+    assert "1 record(s) not sent yet put back on the transmission queue (1 message(s))" in \
+        log_lines(a, sender, "put back")[0]
     fake.set("yes")
     again = start_sender(a, rqprc)
     wait_for(lambda: len(fake.events("MESSAGE")) == 3, timeout=20, message="not sent")
