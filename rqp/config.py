@@ -232,9 +232,9 @@ def did_you_mean(word: object, choices: Iterable[str]) -> str:
 # --------------------------------------------------------------------------------------------
 # Value parsers
 
-_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h|d)?")
+_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>ms|s|m|h|d|w)?")
 #: Text in exponent form ('1.0e9'): YAML reads it as a string, and it is no duration here.
-_EXPONENT_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][+-]?[0-9]+\s*(?:ms|s|m|h|d)?\s*")
+_EXPONENT_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][+-]?[0-9]+\s*(?:ms|s|m|h|d|w)?\s*")
 _DURATION_UNITS: Mapping[str | None, Fraction] = {
     "ms": Fraction(1, 1000),
     "s": Fraction(1),
@@ -242,6 +242,7 @@ _DURATION_UNITS: Mapping[str | None, Fraction] = {
     "m": Fraction(60),
     "h": Fraction(3600),
     "d": Fraction(86400),
+    "w": Fraction(7 * 86400),
 }
 _DURATION_EXPECTED = ("expected a positive duration in seconds (e.g. 2, 0.5, '500ms', '2s', "
                       "'5m', '1h', '1d')")
@@ -877,7 +878,8 @@ def _parse_bool(value: object) -> bool:
         quoted = isinstance(value, str) and value.strip().lower() in (
             "yes", "no", "on", "off", "true", "false")
         raise BadValueError(value, "expected true or false" + (
-            " (a string here: write it without quotes)" if quoted else _BOOL_NOTE))
+            " (a string here: write it without quotes)" if quoted
+            else _BOOL_NOTE if isinstance(value, str) else ""))
     return value
 
 

@@ -120,6 +120,7 @@ def test_peers_rules_from_the_config():
     ({"plaintext": "yes"}, "plaintext", "expected true or false (a string here: write it "
      "without quotes)"),
     ({"plaintext": "y"}, "plaintext", "expected true or false (YAML reads"),  # (y is a string)
+    ({"plaintext": 1}, "plaintext", "bad value '1': expected true or false"),
     ({"offer": {"allow": ["PROD_*", "bad pattern*"]}}, "offer.allow[1]", "name patterns"),
     ({"offer": {"allow": ["PRDO_*"]}}, "offer.allow[0]", "(a typo?); known names: "),
     ({"tls": {**TLS, "kye": "x"}}, "tls.kye", "unknown key 'tls.kye'"),

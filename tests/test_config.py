@@ -660,12 +660,13 @@ def rejects(parser: Callable[[object], object], values: list[object]) -> None:
 
 def test_parse_duration() -> None:
     cases = [(2, 2.0), (0.5, 0.5), ("2", 2.0), ("1.5s", 1.5), ("500ms", 0.5), ("250 ms", 0.25),
-             ("3m", 180.0), ("1h", 3600.0), ("1d", 86400.0), (".5s", 0.5), (" 2s ", 2.0),
+             ("3m", 180.0), ("1h", 3600.0), ("1d", 86400.0), ("2w", 1209600.0), (".5s", 0.5),
+             (" 2s ", 2.0),
              ("0.001ms", 1e-6)]
     for value, seconds in cases:
         assert parse_duration(value) == seconds, value
     rejects(parse_duration, [True, False, None, 0, -1, 0.0, float("nan"), float("inf"), "", "s", "2 s s",
-                             "2w", "-1s", "2S", "1e3", "1_000", 10**400, "9" * 5000, [2]])
+                             "2y", "-1s", "2S", "1e3", "1_000", 10**400, "9" * 5000, [2]])
 
 
 def test_parse_queue_key() -> None:
