@@ -162,6 +162,24 @@ def test_unsure_error_counter_drops_route_after_error_limit():
     assert h.sent() == [("b", Ask(Q1))]  # asks again
 
 
+def test_errors_of_a_route_already_dropped_are_not_counted():
+    """A trial's log said 'error counter increased ... 7 of 3': UNSURE messages in flight
+    that failed after their route was dropped went on counting against it (and, the route
+    gone, were never reset)."""
+    h = Harness(hosts=("b",), error_limit=1)
+    for _ in range(5):
+        h.submit(message_type=UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    assert len(h.sent()) == 5
+    for _ in range(5):
+        h.answer("b", ERR)
+    assert [n.detail for n in h.of(Note) if n.kind is NoteKind.ERROR_COUNTED] == [
+        "1 of 1: DELIVERED_ERROR", "2 of 1: DELIVERED_ERROR"]  # the second drops the route
+    assert h.core.routes == {} and h.core.error_count("b", Q1) == 0
+    assert len(h.of(Lost)) == 5
+
+
 def test_unsure_success_resets_the_counter():
     h = Harness()
     for _ in range(3):

@@ -1384,13 +1384,14 @@ class SenderCore:
             if copy_info is not None:
                 copy_info.lost += msg.count
             self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
-            count = self.errors.get((link.host, key), 0) + 1
-            self.errors[(link.host, key)] = count
-            self._note(NoteKind.ERROR_COUNTED, key, link.host,
-                       f"{count} of {self.settings.error_limit}: {why}", msg.key)
-            if count > self.settings.error_limit:
-                self._drop_route(key, link.host, f"error counter {count} over the limit "
-                                 f"{self.settings.error_limit}")
+            if self.routes.get(key) == link.host:  # (a route dropped already counts no more)
+                count = self.errors.get((link.host, key), 0) + 1
+                self.errors[(link.host, key)] = count
+                self._note(NoteKind.ERROR_COUNTED, key, link.host,
+                           f"{count} of {self.settings.error_limit}: {why}", msg.key)
+                if count > self.settings.error_limit:
+                    self._drop_route(key, link.host, f"error counter {count} over the limit "
+                                     f"{self.settings.error_limit}")
             self._fire(msg, T.COUNTED)
             self._finished(msg, "lost (UNSURE, not confirmed)", msg.last_error)
             self._actions.append(Lost(msg, link.host, msg.last_error))
