@@ -24,7 +24,7 @@ from pathlib import Path
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
 from rqp.protocol.constants import (
     DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_PRIORITY, DEFAULT_TRANSMISSION_QUEUE, INT64_MAX, MAX_BATCH,
-    SURE_MSG, UNSURE_MSG,
+    SURE_MSG, UNSURE_MSG, MessageType,
 )
 from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.records import (
@@ -300,8 +300,8 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                 "a batch has one message type, priority and expiry, given to beginBatch, and "
                 "is put by commitBatch (which takes timeout and sync): "
                 + (f"{', '.join(given)} given to sendMessage" if given else
-                   f"msg_type {_TYPE_NAMES[msg_type]} here, "
-                   f"{_TYPE_NAMES[open_batch.msg_type]} for the batch"))
+                   f"msg_type {MessageType(msg_type).name}_MSG here, "
+                   f"{MessageType(open_batch.msg_type).name}_MSG for the batch"))
         open_batch.send(data, mtype)
         return
     if sync and msg_type != SURE_MSG:
@@ -330,9 +330,6 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                               next(_sequence), now_ns, mtype, priority, expires_at_ms)
     conn.producer.put_raw(raw, timeout=timeout, sync=sync,
                           sync_timeout=30.0 if timeout is None else timeout)
-
-
-_TYPE_NAMES = {SURE_MSG: "SURE_MSG", UNSURE_MSG: "UNSURE_MSG"}
 
 
 def _check_msg_type(msg_type) -> None:

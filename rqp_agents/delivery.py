@@ -33,7 +33,7 @@ class LocalDelivery:
     """Puts messages in this host's queues for a receiving MCA configured by ``config``
     (replace :attr:`config` on reload: the retry settings are read at each put)."""
 
-    def __init__(self, config: ReceiverConfig, log_limit: tuple[float, int] = (10.0, 20)) -> None:
+    def __init__(self, config: ReceiverConfig, log_limit: tuple[float, int]) -> None:
         """``log_limit``: (interval, burst) of the "full: retrying" lines, which a peer
         sending to a full queue causes one a message."""
         self._full_log = RateLimitedLog(log, *log_limit, what="waits for a full queue")
