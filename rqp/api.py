@@ -32,7 +32,7 @@ from rqp.protocol.records import (
     check_extras, check_mtype, encode_batch, encode_transmission,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
-from rqp.system.service import Doorbell, sender_serving, spawn_lock
+from rqp.system.service import sender_serving, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
@@ -54,29 +54,27 @@ class AgentStartError(RQPError):
 
 
 class Producer:
-    """Puts transmission records on one transmission queue and wakes its sending MCA: what
-    :func:`sendMessage` does for an application's handle, and ``rqpctl dlq replay`` for the
+    """Puts transmission records on one transmission queue (its sending MCA, waiting in
+    ``msgrcv``, wakes when one arrives): what :func:`sendMessage` does for an application's handle, and ``rqpctl dlq replay`` for the
     records it puts back. The queue is created if missing, so that producers can go on putting
     while the sending MCA restarts."""
 
     def __init__(self, config: SenderConfig) -> None:
         self.config = config
         self.transmission_queue = LocalQueue.create(config.transmission_queue)
-        self.doorbell = Doorbell(config.transmission_queue)
         #: The largest payload: kernel msgmax minus the transmission header.
         self.limit = max_payload()
 
     def put(self, record: TransmissionRecord, *, timeout: float | None = None,
             sync: bool = False, sync_timeout: float = 30.0) -> None:
-        """Put ``record`` (waiting up to ``timeout`` for room, None: as long as it takes) and
-        ring the doorbell; with ``sync``, wait until the sending MCA has journaled it."""
+        """Put ``record`` (waiting up to ``timeout`` for room, None: as long as it takes);
+        with ``sync``, wait until the sending MCA has journaled it."""
         self.put_raw(record.to_bytes(), timeout=timeout, sync=sync, sync_timeout=sync_timeout)
 
     def put_raw(self, raw: bytes, *, timeout: float | None = None, sync: bool = False,
                 sync_timeout: float = 30.0) -> None:
         """:meth:`put` of a record already encoded."""
         self.transmission_queue.put(raw, block=True, timeout=timeout)
-        self.doorbell.ring()
         if sync:
             self.wait_taken(raw, sync_timeout)
 

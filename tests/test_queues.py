@@ -40,6 +40,7 @@ from rqp.system.queues import (
     mode_permits,
     write_access,
 )
+from tests.testbed import wait_for
 
 NOBODY = 65534
 
@@ -470,3 +471,87 @@ def test_peek_of_a_removed_queue(make_queue):
     q.remove()
     with pytest.raises(QueueNotFound):
         q.peek(0)
+
+
+# --- wait (msgrcv with a zero-byte buffer): how an idle sending MCA waits for a record -----
+
+_MSGRCV = {"x86_64": 70, "aarch64": 188}
+
+
+def _waiting_in_msgrcv(thread: threading.Thread) -> bool:
+    task = f"/proc/self/task/{thread.native_id}"
+    with open(f"{task}/wchan") as f:
+        if f.read() == "do_msgrcv":
+            return True
+    with open(f"{task}/syscall") as f:  # (where wchan is hidden)
+        return f.read().split()[0] == str(_MSGRCV.get(os.uname().machine))
+
+
+def _waiter(q):
+    """A thread blocked in ``q.wait()`` (checked in /proc); its result lands in ``.got``."""
+    thread = threading.Thread(target=lambda: thread.got.append(_outcome(q.wait)), daemon=True)
+    thread.got = []
+    thread.start()
+    wait_for(lambda: _waiting_in_msgrcv(thread) or thread.got, timeout=10,
+             message="the thread did not block in msgrcv")
+    assert not thread.got
+    return thread
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return exc
+
+
+def test_wait_returns_at_once_and_takes_nothing_when_a_message_is_there(make_queue):
+    q = make_queue()
+    q.put(b"waiting", mtype=5)
+    assert q.wait() is None
+    assert q.depth == 1 and q.peek(0) == (b"waiting", 5)
+
+
+def test_a_put_wakes_a_waiting_reader_and_stays_on_the_queue(make_queue):
+    """The put hands the message to the waiting msgrcv, which is too small for it: the kernel
+    wakes the reader with E2BIG and queues the message as if nobody had waited."""
+    q = make_queue()
+    thread = _waiter(q)
+    LocalQueue.open(q.key).put(b"arrives")
+    thread.join(10)
+    assert not thread.is_alive() and thread.got == [None]
+    assert q.depth == 1 and q.get() == b"arrives"
+
+
+def test_wait_takes_an_empty_message_and_says_so(make_queue):
+    """The one message a zero-byte buffer can take: returned, so it is not lost unseen."""
+    q = make_queue()
+    raw = sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=64)
+    raw.send(b"", type=9)
+    raw.send(b"next", type=1)
+    assert q.wait() == (b"", 9)
+    assert q.wait() is None and q.depth == 1 and q.get() == b"next"
+    thread = _waiter(q)  # and the same for one that arrives while it waits
+    raw.send(b"", type=4)
+    thread.join(10)
+    assert thread.got == [(b"", 4)] and q.depth == 0
+
+
+def test_a_signal_ends_a_wait(make_queue, alarm):
+    q = make_queue()
+    signal.signal(signal.SIGALRM, lambda *_: None)  # (a handler that does not raise)
+    thread = _waiter(q)
+    signal.pthread_kill(thread.ident, signal.SIGALRM)
+    thread.join(10)
+    assert not thread.is_alive() and thread.got == [None] and q.depth == 0
+
+
+def test_removed_while_waiting(make_queue):
+    q = make_queue()
+    thread = _waiter(q)
+    sysv_ipc.remove_message_queue(q.id)
+    thread.join(10)
+    assert len(thread.got) == 1 and isinstance(thread.got[0], QueueNotFound)
+    assert format_key(q.key) in str(thread.got[0])
+    with pytest.raises(QueueNotFound):
+        q.wait()

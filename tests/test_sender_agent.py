@@ -114,23 +114,55 @@ def test_delivered_error_never_confirms_a_sure_message(pair):
     assert dead_letters(a) == []
 
 
+def _waits_in_msgrcv(pid: int) -> bool:
+    """Whether a thread of process ``pid`` is blocked in msgrcv (an idle sending MCA's reader
+    thread waits there for its next record)."""
+    for wchan in Path(f"/proc/{pid}/task").glob("*/wchan"):
+        try:
+            if wchan.read_text() == "do_msgrcv":
+                return True
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+    return False
+
+
 def test_invalid_transmission_records_are_dead_lettered(pair):
     a, fake = pair
     rqprc = write_rqprc(a, [fake.host])
-    start_sender(a, rqprc)
+    sender = start_sender(a, rqprc)
+    # Idle, it waits in msgrcv itself, which takes only an empty message: that one is taken
+    # by the wait (no record: dead-lettered, not lost unseen); records put with nothing but
+    # msgsnd (no doorbell, nothing else) wake it.
+    wait_for(lambda: _waits_in_msgrcv(sender.pid), timeout=20,
+             message="the idle sending MCA does not wait in msgrcv")
+    a.python(r"""
+import sysv_ipc
+q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
+q.send(b"", type=1)
+""")
+    got = []  # (dead_letters takes them off DEAD.LETTER.Q)
+    wait_for(lambda: got.extend(dead_letters(a)) or len(got) == 1, timeout=20,
+             message="the empty message was not dead-lettered")
+    wait_for(lambda: _waits_in_msgrcv(sender.pid), timeout=20, message="not waiting again")
     a.python(r"""
 import sysv_ipc
 from rqp.protocol.records import TransmissionRecord
 q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
 q.send(b"not a record at all", type=1)
+q.send(b"", type=1)
 q.send(TransmissionRecord(message_type=7, queue_key=0x52510001, payload=b"t").to_bytes(), type=1)
 q.send(TransmissionRecord(message_type=0, queue_key=0, payload=b"k").to_bytes(), type=1)
 """)
-    got = wait_for(lambda: (d := dead_letters(a)) and len(d) == 3 and d, timeout=20,
-                   message="dead letters missing")
-    assert [d["reason"] for d in got] == ["MALFORMED_RECORD", "BAD_MESSAGE_TYPE", "NO_QUEUE_KEY"]
-    assert got[0]["payload"] == "not a record at all" and "magic" in got[0]["detail"]
-    assert got[1]["payload"] == "t" and got[2]["payload"] == "k"
+    wait_for(lambda: got.extend(dead_letters(a)) or len(got) >= 5, timeout=20,
+             message="dead letters missing")
+    assert [d["reason"] for d in got] == ["MALFORMED_RECORD"] * 3 + [
+        "BAD_MESSAGE_TYPE", "NO_QUEUE_KEY"]
+    assert [d["payload"] for d in got] == ["", "not a record at all", "", "t", "k"]
+    assert "magic" in got[1]["detail"]
+    assert all("0 bytes, shorter than its 64-byte header" in got[i]["detail"] for i in (0, 2))
+    assert sender.poll() is None and dead_letters(a) == []
+    assert a.python("import sysv_ipc; print(sysv_ipc.MessageQueue(0x52510000).current_messages)"
+                    ).strip() == "0"
 
 
 def test_sigterm_keeps_sure_messages_journaled_and_the_next_start_sends_them_first(pair):

@@ -32,7 +32,6 @@
 #include <string.h>
 #include <sys/ipc.h>
 #include <sys/msg.h>
-#include <sys/sem.h>
 #include <sys/time.h>
 #include <sys/types.h>
 #include <time.h>
@@ -52,8 +51,9 @@
 /* The transmission queue of a default .rqprc ("RQ" 0000) and DEAD.LETTER.Q ("RQ" DEAD). */
 #define RQP_DEFAULT_TRANSMISSION_QUEUE ((key_t)0x52510000)
 #define RQP_DEFAULT_DEAD_LETTER_QUEUE ((key_t)0x5251DEAD)
-/* The semaphore producers raise after a put (the sending MCA's doorbell), in the set with the
- * transmission queue's key. Ringing it is optional: an idle sending MCA looks every 50 ms. */
+/* Semaphore 2 of the set with the transmission queue's key: the doorbell that producers of
+ * earlier versions raised after a put. No longer used: an idle sending MCA waits in msgrcv on
+ * its queue and wakes when a record arrives. */
 #define RQP_DOORBELL 2
 
 /* What a message carries besides its payload (spec section 6). */
@@ -133,18 +133,17 @@ static inline int rqp_open_transmission_queue(key_t xmit_key) {
     return msgget(xmit_key, IPC_CREAT | 0660);
 }
 
-/* Tell the sending MCA of `xmit_key` there is work (best effort: 0 even if none runs). */
+/* Nothing: kept so that programs written for earlier versions, which rang the sending MCA's
+ * doorbell, still build. The msgsnd of a record wakes the sending MCA. Returns 0. */
 static inline int rqp_ring_doorbell(key_t xmit_key) {
-    struct sembuf op = {RQP_DOORBELL, 1, IPC_NOWAIT};
-    int id = semget(xmit_key, 3, 0);
-    if (id >= 0)
-        (void)semop(id, &op, 1); /* full (at its maximum) or gone: the sender looks anyway */
+    (void)xmit_key;
     return 0;
 }
 
 /* Put one message for queue `queue_key` on transmission queue `xmit_id` (from
- * rqp_open_transmission_queue) and ring the doorbell of `xmit_key`. msgflg as for msgsnd:
- * 0 waits while the transmission queue is full, IPC_NOWAIT fails with EAGAIN. */
+ * rqp_open_transmission_queue): one msgsnd, which wakes the sending MCA. `xmit_key` is not
+ * used (earlier versions rang a doorbell with it). msgflg as for msgsnd: 0 waits while the
+ * transmission queue is full, IPC_NOWAIT fails with EAGAIN. */
 static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t queue_key,
                           const void *payload, size_t len, const struct rqp_extras *extras,
                           uint64_t sequence, int msgflg) {
@@ -168,11 +167,12 @@ static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t q
     } while (rc < 0 && errno == EINTR);
     saved = errno;
     free(msg);
+    (void)xmit_key;
     if (rc < 0) {
         errno = saved;
         return -1;
     }
-    return rqp_ring_doorbell(xmit_key);
+    return 0;
 }
 
 /* An atomic batch being built: every message of it for one queue, with one message type,
@@ -251,8 +251,8 @@ static inline void rqp_batch_rollback(struct rqp_batch *b) {
     b->count = 0;
 }
 
-/* Put the whole batch with one msgsnd on transmission queue `xmit_id` and ring the doorbell
- * of `xmit_key`; then free it. An empty batch puts nothing. 0, or -1: EINVAL if it was not
+/* Put the whole batch with one msgsnd on transmission queue `xmit_id` (`xmit_key` is not
+ * used, as for rqp_put); then free it. An empty batch puts nothing. 0, or -1: EINVAL if it was not
  * begun (or was committed or rolled back already), else errno from msgsnd (the batch is kept:
  * commit again or roll back). */
 static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_key,
@@ -272,10 +272,11 @@ static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_
     do {
         rc = msgsnd(xmit_id, b->msg, b->len, msgflg);
     } while (rc < 0 && errno == EINTR);
+    (void)xmit_key;
     if (rc < 0)
         return -1;
     rqp_batch_rollback(b);
-    return rqp_ring_doorbell(xmit_key);
+    return 0;
 }
 
 /* Take one message from local queue `queue_key` as msgrcv's msgtyp selects it (0: the first;

@@ -509,11 +509,7 @@ class LocalQueue:
         Raises :class:`QueueError` where the kernel does not support it (see
         :func:`peek_supported`).
         """
-        buf = self._copy_buffer
-        if buf is None:
-            buf = self._copy_buffer = ctypes.create_string_buffer(_LONG_SIZE + self._msgmax)
-            self._copy_type = ctypes.c_long.from_buffer(buf)
-            self._copy_text = ctypes.addressof(buf) + _LONG_SIZE
+        buf = self._copy_buffer or self._buffer()
         # The kernel copies the whole msgsz from user space before it even looks at the
         # message (prepare_copy): ask for about what the last ones needed, not msgmax
         # (1.9 us against 3.0 a peek of a 140-byte message here), and for msgmax when
@@ -541,6 +537,39 @@ class LocalQueue:
                                         queue_key=self._key)
         raise QueueError(f"queue {format_key(self._key)}: msgrcv(MSG_COPY) failed: "
                          f"{os.strerror(err)}", queue_key=self._key)
+
+    def wait(self) -> tuple[bytes, int] | None:
+        """Block until the queue holds a message, without taking it; None then, or at once
+        if one is there already, or when a signal interrupts the wait (``pthread_kill``).
+
+        ``msgrcv`` with a zero-byte buffer: the kernel leaves a longer message where it is and
+        says ``E2BIG`` (also when a ``msgsnd`` hands it straight to this waiting reader), so a
+        process that only puts a record wakes the waiting reader, with nothing else to do
+        (no semaphore). The one message such a buffer can take is a zero-byte one: that is
+        taken, and returned as ``(b"", mtype)``. Raises :class:`QueueNotFound` if the queue is
+        removed, before or during the wait."""
+        buf = self._copy_buffer or self._buffer()
+        n = _libc.msgrcv(self._mq.id, buf, 0, 0, 0)  # (ctypes: the GIL is released)
+        if n == 0:
+            return b"", self._copy_type.value
+        err = ctypes.get_errno()
+        if err in (errno.E2BIG, errno.EINTR):
+            return None
+        if err in (errno.EIDRM, errno.EINVAL) and not LocalQueue.exists(self._key):
+            raise QueueNotFound(f"queue {format_key(self._key)} was removed",
+                                queue_key=self._key)
+        if err == errno.EACCES:
+            raise QueuePermissionDenied(f"queue {format_key(self._key)}: no read permission",
+                                        queue_key=self._key)
+        raise QueueError(f"queue {format_key(self._key)}: msgrcv (waiting for a message) "
+                         f"failed: {os.strerror(err)}", queue_key=self._key)
+
+    def _buffer(self) -> ctypes.Array:
+        """The buffer of :meth:`peek` and :meth:`wait`: a long (the mtype), then msgmax bytes."""
+        buf = self._copy_buffer = ctypes.create_string_buffer(_LONG_SIZE + self._msgmax)
+        self._copy_type = ctypes.c_long.from_buffer(buf)
+        self._copy_text = ctypes.addressof(buf) + _LONG_SIZE
+        return buf
 
     def _receive(self, mtype: int, block: bool) -> tuple[bytes, int] | None:
         """One msgrcv: (bytes, mtype). None if non-blocking and there is no message."""

@@ -24,7 +24,7 @@ from rqp.system.files import write_file_atomically
 from rqp.system.queues import format_key
 
 __all__ = [
-    "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "Doorbell", "spawn_lock", "KeySource", "write_file_atomically",
+    "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "spawn_lock", "KeySource", "write_file_atomically",
     "notify", "setup_logging", "host_name", "EVENT_LOOP_VARIABLE",
 ]
 
@@ -130,7 +130,9 @@ class KeySource:
 #                serving this queue?" is answered by the kernel, in the queue's IPC namespace.
 #   1  spawning  1 while a process is starting a sending MCA, so that two applications calling
 #                openConnection at the same moment start exactly one (also SEM_UNDO).
-#   2  doorbell  producers add 1 after putting a record; an idle sending MCA waits on it.
+#   2  doorbell  no longer used: producers of earlier versions add 1 after a put (up to its
+#                maximum, then their add fails, which they ignore); nobody waits on it.
+#                An idle sending MCA waits in msgrcv on its queue (LocalQueue.wait).
 #
 # sysv_ipc handles only one-semaphore sets and may be built without semtimedop (its timeouts
 # are then silently ignored), so this talks to libc directly.
@@ -140,7 +142,7 @@ _libc.semget.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
 _libc.semctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int)
 _IPC_CREAT, _IPC_NOWAIT, _SEM_UNDO = 0o1000, 0o4000, 0x1000
 _GETPID, _GETVAL = 11, 12
-SERVING, SPAWNING, DOORBELL = 0, 1, 2
+SERVING, SPAWNING = 0, 1  # (2: the doorbell, unused)
 
 
 class _Sembuf(ctypes.Structure):
@@ -159,7 +161,7 @@ class AgentSemaphores:
         self.key = transmission_queue
         key_t = _key_t(transmission_queue)
         # 0660, as the queues: users outside the group could otherwise hold SERVING (and keep
-        # the sending MCA from starting) or ring the doorbell without end.
+        # the sending MCA from starting).
         self.id = _libc.semget(key_t, 3, _IPC_CREAT | 0o660)
         if self.id < 0:
             err = ctypes.get_errno()
@@ -299,31 +301,6 @@ def spawn_lock(transmission_queue: int, timeout: float = 30.0):
         yield
     finally:
         sems.give(SPAWNING)
-
-
-class Doorbell:
-    """Producers ring it after putting a record; the sending MCA waits on it when its
-    transmission queue is empty. A producer that does not ring (a C program writing records
-    itself) is still served: the sending MCA looks at the queue every so often anyway."""
-
-    def __init__(self, transmission_queue: int) -> None:
-        self._sems = AgentSemaphores(transmission_queue)
-
-    def ring(self) -> None:
-        try:
-            self._sems._op([(DOORBELL, 1, _IPC_NOWAIT)], None)
-        except RQPError:
-            pass  # at the semaphore's maximum (32767): the sender looks anyway
-
-    def wait(self, timeout: float) -> bool:
-        """Wait until rung (True) or ``timeout`` seconds pass or a signal comes (False);
-        absorbs every ring so far."""
-        if not self._sems._op([(DOORBELL, -1, 0)], timeout):
-            return False
-        extra = self._sems.value(DOORBELL)
-        if extra > 0:
-            self._sems._op([(DOORBELL, -extra, _IPC_NOWAIT)], None)
-        return True
 
 
 def wall_ms() -> int:
