@@ -529,14 +529,7 @@ class LocalQueue:
         if err == errno.E2BIG and kernel_limits().msgmax > self._msgmax:
             self._reopen(kernel_limits().msgmax)
             return self.peek(index)
-        if err in (errno.EIDRM, errno.EINVAL) and not LocalQueue.exists(self._key):
-            raise QueueNotFound(f"queue {format_key(self._key)} was removed",
-                                queue_key=self._key)
-        if err == errno.EACCES:
-            raise QueuePermissionDenied(f"queue {format_key(self._key)}: no read permission",
-                                        queue_key=self._key)
-        raise QueueError(f"queue {format_key(self._key)}: msgrcv(MSG_COPY) failed: "
-                         f"{os.strerror(err)}", queue_key=self._key)
+        raise self._msgrcv_error(err, "msgrcv(MSG_COPY)")
 
     def wait(self) -> tuple[bytes, int] | None:
         """Block until the queue holds a message, without taking it; None then, or at once
@@ -555,14 +548,18 @@ class LocalQueue:
         err = ctypes.get_errno()
         if err in (errno.E2BIG, errno.EINTR):
             return None
+        raise self._msgrcv_error(err, "msgrcv (waiting for a message)")
+
+    def _msgrcv_error(self, err: int, what: str) -> QueueError:
+        """The error to raise for a ``msgrcv`` of :meth:`peek` or :meth:`wait` that failed."""
         if err in (errno.EIDRM, errno.EINVAL) and not LocalQueue.exists(self._key):
-            raise QueueNotFound(f"queue {format_key(self._key)} was removed",
-                                queue_key=self._key)
+            return QueueNotFound(f"queue {format_key(self._key)} was removed",
+                                 queue_key=self._key)
         if err == errno.EACCES:
-            raise QueuePermissionDenied(f"queue {format_key(self._key)}: no read permission",
-                                        queue_key=self._key)
-        raise QueueError(f"queue {format_key(self._key)}: msgrcv (waiting for a message) "
-                         f"failed: {os.strerror(err)}", queue_key=self._key)
+            return QueuePermissionDenied(f"queue {format_key(self._key)}: no read permission",
+                                         queue_key=self._key)
+        return QueueError(f"queue {format_key(self._key)}: {what} failed: {os.strerror(err)}",
+                          queue_key=self._key)
 
     def _buffer(self) -> ctypes.Array:
         """The buffer of :meth:`peek` and :meth:`wait`: a long (the mtype), then msgmax bytes."""
