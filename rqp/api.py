@@ -55,9 +55,9 @@ class AgentStartError(RQPError):
 
 class Producer:
     """Puts transmission records on one transmission queue (its sending MCA, waiting in
-    ``msgrcv``, wakes when one arrives): what :func:`sendMessage` does for an application's handle, and ``rqpctl dlq replay`` for the
-    records it puts back. The queue is created if missing, so that producers can go on putting
-    while the sending MCA restarts."""
+    ``msgrcv``, wakes when one arrives): what :func:`sendMessage` does for an application's
+    handle, and ``rqpctl dlq replay`` for the records it puts back. The queue is created if
+    missing, so that producers can go on putting while the sending MCA restarts."""
 
     def __init__(self, config: SenderConfig) -> None:
         self.config = config

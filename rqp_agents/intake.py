@@ -247,8 +247,8 @@ class Intake:
 
     def _queue_trouble(self, exc: QueueError) -> None:
         if isinstance(exc, QueueNotFound):
-            log.error("transmission queue %s was removed: creating it again",
-                      format_key(self.key))
+            log.error("transmission queue %s was removed: opening its key again (a queue "
+                      "made since, or a new one)", format_key(self.key))
             self.queue = LocalQueue.create(self.key)
         else:
             log.error("cannot read the transmission queue: %s", exc)

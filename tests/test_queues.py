@@ -555,3 +555,22 @@ def test_removed_while_waiting(make_queue):
     assert format_key(q.key) in str(thread.got[0])
     with pytest.raises(QueueNotFound):
         q.wait()
+
+
+def test_a_queue_made_again_under_the_key_is_not_taken_for_the_old_one(make_queue):
+    """Removed and made again at once (a producer's msgget(IPC_CREAT) right after an ipcrm):
+    peek and wait on the old object say the queue was removed, so that the caller opens the
+    key again, instead of failing with EINVAL for ever."""
+    key = make_queue.new_key()  # (whatever queue has it at the end is removed)
+    old = LocalQueue.create(key)
+    thread = _waiter(old)
+    sysv_ipc.remove_message_queue(old.id)
+    new = LocalQueue.create(key)
+    assert new.id != old.id
+    thread.join(10)
+    assert len(thread.got) == 1 and isinstance(thread.got[0], QueueNotFound)
+    new.put(b"into the new one")
+    for op in (old.wait, lambda: old.peek(0)):
+        with pytest.raises(QueueNotFound, match=format_key(key)):
+            op()
+    assert LocalQueue.open(key).peek(0) == (b"into the new one", 1)

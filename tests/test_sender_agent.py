@@ -165,6 +165,32 @@ q.send(TransmissionRecord(message_type=0, queue_key=0, payload=b"k").to_bytes(),
                     ).strip() == "0"
 
 
+def test_a_removed_transmission_queue_is_opened_again_even_if_made_again_at_once(pair):
+    """ipcrm of the transmission queue while the sending MCA waits on it: it opens the key
+    again, whether a producer's msgget(IPC_CREAT) made a new queue under it first or not."""
+    a, fake = pair
+    rqprc = write_rqprc(a, [fake.host])
+    sender = start_sender(a, rqprc)
+    for n, remake in enumerate(("at once", "no")):
+        wait_for(lambda: _waits_in_msgrcv(sender.pid), timeout=20, message="not idle")
+        a.python(r"""
+import sys, sysv_ipc
+from rqp.protocol.records import TransmissionRecord
+sysv_ipc.MessageQueue(0x52510000).remove()
+if sys.argv[1] == "at once":
+    q = sysv_ipc.MessageQueue(0x52510000, sysv_ipc.IPC_CREAT, mode=0o660, max_message_size=8192)
+    q.send(TransmissionRecord(message_type=1, queue_key=0x52510001,
+                              payload=sys.argv[1].encode()).to_bytes(), type=1)
+""", remake)
+        wait_for(lambda: len(log_lines(a, sender, "was removed: opening its key again")) > n,
+                 timeout=20, message="the removal was not noticed")
+    send(a, rqprc, Q1, ["after"], UNSURE_MSG)
+    wait_for(lambda: {m["body"] for m in fake.events("MESSAGE")} == {"at once", "after"},
+             timeout=20, message="not served after the queue was made again")
+    assert sender.poll() is None
+    assert not log_lines(a, sender, "cannot read the transmission queue")
+
+
 def test_sigterm_keeps_sure_messages_journaled_and_the_next_start_sends_them_first(pair):
     a, fake = pair
     fake.set("no")  # no route: the messages wait in the sender

@@ -551,8 +551,11 @@ class LocalQueue:
         raise self._msgrcv_error(err, "msgrcv (waiting for a message)")
 
     def _msgrcv_error(self, err: int, what: str) -> QueueError:
-        """The error to raise for a ``msgrcv`` of :meth:`peek` or :meth:`wait` that failed."""
-        if err in (errno.EIDRM, errno.EINVAL) and not LocalQueue.exists(self._key):
+        """The error to raise for a ``msgrcv`` of :meth:`peek` or :meth:`wait` that failed.
+        The queue of this object is gone (EIDRM, or EINVAL with no queue under its key, or
+        another one made since): :class:`QueueNotFound`, so that the caller opens the key
+        again, whether a new queue has it or not."""
+        if err == errno.EIDRM or (err == errno.EINVAL and self._removed()):
             return QueueNotFound(f"queue {format_key(self._key)} was removed",
                                  queue_key=self._key)
         if err == errno.EACCES:
@@ -560,6 +563,15 @@ class LocalQueue:
                                          queue_key=self._key)
         return QueueError(f"queue {format_key(self._key)}: {what} failed: {os.strerror(err)}",
                           queue_key=self._key)
+
+    def _removed(self) -> bool:
+        """Whether this object's queue is gone: no queue has its key, or another one does."""
+        try:
+            return sysv_ipc.MessageQueue(self._key, 0, mode=0).id != self._mq.id
+        except sysv_ipc.ExistentialError:
+            return True
+        except (sysv_ipc.Error, OSError) as exc:
+            raise _map_error(exc, self._key, "looking it up") from None
 
     def _buffer(self) -> ctypes.Array:
         """The buffer of :meth:`peek` and :meth:`wait`: a long (the mtype), then msgmax bytes."""
