@@ -56,6 +56,8 @@ NOTE_INTERVAL, NOTE_BURST = 10.0, 20
 
 #: A graceful stop waits at most this long for the answers of frames in flight.
 STOP_GRACE = 10.0
+#: While DEAD.LETTER.Q is full, the dead letters held are tried again this often (one timer).
+DEAD_LETTER_RETRY = 0.5
 
 
 def _tls_contexts(config: SenderConfig) -> dict:
@@ -119,6 +121,8 @@ class Sender(Daemon):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
+        self._dead_letter_retry: asyncio.TimerHandle | None = None
+        self._dead_letters_full_since: float | None = None  # (loop time)
         self.stats = collections.Counter()
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -307,6 +311,11 @@ class Sender(Daemon):
             await self.intake.put_back(back, self.loop.time() + STOP_GRACE, STOP_GRACE)
         self.stop_service()
         self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
+        if self._dead_letter_backlog:
+            log.error("%d dead letter(s) held in memory are lost: DEAD.LETTER.Q %s is still "
+                      "full (the SURE messages among them stay journaled: sent again at the "
+                      "next start)", len(self._dead_letter_backlog),
+                      format_key(self.config.dead_letter_queue))
         self._release_journaled()
         self.intake.journal.close()
         self.pid_file.unlink(missing_ok=True)
@@ -553,27 +562,48 @@ class Sender(Daemon):
         log.warning("dead letter reason=MALFORMED_RECORD: %s", exc)
         self._put_dead_letter(record)
 
+    @property
+    def dead_letters_held(self) -> int:
+        """Dead letters written to memory only: DEAD.LETTER.Q was full."""
+        return len(self._dead_letter_backlog)
+
     def _put_dead_letter(self, record: DeadLetterRecord, seq=None) -> None:
         """Onto DEAD.LETTER.Q; a journaled message is released once the record is there
         (``seq``; a broadcast copy: ``(seq, copy key)``, marked done)."""
         self.stats["dead_lettered"] += 1
         self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
-        self._flush_dead_letters()
+        if self._dead_letter_retry is None:  # (else the retry writes it, after those held)
+            self._flush_dead_letters()
 
     def _flush_dead_letters(self) -> None:
+        """Write the dead letters held, in order. While DEAD.LETTER.Q is full: one retry
+        timer for all of them, a line when it fills and one when it takes them again (a
+        trial's flood of 13,000 empty records made one timer and one line per dead letter:
+        25,000 lines a second)."""
+        self._dead_letter_retry = None
         while self._dead_letter_backlog:
             data, seq = self._dead_letter_backlog[0]
             if not self.dead_letters.try_put(data):
-                log.error("DEAD.LETTER.Q %s is full: %d dead letter(s) held in memory, "
-                          "retrying", format_key(self.config.dead_letter_queue),
-                          len(self._dead_letter_backlog))
-                self.loop.call_later(0.5, self._flush_dead_letters)
+                if self._dead_letters_full_since is None:
+                    self._dead_letters_full_since = self.loop.time()
+                    log.error("DEAD.LETTER.Q %s is full: dead letters are held in memory "
+                              "until it takes them (%d now; rqpctl status counts them), "
+                              "tried again every %gs", format_key(self.config.dead_letter_queue),
+                              len(self._dead_letter_backlog), DEAD_LETTER_RETRY,
+                              extra={"event": "dead_letter_queue_full"})
+                self._dead_letter_retry = self.loop.call_later(DEAD_LETTER_RETRY,
+                                                               self._flush_dead_letters)
                 return
             self._dead_letter_backlog.popleft()
             if isinstance(seq, tuple):
                 self._copies_done.append(seq)
             elif seq is not None:
                 self._releases.append(seq)
+        if self._dead_letters_full_since is not None:
+            log.warning("DEAD.LETTER.Q %s takes dead letters again: every one held is written "
+                        "(it was full for %.1fs)", format_key(self.config.dead_letter_queue),
+                        self.loop.time() - self._dead_letters_full_since)
+            self._dead_letters_full_since = None
         self._release_journaled()
 
 

@@ -88,6 +88,7 @@ def sender_status(agent) -> dict:
         "transmission_queue_depth": _depth(agent.intake.queue),
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
+        "dead_letters_held": agent.dead_letters_held,
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
         "waiting_for_route": agent.core.waiting_for_route(),
         "in_flight": agent.core.in_flight, "window": agent.config.window,
@@ -140,6 +141,8 @@ def sender_metrics(agent) -> str:
          "heartbeats not answered in time (the connection was closed), by host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal (an atomic batch once)"),
+        ("rqp_sender_dead_letters_held", "gauge",
+         "dead letters held in memory because DEAD.LETTER.Q is full"),
         ("rqp_sender_waiting_for_route", "gauge",
          "messages held while no host offers their queue (asking, or waiting to ask again)"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
@@ -184,6 +187,7 @@ def sender_metrics(agent) -> str:
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)
+    m["rqp_sender_dead_letters_held"].add(agent.dead_letters_held)
     m["rqp_sender_waiting_for_route"].add(agent.core.waiting_for_route())
     for name, queue in (("rqp_dead_letter_queue_depth", agent.dead_letters.queue),
                         ("rqp_transmission_queue_depth", agent.intake.queue)):

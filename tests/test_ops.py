@@ -674,3 +674,77 @@ def test_rqpctl_send_starts_a_sending_mca_as_the_api_does(testbed):
     out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "started", "--sync", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "warning" not in out.stdout, out.stdout + out.stderr
     assert receive(b, Q1, 2) == ["waited", "started"]
+
+
+FILL_DLQ = r"""
+import sysv_ipc
+q = sysv_ipc.MessageQueue(0x5251DEAD, sysv_ipc.IPC_CREAT, mode=0o660, max_message_size=8192)
+n = 0
+while True:
+    try:
+        q.send(b"f" * 1024, block=False, type=1)
+    except sysv_ipc.BusyError:
+        break
+    n += 1
+print(n)
+"""
+
+GARBAGE = r"""
+import sys, sysv_ipc
+q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
+for i in range(int(sys.argv[1])):
+    q.send(b"garbage %d" % i, type=1)
+"""
+
+
+def test_a_full_dead_letter_queue_holds_dead_letters_with_one_retry_and_two_lines(site):
+    """A trial's flood of bad records with DEAD.LETTER.Q full made one retry timer and one
+    ERROR line per dead letter held (25,000 lines a second). Now: one line when it fills, the
+    number held in rqpctl status and the metrics, one line when it takes them again, every
+    dead letter written, in order."""
+    a, b, rqprc, sender, receiver = site
+    filled = int(a.python(FILL_DLQ))
+    a.python(GARBAGE, "300")
+
+    def status():
+        return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                           str(rqprc), "--json").stdout).values()))
+    wait_for(lambda: status()["dead_letters_held"] == 300, timeout=60,
+             message="the dead letters were not held")
+    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert f"({filled}; FULL, 300 more held in memory)" in text
+    assert "rqp_sender_dead_letters_held 300" in rqpctl(
+        a, "metrics", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    full = log_lines(a, sender, "is full: dead letters are held in memory")
+    assert len(full) == 1 and "(300 now" not in full[0]  # (logged once, at the first)
+    got = []
+    while len(got) < filled + 300:  # take them off as they come: the held ones follow
+        n = len(got)
+        got += json.loads(a.python(TAKE_DLQ))
+        if len(got) == n:
+            wait_for(lambda: a.python(DLQ_DEPTH).strip() != "0", timeout=30,
+                     message=f"DEAD.LETTER.Q stays empty after {len(got)} records")
+    assert got[:filled] == ["f" * 1024] * filled
+    assert got[filled:] == [f"garbage {i}" for i in range(300)]
+    wait_for(lambda: log_lines(a, sender, "takes dead letters again"), timeout=30,
+             message="no line when DEAD.LETTER.Q took them")
+    assert len(log_lines(a, sender, "is full: dead letters are held in memory")) == 1
+    assert status()["dead_letters_held"] == 0 and sender.poll() is None
+
+
+TAKE_DLQ = r"""
+import json, sysv_ipc
+from rqp.protocol.records import DeadLetterRecord
+q = sysv_ipc.MessageQueue(0x5251DEAD, max_message_size=1 << 16)
+out = []
+while True:
+    try:
+        data, _ = q.receive(block=False)
+    except sysv_ipc.BusyError:
+        break
+    out.append(data.decode() if data.startswith(b"f") else
+               DeadLetterRecord.from_bytes(data).payload.decode())
+print(json.dumps(out))
+"""
+
+DLQ_DEPTH = "import sysv_ipc; print(sysv_ipc.MessageQueue(0x5251DEAD).current_messages)"

@@ -111,7 +111,10 @@ def _print_sender(st: dict) -> None:
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
-          f"({st['dead_letter_queue_depth']}), in flight {st['in_flight']}"
+          f"({st['dead_letter_queue_depth']}"
+          + (f"; FULL, {st['dead_letters_held']} more held in memory"
+             if st.get("dead_letters_held") else "")
+          + f"), in flight {st['in_flight']}"
           + (f", {st['waiting_for_route']} waiting for a route" if st.get("waiting_for_route")
              else ""))
     print("  hosts: " + ", ".join(
