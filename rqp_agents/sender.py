@@ -58,6 +58,10 @@ NOTE_INTERVAL, NOTE_BURST = 10.0, 20
 STOP_GRACE = 10.0
 #: While DEAD.LETTER.Q is full, the dead letters held are tried again this often (one timer).
 DEAD_LETTER_RETRY = 0.5
+#: Dead letters held in memory (DEAD.LETTER.Q full) beyond this many keep their place in the
+#: reader's budget until written: the reader then stops, and records wait in the kernel queue
+#: (producers wait when it is full), instead of memory growing with a flood of bad records.
+DEAD_LETTERS_HELD_MAX = 4096
 
 
 def _tls_contexts(config: SenderConfig) -> dict:
@@ -123,6 +127,8 @@ class Sender(Daemon):
         self._dead_letter_backlog: collections.deque = collections.deque()
         self._dead_letter_retry: asyncio.TimerHandle | None = None
         self._dead_letters_full_since: float | None = None  # (loop time)
+        self._dead_letters_over = 0  # held beyond DEAD_LETTERS_HELD_MAX: places in the budget
+        self._dead_letters_capped = False  # (said so, this time DEAD.LETTER.Q is full)
         self.stats = collections.Counter()
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -574,6 +580,15 @@ class Sender(Daemon):
         self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
         if self._dead_letter_retry is None:  # (else the retry writes it, after those held)
             self._flush_dead_letters()
+        if len(self._dead_letter_backlog) > DEAD_LETTERS_HELD_MAX:
+            self._dead_letters_over += 1
+            self.intake.budget.force(1)
+            if not self._dead_letters_capped:  # (once while DEAD.LETTER.Q stays full)
+                self._dead_letters_capped = True
+                log.error("%d dead letters held in memory: the transmission queue waits "
+                          "(records are taken off it again as DEAD.LETTER.Q %s takes them)",
+                          DEAD_LETTERS_HELD_MAX, format_key(self.config.dead_letter_queue),
+                          extra={"event": "dead_letters_held_max"})
 
     def _flush_dead_letters(self) -> None:
         """Write the dead letters held, in order. While DEAD.LETTER.Q is full: one retry
@@ -595,6 +610,9 @@ class Sender(Daemon):
                                                                self._flush_dead_letters)
                 return
             self._dead_letter_backlog.popleft()
+            if self._dead_letters_over:
+                self._dead_letters_over -= 1
+                self.intake.budget.give(1)
             if isinstance(seq, tuple):
                 self._copies_done.append(seq)
             elif seq is not None:
@@ -604,6 +622,7 @@ class Sender(Daemon):
                         "(it was full for %.1fs)", format_key(self.config.dead_letter_queue),
                         self.loop.time() - self._dead_letters_full_since)
             self._dead_letters_full_since = None
+            self._dead_letters_capped = False
         self._release_journaled()
 
 

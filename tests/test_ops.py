@@ -748,3 +748,46 @@ print(json.dumps(out))
 """
 
 DLQ_DEPTH = "import sysv_ipc; print(sysv_ipc.MessageQueue(0x5251DEAD).current_messages)"
+
+
+TAKE_N = r"""
+import json, signal, sys, sysv_ipc
+from rqp.protocol.records import DeadLetterRecord
+signal.alarm(120)  # (a blocking receive that never ends fails the test, not the suite)
+q = sysv_ipc.MessageQueue(0x5251DEAD, max_message_size=1 << 16)
+out = []
+for _ in range(int(sys.argv[1])):
+    data, _ = q.receive()
+    out.append(data.decode() if data.startswith(b"f") else
+               DeadLetterRecord.from_bytes(data).payload.decode())
+print(json.dumps(out))
+"""
+
+
+def test_dead_letters_held_are_bounded_and_the_transmission_queue_waits(site):
+    """A flood of bad records while DEAD.LETTER.Q is full: beyond DEAD_LETTERS_HELD_MAX held,
+    each one keeps its place in the reader's budget, so the sending MCA stops taking records
+    (they wait in the kernel queue) instead of growing; all are written, in order, after."""
+    from rqp_agents.sender import DEAD_LETTERS_HELD_MAX
+
+    a, b, rqprc, sender, receiver = site
+    filled = int(a.python(FILL_DLQ))
+    most = DEAD_LETTERS_HELD_MAX + budget_size(256, 1)  # (the default window, one host)
+    total = most + 300
+    producer = a.popen([sys.executable, "-c", GARBAGE, str(total)])
+
+    def status():
+        return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                           str(rqprc), "--json").stdout).values()))
+    st = wait_for(lambda: (st := status())["dead_letters_held"] >= most
+                  and st["transmission_queue_depth"] > 0 and st, timeout=120,
+                  message="the sending MCA did not hold its most")
+    assert st["dead_letters_held"] == most
+    assert len(log_lines(a, sender, "dead letters held in memory: the transmission "
+                                    "queue waits")) == 1
+    got = json.loads(a.python(TAKE_N, str(filled + total), timeout=150))
+    assert got[:filled] == ["f" * 1024] * filled
+    assert got[filled:] == [f"garbage {i}" for i in range(total)]
+    assert producer.wait(30) == 0
+    wait_for(lambda: status()["dead_letters_held"] == 0, timeout=30, message="still held")
+    assert sender.poll() is None
