@@ -318,7 +318,9 @@ class Scale:
         address = "127.0.0.1" if host is None else host.address
         self.dlq = unused_key(self.taken)
         self.queues.append(LocalQueue.create(self.dlq, mode=0o600))
-        state = self.workdir / f"receiver-{address}-{port}"
+        # (named by its DEAD.LETTER.Q's key too: two cases' simulated hosts may get the same
+        # address, as each case's testbed picks a free subnet again)
+        state = self.workdir / f"receiver-{self.dlq:08x}-{address}-{port}"
         state.mkdir()
         config = state / "receiver.yaml"
         tls = self._tls(address)
