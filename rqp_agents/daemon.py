@@ -104,6 +104,8 @@ class Daemon:
         self._control_path: Path | None = None
         #: Set by :meth:`fatal`: the agent stops at once and exits with EXIT_UNEXPECTED.
         self.failed = False
+        #: The exit status of a stop that is not a SIGTERM's (:meth:`stop_failing`).
+        self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Accepts refused for want of file descriptors (logged once per interval).
         self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
@@ -140,6 +142,12 @@ class Daemon:
         self.log.critical("unexpected error in %s: stopping now with exit status %d, to be "
                           "restarted (journaled SURE messages are sent again)", where,
                           EXIT_UNEXPECTED, exc_info=exc)
+        self._stopping.set()
+
+    def stop_failing(self) -> None:
+        """Stop as for SIGTERM, and exit with status 1: the agent cannot go on (its journal
+        cannot be written), and systemd's Restart=on-failure is to start it again."""
+        self.exit_status = 1
         self._stopping.set()
 
     def spawn(self, coro, where: str) -> asyncio.Task:
@@ -294,4 +302,4 @@ def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
         return EXIT_UNEXPECTED
     finally:
         flush_held_lines()  # (a trial: 22 connections stopped, 20 lines, the 2 never counted)
-    return EXIT_UNEXPECTED if agent.failed else 0
+    return EXIT_UNEXPECTED if agent.failed else agent.exit_status

@@ -143,7 +143,8 @@ class Intake:
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[Item]], None],
               stop: Callable[[], None], fatal: Callable[[str, BaseException], None]) -> None:
         """Read in a thread; each batch goes to ``deliver`` on ``loop``; if SURE records
-        cannot be journaled, ``stop`` is called there; an unexpected error goes to ``fatal``."""
+        cannot be journaled (or, journaled, taken off the queue), ``stop`` is called there;
+        an unexpected error goes to ``fatal``."""
         signal.signal(signal.SIGUSR1, lambda *_: None)  # wakes the reader thread, nothing else
 
         def read() -> None:
@@ -179,11 +180,24 @@ class Intake:
                 self._wait(loop, deliver)
                 continue
             try:
-                items = self._journal_and_take(batch)
+                items = self._journal(batch)
             except RQPError as exc:
                 self.budget.give(len(batch))
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
                              "the transmission queue", exc)
+                loop.call_soon_threadsafe(stop)
+                return
+            try:
+                self._take_off(batch)  # now, and only now, off the queue
+            except QueueNotFound as exc:  # removed meanwhile, with what was left of the batch:
+                loop.call_soon_threadsafe(deliver, items)  # they are here, and nowhere else
+                self._queue_trouble(exc)
+                continue
+            except QueueError as exc:  # still there: taken at the next start, not twice now
+                self.budget.give(len(batch))
+                log.critical("cannot take journaled records off the transmission queue: %s "
+                             "-- stopping; the next start sends the journaled ones first and "
+                             "takes them off", exc)
                 loop.call_soon_threadsafe(stop)
                 return
             loop.call_soon_threadsafe(deliver, items)
@@ -239,11 +253,6 @@ class Intake:
             if self.queue.get(block=False) != data:
                 log.error("the transmission queue %s has another reader: a record taken off "
                           "it was not the one copied", format_key(self.key))
-
-    def _journal_and_take(self, batch: list[bytes]) -> list[Item]:
-        items = self._journal(batch)
-        self._take_off(batch)  # now, and only now, off the queue
-        return items
 
     def _queue_trouble(self, exc: QueueError) -> None:
         if isinstance(exc, QueueNotFound):

@@ -140,7 +140,7 @@ class Sender(Daemon):
         self.loop = asyncio.get_running_loop()
         await self.start_service(self.control_path, self.config.metrics_listen)
         self._replay()
-        self.intake.start(self.loop, self._on_records, self._stopping.set, self.fatal)
+        self.intake.start(self.loop, self._on_records, self.stop_failing, self.fatal)
         log.info("serving transmission queue %s (DEAD.LETTER.Q %s); hosts %s; window %d; "
                  "keys from incarnation %08x", format_key(self.config.transmission_queue),
                  format_key(self.config.dead_letter_queue),

@@ -60,7 +60,7 @@ def hosts(testbed):
                  id="protocol-callback"),
     pytest.param("rqp.protocol.sender:SenderCore.tick", "the event loop (Exception in callback",
                  False, id="timer"),
-    pytest.param("rqp_agents.intake:Intake._journal_and_take",
+    pytest.param("rqp_agents.intake:Intake._journal",
                  "the transmission-queue reader thread", True, id="reader-thread"),
 ])
 def test_sender_stops_on_an_unexpected_error_and_its_restart_delivers(
@@ -109,3 +109,71 @@ def test_an_unknown_event_loop_is_refused_with_what_is_expected(tmp_path):
                           text=True, timeout=30)
     assert done.returncode == 1, done.stderr
     assert "RQP_EVENT_LOOP='tokio': expected asyncio or uvloop" in done.stderr
+
+
+REMOVED_WHILE_TAKING = r"""
+import sys, sysv_ipc
+from rqp_agents import intake
+take_off = intake.Intake._take_off
+def removed_first(self, batch):  # the queue goes between the journal's fsync and the take
+    if not getattr(intake, "removed", False):
+        intake.removed = True
+        sysv_ipc.remove_message_queue(self.queue.id)
+    return take_off(self, batch)
+intake.Intake._take_off = removed_first
+from rqp_agents import sender
+sys.exit(sender.main(sys.argv[1:]))
+"""
+
+
+def test_a_transmission_queue_removed_while_records_are_taken_off_loses_nothing(hosts):
+    """A trial removed the queue in a loop: once it went between the journal's fsync and the
+    take, the sending MCA took that for a journal failure and stopped, with exit status 0
+    (systemd would not start it again), saying the records stayed on a queue that was gone.
+    Now the records read are sent (the removed queue took nothing else with it) and the key
+    is opened again."""
+    a, b = hosts
+    start_receiver(b)
+    rqprc = write_rqprc(a, [b])
+    sender = a.popen([sys.executable, "-c", REMOVED_WHILE_TAKING, "--rqprc", str(rqprc),
+                      "--log-level", "DEBUG"])
+    wait_for(lambda: "serving transmission queue" in a.output(sender, "stderr")
+             or sender.poll() is not None, timeout=20, message="the sender did not start")
+    send(a, rqprc, Q1, ["read before the removal"], SURE_MSG)
+    assert receive(b, Q1, 1) == ["read before the removal"]
+    wait_for(lambda: "was removed: opening its key again" in a.output(sender, "stderr"),
+             timeout=20, message="the removal was not noticed")
+    send(a, rqprc, Q1, ["after"], SURE_MSG)
+    assert receive(b, Q1, 1) == ["after"]
+    err = a.output(sender, "stderr")
+    assert sender.poll() is None and "CRITICAL" not in err and "cannot journal" not in err
+
+
+JOURNAL_FAILS = r"""
+import sys
+from rqp.storage import journal
+def append(self, entries):
+    raise journal.JournalError("injected: no space left on device")
+journal.Journal.append = append
+from rqp_agents import sender
+sys.exit(sender.main(sys.argv[1:]))
+"""
+
+
+def test_a_journal_that_cannot_be_written_stops_the_sender_with_a_failure_status(hosts):
+    """Not an unexpected error (no traceback) but no way on: the sending MCA stops as for
+    SIGTERM, exit status 1 (Restart=on-failure starts it again), the record still queued."""
+    a, b = hosts
+    start_receiver(b)
+    rqprc = write_rqprc(a, [b])
+    failing = a.popen([sys.executable, "-c", JOURNAL_FAILS, "--rqprc", str(rqprc)])
+    wait_for(lambda: "serving transmission queue" in a.output(failing, "stderr")
+             or failing.poll() is not None, timeout=20, message="the sender did not start")
+    send(a, rqprc, Q1, ["kept on the queue"], SURE_MSG)
+    assert failing.wait(60) == 1, a.output(failing, "stderr")
+    err = a.output(failing, "stderr")
+    assert "cannot journal SURE records: injected: no space left on device" in err
+    assert "Traceback" not in err
+    sender = start_sender(a, rqprc)
+    assert receive(b, Q1, 1) == ["kept on the queue"]
+    assert sender.poll() is None
