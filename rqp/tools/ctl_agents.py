@@ -112,7 +112,7 @@ def _print_sender(st: dict) -> None:
           f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({st['dead_letter_queue_depth']}"
-          + (f"; FULL, {st['dead_letters_held']} more held in memory"
+          + (f"; {st['dead_letters_held']} more held in memory: it was full"
              if st.get("dead_letters_held") else "")
           + f"), in flight {st['in_flight']}"
           + (f", {st['waiting_for_route']} waiting for a route" if st.get("waiting_for_route")
