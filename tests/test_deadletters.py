@@ -35,3 +35,24 @@ def test_a_record_not_written_leaves_no_spill_file(ipc_keys, tmp_path):
     again = DeadLetterRecord.from_bytes(writer.encode(record(4000)))  # the room is back
     assert again.spill_path
     assert writer.try_put(writer.encode(record(10))) and writer.by_reason["QUEUE_NOT_OFFERED"] == 1
+
+
+def test_a_dead_letter_queue_smaller_than_msgmax_gets_records_that_fit_it(ipc_keys, tmp_path):
+    """DEAD.LETTER.Q's own size (msg_qbytes) below msgmax: records are fitted to it, also one
+    encoded before the queue was made smaller (a trial: MessageTooBig stopped the sending
+    MCA, at every start when the message was journaled)."""
+    import sysv_ipc
+
+    key = ipc_keys()
+    writer = DeadLetterWriter(key, tmp_path / "spill", msgmax=8192)
+    early = writer.encode(record(5000))  # fitted to msgmax: the queue's size is 16 KiB
+    assert len(early) > 4096
+    sysv_ipc.MessageQueue(key).max_size = 4096  # (lowering it needs no privilege)
+    later = writer.encode(record(6000))
+    assert len(later) <= 4096
+    assert writer.try_put(later) and writer.queue.get(block=False) == later
+    assert writer.try_put(early)
+    back = DeadLetterRecord.from_bytes(writer.queue.get(block=False))
+    assert back.flags & DeadLetterFlags.TRUNCATED and back.original_length == 5000
+    assert back.payload == b"x" * len(back.payload) and len(back.to_bytes()) <= 4096
+    assert writer.by_reason["QUEUE_NOT_OFFERED"] == 2

@@ -59,7 +59,8 @@ class DeadLetterWriter:
         MessageTooBig if even the header does not fit. A record that is then not written
         must be given to :meth:`discard`, so that no spill file is left that no record
         names."""
-        if record.encoded_size() <= self.msgmax:
+        limit = self._limit()
+        if record.encoded_size() <= limit:
             return record.to_bytes()
         if self._spilled is None:
             self._spilled = _bytes_in(self.spill_dir)
@@ -69,9 +70,9 @@ class DeadLetterWriter:
                 f"{record.detail}; payload cut to fit one message, not spilled: "
                 f"{self.spill_dir} holds {self._spilled} bytes, spill limit {self.spill_limit}"
             ).lstrip("; "))
-            return fit_dead_letter(record, self.msgmax).to_bytes()
+            return fit_dead_letter(record, limit).to_bytes()
         self.spill_dir.mkdir(parents=True, exist_ok=True)
-        record = fit_dead_letter(record, self.msgmax, self.spill_dir)
+        record = fit_dead_letter(record, limit, self.spill_dir)
         self._spilled += size
         return record.to_bytes()
 
@@ -96,6 +97,9 @@ class DeadLetterWriter:
                 self.queue.put(data, block=False)
             except QueueFull:
                 return False
+            except MessageTooBig:  # fitted to a larger queue: its size was changed since
+                data = fit_dead_letter(DeadLetterRecord.from_bytes(data), self._limit()).to_bytes()
+                continue
             except QueueNotFound:
                 log.error("DEAD.LETTER.Q %s was removed: creating it again",
                           format_key(self.queue_key))
@@ -103,6 +107,17 @@ class DeadLetterWriter:
                 continue
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
+
+
+    def _limit(self) -> int:
+        """The largest record DEAD.LETTER.Q takes: msgmax, or its own size (msg_qbytes) when
+        that is smaller (a queue made small, or kernel.msgmnb below msgmax): a record larger
+        than the queue could never be put (a trial: the sending MCA stopped, and a journaled
+        one stopped it at every start)."""
+        try:
+            return min(self.msgmax, self.queue.stat().max_size)
+        except RQPError:  # (no read permission, or removed: try_put says, or makes it again)
+            return self.msgmax
 
 
 def _bytes_in(directory: Path) -> int:
