@@ -711,8 +711,9 @@ def test_a_full_dead_letter_queue_holds_dead_letters_with_one_retry_and_two_line
                                            str(rqprc), "--json").stdout).values()))
     wait_for(lambda: status()["dead_letters_held"] == 300, timeout=60,
              message="the dead letters were not held")
-    text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
-    assert f"({filled}; 300 more held in memory: it was full)" in text
+    shown = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert f"({filled}; 300 more held in memory: it was full)" in shown.stdout
+    assert shown.returncode == 4  # (a monitoring check on the exit status sees it)
     assert "rqp_sender_dead_letters_held 300" in rqpctl(
         a, "metrics", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert len(log_lines(a, sender, "is full: dead letters are held in memory")) == 1
@@ -729,6 +730,7 @@ def test_a_full_dead_letter_queue_holds_dead_letters_with_one_retry_and_two_line
              message="no line when DEAD.LETTER.Q took them")
     assert len(log_lines(a, sender, "is full: dead letters are held in memory")) == 1
     assert status()["dead_letters_held"] == 0 and sender.poll() is None
+    assert rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).returncode == 0
 
 
 TAKE_DLQ = r"""

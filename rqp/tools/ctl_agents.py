@@ -256,9 +256,9 @@ def _status_once(args) -> int:
             if not args.json:
                 print(_not_reached(name, exc))
             continue
-        if any(r["state"] in UNHEALTHY for r in st.get("routes", ())) and \
-                code != EXIT_NOT_RUNNING:
-            code = EXIT_UNHEALTHY
+        if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
+                or st.get("dead_letters_held")) and code != EXIT_NOT_RUNNING:
+            code = EXIT_UNHEALTHY  # (dead letters held: DEAD.LETTER.Q full, a drain down)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
