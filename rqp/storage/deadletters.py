@@ -108,7 +108,6 @@ class DeadLetterWriter:
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
 
-
     def _limit(self) -> int:
         """The largest record DEAD.LETTER.Q takes: msgmax, or its own size (msg_qbytes) when
         that is smaller (a queue made small, or kernel.msgmnb below msgmax): a record larger
