@@ -56,9 +56,10 @@ NOTE_INTERVAL, NOTE_BURST = 10.0, 20
 
 #: A graceful stop waits at most this long for the answers of frames in flight.
 STOP_GRACE = 10.0
-#: While DEAD.LETTER.Q is full, the dead letters held are tried again this often (one timer),
-#: and after DEAD_LETTER_AGAIN when the last try wrote some (it is being drained).
-DEAD_LETTER_RETRY, DEAD_LETTER_AGAIN = 0.5, 0.01
+#: While DEAD.LETTER.Q is full, the dead letters held are tried again (one timer) after
+#: DEAD_LETTER_AGAIN when the last try wrote some (it is being drained), twice as long after
+#: each try that wrote none, up to DEAD_LETTER_RETRY.
+DEAD_LETTER_RETRY, DEAD_LETTER_AGAIN = 0.5, 0.001
 #: Dead letters held in memory (DEAD.LETTER.Q full) beyond this many keep their place in the
 #: reader's budget until written: the reader then stops, and records wait in the kernel queue
 #: (producers wait when it is full), instead of memory growing with a flood of bad records.
@@ -131,6 +132,7 @@ class Sender(Daemon):
         self._timer_at: float | None = None
         self._dead_letter_backlog: collections.deque = collections.deque()
         self._dead_letter_retry: asyncio.TimerHandle | None = None
+        self._dead_letter_delay = DEAD_LETTER_AGAIN  # (the next retry's, while none goes)
         self._dead_letters_full_since: float | None = None  # (loop time)
         self._dead_letters_over = 0  # held beyond DEAD_LETTERS_HELD_MAX: places in the budget
         self._dead_letters_capped = False  # (said so, this time DEAD.LETTER.Q is full)
@@ -324,6 +326,8 @@ class Sender(Daemon):
         self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
         if self._dead_letter_backlog:
             self.stats["dead_letters_lost"] = len(self._dead_letter_backlog)
+            for data, _seq in self._dead_letter_backlog:  # (their spill files go too)
+                self.dead_letters.discard(data)
             log.error("%d dead letter(s) held in memory are lost: DEAD.LETTER.Q %s is still "
                       "full (the SURE messages among them stay journaled: sent again at the "
                       "next start)", len(self._dead_letter_backlog),
@@ -602,8 +606,9 @@ class Sender(Daemon):
         """Write the dead letters held, in order. While DEAD.LETTER.Q is full: one retry
         timer for all of them (a trial's flood of 13,000 empty records made one timer and one
         line per dead letter: 25,000 lines a second), soon again while it is being drained
-        (every 0.5 s, the queue's room each time, was 4 dead letters of 8 KiB a second:
-        the next trial), a line when it fills and one when it takes them again."""
+        (every 0.5 s, the queue's room each time, was 4 dead letters of 8 KiB a second,
+        every 10 ms 234: the next trials), a line when it fills and one when it takes them
+        again."""
         wrote = 0
         while self._dead_letter_backlog:
             data, seq = self._dead_letter_backlog[0]
@@ -612,9 +617,11 @@ class Sender(Daemon):
                     self._dead_letters_full_since = self.loop.time()
                     log.error("DEAD.LETTER.Q %s is full: dead letters are held in memory "
                               "until it takes them (rqpctl status counts them), tried again "
-                              "every %gs", format_key(self.config.dead_letter_queue),
+                              "at least every %gs", format_key(self.config.dead_letter_queue),
                               DEAD_LETTER_RETRY, extra={"event": "dead_letter_queue_full"})
-                self._retry_dead_letters(DEAD_LETTER_AGAIN if wrote else DEAD_LETTER_RETRY)
+                if wrote:
+                    self._dead_letter_delay = DEAD_LETTER_AGAIN
+                self._retry_dead_letters(self._dead_letter_delay)
                 return
             wrote += 1
             self.stats["dead_lettered"] += 1  # (written: those lost at a stop are not)
@@ -635,6 +642,7 @@ class Sender(Daemon):
         if self._dead_letter_retry is not None:
             self._dead_letter_retry.cancel()
             self._dead_letter_retry = None
+        self._dead_letter_delay = DEAD_LETTER_AGAIN
         self._release_journaled()
 
     def _retry_dead_letters(self, delay: float) -> None:
@@ -649,6 +657,8 @@ class Sender(Daemon):
 
     def _retry_fired(self) -> None:
         self._dead_letter_retry = None
+        # twice as long if none goes this time (a try that writes some starts again short)
+        self._dead_letter_delay = min(self._dead_letter_delay * 2, DEAD_LETTER_RETRY)
         self._flush_dead_letters()
 
 

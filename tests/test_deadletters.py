@@ -55,4 +55,44 @@ def test_a_dead_letter_queue_smaller_than_msgmax_gets_records_that_fit_it(ipc_ke
     back = DeadLetterRecord.from_bytes(writer.queue.get(block=False))
     assert back.flags & DeadLetterFlags.TRUNCATED and back.original_length == 5000
     assert back.payload == b"x" * len(back.payload) and len(back.to_bytes()) <= 4096
+    with open(back.spill_path, "rb") as f:  # (the whole payload, as for any record cut)
+        assert f.read() == b"x" * 5000
     assert writer.by_reason["QUEUE_NOT_OFFERED"] == 2
+
+
+def test_a_dead_letter_queue_too_small_for_any_record_holds_them_and_says_why(
+        ipc_keys, tmp_path, caplog):
+    """Smaller than a record without payload (the next trial: msg_qbytes 150 against a
+    244-byte header; 64 here): encode and try_put do not raise (they stopped the sending MCA
+    at every start); the record waits, one ERROR line says why, and it is written once the
+    queue is made larger."""
+    import sysv_ipc
+
+    key = ipc_keys()
+    writer = DeadLetterWriter(key, tmp_path / "spill", msgmax=8192)
+    queue = sysv_ipc.MessageQueue(key)
+    queue.max_size = 64
+    data = writer.encode(record(50))
+    assert len(data) > 64 + 50  # (the header alone is larger than the queue)
+    with caplog.at_level("ERROR", logger="rqp.deadletters"):
+        assert not writer.try_put(data) and not writer.try_put(data)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "takes records of at most 64 bytes" in line and "made larger" in line
+    queue.max_size = 4096
+    assert writer.try_put(data) and writer.by_reason["QUEUE_NOT_OFFERED"] == 1
+    assert DeadLetterRecord.from_bytes(writer.queue.get(block=False)).payload == b"x" * 50
+
+
+def test_a_record_fitted_again_and_then_discarded_leaves_no_spill_file(ipc_keys, tmp_path):
+    import sysv_ipc
+
+    key = ipc_keys()
+    writer = DeadLetterWriter(key, tmp_path / "spill", msgmax=8192)
+    for _ in range(14):  # (fills it: the refitted record waits)
+        assert writer.try_put(writer.encode(record(1000)))
+    data = writer.encode(record(3000))
+    sysv_ipc.MessageQueue(key).max_size = 2048
+    assert not writer.try_put(data) and not writer.try_put(data)  # fitted (spilled) once
+    assert len(list((tmp_path / "spill").iterdir())) == 1
+    writer.discard(data)  # (a stop with it still held)
+    assert list((tmp_path / "spill").iterdir()) == []

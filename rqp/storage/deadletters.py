@@ -48,6 +48,10 @@ class DeadLetterWriter:
         self.queue = LocalQueue.create(queue_key)
         self.by_reason: collections.Counter[str] = collections.Counter()
         self._spilled: int | None = None  # bytes in spill_dir (measured on first need)
+        #: Records given to try_put and fitted again to a queue made smaller since, until
+        #: written (the caller keeps the bytes it gave): fitted once, spilled once.
+        self._refitted: dict[bytes, bytes] = {}
+        self._too_small_said = False  # (the ERROR line, once until a put succeeds)
 
     @property
     def written(self) -> int:
@@ -60,6 +64,16 @@ class DeadLetterWriter:
         must be given to :meth:`discard`, so that no spill file is left that no record
         names."""
         limit = self._limit()
+        try:
+            return self._encode(record, limit)
+        except MessageTooBig:
+            if limit >= self.msgmax:
+                raise
+            # DEAD.LETTER.Q is smaller than the record without payload: made for msgmax,
+            # never written until the queue is made larger (try_put says so)
+            return self._encode(record, self.msgmax)
+
+    def _encode(self, record: DeadLetterRecord, limit: int) -> bytes:
         if record.encoded_size() <= limit:
             return record.to_bytes()
         if self._spilled is None:
@@ -78,6 +92,9 @@ class DeadLetterWriter:
 
     def discard(self, data: bytes) -> None:
         """A record :meth:`encode` made and that was not written: its spill file goes."""
+        refitted = self._refitted.pop(data, None)
+        if refitted is not None:
+            self.discard(refitted)
         try:
             spill = DeadLetterRecord.from_bytes(data).spill_path
         except RQPError:
@@ -91,22 +108,50 @@ class DeadLetterWriter:
 
     def try_put(self, data: bytes) -> bool:
         """Put one encoded record without waiting: True once it is on the queue, False if the
-        queue is full now. A removed queue is created again (and said so in the log)."""
+        queue is full now. A removed queue is created again (and said so in the log). A record
+        made for a larger queue than DEAD.LETTER.Q is now (its size was changed) is fitted
+        again, once; one that cannot fit even without its payload is not written (False, as
+        if full) and an ERROR line says why, until the queue is made larger."""
+        given, data = data, self._refitted.get(data, data)
         while True:
             try:
                 self.queue.put(data, block=False)
             except QueueFull:
                 return False
-            except MessageTooBig:  # fitted to a larger queue: its size was changed since
-                data = fit_dead_letter(DeadLetterRecord.from_bytes(data), self._limit()).to_bytes()
+            except MessageTooBig:
+                refitted = self._refit(data)
+                if refitted is None:
+                    return False
+                data = self._refitted[given] = refitted
                 continue
             except QueueNotFound:
                 log.error("DEAD.LETTER.Q %s was removed: creating it again",
                           format_key(self.queue_key))
                 self.queue = LocalQueue.create(self.queue_key)
                 continue
+            self._refitted.pop(given, None)
+            self._too_small_said = False
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
+
+    def _refit(self, data: bytes) -> bytes | None:
+        """``data`` fitted to DEAD.LETTER.Q's size now (its payload spilled, as by
+        :meth:`encode`, unless a spill file has it already); None if even its header is
+        larger than the queue."""
+        record = DeadLetterRecord.from_bytes(data)
+        limit = self._limit()
+        try:
+            if record.spill_path:  # (the whole payload is in that file)
+                return fit_dead_letter(record, limit).to_bytes()
+            return self._encode(record, limit)
+        except MessageTooBig as exc:
+            if not self._too_small_said:
+                self._too_small_said = True
+                log.error("DEAD.LETTER.Q %s takes records of at most %d bytes (its msg_qbytes), "
+                          "too few for a dead letter (%s): dead letters wait until it is made "
+                          "larger (ipcs -q -i shows it; kernel.msgmnb sets it for new queues)",
+                          format_key(self.queue_key), limit, exc)
+            return None
 
     def _limit(self) -> int:
         """The largest record DEAD.LETTER.Q takes: msgmax, or its own size (msg_qbytes) when
