@@ -134,7 +134,6 @@ class Sender(Daemon):
         self._dead_letter_retry: asyncio.TimerHandle | None = None
         self._dead_letter_delay = DEAD_LETTER_AGAIN  # (the next retry's, while none goes)
         self._dead_letters_full_since: float | None = None  # (loop time)
-        self._dead_letters_over = 0  # held beyond DEAD_LETTERS_HELD_MAX: places in the budget
         self._dead_letters_capped = False  # (said so, this time DEAD.LETTER.Q is full)
         self.stats = collections.Counter()
         self.started = time.time()
@@ -590,8 +589,7 @@ class Sender(Daemon):
         (``seq``; a broadcast copy: ``(seq, copy key)``, marked done)."""
         self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
         self._flush_dead_letters()  # (those held first: in order)
-        if len(self._dead_letter_backlog) > DEAD_LETTERS_HELD_MAX:
-            self._dead_letters_over += 1
+        if len(self._dead_letter_backlog) > DEAD_LETTERS_HELD_MAX:  # (keeps its place)
             self.intake.budget.force(1)
             if not self._dead_letters_capped:  # (once while DEAD.LETTER.Q stays full)
                 self._dead_letters_capped = True
@@ -625,10 +623,9 @@ class Sender(Daemon):
                 return
             wrote += 1
             self.stats["dead_lettered"] += 1  # (written: those lost at a stop are not)
-            self._dead_letter_backlog.popleft()
-            if self._dead_letters_over:
-                self._dead_letters_over -= 1
+            if len(self._dead_letter_backlog) > DEAD_LETTERS_HELD_MAX:  # (its place given back)
                 self.intake.budget.give(1)
+            self._dead_letter_backlog.popleft()
             if isinstance(seq, tuple):
                 self._copies_done.append(seq)
             elif seq is not None:
