@@ -85,8 +85,8 @@ class Producer:
         wait = 0.0005
         while True:
             index, found = 0, False
-            while (item := queue.peek(index)) is not None:  # FIFO: ours is at or before the end
-                if item[0] == raw:
+            while (item := _copy(queue, index, raw)) is not None:  # FIFO: ours is at or before
+                if item == raw:  # the end
                     found = True
                     break
                 index += 1
@@ -465,3 +465,15 @@ def receiveMessage(queue, timeout: float | None = None, *,
         key = load_sender_config(find_rqprc(rqprc)).resolve_queue(queue)
     local = LocalQueue.open(key)
     return local.get(block=True, timeout=timeout, mtype=mtype, with_type=with_type)
+
+
+def _copy(queue, index: int, raw: bytes) -> bytes | None:
+    """A copy of message ``index`` of ``queue``, None past the end. A message longer than the
+    kernel's msgmax (put before it was lowered) cannot be copied: it is not ``raw`` (b""),
+    unless ``raw`` is longer than msgmax too (then it may be: ``raw``)."""
+    try:
+        item = queue.peek(index)
+    except MessageTooBig as exc:
+        return raw if len(raw) > exc.limit else b""
+    return item and item[0]
+

@@ -27,7 +27,9 @@ both archived and still (some of them) at the head of the queue; at start, and b
 batch, a drain whose state is not ``done`` takes off the head of the queue every record whose
 ``id`` is in the file(s) the state names, without writing them again. Because the state is
 written *before* the rename, a file that reached the archive is always named by it. So: no
-record lost, none archived twice. Nothing else may take records from ``DEAD.LETTER.Q`` meanwhile
+record lost, none archived twice (but for a record longer than the kernel's msgmax, put before
+it was lowered: it cannot be copied, so it is taken first and archived after, with a warning).
+Nothing else may take records from ``DEAD.LETTER.Q`` meanwhile
 (only put them: agents append at the tail, the drain works at the head). A lock
 (``{archive}/.state/{host}.lock``) keeps a second drain of the same host out of the archive.
 
@@ -53,7 +55,7 @@ from pathlib import Path
 from rqp.cli import add_log_level, positive_int, positive_seconds
 from rqp.config import QUEUE_NAME_RE, SenderConfig, load_optional_rqprc, parse_queue_key
 from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
-from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
+from rqp.protocol.errors import ConfigError, MessageTooBig, QueueError, QueueNotFound, RQPError
 from rqp.storage.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, archived_spill, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
@@ -121,10 +123,10 @@ class Drain:
         if queue is not None:
             ids = archived_ids([self.archive / name for name in state.files])
             extras = []
-            while ids and (item := queue.peek(0)) is not None and record_id(item[0]) in ids:
+            while ids and (item := self._head(queue)) is not None and record_id(item) in ids:
                 got = queue.get(block=False)
                 taken += 1
-                if got != item[0]:
+                if got != item:
                     extras.append(self._mismatch(got))
             self._save_extras(extras)
         if taken:
@@ -134,11 +136,24 @@ class Drain:
         self._state(list(state.files), True)
         return taken
 
-    def _copy(self, queue: LocalQueue) -> list[bytes]:
-        batch = []
-        while len(batch) < self.batch and (item := queue.peek(len(batch))) is not None:
-            batch.append(item[0])
-        return batch
+    def _copy(self, queue: LocalQueue) -> tuple[list[bytes], bool]:
+        """Copies of the next records, and False; or the next one taken off (longer than
+        the kernel's msgmax, it cannot be copied), and True."""
+        batch, too_long = queue.copy_head(self.batch)
+        if too_long is not None:
+            log.warning("%s -- taken off before it is archived (a kill now would lose it), so "
+                        "that the records behind it move", too_long)
+        return batch, too_long is not None
+
+    @staticmethod
+    def _head(queue: LocalQueue) -> bytes | None:
+        """A copy of the record at the head; None if there is none or it is longer than the
+        kernel's msgmax (a record that long was never copied, so never archived)."""
+        try:
+            item = queue.peek(0)
+        except MessageTooBig:
+            return None
+        return item and item[0]
 
     def _mismatch(self, got: bytes) -> bytes:
         log.error("queue %s has another reader: a record taken off it was not the one copied; "
@@ -176,7 +191,7 @@ class Drain:
         queue = self._open()
         if queue is None:
             return None
-        batch = self._copy(queue)
+        batch, taken = self._copy(queue)
         if not batch:
             return None
         rows = [record_to_row(raw, archived_by=self.host, queue_names=self.queue_names)
@@ -188,7 +203,8 @@ class Drain:
         self._state(names, False)  # before the rename: a visible file is always named here
         written = [(self.writer.write(chunk, name), len(chunk))
                    for chunk, name in zip(chunks, names)]
-        self._take_off(queue, batch)
+        if not taken:
+            self._take_off(queue, batch)
         self._state(names, True)
         self._remove_spills(spills)
         return written

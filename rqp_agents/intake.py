@@ -11,6 +11,11 @@ With the queue empty, the reader thread waits in ``msgrcv`` itself (:meth:`Local
 which takes nothing): the producer's ``msgsnd`` wakes it, so a producer does nothing but put its
 record (no doorbell to ring: a semaphore operation cost ``sendMessage`` half of its CPU, and a
 C program that did not ring waited up to 50 ms).
+
+A record longer than the kernel's msgmax (put before an operator lowered it) cannot be copied:
+the kernel copies at most msgmax bytes. It is taken first and journaled right after (a crash in
+between loses that one record, said in a warning), for a queue that stopped at it would stop
+every record behind it, for good.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from rqp.protocol.sender import budget_size
 from rqp.storage.journal import Journal
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import KeySource
+from rqp_agents.daemon import RateLimitedLog
 
 __all__ = ["Budget", "Intake", "Item", "Taken", "budget_size", "messages_in"]
 
@@ -106,6 +112,7 @@ class Intake:
             log.error("journal %s: %s", state_dir / f"{name}.journal", problem)
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
+        self._long_records = RateLimitedLog(log, 10.0, 20, what="records longer than msgmax")
         #: (broadcast queue keys, hosts): what a broadcast record is copied to (spec section 6).
         self.fanout: tuple[frozenset, tuple] = (frozenset(), ())
 
@@ -122,7 +129,8 @@ class Intake:
         # mixed with UNSURE ones of the same batch (never journaled, never handed on): take
         # the batch off; the journaled ones are sent from the journal, the others as new.
         journaled = {entry.record for entry in entries}
-        head = self._copy_batch(READ_BATCH)
+        # (A record too long to copy was never journaled while on the queue: it stays.)
+        head = self.queue.copy_head(READ_BATCH, take_too_long=False)[0]
         last = max((i for i, data in enumerate(head) if data in journaled), default=-1)
         leftovers = [data for data in head[:last + 1] if data not in journaled]
         if last >= 0:
@@ -169,7 +177,7 @@ class Intake:
             if not room:
                 continue
             try:
-                batch = self._copy_batch(room)
+                batch, taken = self._copy_batch(room)
             except QueueError as exc:
                 self.budget.give(room)
                 self._queue_trouble(exc)
@@ -184,9 +192,13 @@ class Intake:
             except RQPError as exc:
                 self.budget.give(len(batch))
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
-                             "the transmission queue", exc)
+                             "the transmission queue%s", exc, " (but the one taken before it "
+                             "was journaled is lost)" if taken else "")
                 loop.call_soon_threadsafe(stop)
                 return
+            if taken:
+                loop.call_soon_threadsafe(deliver, items)
+                continue
             try:
                 self._take_off(batch)  # now, and only now, off the queue
             except QueueNotFound as exc:  # removed meanwhile, with what was left of the batch:
@@ -214,11 +226,15 @@ class Intake:
             self.budget.force(1)
             loop.call_soon_threadsafe(deliver, self._journal([taken[0]]))
 
-    def _copy_batch(self, limit: int) -> list[bytes]:
-        batch = []
-        while len(batch) < limit and (item := self.queue.peek(len(batch))) is not None:
-            batch.append(item[0])
-        return batch
+    def _copy_batch(self, limit: int) -> tuple[list[bytes], bool]:
+        """Copies of the next records, and False; or the next one taken off (longer than
+        the kernel's msgmax, it cannot be copied), and True."""
+        batch, too_long = self.queue.copy_head(limit)
+        if too_long is not None:
+            self._long_records.report(
+                "%s -- taken off before it is journaled (a crash now would lose it), so that "
+                "the records behind it move", logging.WARNING, too_long)
+        return batch, too_long is not None
 
     def _journal(self, batch: list[bytes]) -> list[Item]:
         """Parse, give keys, journal the SURE records (one fsync): [data, record, key, seq,

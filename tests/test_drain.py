@@ -154,6 +154,24 @@ def test_once_drains_everything_and_keeps_a_malformed_record(host):
     assert again.startswith("drained 0 record(s)") and len(archive_files(host.archive)) == 7
 
 
+def test_a_record_longer_than_a_lowered_msgmax_is_archived_and_the_drain_moves_on(host):
+    # Put while msgmax was 8192, drained after it was lowered to 2048: the kernel copies at
+    # most msgmax bytes, so the copy of the long one failed at every run, for ever, and every
+    # record behind it stayed. It is taken, archived, and the others follow, in order.
+    records = make_records(5)
+    records[2] = DeadLetterRecord(
+        reason=ReasonCode.QUEUE_FULL, message_type=1, agent=AgentKind.RECEIVER, queue_key=Q1,
+        message_key=0xABC << 32, host="h", detail="long", payload=b"L" * 6000).to_bytes()
+    put(host, records)
+    host.sysctl("kernel.msgmax", 2048)
+    done = drain(host, host.archive, "--batch", "10")
+    rows = assert_archived_once(host.archive, records)
+    assert rows[2]["detail"] == "long" and row_raw_bytes(rows[2]) == records[2]
+    assert contents(host) == []
+    assert "queue 0x5251dead: message 0 is longer than kernel.msgmax (2048 bytes" in done.stderr
+    assert "taken off before it is archived" in done.stderr
+
+
 @pytest.mark.parametrize("point, archived_before_restart", [
     ("before-rename:1", 0),    # the first file of a batch written, not renamed
     ("before-rename:3", 100),  # two files of three renamed

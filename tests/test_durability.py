@@ -7,9 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from rqp import SURE_MSG
+from rqp import SURE_MSG, UNSURE_MSG
 from tests.agents import (
-    dead_letters, log_lines, make_queue, receive, start_receiver, start_sender, write_rqprc,
+    dead_letters, log_lines, make_queue, receive, send, start_receiver, start_sender,
+    write_rqprc,
 )
 from tests.testbed import wait_for
 
@@ -28,6 +29,16 @@ try:
 except rqp.RQPError as e:
     refused = str(e)
 print(json.dumps([depth, refused]))
+"""
+
+SYNC_ONE = r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+try:
+    rqp.sendMessage(h, sys.argv[2].encode(), rqp.SURE_MSG, sync=True, timeout=float(sys.argv[3]))
+    print("journaled")
+except rqp.RQPError as e:
+    print(e)
 """
 
 
@@ -130,3 +141,51 @@ for i in range(5):
             if '"MESSAGE"' in line]
     assert len(keys) == 15 and len(set(keys)) == 15
     assert len({k >> 32 for k in keys}) == 3  # one incarnation per start
+
+
+def test_a_record_longer_than_a_lowered_msgmax_is_sent_and_the_queue_moves_on(testbed):
+    # A record put while msgmax was 8192, then msgmax lowered to 2048 on the sending host: the
+    # kernel copies at most msgmax bytes, so the sending MCA's copy (peek) of it failed, once
+    # a second, for ever, and every record behind it waited. It is taken, journaled and sent
+    # (the receiving host, msgmax 8192, takes it), and the records behind it follow, in order.
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    big = "L" * 6000
+    send(a, rqprc, Q1, ["before", big], SURE_MSG)
+    send(a, rqprc, Q1, ["after1"], UNSURE_MSG)
+    a.sysctl("kernel.msgmax", 2048)
+    # sendMessage(sync=True) looks for its record behind the long one, which it cannot copy
+    # either: it waits for it all the same (before, the long one raised MessageTooBig).
+    assert "it is still in transmission queue 0x52510000 at position 3" in a.python(
+        SYNC_ONE, str(rqprc), "after2", "0.3")
+    sender = start_sender(a, rqprc)
+    assert receive(b, Q1, 4) == ["before", big, "after1", "after2"]  # (sync: still sent)
+    assert a.python(SYNC_ONE, str(rqprc), "after3", "20") == "journaled\n"
+    assert receive(b, Q1, 1) == ["after3"]
+    warned = log_lines(a, sender, "longer than kernel.msgmax")
+    assert len(warned) == 1 and "0x52510000" in warned[0] and "(2048 bytes" in warned[0]
+    assert "taken off before it is journaled" in warned[0]
+    assert not log_lines(a, sender, "cannot read the transmission queue")
+    assert sender.poll() is None and dead_letters(a) == []
+
+
+def test_a_restart_with_journaled_records_keeps_a_long_record_found_at_the_head(testbed):
+    # At start the sending MCA copies the head of the queue to find records both journaled
+    # and still there (a kill between the two): a record too long to copy (msgmax lowered)
+    # ends that look -- it was never journaled -- and is sent after the journaled ones.
+    a, b = testbed.add_host("a"), testbed.add_host("b")  # nothing listens on b yet
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc)
+    assert a.python(SYNC_ONE, str(rqprc), "journaled first", "20") == "journaled\n"
+    sender.send_signal(15)
+    assert sender.wait(30) == 0
+    big = "L" * 6000
+    send(a, rqprc, Q1, [big, "after"], SURE_MSG)
+    a.sysctl("kernel.msgmax", 2048)
+    start_receiver(b)
+    again = start_sender(a, rqprc)
+    assert receive(b, Q1, 3) == ["journaled first", big, "after"]
+    assert "1 SURE message(s) to send again first" in log_lines(a, again, "journal:")[0]

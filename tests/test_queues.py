@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -431,6 +432,42 @@ def test_receive_buffer_grows_when_msgmax_was_raised_after_open(make_queue):
     small = LocalQueue(sysv_ipc.MessageQueue(q.key, 0, mode=0, max_message_size=100), q.key, 100)
     small.put(b"z" * 300)
     assert q.get() == b"z" * 300
+
+
+def test_a_message_put_before_msgmax_was_lowered_is_still_read(testbed):
+    # A message longer than the kernel's msgmax (put before an operator lowered it) stopped
+    # every reader: its get failed with E2BIG at msgmax, for ever, and its peek too, and with
+    # it the sending MCA's whole transmission queue. A get reads it with a buffer that fits
+    # it; a peek cannot (the kernel copies at most msgmax bytes) and says so.
+    h = testbed.add_host("a")
+    out = json.loads(h.python("""
+import json
+from rqp.protocol.errors import MessageTooBig
+from rqp.system.queues import LocalQueue
+q = LocalQueue.create(0x5251c0de)
+q.put(b"a" * 6000, mtype=3)
+q.put(b"b", mtype=1)
+with open("/proc/sys/kernel/msgmax", "w") as f:
+    f.write("1000")
+fresh = LocalQueue.open(q.key)  # opened after: a 1000-byte buffer
+res = {"buffer": fresh.msgmax}
+try:
+    fresh.peek()  # the kernel copies at most msgmax bytes
+except MessageTooBig as exc:
+    res["peek"] = str(exc)
+data, mtype = LocalQueue.open(q.key).get(with_type=True)
+res["get"] = [len(data), mtype, fresh.peek()[0].decode(), fresh.get().decode()]
+try:
+    fresh.put(b"c" * 1500)  # the bigger buffer is no licence to put more than msgmax
+except MessageTooBig as exc:
+    res["put"] = str(exc)
+print(json.dumps(res))
+"""))
+    assert out["buffer"] == 1000
+    assert re.search(r"queue 0x5251c0de: message 0 is longer than kernel.msgmax \(1000 bytes; "
+                     r"lowered since it was put\): it can be taken, not copied", out["peek"])
+    assert out["get"] == [6000, 3, "b", "b"]
+    assert "msgmax" in out["put"] and "1000" in out["put"]
 
 
 # --- peek (MSG_COPY): what lets the sending MCA journal a record before taking it ----------

@@ -315,7 +315,8 @@ class LocalQueue:
 
     @property
     def msgmax(self) -> int:
-        """The kernel's msgmax when the queue was opened (re-read when a message exceeds it)."""
+        """The receive buffer: the kernel's msgmax when the queue was opened, re-read when a
+        message exceeds it (larger than msgmax for a message put before msgmax was lowered)."""
         return self._msgmax
 
     def __repr__(self) -> str:
@@ -507,7 +508,8 @@ class LocalQueue:
         Linux's ``msgrcv(..., MSG_COPY | IPC_NOWAIT)`` (kernel 3.8+, CONFIG_CHECKPOINT_RESTORE).
         This is what lets the sending MCA journal a record before it takes it off the queue.
         Raises :class:`QueueError` where the kernel does not support it (see
-        :func:`peek_supported`).
+        :func:`peek_supported`), :class:`MessageTooBig` for a message longer than the kernel's
+        msgmax (put before it was lowered: :meth:`get` takes it).
         """
         buf = self._copy_buffer or self._buffer()
         # The kernel copies the whole msgsz from user space before it even looks at the
@@ -526,10 +528,37 @@ class LocalQueue:
         err = ctypes.get_errno()
         if err == errno.ENOMSG:
             return None
-        if err == errno.E2BIG and kernel_limits().msgmax > self._msgmax:
-            self._reopen(kernel_limits().msgmax)
-            return self.peek(index)
+        if err == errno.E2BIG:
+            msgmax = kernel_limits().msgmax
+            if msgmax > self._msgmax:  # raised since we opened: a bigger buffer
+                self._reopen(msgmax)
+                return self.peek(index)
+            # Put before msgmax was lowered: the kernel copies at most msgmax bytes (and says
+            # EINVAL for a longer message, whatever the buffer), so only a get reads it.
+            raise MessageTooBig(
+                f"queue {format_key(self._key)}: message {index} is longer than kernel.msgmax "
+                f"({msgmax} bytes; lowered since it was put): it can be taken, not copied",
+                size=msgmax + 1, limit=msgmax)
         raise self._msgrcv_error(err, "msgrcv(MSG_COPY)")
+
+    def copy_head(self, limit: int, *, take_too_long: bool = True
+                  ) -> tuple[list[bytes], MessageTooBig | None]:
+        """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None. For a
+        reader that copies, makes them safe (a journal, an archive), then takes them off.
+
+        A message longer than the kernel's msgmax (put before it was lowered) cannot be
+        copied, and left there it would stop that reader for good: as the first one it is
+        taken off instead (:meth:`get`; not with ``take_too_long=False``), returned alone
+        with the :class:`MessageTooBig` that says so, and is the reader's to keep safe;
+        further on, the copies stop before it."""
+        batch = []
+        try:
+            while len(batch) < limit and (item := self.peek(len(batch))) is not None:
+                batch.append(item[0])
+        except MessageTooBig as exc:
+            if not batch and take_too_long:
+                return [self.get(block=False)], exc
+        return batch, None
 
     def wait(self) -> tuple[bytes, int] | None:
         """Block until the queue holds a message, without taking it; None then, or at once
@@ -582,7 +611,7 @@ class LocalQueue:
 
     def _receive(self, mtype: int, block: bool) -> tuple[bytes, int] | None:
         """One msgrcv: (bytes, mtype). None if non-blocking and there is no message."""
-        for _ in range(2):
+        while True:
             try:
                 return self._mq.receive(block=block, type=mtype)
             except sysv_ipc.BusyError:
@@ -590,20 +619,27 @@ class LocalQueue:
             except OSError as exc:
                 if exc.errno != errno.E2BIG:
                     raise _map_error(exc, self._key, "getting a message") from None
-                # A message longer than our buffer: msgmax was raised after we opened.
-                msgmax = kernel_limits().msgmax
-                if msgmax <= self._msgmax:
-                    raise MessageTooBig(
-                        f"queue {format_key(self._key)}: a message is longer than the "
-                        f"{self._msgmax}-byte receive buffer (msgmax)",
-                        size=self._msgmax + 1, limit=self._msgmax,
-                    ) from None
-                self._reopen(msgmax)
+                self._reopen(self._longer_buffer())  # and the message is still there
             except sysv_ipc.Error as exc:
                 if _is_eintr(exc):
                     raise
                 raise _map_error(exc, self._key, "getting a message") from None
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _longer_buffer(self) -> int:
+        """The receive buffer to try after a message did not fit this one (``E2BIG``, the
+        message left where it is): the kernel's msgmax if it was raised since, else twice
+        this one. A message longer than msgmax is one put before msgmax was lowered: it is
+        read all the same, or it would stop every reader of its queue (the sending MCA's of
+        the transmission queue) for good. Raises :class:`MessageTooBig` past 2 GiB (a message
+        the kernel cannot hold: never)."""
+        msgmax = kernel_limits().msgmax
+        size = msgmax if msgmax > self._msgmax else 2 * self._msgmax
+        if size > _BUFFER_MAX:
+            raise MessageTooBig(
+                f"queue {format_key(self._key)}: a message is longer than "
+                f"{self._msgmax} bytes, the largest receive buffer", size=self._msgmax + 1,
+                limit=self._msgmax)
+        return size
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -614,6 +650,8 @@ _MSG_COPY = 0o40000  # linux/msg.h
 #: The smallest msgsz a peek asks for (see LocalQueue.peek).
 PEEK_SIZE_MIN = 1024
 _IPC_NOWAIT = 0o4000
+#: The largest receive buffer :meth:`LocalQueue._longer_buffer` gives (msgsz is a C int).
+_BUFFER_MAX = 1 << 31
 _LONG_SIZE = ctypes.sizeof(ctypes.c_long)
 
 
