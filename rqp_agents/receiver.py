@@ -30,7 +30,7 @@ from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.constants import KNOWN_EXTENSIONS
 from rqp.protocol.receiver import Ask, Batch, Put, ReceiverConnection, Refuse
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
-from rqp.storage.deadletters import DeadLetterWriter
+from rqp.storage.deadletters import RECEIVER_SHARE, DeadLetterWriter
 from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
 from rqp.system.queues import format_key, kernel_limits
@@ -82,10 +82,6 @@ PEER_MEMORY = 1024
 _PUT, _REPEAT = "put", "repeat"
 #: Indexes of telemetry.QueueFigures.OUTCOMES.
 _PUT_FIGURE, _REPEAT_FIGURE, _DEAD_LETTERED_FIGURE = 0, 1, 2
-
-
-class DeadLetterUnavailable(RQPError):
-    """Even DEAD.LETTER.Q cannot take the record: the message must stay with its sender."""
 
 
 class GroupCommit:
@@ -393,6 +389,8 @@ class Receiver(Daemon):
         self._dead_letters_log = RateLimitedLog(log, *limit, what="dead letters")
         self._no_room_log = RateLimitedLog(log, *limit,
                                            what="dead letters DEAD.LETTER.Q could not take")
+        #: Dead letters not written for want of room in DEAD.LETTER.Q, per peer.
+        self.no_room: collections.Counter[str] = collections.Counter()
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
@@ -843,9 +841,11 @@ class Receiver(Daemon):
         return conn.answer_put(request, True)
 
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> bool:
-        """Write the dead letter of ``message`` (within ``who``'s dead-letter budget): whether
-        one was written (not for a SURE message's repeat, nor beyond the budget); raise
-        DeadLetterUnavailable if DEAD.LETTER.Q cannot take it."""
+        """Write the dead letter of ``message`` (within ``who``'s dead-letter budget, and
+        within this agent's share of DEAD.LETTER.Q): whether one was written (not for a SURE
+        message's repeat, nor beyond the budget, nor when the queue has no room for it: the
+        message is answered DELIVERED_ERROR all the same, so a SURE one stays with its sender,
+        and the connection, with the other messages in flight on it, goes on)."""
         sure, peer = message.message_type == SURE_MSG, who.label
         noticed = (peer, message.key)
         if sure and noticed in self._noticed:  # (a peer can send these as fast as it likes)
@@ -870,18 +870,24 @@ class Receiver(Daemon):
             payload=b"" if header_only else message.message, **_extras(message))
         data = None
         try:
-            data = self.dead_letters.encode(record)
+            data = self.dead_letters.encode(record, share=RECEIVER_SHARE)
             await self.delivery.retrying(lambda: self.dead_letters.try_put(data), 1.0,
                                          "DEAD.LETTER.Q")
         except (RQPError, OSError) as exc:
             if data is not None:
                 self.dead_letters.discard(data)  # no spill file that no record names
+            self.no_room[peer] += 1
             self._no_room_log.report(
-                "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x (queue %s, reason "
-                "%s): %s -- closing the connection unanswered so the sender keeps the message",
-                logging.ERROR, format_key(self.config.dead_letter_queue), message.key,
-                format_key(message.queue_key), reason.name, exc)
-            raise DeadLetterUnavailable(str(exc)) from exc
+                "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x from %s (queue %s, "
+                "reason %s): %s -- answered DELIVERED_ERROR: %s", logging.ERROR,
+                format_key(self.config.dead_letter_queue), message.key, peer,
+                format_key(message.queue_key), reason.name, exc,
+                "the SURE message stays with its sender" if sure else
+                "the UNSURE message is lost",
+                extra={"event": "dead_letter_not_written", "peer": peer,
+                       "reason": reason.name, "queue_key": format_key(message.queue_key),
+                       "message_key": f"{message.key:#018x}"})
+            return False
         if sure:
             self._noticed[noticed] = None
             if len(self._noticed) > NOTICE_MEMORY:

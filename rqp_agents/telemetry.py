@@ -218,11 +218,13 @@ def receiver_status(agent) -> dict:
                   "handshake_failures": sum(agent.gate.handshake_failures.values()),
                   "denied": sum(agent.gate.denied.values()),
                   "dead_letters_header_only": sum(agent.gate.header_only.values()),
-                  "dead_letters_suppressed": sum(agent.gate.suppressed.values())},
+                  "dead_letters_suppressed": sum(agent.gate.suppressed.values()),
+                  "dead_letters_no_room": sum(agent.no_room.values())},
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
         "dead_letters_limited": {"header_only": dict(agent.gate.header_only),
-                                 "suppressed": dict(agent.gate.suppressed)},
+                                 "suppressed": dict(agent.gate.suppressed),
+                                 "no_room": dict(agent.no_room)},
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),
     }
 
@@ -246,7 +248,8 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_denied_total", "counter",
          "QUEUE_ASK and MESSAGE frames refused by the peers rules, by peer"),
         ("rqp_receiver_dead_letters_limited_total", "counter",
-         "dead letters over the peer's dead_letter_rate: written header_only, or suppressed"),
+         "dead letters not written whole: over the peer's dead_letter_rate (kind header_only, "
+         "suppressed), or no room in DEAD.LETTER.Q within the receiver's share (no_room)"),
         ("rqp_accepts_out_of_descriptors_total", "counter",
          "accepts refused by the system for want of file descriptors"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
@@ -278,8 +281,9 @@ def receiver_metrics(agent) -> str:
         m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)
     for peer, count in sorted(agent.gate.denied.items()):
         m["rqp_receiver_denied_total"].add(count, peer=peer)
-    for kind in ("header_only", "suppressed"):
-        for peer, count in sorted(getattr(agent.gate, kind).items()):
+    for kind, counts in (("header_only", agent.gate.header_only),
+                         ("suppressed", agent.gate.suppressed), ("no_room", agent.no_room)):
+        for peer, count in sorted(counts.items()):
             m["rqp_receiver_dead_letters_limited_total"].add(count, peer=peer, kind=kind)
     m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):

@@ -754,33 +754,85 @@ def test_a_second_sigterm_exits_at_once(testbed):
 # --- 9. DEAD.LETTER.Q full ------------------------------------------------------------------------
 
 
-def test_when_dead_letter_q_is_full_the_connection_closes_unanswered(testbed):
+def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_goes_on(testbed):
+    """A trial: with DEAD.LETTER.Q full, a message to dead-letter closed its connection
+    unanswered, and every UNSURE message in flight on it was lost with it. Now that one
+    message is answered DELIVERED_ERROR (a SURE one stays with its sender, which sends it
+    again), and the connection goes on with the others."""
     t0 = time.time_ns()
 
     def fill_dlq(qa):
         qa.create(DLQ, 0o660)
         qa.fill(DLQ)
 
-    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660}, before_start=fill_dlq)
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock)}, queues={Q1: 0o660},
+            before_start=fill_dlq)
     full = r.qa.depth(DLQ)
     connect(r.pb, "c", r)
-    r.pb.send("c", [msg(MISSING, b"keep me", key=0x9D, type=SURE)])
-    got = r.pb.read_to_eof("c", timeout=6)
-    assert got == {"data": b"", "eof": True, "reset": False, "timeout": False}
+    got = r.pb.exchange("c", [ask(Q1), msg(MISSING, b"keep me", key=0x9D, type=SURE),
+                              msg(MISSING, b"lost", key=0x9C, type=UNSURE),
+                              msg(Q1, b"fine", key=0x9E, type=UNSURE)], timeout=10)
+    assert answers(got) == ["QUEUE_YES", "DELIVERED_ERROR", "DELIVERED_ERROR", "DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, b"fine")]
     errors = [line for line in r.log().splitlines() if " ERROR " in line]
-    assert any("DEAD.LETTER.Q" in line for line in errors), r.log()
+    assert any("cannot take the dead letter of key=0x000000000000009d" in line and
+               "answered DELIVERED_ERROR: the SURE message stays with its sender" in line
+               for line in errors), r.log()
+    assert any("key=0x000000000000009c" in line and "the UNSURE message is lost" in line
+               for line in errors), r.log()
     assert r.qa.depth(DLQ) == full
-    # the receiver goes on serving
-    connect(r.pb, "d", r)
-    assert answers(r.pb.exchange("d", [ask(Q1), msg(Q1, b"fine", key=0x9E)])) == [
-        "QUEUE_YES", "DELIVERED_YES"]
     # the notice was never written, so the sender's retry is recorded once there is room
     assert len(r.qa.drain(DLQ)) == full
-    connect(r.pb, "e", r)
+    connect(r.pb, "e", r)  # (on "c", the queue is held back for order until asked again)
     assert r.pb.exchange("e", [msg(MISSING, b"keep me", key=0x9D, type=SURE)]) == DELIVERED_ERROR
     [rec] = r.qa.dead_letters()
     check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0x9D,
                  message_type=SURE, source=r.b.address, payload=b"keep me", since_ns=t0)
+    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--agent", "receiver",
+                       "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                      check=False, timeout=60)
+    assert (f'rqp_receiver_dead_letters_limited_total{{kind="no_room",peer="{r.b.address}"}} '
+            '2.0\n') in metrics.stdout, metrics.stdout + metrics.stderr
+
+
+DLQ_BYTES = r"""
+import sys, sysv_ipc
+q = sysv_ipc.MessageQueue(int(sys.argv[1]))
+used = sum(int(line.split()[3]) for line in open("/proc/sysvipc/msg").read().splitlines()[1:]
+           if int(line.split()[1]) == q.id)
+print(used, q.max_size)
+"""
+
+
+def test_a_peer_cannot_fill_dead_letter_q_past_the_receivers_share(testbed):
+    """A trial: one peer's frames of 8,000 bytes to a queue not offered filled DEAD.LETTER.Q
+    (16,366 of 16,384 bytes) well within its dead_letter_burst; then the dead letters of every
+    other peer, and of the host's own sending MCA, had no room. The receiving MCA now fills
+    at most three quarters of it (payloads spilled to files to fit, none lost), and refuses
+    the rest with DELIVERED_ERROR, on a connection that goes on."""
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "flood", r)
+    sizes = [7000, 7000, 3000, 1000, 500, 100, 10]
+    got = r.pb.exchange("flood", [msg(MISSING, bytes([n]) * size, key=n + 1, type=UNSURE)
+                                  for n, size in enumerate(sizes)]
+                        + [ask(Q1), msg(Q1, b"still served", key=99, type=UNSURE)], timeout=30)
+    assert answers(got) == ["DELIVERED_ERROR"] * len(sizes) + ["QUEUE_YES", "DELIVERED_YES"]
+    used, size = map(int, r.a.python(DLQ_BYTES, str(DLQ)).split())
+    assert size == 16384 and 0.7 * size < used <= 0.75 * size, (used, size)
+    records = r.qa.dead_letters()
+    assert 2 <= len(records) < len(sizes)
+    for rec in records:  # every payload whole: in the record, or in its spill file
+        n = rec["message_key"] - 1
+        payload = rec["payload"]
+        if rec["flags"] & DeadLetterFlags.TRUNCATED:
+            payload = Path(rec["spill_path"]).read_bytes()
+        assert payload == bytes([n]) * sizes[n]
+    assert r.qa.drain(Q1) == [(1, b"still served")]
+    no_room = [line for line in r.log().splitlines() if "cannot take the dead letter" in line]
+    assert no_room and "is 75% full, all that this agent may fill: the rest is kept for the " \
+        "sending MCA of this host" in no_room[0]
+    r.qa.put(DLQ, b"a sending MCA's dead letter" * 140)  # 3,780 bytes: the quarter kept
 
 
 def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(testbed):

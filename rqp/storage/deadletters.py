@@ -57,13 +57,26 @@ class DeadLetterWriter:
     def written(self) -> int:
         return sum(self.by_reason.values())
 
-    def encode(self, record: DeadLetterRecord) -> bytes:
+    def encode(self, record: DeadLetterRecord, *, share: float | None = None) -> bytes:
         """The record's bytes, fitted to one System V message (spilling the payload if need
         be and there is room). Raises OSError if the spill file cannot be written,
         MessageTooBig if even the header does not fit. A record that is then not written
         must be given to :meth:`discard`, so that no spill file is left that no record
-        names."""
+        names.
+
+        ``share`` (0..1): the record must also leave DEAD.LETTER.Q at most that part full
+        (its payload spilled to fit, as above); :class:`QueueFull` if even its header would
+        not (nothing written). What the receiving MCA writes for its peers, so that they
+        cannot take the rest of the queue from the sending MCA of the host."""
         limit = self._limit()
+        if share is not None and (room := self._room_within(share)) < limit:
+            try:
+                return self._encode(record, room)
+            except MessageTooBig:  # (nothing written)
+                raise QueueFull(
+                    f"DEAD.LETTER.Q {format_key(self.queue_key)} is {share:.0%} full, all that "
+                    "this agent may fill: the rest is kept for the sending MCA of this host",
+                    queue_key=self.queue_key) from None
         try:
             return self._encode(record, limit)
         except MessageTooBig:
@@ -153,6 +166,16 @@ class DeadLetterWriter:
                           format_key(self.queue_key), limit, exc)
             return None
 
+    def _room_within(self, share: float) -> int:
+        """Bytes a record may have so that DEAD.LETTER.Q stays at most ``share`` full (one
+        ``msgctl`` and a read of /proc/sysvipc/msg: for dead letters, which are few)."""
+        try:
+            size = self.queue.stat().max_size
+            used = size - self.queue.room()
+        except RQPError:  # (no read permission, or removed: try_put says, or makes it again)
+            return self.msgmax
+        return max(0, int(size * share) - used)
+
     def _limit(self) -> int:
         """The largest record DEAD.LETTER.Q takes: msgmax, or its own size (msg_qbytes) when
         that is smaller (a queue made small, or kernel.msgmnb below msgmax): a record larger
@@ -162,6 +185,12 @@ class DeadLetterWriter:
             return min(self.msgmax, self.queue.stat().max_size)
         except RQPError:  # (no read permission, or removed: try_put says, or makes it again)
             return self.msgmax
+
+
+#: The receiving MCA's share of DEAD.LETTER.Q: it writes no dead letter that would leave the
+#: queue more than this full, so that its peers cannot fill it (spec 7: a trust boundary) and
+#: the sending MCA of the host always finds room for the dead letters of its SURE messages.
+RECEIVER_SHARE = 0.75
 
 
 def _bytes_in(directory: Path) -> int:
