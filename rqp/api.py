@@ -26,7 +26,7 @@ from rqp.protocol.constants import (
     DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_PRIORITY, DEFAULT_TRANSMISSION_QUEUE, INT64_MAX, MAX_BATCH,
     SURE_MSG, UNSURE_MSG, MessageType,
 )
-from rqp.protocol.errors import MessageTooBig, RQPError
+from rqp.protocol.errors import MessageTooBig, QueueNotFound, RQPError
 from rqp.protocol.records import (
     BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
     check_extras, check_mtype, encode_batch, encode_transmission,
@@ -73,8 +73,14 @@ class Producer:
 
     def put_raw(self, raw: bytes, *, timeout: float | None = None, sync: bool = False,
                 sync_timeout: float = 30.0) -> None:
-        """:meth:`put` of a record already encoded."""
-        self.transmission_queue.put(raw, block=True, timeout=timeout)
+        """:meth:`put` of a record already encoded. A transmission queue removed since the
+        last put (``ipcrm``, a reboot of the IPC namespace) is opened again by its key (made
+        again if need be), as the sending MCA does: the handle goes on working."""
+        try:
+            self.transmission_queue.put(raw, block=True, timeout=timeout)
+        except QueueNotFound:
+            self.transmission_queue = LocalQueue.create(self.config.transmission_queue)
+            self.transmission_queue.put(raw, block=True, timeout=timeout)
         if sync:
             self.wait_taken(raw, sync_timeout)
 

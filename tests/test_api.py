@@ -189,6 +189,24 @@ except rqp.QueueFull as e:
     assert n == 4 and "still full after 0.2 s" in message  # 16384-byte queue, 4064-byte records
 
 
+def test_a_handle_goes_on_after_its_transmission_queue_is_removed(host):
+    # A trial: after `ipcrm` of the transmission queue (the sending MCA opened it again), every
+    # sendMessage on a handle opened before raised "was removed while putting a message".
+    out = run(host, """
+import sysv_ipc
+from rqp.protocol.records import TransmissionRecord
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+rqp.sendMessage(h, b"before")
+sysv_ipc.MessageQueue(0x52510000).remove()  # (and "before" with it, as the kernel does)
+rqp.sendMessage(h, b"after")
+rqp.sendMessage(h, b"and again")
+q = sysv_ipc.MessageQueue(0x52510000)
+print(json.dumps([TransmissionRecord.from_bytes(q.receive()[0]).payload.decode()
+                  for _ in range(q.current_messages)]))
+""")
+    assert out == ["after", "and again"]
+
+
 def test_extras_out_of_range_are_refused_naming_the_parameter(host):
     out = run(host, """
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
