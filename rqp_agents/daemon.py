@@ -88,6 +88,17 @@ def flush_held_lines() -> None:
         limit.flush()
 
 
+def refuse_fixed(running, new, names: tuple[str, ...], agent: str) -> None:
+    """Raise :class:`RQPError` (a reload refused, the running config kept) if a setting that
+    only a start applies (a listening address, a socket, a directory, a queue) differs in
+    ``new``: a reload that took the rest would report a change it never made."""
+    fixed = [f"{name} {getattr(running, name)} -> {getattr(new, name)}" for name in names
+             if getattr(new, name) != getattr(running, name)]
+    if fixed:
+        raise RQPError(f"{'; '.join(fixed)}: cannot change while running, restart the {agent} "
+                       "for that")
+
+
 class Daemon:
     """Base of the sending and receiving MCAs. Subclasses provide ``status()``, ``metrics()``
     and ``reload()`` (which raises :class:`RQPError` to refuse a bad config)."""

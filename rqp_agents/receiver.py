@@ -38,7 +38,7 @@ from rqp.system.service import (
     config_changes, counts, host_name, make_state_dir, setup_logging, wall_ms,
 )
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, refuse_fixed, run_daemon
 from rqp_agents.delivery import LocalDelivery
 from rqp_agents.gate import Gate
 
@@ -342,12 +342,14 @@ class Receiver(Daemon):
 
     stop_note = "no new connections; answering what is in flight"
 
-    def __init__(self, config: ReceiverConfig) -> None:
+    def __init__(self, config: ReceiverConfig, overrides: frozenset[str] = frozenset()) -> None:
         super().__init__(log)
         problem = config.transport_problem()
         if problem:
             raise RQPError(problem)
         self.config = config
+        #: Settings given on the command line, which a reload of the file keeps.
+        self.overrides = overrides
         self.gate = Gate(config)
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
@@ -482,12 +484,10 @@ class Receiver(Daemon):
         if self.config.source is None:
             raise RQPError("started without --config: nothing to reload")
         new = load_receiver_config(self.config.source)
-        new = dataclasses.replace(new, listen=self.config.listen,
-                                  state_dir=self.config.state_dir)  # command-line values
-        if new.dead_letter_queue != self.config.dead_letter_queue:
-            raise RQPError("dead_letter_queue cannot change while running: restart the "
-                           "receiving MCA for that")
-        new = dataclasses.replace(new, plaintext=new.plaintext or self.config.plaintext)
+        new = dataclasses.replace(new, **{name: getattr(self.config, name)  # command line
+                                          for name in self.overrides})
+        refuse_fixed(self.config, new, ("listen", "state_dir", "dead_letter_queue",
+                                        "control_socket", "metrics_listen"), "receiving MCA")
         problem = new.transport_problem()
         if problem:
             raise RQPError(problem)
@@ -962,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RQPError(f"--plaintext: {config.source} has a tls: block, and a port is "
                                f"either TLS or plaintext, never both")
             changes["plaintext"] = True
-        return Receiver(dataclasses.replace(config, **changes))
+        return Receiver(dataclasses.replace(config, **changes), frozenset(changes))
 
     return run_daemon(log, build)
 

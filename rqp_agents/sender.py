@@ -45,7 +45,7 @@ from rqp.system.service import (
 )
 from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, refuse_fixed, run_daemon
 from rqp_agents.intake import Intake, Taken, budget_size, messages_in
 from rqp_agents.links import Links
 
@@ -284,11 +284,8 @@ class Sender(Daemon):
         """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
         and frames in flight are kept. A bad file is refused and the running config kept."""
         new = load_sender_config(self.config.source)
-        fixed = [k for k in ("transmission_queue", "dead_letter_queue", "state_dir")
-                 if getattr(new, k) != getattr(self.config, k)]
-        if fixed:
-            raise RQPError(f"{', '.join(fixed)} cannot change while running: restart the "
-                           "sending MCA for that")
+        refuse_fixed(self.config, new, ("transmission_queue", "dead_letter_queue", "state_dir",
+                                        "control_socket", "metrics_listen"), "sending MCA")
         try:
             tls = _tls_contexts(new)  # new connections use the new certificates
         except TLSFileError as exc:

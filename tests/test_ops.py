@@ -660,6 +660,32 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     assert {q["queue"]: q["offered"] for q in st["queues"]}["0x52510001"] is False
     assert len(st["connections"]) == 1
 
+    # Settings only a start applies: the reload is refused, and says so. (A trial: "reloaded:
+    # control_socket None -> ..., metrics_listen" while neither moved, and rqpctl status with
+    # the new file then said the running agents were not running.)
+    moved = receiver_config(b, f"control_socket: {b.workdir}/other.sock\n").replace(
+        "':9747'", "':9757'").replace(f"control_socket: {b.workdir}/receiver.sock\n", "")
+    (b.workdir / "receiver.yaml").write_text(moved)
+    receiver.send_signal(signal.SIGHUP)
+    [refused] = wait_for(lambda: log_lines(b, receiver, "reload refused"), timeout=20,
+                         message="a reload moving the sockets was not refused")
+    assert re.search(r"control_socket \S+/receiver.sock -> \S+/other.sock; metrics_listen "
+                     r"\S*:9747 -> \S*:9757: cannot change while running, restart the "
+                     "receiving MCA for that", refused), refused
+    before = len(log_lines(a, sender, "reload refused"))
+    rqprc.write_text(with_c.replace(":9746", ":9756"))
+    sender.send_signal(signal.SIGHUP)
+    refused = wait_for(lambda: log_lines(a, sender, "reload refused")[before:], timeout=20,
+                       message="a reload moving the metrics was not refused")
+    assert re.search(r"metrics_listen \S*:9746 -> \S*:9756: cannot change while running, "
+                     "restart the sending MCA for that", refused[-1]), refused
+    running = b.workdir / "running.yaml"  # what the receiver still runs with
+    running.write_text(receiver_config(b))
+    for host, agent, config in ((a, "sender", ["--rqprc", str(api_rqprc)]),
+                                (b, "receiver", ["--receiver-config", str(running)])):
+        out = rqpctl(host, "status", "--agent", agent, *config)
+        assert out.returncode == 0, out.stdout + out.stderr
+
 
 def test_rqpctl_send_starts_a_sending_mca_as_the_api_does(testbed):
     """Issue 10: rqpctl send only warned that nothing served the transmission queue, while
