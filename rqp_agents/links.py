@@ -148,6 +148,8 @@ def _failure(exc: BaseException) -> str:
         return handshake_problem(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
+    if isinstance(exc, socket.gaierror):  # (its errno is getaddrinfo's: os.strerror says
+        return f"cannot resolve the host name: {exc.strerror or exc}"  # "Unknown error -3")
     # (asyncio's own text, "Connect call failed (addr)", hides the reason)
     return os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc)
 

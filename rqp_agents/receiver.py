@@ -396,7 +396,7 @@ class Receiver(Daemon):
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
-                      "timed_out_connections": 0}
+                      "timed_out_connections": 0, "protocol_errors": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -612,7 +612,8 @@ class Receiver(Daemon):
             self._unrecorded(peer, exc, who.label)
         except PeerNotReading as exc:
             self._not_reading(writer, peer, who, exc)
-        except RQPError as exc:
+        except RQPError as exc:  # a protocol error (a bad frame): this connection ends
+            self.stats["protocol_errors"] += 1
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
                                 extra=dict(event="connection_refused", peer=who.label,
                                            address=peer))
@@ -689,6 +690,7 @@ class Receiver(Daemon):
             if request.dead_letter:
                 info["dead_letters"] += await self._dead_letter(
                     request.message, request.reason, request.detail, who)
+                self.figures.count(request.message.queue_key, _DEAD_LETTERED_FIGURE)
             return conn.answer_put(request, False)
         reason, detail, repeat = await self._put(request.message, peer)
         if repeat:
@@ -764,6 +766,7 @@ class Receiver(Daemon):
                 # of the batch alike; replay still puts each back on its own)
                 info["dead_letters"] += await self._dead_letter(message, failed.reason,
                                                                 detail, who)
+                self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
         return conn.answer_batch(batch, False)
 
     def _put_at_once(self, message, peer: str):

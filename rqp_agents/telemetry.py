@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import asdict
 
 from rqp.protocol.constants import QUEUE_MEMORY
-from rqp.protocol.errors import RQPError
+from rqp.protocol.errors import QueueNotFound, RQPError
 from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
 from rqp.system.control import Metric, render
 from rqp.system.queues import LocalQueue, format_key, list_queues
@@ -63,8 +63,15 @@ def offered_queues(agent, among=None) -> list[dict]:
 
 
 def _depth(queue: LocalQueue) -> int | None:
+    """Messages on ``queue``, the one now under its key if it was removed (and maybe made
+    again since); None if there is none, or it cannot be read."""
     try:
         return queue.depth
+    except QueueNotFound:
+        try:
+            return LocalQueue.open(queue.key).depth
+        except RQPError:
+            return None
     except RQPError:
         return None
 
@@ -243,6 +250,8 @@ def receiver_metrics(agent) -> str:
          "connections closed at once: over max_connections or max_connections_per_source"),
         ("rqp_receiver_connections_timed_out_total", "counter",
          "connections closed by first_frame_timeout or idle_timeout"),
+        ("rqp_receiver_protocol_errors_total", "counter",
+         "connections closed for a protocol error (a frame that breaks the spec)"),
         ("rqp_receiver_tls_handshake_failures_total", "counter",
          "connections closed because the TLS handshake failed, by reason"),
         ("rqp_receiver_denied_total", "counter",
@@ -277,6 +286,7 @@ def receiver_metrics(agent) -> str:
     m["rqp_receiver_connections_total"].add(agent.stats["connections"])
     m["rqp_receiver_connections_refused_total"].add(agent.gate.refused_connections)
     m["rqp_receiver_connections_timed_out_total"].add(agent.stats["timed_out_connections"])
+    m["rqp_receiver_protocol_errors_total"].add(agent.stats["protocol_errors"])
     for reason, count in sorted(agent.gate.handshake_failures.items()):
         m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)
     for peer, count in sorted(agent.gate.denied.items()):

@@ -619,6 +619,22 @@ def test_queues_send_and_receive(site):
     assert out.returncode == 2 and "--priority" in out.stderr
 
 
+def test_status_of_a_dead_letter_queue_removed_and_made_again(site):
+    # A trial: after ipcrm of DEAD.LETTER.Q the status line said "DEAD.LETTER.Q 0x5251dead
+    # (None)", and went on saying it after the queue was made again, until a dead letter.
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["x"])
+    assert receive(b, Q1, 1) == ["x"]
+    a.python("import sysv_ipc; sysv_ipc.MessageQueue(0x5251DEAD).remove()")
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert "DEAD.LETTER.Q 0x5251dead (not there, or not readable: made again at its next " \
+        "dead letter)" in out.stdout, out.stdout
+    make_queue(a, 0x5251DEAD, 0o660)
+    a.python("import sysv_ipc; sysv_ipc.MessageQueue(0x5251DEAD).send(b'a record')")
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert "DEAD.LETTER.Q 0x5251dead (1)" in out.stdout, out.stdout
+
+
 def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     a, b, rqprc, sender, receiver = site
     c = testbed.add_host("c")

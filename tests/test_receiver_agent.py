@@ -1286,3 +1286,26 @@ def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(test
     assert answers(qa.exchange("near", [ask(Q1)])) == ["QUEUE_NO"]
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
+
+
+def test_protocol_errors_and_every_dead_letter_are_counted_in_the_metrics(testbed):
+    """A trial: connections closed for bad frames were counted nowhere (only the line said at
+    the stop), and rqp_receiver_messages_total{outcome="dead_lettered"} missed the messages
+    refused before a put (over max_message_size, queue key 0)."""
+    r = rig(testbed, {**BASE_CONFIG, "max_message_size": 100, "metrics_listen": ":9747"},
+            queues={Q1: 0o660})
+    connect(r.pb, "bad", r)
+    r.pb.send("bad", [raw(b"\x09\x00garbage")])  # message_code 9: no such frame
+    assert r.pb.read_to_eof("bad")["eof"]
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [ask(Q1), msg(Q1, b"x" * 101, key=1, type=UNSURE),
+                              msg(0, b"no queue", key=2, type=UNSURE),
+                              msg(MISSING, b"not here", key=3, type=UNSURE)])
+    assert answers(got) == ["QUEUE_YES"] + ["DELIVERED_ERROR"] * 3
+    assert len(r.qa.dead_letters()) == 3
+    metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
+                         "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    assert "rqp_receiver_protocol_errors_total 1.0\n" in metrics, metrics
+    for queue in ("0x52510001", "0x00000000", "0x52510099"):
+        assert (f'rqp_receiver_messages_total{{outcome="dead_lettered",queue="{queue}"}} 1.0\n'
+                in metrics), metrics

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -271,3 +272,13 @@ def test_unsure_then_sure_to_a_host_refusing_connections_keeps_retrying(testbed)
     assert receive(b, Q1, 1) == ["s"]
     assert "Task exception" not in a.output(sender, "stderr")
     assert sender.poll() is None
+
+
+def test_a_host_name_that_does_not_resolve_is_said_in_words():
+    # A trial: `rqpctl status` showed "down (cannot connect: Unknown error -3)" (os.strerror
+    # of getaddrinfo's EAI_AGAIN) where `rqpctl ping` said what it was.
+    from rqp_agents.links import _failure
+    assert _failure(socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+                    ) == "cannot resolve the host name: Temporary failure in name resolution"
+    assert _failure(ConnectionRefusedError(111, "Connect call failed")) == "Connection refused"
+

@@ -538,7 +538,8 @@ def test_route_status_in_words():
         ("running", "b", 1, 1, 3)
     h.answer("b", ERR)  # SURE: route dropped, retried at once (asks again)
     [r] = h.core.route_status()
-    assert r["errors"] == 1 and r["last_error"] == "DELIVERED_ERROR from b"
+    assert r["errors"] == 1 and r["last_error"] == (
+        "DELIVERED_ERROR from b (refused: the receiving MCA's log and DEAD.LETTER.Q say why)")
     h.sent()
     h.answer("b", NO)  # second failure: back-off; the last error is now the newer one
     [r] = h.core.route_status()

@@ -490,6 +490,10 @@ def _frames_sent(msg: Outgoing) -> str:
     return f"sent {msg.attempts} time(s): {msg.attempts * msg.count} MESSAGE_EX frames"
 
 
+#: What a DELIVERED_ERROR, which carries no reason (spec 4), leaves to look at.
+_REFUSED_WHY = " (refused: the receiving MCA's log and DEAD.LETTER.Q say why)"
+
+
 def _no_host(lane: _Lane, why: str) -> str:
     """Why a round of asking found no host for ``lane``'s queue, in words that do not claim
     more than was heard: 'offers' only when a host answered QUEUE_NO."""
@@ -1371,7 +1375,8 @@ class SenderCore:
 
     def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
         lane.inflight -= 1
-        msg.last_error = f"{why} from {link.host}"
+        msg.last_error = f"{why} from {link.host}" + (
+            _REFUSED_WHY if why == "DELIVERED_ERROR" else "")
         key = lane.id
         info = self._error(lane.queue_key, msg.last_error)
         info.errors += 1

@@ -106,12 +106,18 @@ def _ago(then: float | None, now: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def _dlq_depth(st: dict) -> str:
+    depth = st["dead_letter_queue_depth"]
+    return "not there, or not readable: made again at its next dead letter" if depth is None \
+        else str(depth)
+
+
 def _print_sender(st: dict) -> None:
     now = st["now"]
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
           f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
-          f"({st['dead_letter_queue_depth']}"
+          f"({_dlq_depth(st)}"
           + (f"; {st['dead_letters_held']} more held in memory: it was full"
              if st.get("dead_letters_held") else "")
           + f"), in flight {st['in_flight']}"
@@ -186,7 +192,7 @@ def _print_receiver(st: dict) -> None:
     now = st["now"]
     print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"listening {st['listen']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
-          f"({st['dead_letter_queue_depth']}), {len(st['connections'])} connection(s), "
+          f"({_dlq_depth(st)}), {len(st['connections'])} connection(s), "
           f"{st['stats'].get('messages', 0)} message(s) put")
     stats = st["stats"]
     print(f"  {'TLS (mutual)' if st.get('tls') else 'plaintext RQP/1'}; "
