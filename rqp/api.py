@@ -102,7 +102,7 @@ class Producer:
                 raise RQPError(
                     f"sync: the sending MCA has not journaled the message within {timeout:g}s; "
                     f"it is still in transmission queue "
-                    f"{format_key(self.config.transmission_queue)} at position {index} (is a "
+                    f"{format_key(self.config.transmission_queue)} at position {index + 1} (is a "
                     "sending MCA running?)")
             time.sleep(wait)  # waiting on another process, with a deadline
             wait = min(wait * 2, 0.01)

@@ -72,7 +72,7 @@ try:
 except rqp.RQPError as e:
     print(e)
 """, str(rqprc))
-    assert "has not journaled the message within 0.3s" in out and "position 0" in out
+    assert "has not journaled the message within 0.3s" in out and "position 1" in out
 
 
 def test_retry_budget_turns_a_sure_message_into_a_dead_letter(testbed):
@@ -158,7 +158,7 @@ def test_a_record_longer_than_a_lowered_msgmax_is_sent_and_the_queue_moves_on(te
     a.sysctl("kernel.msgmax", 2048)
     # sendMessage(sync=True) looks for its record behind the long one, which it cannot copy
     # either: it waits for it all the same (before, the long one raised MessageTooBig).
-    assert "it is still in transmission queue 0x52510000 at position 3" in a.python(
+    assert "it is still in transmission queue 0x52510000 at position 4" in a.python(
         SYNC_ONE, str(rqprc), "after2", "0.3")
     sender = start_sender(a, rqprc)
     assert receive(b, Q1, 4) == ["before", big, "after1", "after2"]  # (sync: still sent)

@@ -635,6 +635,20 @@ def test_status_of_a_dead_letter_queue_removed_and_made_again(site):
     assert "DEAD.LETTER.Q 0x5251dead (1)" in out.stdout, out.stdout
 
 
+def test_rqpctl_queues_lists_the_queues_and_what_the_receiver_offers(site):
+    a, b, rqprc, sender, receiver = site
+    send(a, rqprc, Q1, ["x"])
+    assert receive(b, Q1, 1) == ["x"]
+    out = rqpctl(b, "queues", "--receiver-config", str(b.workdir / "receiver.yaml"))
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert out.returncode == 0 and rows["0x52510001"].endswith(" yes"), out.stdout
+    out = rqpctl(a, "queues")  # (no receiver on a: 'offered' unknown, but never its own)
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert "receiver not running" in out.stdout.splitlines()[0]
+    assert rows["0x52510000"].endswith(" no (an agent's own)"), out.stdout  # the agents' own
+    assert rows["0x5251dead"].endswith(" no (an agent's own)"), out.stdout
+
+
 def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     a, b, rqprc, sender, receiver = site
     c = testbed.add_host("c")

@@ -312,7 +312,9 @@ class FrameDecoder:
         if code not in self.accept:
             raise RemoteProtocolError(
                 f"unexpected {c.MessageCode(code).name} frame: this side only receives "
-                + ", ".join(sorted(c.MessageCode(a).name for a in self.accept)))
+                + ", ".join(sorted(c.MessageCode(a).name for a in self.accept))
+                + (" here (MESSAGE_EX only once an answer to QUEUE_ASK on this connection has "
+                   "agreed to it, spec section 6)" if code == c.MessageCode.MESSAGE_EX else ""))
         if code in _CARRIES_MESSAGE and avail >= 2 and buf[pos + 1] > c.UNSURE_MSG:
             raise _header_error(buf[pos:pos + 2])
         if avail < fixed:

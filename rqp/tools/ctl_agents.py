@@ -23,6 +23,7 @@ from rqp.system.control import (
     ControlError, ControlNotAnswering, ControlRefused, default_socket, request,
 )
 from rqp.system.queues import QueueEmpty, format_key, list_queues
+from rqp.system.service import is_agent_queue
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
@@ -439,8 +440,10 @@ def queues(args) -> int:
     print(f"{'queue':12} {'messages':>9} {'bytes':>9} {'mode':>5} {'uid':>6} {'gid':>6} "
           f"offered{note}")
     for q in list_queues():
+        shown = "no (an agent's own)" if is_agent_queue(q.key) else \
+            {True: "yes", False: "no"}.get(offered.get(q.key), "?")
         print(f"{format_key(q.key):12} {q.messages:>9} {q.bytes:>9} {q.mode:>5o} {q.uid:>6} "
-              f"{q.gid:>6} {({True: 'yes', False: 'no'}).get(offered.get(q.key), '?')}")
+              f"{q.gid:>6} {shown}")
     return 0
 
 
