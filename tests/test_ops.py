@@ -642,6 +642,19 @@ def test_rqpctl_queues_lists_the_queues_and_what_the_receiver_offers(site):
     out = rqpctl(b, "queues", "--receiver-config", str(b.workdir / "receiver.yaml"))
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
     assert out.returncode == 0 and rows["0x52510001"].endswith(" yes"), out.stdout
+    # A host that only receives has no .rqprc: a name is looked up in the receiver's config.
+    send(a, rqprc, Q1, ["by name"])
+    env = {k: v for k, v in os.environ.items() if k != "RQPRC"} | {"HOME": str(b.workdir)}
+    out = b.run([*RQPCTL, "receive", "PROD_THE_SCHED_COMMON", "--timeout", "20",
+                 "--receiver-config", str(b.workdir / "receiver.yaml")], check=False,
+                env=env, cwd=b.workdir)
+    assert out.returncode == 0 and out.stdout == "by name\n", out.stdout + out.stderr
+    out = b.run([*RQPCTL, "receive", "PROD_THE_SCHED_COMON", "--receiver-config",
+                 str(b.workdir / "receiver.yaml")], check=False, env=env, cwd=b.workdir)
+    assert out.returncode == 2 and "PROD_THE_SCHED_COMMON" in out.stderr, out.stderr
+    out = b.run([*RQPCTL, "receive", "PROD_THE_SCHED_COMMON"], check=False, env=env,
+                cwd=b.workdir)
+    assert out.returncode == 2 and "--receiver-config" in out.stderr, out.stderr
     out = rqpctl(a, "queues")  # (no receiver on a: 'offered' unknown, but never its own)
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
     assert "receiver not running" in out.stdout.splitlines()[0]

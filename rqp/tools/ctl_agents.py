@@ -489,18 +489,28 @@ def queue_argument(text: str) -> str | int:
         raise argparse.ArgumentTypeError(f"{exc} (or a queue name from .rqprc)") from None
 
 
+def _queue_named(args) -> int:
+    """The key of queue name ``args.queue``: from the .rqprc, or on a host that only receives
+    (no .rqprc) from the receiving MCA's config, whose ``queues`` name them too."""
+    try:
+        path = find_rqprc(args.rqprc)
+    except ConfigError as exc:
+        receiver = args.receiver_config or (
+            str(SYSTEM_RECEIVER_CONFIG) if SYSTEM_RECEIVER_CONFIG.exists() else None)
+        if args.rqprc is not None or receiver is None:
+            raise ConfigError(f"queue {args.queue!r} is a name, looked up in a .rqprc or the "
+                              f"receiver's config (--receiver-config), or give its key: "
+                              f"{exc}") from None
+        return load_receiver_config(receiver).resolve_queue(args.queue)
+    return load_sender_config(path).resolve_queue(args.queue)
+
+
 def receive(args) -> int:
     import rqp
-    if isinstance(args.queue, str):  # a name: looked up in .rqprc
-        try:
-            find_rqprc(args.rqprc)
-        except ConfigError as exc:
-            raise ConfigError(f"queue {args.queue!r} is a name, looked up in a .rqprc (or give "
-                              f"its key): {exc}") from None
+    queue = _queue_named(args) if isinstance(args.queue, str) else args.queue
     for n in range(args.count):
         try:
-            data, mtype = rqp.receiveMessage(args.queue, timeout=args.timeout,
-                                             rqprc=args.rqprc, mtype=args.mtype,
+            data, mtype = rqp.receiveMessage(queue, timeout=args.timeout, mtype=args.mtype,
                                              with_type=True)
         except QueueEmpty:
             print(f"no message within {args.timeout:g}s")
@@ -595,6 +605,9 @@ def add_commands(groups) -> None:
     p.add_argument("--timeout", type=seconds, metavar="SECONDS", default=5.0,
                    help="wait at most this long for each message (default 5)")
     p.add_argument("--rqprc", metavar="FILE", help="where queue names are looked up")
+    p.add_argument("--receiver-config", metavar="FILE",
+                   help="where queue names are looked up without a .rqprc (default "
+                   f"{SYSTEM_RECEIVER_CONFIG} if it exists)")
     p.add_argument("--mtype", type=int, metavar="N", default=0,
                    help="which message, as msgrcv's msgtyp: 0 the first (default), N the "
                    "first of type N, -N the first of the lowest type up to N")
