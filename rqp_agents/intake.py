@@ -28,12 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rqp.protocol.constants import SURE_MSG
-from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError, RQPError
+from rqp.protocol.errors import (
+    MessageTooBig, QueueError, QueueFull, QueueNotFound, RecordError, RQPError,
+)
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
 from rqp.protocol.sender import budget_size
 from rqp.storage.journal import Journal
-from rqp.system.queues import LocalQueue, format_key
+from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import KeySource
 from rqp_agents.daemon import RateLimitedLog
 
@@ -129,12 +131,31 @@ class Intake:
         # mixed with UNSURE ones of the same batch (never journaled, never handed on): take
         # the batch off; the journaled ones are sent from the journal, the others as new.
         journaled = {entry.record for entry in entries}
-        # (A record too long to copy was never journaled while on the queue: it stays.)
-        head = self.queue.copy_head(READ_BATCH, take_too_long=False)[0]
+        head, stopped = self._copy_head()
         last = max((i for i, data in enumerate(head) if data in journaled), default=-1)
         leftovers = [data for data in head[:last + 1] if data not in journaled]
         if last >= 0:
             self._take_off(head[:last + 1])
+        found = last + 1 - len(leftovers)  # journaled, and still on the queue: taken off
+        unmatched = journaled.difference(head)
+        if stopped and unmatched:
+            # msgmax was lowered before this start: a record of the batch may now be too long
+            # to copy, and the batch go on past it. Take the rest of the head one by one: a
+            # journaled one is sent from the journal, any other is handed on as new.
+            self._take_off(head[last + 1:])
+            leftovers += head[last + 1:]
+            taken = len(head)
+            while unmatched and taken < READ_BATCH:
+                try:
+                    data = self.queue.get(block=False)
+                except QueueEmpty:
+                    break
+                taken += 1
+                if data in unmatched:
+                    unmatched.discard(data)
+                    found += 1
+                else:
+                    leftovers.append(data)
         self.budget.force(len(entries) + len(leftovers))
         first = [[entry.record, TransmissionRecord.from_bytes(entry.record), entry.key,
                   entry.seq, entry.copies] for entry in entries]
@@ -142,8 +163,8 @@ class Intake:
             else ""
         log.info("journal: %d SURE message(s)%s to send again first%s",
                  sum(messages_in(item[1]) for item in first), records,
-                 f" ({last + 1 - len(leftovers)} of them also still on the transmission queue, "
-                 "taken off)" if last >= 0 else "")
+                 f" ({found} of them also still on the transmission queue, taken off)"
+                 if found else "")
         return first, (self._journal(leftovers) if leftovers else [])
 
     # --- the reader thread ---------------------------------------------------------------------
@@ -225,6 +246,17 @@ class Intake:
         if taken is not None:  # (taken off already: handed on like any unreadable record)
             self.budget.force(1)
             loop.call_soon_threadsafe(deliver, self._journal([taken[0]]))
+
+    def _copy_head(self) -> tuple[list[bytes], bool]:
+        """Copies of the first READ_BATCH records, and whether a record too long to copy
+        (longer than the kernel's msgmax) ended them."""
+        head = []
+        try:
+            while len(head) < READ_BATCH and (item := self.queue.peek(len(head))) is not None:
+                head.append(item[0])
+        except MessageTooBig:
+            return head, True
+        return head, False
 
     def _copy_batch(self, limit: int) -> tuple[list[bytes], bool]:
         """Copies of the next records, and False; or the next one taken off (longer than

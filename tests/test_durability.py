@@ -152,20 +152,20 @@ def test_a_record_longer_than_a_lowered_msgmax_is_sent_and_the_queue_moves_on(te
     start_receiver(b)
     make_queue(b, Q1)
     rqprc = write_rqprc(a, [b])
-    big = "L" * 6000
-    send(a, rqprc, Q1, ["before", big], SURE_MSG)
+    big, bigger = "L" * 6000, "M" * 7000  # (the second fits the buffer the first one grew:
+    send(a, rqprc, Q1, ["before", big, bigger], SURE_MSG)  # the kernel says EINVAL, not E2BIG)
     send(a, rqprc, Q1, ["after1"], UNSURE_MSG)
     a.sysctl("kernel.msgmax", 2048)
     # sendMessage(sync=True) looks for its record behind the long one, which it cannot copy
     # either: it waits for it all the same (before, the long one raised MessageTooBig).
-    assert "it is still in transmission queue 0x52510000 at position 4" in a.python(
+    assert "it is still in transmission queue 0x52510000 at position 5" in a.python(
         SYNC_ONE, str(rqprc), "after2", "0.3")
     sender = start_sender(a, rqprc)
-    assert receive(b, Q1, 4) == ["before", big, "after1", "after2"]  # (sync: still sent)
+    assert receive(b, Q1, 5) == ["before", big, bigger, "after1", "after2"]  # (sync: sent)
     assert a.python(SYNC_ONE, str(rqprc), "after3", "20") == "journaled\n"
     assert receive(b, Q1, 1) == ["after3"]
     warned = log_lines(a, sender, "longer than kernel.msgmax")
-    assert len(warned) == 1 and "0x52510000" in warned[0] and "(2048 bytes" in warned[0]
+    assert len(warned) == 2 and "0x52510000" in warned[0] and "(2048 bytes" in warned[0]
     assert "taken off before it is journaled" in warned[0]
     assert not log_lines(a, sender, "cannot read the transmission queue")
     assert sender.poll() is None and dead_letters(a) == []
@@ -189,3 +189,34 @@ def test_a_restart_with_journaled_records_keeps_a_long_record_found_at_the_head(
     again = start_sender(a, rqprc)
     assert receive(b, Q1, 3) == ["journaled first", big, "after"]
     assert "1 SURE message(s) to send again first" in log_lines(a, again, "journal:")[0]
+
+
+KILLED_BEFORE_THE_TAKE = r"""
+import os, sys
+from rqp_agents import intake, sender
+intake.Intake._take_off = lambda self, batch: os._exit(9)  # journaled, not taken: a kill -9
+sys.exit(sender.main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_before_the_take_then_msgmax_lowered_sends_each_record_once(testbed):
+    # A trial's reading: killed between journaling a batch and taking it off the queue, then
+    # started again with msgmax lowered, the start-up look copied the head only up to a record
+    # now too long to copy: the rest of the batch stayed on the queue, was sent from the
+    # journal and then again, as new records, with new keys.
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    big = "L" * 6000
+    send(a, rqprc, Q1, ["a", big], SURE_MSG)
+    send(a, rqprc, Q1, ["u"], UNSURE_MSG)
+    send(a, rqprc, Q1, ["b"], SURE_MSG)
+    killed = a.popen([sys.executable, "-c", KILLED_BEFORE_THE_TAKE, "--rqprc", str(rqprc)])
+    assert killed.wait(30) == 9, a.output(killed, "stderr")
+    a.sysctl("kernel.msgmax", 2048)
+    again = start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["end"], UNSURE_MSG)  # behind everything: nothing comes after it
+    assert receive(b, Q1, 5) == ["a", big, "b", "u", "end"]
+    assert "3 SURE message(s) to send again first (3 of them also still on the transmission " \
+        "queue, taken off)" in log_lines(a, again, "journal:")[0]

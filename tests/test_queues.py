@@ -447,14 +447,19 @@ from rqp.system.queues import LocalQueue
 q = LocalQueue.create(0x5251c0de)
 q.put(b"a" * 6000, mtype=3)
 q.put(b"b", mtype=1)
+before = LocalQueue.open(q.key)  # opened before: an 8192-byte buffer, long enough
 with open("/proc/sys/kernel/msgmax", "w") as f:
     f.write("1000")
 fresh = LocalQueue.open(q.key)  # opened after: a 1000-byte buffer
 res = {"buffer": fresh.msgmax}
 try:
-    fresh.peek()  # the kernel copies at most msgmax bytes
+    fresh.peek()  # the kernel copies at most msgmax bytes (E2BIG: the buffer is shorter)
 except MessageTooBig as exc:
     res["peek"] = str(exc)
+try:
+    before.peek()  # (EINVAL: the buffer is long enough, the message longer than msgmax)
+except MessageTooBig as exc:
+    res["peek before"] = str(exc)
 data, mtype = LocalQueue.open(q.key).get(with_type=True)
 res["get"] = [len(data), mtype, fresh.peek()[0].decode(), fresh.get().decode()]
 try:
@@ -466,6 +471,7 @@ print(json.dumps(res))
     assert out["buffer"] == 1000
     assert re.search(r"queue 0x5251c0de: message 0 is longer than kernel.msgmax \(1000 bytes; "
                      r"lowered since it was put\): it can be taken, not copied", out["peek"])
+    assert out["peek before"] == out["peek"]
     assert out["get"] == [6000, 3, "b", "b"]
     assert "msgmax" in out["put"] and "1000" in out["put"]
 

@@ -528,35 +528,34 @@ class LocalQueue:
         err = ctypes.get_errno()
         if err == errno.ENOMSG:
             return None
-        if err == errno.E2BIG:
-            msgmax = kernel_limits().msgmax
-            if msgmax > self._msgmax:  # raised since we opened: a bigger buffer
-                self._reopen(msgmax)
-                return self.peek(index)
-            # Put before msgmax was lowered: the kernel copies at most msgmax bytes (and says
-            # EINVAL for a longer message, whatever the buffer), so only a get reads it.
+        msgmax = kernel_limits().msgmax
+        if err == errno.E2BIG and msgmax > self._msgmax:  # raised since we opened
+            self._reopen(msgmax)
+            return self.peek(index)
+        if err == errno.E2BIG or (err == errno.EINVAL and not self._removed()):
+            # Put before msgmax was lowered: the kernel copies at most msgmax bytes, and says
+            # E2BIG for a buffer shorter than the message, EINVAL for a longer one (copy_msg;
+            # what else EINVAL means here, a queue removed, is ruled out): only a get reads it.
             raise MessageTooBig(
                 f"queue {format_key(self._key)}: message {index} is longer than kernel.msgmax "
                 f"({msgmax} bytes; lowered since it was put): it can be taken, not copied",
                 size=msgmax + 1, limit=msgmax)
         raise self._msgrcv_error(err, "msgrcv(MSG_COPY)")
 
-    def copy_head(self, limit: int, *, take_too_long: bool = True
-                  ) -> tuple[list[bytes], MessageTooBig | None]:
+    def copy_head(self, limit: int) -> tuple[list[bytes], MessageTooBig | None]:
         """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None. For a
         reader that copies, makes them safe (a journal, an archive), then takes them off.
 
         A message longer than the kernel's msgmax (put before it was lowered) cannot be
         copied, and left there it would stop that reader for good: as the first one it is
-        taken off instead (:meth:`get`; not with ``take_too_long=False``), returned alone
-        with the :class:`MessageTooBig` that says so, and is the reader's to keep safe;
-        further on, the copies stop before it."""
+        taken off instead (:meth:`get`), returned alone with the :class:`MessageTooBig` that
+        says so, and is the reader's to keep safe; further on, the copies stop before it."""
         batch = []
         try:
             while len(batch) < limit and (item := self.peek(len(batch))) is not None:
                 batch.append(item[0])
         except MessageTooBig as exc:
-            if not batch and take_too_long:
+            if not batch:
                 return [self.get(block=False)], exc
         return batch, None
 
