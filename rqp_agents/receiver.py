@@ -688,9 +688,8 @@ class Receiver(Daemon):
             return conn.answer_put(request, False)
         if isinstance(request, Refuse):
             if request.dead_letter:
-                info["dead_letters"] += await self._dead_letter(
-                    request.message, request.reason, request.detail, who)
-                self.figures.count(request.message.queue_key, _DEAD_LETTERED_FIGURE)
+                self._count_dead_letter(request.message, await self._dead_letter(
+                    request.message, request.reason, request.detail, who), info)
             return conn.answer_put(request, False)
         reason, detail, repeat = await self._put(request.message, peer)
         if repeat:
@@ -764,9 +763,8 @@ class Receiver(Daemon):
                     f"after {cause} of it were put; this one was not: {failed.detail}")
                 # (each with the batch's reason, so that a rule for it treats every message
                 # of the batch alike; replay still puts each back on its own)
-                info["dead_letters"] += await self._dead_letter(message, failed.reason,
-                                                                detail, who)
-                self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
+                self._count_dead_letter(message, await self._dead_letter(
+                    message, failed.reason, detail, who), info)
         return conn.answer_batch(batch, False)
 
     def _put_at_once(self, message, peer: str):
@@ -831,9 +829,16 @@ class Receiver(Daemon):
         if reason is None:
             return self._delivered(conn, request, info)
         message = request.message
-        info["dead_letters"] += await self._dead_letter(message, reason, detail, who)
-        self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
+        self._count_dead_letter(message, await self._dead_letter(message, reason, detail, who),
+                                info)
         return conn.answer_put(request, False)
+
+    def _count_dead_letter(self, message, written: bool, info: dict) -> None:
+        """A message dead-lettered (outcome="dead_lettered"), if its dead letter was written
+        (one not written is counted by why: dead_letters_limited)."""
+        if written:
+            info["dead_letters"] += 1
+            self.figures.count(message.queue_key, _DEAD_LETTERED_FIGURE)
 
     def _delivered(self, conn: ReceiverConnection, request, info: dict) -> bytes:
         """Count a message put and answer DELIVERED_YES."""

@@ -26,6 +26,18 @@ def test_spill_space_is_bounded_and_said_in_the_record(ipc_keys, tmp_path):
     assert [p.stat().st_size for p in (tmp_path / "spill").iterdir()] == [3000]
 
 
+def test_spill_files_removed_by_the_drain_make_room_again(ipc_keys, tmp_path):
+    # A trial: the bytes spilled were counted once at the first spill and then only added
+    # to, so spill_limit worked as a lifetime total: with the spill directory empty after
+    # each drain, payloads were cut ("holds 16000 bytes, spill limit 20480").
+    writer = DeadLetterWriter(ipc_keys(), tmp_path / "spill", msgmax=1000, spill_limit=5000)
+    for _ in range(4):
+        spilled = DeadLetterRecord.from_bytes(writer.encode(record(3000)))
+        assert spilled.spill_path, spilled.detail
+        for path in (tmp_path / "spill").iterdir():  # what the drain does once archived
+            path.unlink()
+
+
 def test_a_record_not_written_leaves_no_spill_file(ipc_keys, tmp_path):
     writer = DeadLetterWriter(ipc_keys(), tmp_path / "spill", msgmax=1000, spill_limit=5000)
     data = writer.encode(record(4000))

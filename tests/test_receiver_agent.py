@@ -794,6 +794,14 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
                       check=False, timeout=60)
     assert (f'rqp_receiver_dead_letters_limited_total{{kind="no_room",peer="{r.b.address}"}} '
             '2.0\n') in metrics.stdout, metrics.stdout + metrics.stderr
+    # (3 refused for queue MISSING, 1 dead letter written: counted as what it is)
+    assert 'rqp_receiver_messages_total{outcome="dead_lettered",queue="0x52510099"} 1.0\n' \
+        in metrics.stdout, metrics.stdout
+    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
+                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                     check=False, timeout=60)
+    assert "  dead letters 2 not written: no room in DEAD.LETTER.Q\n" in status.stdout, \
+        status.stdout
 
 
 DLQ_BYTES = r"""

@@ -491,7 +491,7 @@ def _frames_sent(msg: Outgoing) -> str:
 
 
 #: What a DELIVERED_ERROR, which carries no reason (spec 4), leaves to look at.
-_REFUSED_WHY = " (refused: the receiving MCA's log and DEAD.LETTER.Q say why)"
+_REFUSED_WHY = " (refused: the receiving MCA's log says why)"
 
 
 def _no_host(lane: _Lane, why: str) -> str:

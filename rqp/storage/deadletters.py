@@ -89,9 +89,10 @@ class DeadLetterWriter:
     def _encode(self, record: DeadLetterRecord, limit: int) -> bytes:
         if record.encoded_size() <= limit:
             return record.to_bytes()
-        if self._spilled is None:
-            self._spilled = _bytes_in(self.spill_dir)
         size = len(record.payload)
+        if self._spilled is None or self._spilled + size > self.spill_limit:
+            # (measured again before any cut: the drain removes the files it archives)
+            self._spilled = _bytes_in(self.spill_dir)
         if self._spilled + size > self.spill_limit:
             record = dataclasses.replace(record, detail=(
                 f"{record.detail}; payload cut to fit one message, not spilled: "

@@ -199,7 +199,14 @@ def _print_receiver(st: dict) -> None:
     print(f"  {'TLS (mutual)' if st.get('tls') else 'plaintext RQP/1'}; "
           f"{stats.get('refused_connections', 0)} connection(s) refused by limits, "
           f"{stats.get('handshake_failures', 0)} failed handshake(s), "
-          f"{stats.get('denied', 0)} request(s) denied by peers rules")
+          f"{stats.get('denied', 0)} request(s) denied by peers rules, "
+          f"{stats.get('protocol_errors', 0)} connection(s) closed for protocol errors")
+    limited = [(stats.get(k, 0), what) for k, what in (
+        ("dead_letters_header_only", "written without their payload (dead_letter_rate)"),
+        ("dead_letters_suppressed", "not written (dead_letter_rate)"),
+        ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q"))]
+    if any(n for n, _ in limited):
+        print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
     for c in st["connections"]:
         who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
         print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c.get('frames', 0)} frames, "
