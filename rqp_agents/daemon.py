@@ -16,6 +16,7 @@ from typing import Callable
 
 from rqp import RQPError
 from rqp.system.control import serve_control, serve_metrics
+from rqp.system.queues import format_key
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
@@ -92,8 +93,13 @@ def refuse_fixed(running, new, names: tuple[str, ...], agent: str) -> None:
     """Raise :class:`RQPError` (a reload refused, the running config kept) if a setting that
     only a start applies (a listening address, a socket, a directory, a queue) differs in
     ``new``: a reload that took the rest would report a change it never made."""
-    fixed = [f"{name} {getattr(running, name)} -> {getattr(new, name)}" for name in names
-             if getattr(new, name) != getattr(running, name)]
+    def shown(name: str, value) -> str:
+        if value is None:
+            return "unset"
+        return format_key(value) if name.endswith("_queue") else str(value)
+
+    fixed = [f"{name} {shown(name, getattr(running, name))} -> {shown(name, getattr(new, name))}"
+             for name in names if getattr(new, name) != getattr(running, name)]
     if fixed:
         raise RQPError(f"{'; '.join(fixed)}: cannot change while running, restart the {agent} "
                        "for that")

@@ -407,8 +407,9 @@ class Receiver(Daemon):
         where = ", ".join(str(s.getsockname()[:2]) for s in self._server.sockets)
         if is_loopback(listen.host):
             log.info("listening on %s only: no other host can reach this receiver (to accept "
-                     "them, set listen: \":%d\" in its config with a tls: block -- README, "
-                     "Security -- or plaintext: true)", listen.host, listen.port)
+                     "them, set listen: \":%d\" in its config%s)", listen.host, listen.port,
+                     "" if self.config.plaintext or self.config.tls else
+                     " with a tls: block -- README, Security -- or plaintext: true")
         tls = self.config.tls
         log.info("listening on %s (%s); DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  f"TLS, client certificates from {tls.ca}" if tls else "plaintext RQP/1",
@@ -486,6 +487,8 @@ class Receiver(Daemon):
         new = load_receiver_config(self.config.source)
         new = dataclasses.replace(new, **{name: getattr(self.config, name)  # command line
                                           for name in self.overrides})
+        if new.control_socket and Path(new.control_socket) == self.control_path:
+            new = dataclasses.replace(new, control_socket=self.config.control_socket)  # (same)
         refuse_fixed(self.config, new, ("listen", "state_dir", "dead_letter_queue",
                                         "control_socket", "metrics_listen"), "receiving MCA")
         problem = new.transport_problem()
@@ -500,7 +503,9 @@ class Receiver(Daemon):
         self.config = self.delivery.config = new
         self.max_message_size = new.max_message_size or self.msgmax
         self.dead_letters.spill_limit = new.spill_limit
-        log.info("reloaded %s: %s", new.source, changes)
+        log.info("reloaded %s: %s%s", new.source, changes,
+                 f" ({', '.join(sorted(self.overrides))} from the command line: the file's "
+                 "are not used)" if self.overrides else "")
 
     async def _expire_dedup(self) -> None:
         while True:

@@ -284,6 +284,8 @@ class Sender(Daemon):
         """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
         and frames in flight are kept. A bad file is refused and the running config kept."""
         new = load_sender_config(self.config.source)
+        if new.control_socket and Path(new.control_socket) == self.control_path:
+            new = dataclasses.replace(new, control_socket=self.config.control_socket)  # (same)
         refuse_fixed(self.config, new, ("transmission_queue", "dead_letter_queue", "state_dir",
                                         "control_socket", "metrics_listen"), "sending MCA")
         try:

@@ -722,6 +722,12 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
                        message="a reload moving the metrics was not refused")
     assert re.search(r"metrics_listen \S*:9746 -> \S*:9756: cannot change while running, "
                      "restart the sending MCA for that", refused[-1]), refused
+    before += 1
+    rqprc.write_text(with_c + "transmission_queue: 0x52510100\n")
+    sender.send_signal(signal.SIGHUP)
+    refused = wait_for(lambda: log_lines(a, sender, "reload refused")[before:], timeout=20,
+                       message="a reload moving the transmission queue was not refused")
+    assert "transmission_queue 0x52510000 -> 0x52510100: cannot change" in refused[-1], refused
     running = b.workdir / "running.yaml"  # what the receiver still runs with
     running.write_text(receiver_config(b))
     for host, agent, config in ((a, "sender", ["--rqprc", str(api_rqprc)]),
