@@ -431,6 +431,38 @@ def test_retry_budget_dead_letters_a_sure_message():
     assert dl.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
 
 
+def test_a_sure_message_held_back_behind_a_refused_one_keeps_its_retry_budget():
+    """A trial: with retry_max_attempts 3, a small SURE message sent behind one the receiver
+    refused (too big for it) was dead-lettered RETRY_BUDGET_EXHAUSTED. The receiver refuses
+    the ones after a refused SURE message to keep the order (README, decisions): those
+    refusals counted as its own failed tries. Only the first refusal of a round counts."""
+    h = Harness(hosts=("b",), max_attempts=2)
+    h.submit(payload=b"big")
+    h.submit(payload=b"small")
+    delivered = []
+    for _ in range(20):
+        frames = h.sent()
+        if not frames:
+            if h.core.held == 0:
+                break
+            h.advance()
+            continue
+        held = False  # the receiver: after a refused SURE message, the rest are held back
+        for host, ev in frames:
+            if isinstance(ev, QueueAsk):
+                h.answer(host, YES)
+                held = False
+            elif ev.message == b"big" or held:
+                h.answer(host, ERR)
+                held = True
+            else:
+                h.answer(host, OK)
+                delivered.append(ev.message)
+    [dead] = h.of(DeadLetter)
+    assert (dead.message.payload, dead.reason) == (b"big", ReasonCode.RETRY_BUDGET_EXHAUSTED)
+    assert delivered == [b"small"]
+
+
 def test_the_retry_budget_counts_only_tries_that_reached_a_host():
     """A trial's finding: with retry_max_attempts 3 and a frozen receiver, a QUEUE_ASK timed
     out (1), the retry due at once met the connection in its back-off and failed in the same

@@ -1404,7 +1404,11 @@ class SenderCore:
                 self._copy_ended(msg, reached=True)
         else:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
-            msg.failures += 1
+            if why != "DELIVERED_ERROR" or self.routes.get(key) == link.host:
+                # (a DELIVERED_ERROR after the route was dropped by an earlier one is the
+                # receiver holding the later messages back to keep the order: no try of
+                # this one's own; a trial saw them use up their retry budgets)
+                msg.failures += 1
             self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
                              f"{why}")
             self._requeue(lane, msg)
