@@ -115,6 +115,9 @@ class Intake:
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
         self._long_records = RateLimitedLog(log, 10.0, 20, what="records longer than msgmax")
+        #: Why the reader cannot read the transmission queue now (None: it can), for the
+        #: status: records wait there meanwhile.
+        self.trouble: str | None = None
         #: (broadcast queue keys, hosts): what a broadcast record is copied to (spec section 6).
         self.fanout: tuple[frozenset, tuple] = (frozenset(), ())
 
@@ -203,6 +206,7 @@ class Intake:
                 self.budget.give(room)
                 self._queue_trouble(exc)
                 continue
+            self.trouble = None
             if len(batch) < room:
                 self.budget.give(room - len(batch))
             if not batch:
@@ -308,7 +312,10 @@ class Intake:
                       "made since, or a new one)", format_key(self.key))
             self.queue = LocalQueue.create(self.key)
         else:
-            log.error("cannot read the transmission queue: %s", exc)
+            if self.trouble != str(exc):  # (said again only when it changes; the status
+                log.error("cannot read the transmission queue: %s -- trying again every "
+                          "second", exc)  # says it meanwhile)
+            self.trouble = str(exc)
             self._stop_reading.wait(1.0)
 
     # --- journal releases and the way back -----------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from rqp import SURE_MSG
 from tests.agents import (
-    PORT, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
+    PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
 )
 from tests.testbed import wait_for
 
@@ -177,3 +177,45 @@ def test_a_journal_that_cannot_be_written_stops_the_sender_with_a_failure_status
     sender = start_sender(a, rqprc)
     assert receive(b, Q1, 1) == ["kept on the queue"]
     assert sender.poll() is None
+
+
+UNREADABLE_WHILE_FLAGGED = r"""
+import os, sys
+from rqp.protocol.errors import QueueError
+from rqp.system import queues
+peek = queues.LocalQueue.peek
+def failing(self, index=0):  # while the flag file is there, reading the queue fails
+    if os.path.exists(sys.argv[1]):
+        raise QueueError("injected: msgrcv(MSG_COPY) failed: Invalid argument")
+    return peek(self, index)
+queues.LocalQueue.peek = failing
+from rqp_agents import sender
+sys.exit(sender.main(sys.argv[2:]))
+"""
+
+
+def test_a_transmission_queue_it_cannot_read_shows_in_the_status(hosts):
+    """A trial: with the reader failing once a second (msgrcv EINVAL), `rqpctl status` said
+    'transmission queue 0x52510000 (6 waiting)', the route running, exit 0: nothing said the
+    records could not be read. The status now says so (exit 4) until it can read again."""
+    a, b = hosts
+    start_receiver(b)
+    rqprc = write_rqprc(a, [b])
+    flag = a.workdir / "unreadable"
+    flag.write_text("")
+    sender = a.popen([sys.executable, "-c", UNREADABLE_WHILE_FLAGGED, str(flag), "--rqprc",
+                      str(rqprc)])
+    wait_for(lambda: "serving transmission queue" in a.output(sender, "stderr")
+             or sender.poll() is not None, timeout=20, message="the sender did not start")
+    send(a, rqprc, Q1, ["waits"], SURE_MSG)
+    status = [sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "sender", "--rqprc",
+              str(rqprc)]
+    out = wait_for(lambda: (o := a.run(status, check=False)).returncode == 4 and o, timeout=20,
+                   message="the status did not say the queue cannot be read")
+    assert "(1 waiting; CANNOT READ IT: injected: msgrcv(MSG_COPY) failed: Invalid " \
+        "argument)" in out.stdout, out.stdout
+    flag.unlink()
+    assert receive(b, Q1, 1) == ["waits"]
+    out = a.run(status, check=False)
+    assert out.returncode == 0 and "CANNOT READ" not in out.stdout, out.stdout
+    assert len(log_lines(a, sender, "cannot read the transmission queue")) == 1  # said once

@@ -657,7 +657,7 @@ def test_rqpctl_queues_lists_the_queues_and_what_the_receiver_offers(site):
     assert out.returncode == 2 and "--receiver-config" in out.stderr, out.stderr
     out = rqpctl(a, "queues")  # (no receiver on a: 'offered' unknown, but never its own)
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
-    assert "receiver not running" in out.stdout.splitlines()[0]
+    assert "no receiving MCA answers at its control socket" in out.stdout.splitlines()[0]
     assert rows["0x52510000"].endswith(" no (an agent's own)"), out.stdout  # the agents' own
     assert rows["0x5251dead"].endswith(" no (an agent's own)"), out.stdout
 

@@ -113,11 +113,17 @@ def _dlq_depth(st: dict) -> str:
         else str(depth)
 
 
+def _trouble(st: dict) -> str:
+    trouble = st.get("transmission_queue_trouble")
+    return f"; CANNOT READ IT: {trouble}" if trouble else ""
+
+
 def _print_sender(st: dict) -> None:
     now = st["now"]
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
-          f"waiting), journal {st['journal_depth']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
+          f"waiting{_trouble(st)}), journal {st['journal_depth']}, "
+          f"DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({_dlq_depth(st)}"
           + (f"; {st['dead_letters_held']} more held in memory: it was full"
              if st.get("dead_letters_held") else "")
@@ -271,7 +277,8 @@ def _status_once(args) -> int:
                 print(_not_reached(name, exc))
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
-                or st.get("dead_letters_held")) and code != EXIT_NOT_RUNNING:
+                or st.get("dead_letters_held") or st.get("transmission_queue_trouble")) \
+                and code != EXIT_NOT_RUNNING:
             code = EXIT_UNHEALTHY  # (dead letters held: DEAD.LETTER.Q full, a drain down)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
@@ -443,7 +450,8 @@ def queues(args) -> int:
         offered = {q["queue_key"]: q["offered"] for q in ask(candidates, "status")["queues"]}
         note = ""
     except ControlError:
-        note = " (receiver not running: 'offered' unknown)"
+        note = " (no receiving MCA answers at its control socket: 'offered' unknown; " \
+            "--receiver-config names its config)"
     print(f"{'queue':12} {'messages':>9} {'bytes':>9} {'mode':>5} {'uid':>6} {'gid':>6} "
           f"offered{note}")
     for q in list_queues():
