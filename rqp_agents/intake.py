@@ -35,7 +35,7 @@ from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
 from rqp.protocol.sender import budget_size
 from rqp.storage.journal import Journal
-from rqp.system.queues import LocalQueue, QueueEmpty, format_key
+from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import KeySource
 from rqp_agents.daemon import RateLimitedLog
 
@@ -118,6 +118,10 @@ class Intake:
         #: Why the reader cannot read the transmission queue now (None: it can), for the
         #: status: records wait there meanwhile.
         self.trouble: str | None = None
+        #: Records journaled before this start that may still be on the queue, past one too
+        #: long to copy (see recover), within the next ``_journaled_window`` records read.
+        self._journaled_still: set[bytes] = set()
+        self._journaled_window = 0
         #: (broadcast queue keys, hosts): what a broadcast record is copied to (spec section 6).
         self.fanout: tuple[frozenset, tuple] = (frozenset(), ())
 
@@ -140,25 +144,13 @@ class Intake:
         if last >= 0:
             self._take_off(head[:last + 1])
         found = last + 1 - len(leftovers)  # journaled, and still on the queue: taken off
-        unmatched = journaled.difference(head)
-        if stopped and unmatched:
-            # msgmax was lowered before this start: a record of the batch may now be too long
-            # to copy, and the batch go on past it. Take the rest of the head one by one: a
-            # journaled one is sent from the journal, any other is handed on as new.
-            self._take_off(head[last + 1:])
-            leftovers += head[last + 1:]
-            taken = len(head)
-            while unmatched and taken < READ_BATCH:
-                try:
-                    data = self.queue.get(block=False)
-                except QueueEmpty:
-                    break
-                taken += 1
-                if data in unmatched:
-                    unmatched.discard(data)
-                    found += 1
-                else:
-                    leftovers.append(data)
+        if stopped:
+            # msgmax was lowered before this start: a record of that batch may now be too
+            # long to copy, and the batch go on past it. The reader, reading as ever (each
+            # record journaled before it is taken, but a long one), takes those journaled
+            # already off without handing them on: they are sent from the journal.
+            self._journaled_still = journaled.difference(head)
+            self._journaled_window = READ_BATCH
         self.budget.force(len(entries) + len(leftovers))
         first = [[entry.record, TransmissionRecord.from_bytes(entry.record), entry.key,
                   entry.seq, entry.copies] for entry in entries]
@@ -213,7 +205,10 @@ class Intake:
                 self._wait(loop, deliver)
                 continue
             try:
-                items = self._journal(batch)
+                new = self._not_journaled(batch)
+                if len(new) < len(batch):
+                    self.budget.give(len(batch) - len(new))
+                items = self._journal(new)
             except RQPError as exc:
                 self.budget.give(len(batch))
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
@@ -250,6 +245,24 @@ class Intake:
         if taken is not None:  # (taken off already: handed on like any unreadable record)
             self.budget.force(1)
             loop.call_soon_threadsafe(deliver, self._journal([taken[0]]))
+
+    def _not_journaled(self, batch: list[bytes]) -> list[bytes]:
+        """``batch`` but the records journaled before this start (see recover): those are
+        taken off with the others, and sent from the journal."""
+        if not self._journaled_window:
+            return batch
+        new = []
+        for data in batch:
+            if self._journaled_window and data in self._journaled_still:
+                self._journaled_still.discard(data)
+                log.info("a record journaled before the start was still on the transmission "
+                         "queue, past one too long to copy: taken off, sent from the journal")
+            else:
+                new.append(data)
+            self._journaled_window = max(0, self._journaled_window - 1)
+        if not self._journaled_still:
+            self._journaled_window = 0
+        return new
 
     def _copy_head(self) -> tuple[list[bytes], bool]:
         """Copies of the first READ_BATCH records, and whether a record too long to copy

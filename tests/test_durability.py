@@ -218,5 +218,45 @@ def test_a_kill_before_the_take_then_msgmax_lowered_sends_each_record_once(testb
     again = start_sender(a, rqprc)
     send(a, rqprc, Q1, ["end"], UNSURE_MSG)  # behind everything: nothing comes after it
     assert receive(b, Q1, 5) == ["a", big, "b", "u", "end"]
-    assert "3 SURE message(s) to send again first (3 of them also still on the transmission " \
+    assert "3 SURE message(s) to send again first (1 of them also still on the transmission " \
         "queue, taken off)" in log_lines(a, again, "journal:")[0]
+    assert len(log_lines(a, again, "past one too long to copy: taken off, sent from the "
+                                   "journal")) == 2
+
+
+KILLED_AT_THE_FIRST_JOURNAL_WRITE = r"""
+import os, sys
+from rqp_agents import intake, sender
+intake.Intake._journal = lambda self, batch: os._exit(9)  # before any record is journaled
+sys.exit(sender.main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_right_after_a_start_with_msgmax_lowered_loses_nothing(testbed):
+    # A third trial: a first version of the change above made the start-up look take up to
+    # 256 records off the queue before it journaled them, whenever the journal held SURE
+    # messages already taken (waiting for a route) and a record too long to copy was at the
+    # head: a kill then lost them (131 of 362). Here the kill comes at the first journal
+    # write after the start: whatever was taken off before it is lost. That is the long
+    # record alone, the one the README says a kill at that moment loses (it cannot be copied,
+    # so it is taken first); the others wait on the queue, journaled before they are taken.
+    a, b = testbed.add_host("a"), testbed.add_host("b")  # nothing listens on b yet
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    first = start_sender(a, rqprc)
+    for n in range(3):
+        assert a.python(SYNC_ONE, str(rqprc), f"waiting {n}", "20") == "journaled\n"
+    a.kill(first)
+    big = "L" * 6000
+    send(a, rqprc, Q1, [big] + [f"short {n}" for n in range(5)], SURE_MSG)
+    a.sysctl("kernel.msgmax", 2048)
+    killed = a.popen([sys.executable, "-c", KILLED_AT_THE_FIRST_JOURNAL_WRITE, "--rqprc",
+                      str(rqprc)])
+    assert killed.wait(30) == 9, a.output(killed, "stderr")
+    assert "taken off before it is journaled (a crash now would lose it)" in \
+        a.output(killed, "stderr")
+    start_receiver(b)
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["end"], UNSURE_MSG)
+    assert receive(b, Q1, 9) == [f"waiting {n}" for n in range(3)] + [
+        f"short {n}" for n in range(5)] + ["end"]
