@@ -108,3 +108,28 @@ def test_a_record_fitted_again_and_then_discarded_leaves_no_spill_file(ipc_keys,
     assert len(list((tmp_path / "spill").iterdir())) == 1
     writer.discard(data)  # (a stop with it still held)
     assert list((tmp_path / "spill").iterdir()) == []
+
+
+def _child_writes_dead_letters(key, spill_dir):
+    import logging
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logging.getLogger("rqp").addHandler(handler)
+    writer = DeadLetterWriter(key, spill_dir, msgmax=1000)
+    puts = [writer.try_put(writer.encode(record(10))) for _ in range(3)]
+    return puts, lines
+
+
+def test_a_dead_letter_queue_it_may_not_write_holds_the_dead_letters(make_queue, run_as,
+                                                                      tmp_path):
+    # A trial: a sending MCA whose DEAD.LETTER.Q it could not write (a queue made by another
+    # user, mode 0644) stopped with exit 70 at its first dead letter, and again at every
+    # start. Like a full queue, it now holds them (try_put is False), with one ERROR line.
+    q = make_queue(mode=0o644)
+    puts, lines = run_as(65534, 65534, [], _child_writes_dead_letters, q.key,
+                         str(tmp_path / "spill"))
+    assert puts == [False, False, False]
+    assert len(lines) == 1 and "permission denied" in lines[0] and \
+        "dead letters wait until this agent may write to DEAD.LETTER.Q" in lines[0], lines
+

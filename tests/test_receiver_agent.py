@@ -838,8 +838,10 @@ def test_a_peer_cannot_fill_dead_letter_q_past_the_receivers_share(testbed):
         assert payload == bytes([n]) * sizes[n]
     assert r.qa.drain(Q1) == [(1, b"still served")]
     no_room = [line for line in r.log().splitlines() if "cannot take the dead letter" in line]
-    assert no_room and "is 75% full, all that this agent may fill: the rest is kept for the " \
-        "sending MCA of this host" in no_room[0]
+    assert no_room and "has no room left in the 75% of it this agent may fill: the rest is " \
+        "kept for the sending MCA of this host" in no_room[0]
+    spilled = [rec for rec in records if rec["flags"] & DeadLetterFlags.TRUNCATED]
+    assert spilled and all(len(rec["payload"]) < 1024 for rec in spilled)  # (room for more)
     r.qa.put(DLQ, b"a sending MCA's dead letter" * 140)  # 3,780 bytes: the quarter kept
 
 

@@ -22,7 +22,9 @@ from rqp.protocol.errors import MessageTooBig, RQPError
 from rqp.protocol.reasons import reason_name
 from rqp.protocol.records import DeadLetterFlags, DeadLetterRecord
 from rqp.system.files import write_file_atomically
-from rqp.system.queues import LocalQueue, QueueFull, QueueNotFound, format_key, kernel_limits
+from rqp.system.queues import (
+    LocalQueue, QueueFull, QueueNotFound, QueuePermissionDenied, format_key, kernel_limits,
+)
 
 __all__ = ["DeadLetterWriter", "fit_dead_letter"]
 
@@ -52,6 +54,7 @@ class DeadLetterWriter:
         #: written (the caller keeps the bytes it gave): fitted once, spilled once.
         self._refitted: dict[bytes, bytes] = {}
         self._too_small_said = False  # (the ERROR line, once until a put succeeds)
+        self._denied_said = False  # (the same)
 
     @property
     def written(self) -> int:
@@ -70,13 +73,19 @@ class DeadLetterWriter:
         cannot take the rest of the queue from the sending MCA of the host."""
         limit = self._limit()
         if share is not None and (room := self._room_within(share)) < limit:
-            try:
-                return self._encode(record, room)
-            except MessageTooBig:  # (nothing written)
-                raise QueueFull(
-                    f"DEAD.LETTER.Q {format_key(self.queue_key)} is {share:.0%} full, all that "
-                    "this agent may fill: the rest is kept for the sending MCA of this host",
-                    queue_key=self.queue_key) from None
+            # Spilled to fit, what stays in the queue is small, so that the share holds more
+            # than one: the header and the payload's first bytes (all of the room if need be).
+            fits = (room,) if record.encoded_size() <= room else \
+                dict.fromkeys((min(room, SHARE_RECORD_MAX), room))
+            for fit in fits:
+                try:
+                    return self._encode(record, fit)
+                except MessageTooBig:  # (nothing written)
+                    continue
+            raise QueueFull(
+                f"DEAD.LETTER.Q {format_key(self.queue_key)} has no room left in the "
+                f"{share:.0%} of it this agent may fill: the rest is kept for the sending MCA "
+                "of this host", queue_key=self.queue_key)
         try:
             return self._encode(record, limit)
         except MessageTooBig:
@@ -143,8 +152,14 @@ class DeadLetterWriter:
                           format_key(self.queue_key))
                 self.queue = LocalQueue.create(self.queue_key)
                 continue
+            except QueuePermissionDenied as exc:  # (a trial: the sending MCA stopped, exit
+                if not self._denied_said:  # 70, and again at every start)
+                    self._denied_said = True
+                    log.error("%s: dead letters wait until this agent may write to DEAD.LETTER.Q "
+                              "(its mode and owner: ipcs -q -i ID)", exc)
+                return False
             self._refitted.pop(given, None)
-            self._too_small_said = False
+            self._too_small_said = self._denied_said = False
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
 
@@ -192,6 +207,9 @@ class DeadLetterWriter:
 #: queue more than this full, so that its peers cannot fill it (spec 7: a trust boundary) and
 #: the sending MCA of the host always finds room for the dead letters of its SURE messages.
 RECEIVER_SHARE = 0.75
+#: The largest record written within that share when its payload must be spilled to fit:
+#: the file has it all; the queue keeps the header and the payload's first bytes.
+SHARE_RECORD_MAX = 1024
 
 
 def _bytes_in(directory: Path) -> int:

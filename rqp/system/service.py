@@ -234,7 +234,8 @@ def config_changes(old, new, skip: tuple[str, ...] = ("source",)) -> str:
             continue
         short = all(isinstance(v, (int, float, str, bool, type(None))) and len(str(v)) <= 40
                     for v in (before, after))
-        changed.append(f"{f.name} {before} -> {after}" if short else f.name)
+        shown = ["unset" if v is None else v for v in (before, after)]
+        changed.append(f"{f.name} {shown[0]} -> {shown[1]}" if short else f.name)
     return ", ".join(changed) or "nothing changed"
 
 

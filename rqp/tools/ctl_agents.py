@@ -109,8 +109,11 @@ def _ago(then: float | None, now: float) -> str:
 
 def _dlq_depth(st: dict) -> str:
     depth = st["dead_letter_queue_depth"]
-    return "not there, or not readable: made again at its next dead letter" if depth is None \
-        else str(depth)
+    return "unknown: not there, or not readable by this agent" if depth is None else str(depth)
+
+
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
 
 
 def _trouble(st: dict) -> str:
@@ -121,8 +124,8 @@ def _trouble(st: dict) -> str:
 def _print_sender(st: dict) -> None:
     now = st["now"]
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
-          f"transmission queue {st['transmission_queue']} ({st['transmission_queue_depth']} "
-          f"waiting{_trouble(st)}), journal {st['journal_depth']}, "
+          f"transmission queue {st['transmission_queue']} "
+          f"({_or_unknown(st['transmission_queue_depth'])} waiting{_trouble(st)}), journal {st['journal_depth']}, "
           f"DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({_dlq_depth(st)}"
           + (f"; {st['dead_letters_held']} more held in memory: it was full"
