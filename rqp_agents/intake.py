@@ -204,10 +204,8 @@ class Intake:
             if not batch:
                 self._wait(loop, deliver)
                 continue
+            new = self._not_journaled(batch)
             try:
-                new = self._not_journaled(batch)
-                if len(new) < len(batch):
-                    self.budget.give(len(batch) - len(new))
                 items = self._journal(new)
             except RQPError as exc:
                 self.budget.give(len(batch))
@@ -216,6 +214,8 @@ class Intake:
                              "was journaled is lost)" if taken else "")
                 loop.call_soon_threadsafe(stop)
                 return
+            if len(new) < len(batch):  # (sent from the journal: their places go back)
+                self.budget.give(len(batch) - len(new))
             if taken:
                 loop.call_soon_threadsafe(deliver, items)
                 continue
@@ -226,7 +226,7 @@ class Intake:
                 self._queue_trouble(exc)
                 continue
             except QueueError as exc:  # still there: taken at the next start, not twice now
-                self.budget.give(len(batch))
+                self.budget.give(len(new))
                 log.critical("cannot take journaled records off the transmission queue: %s "
                              "-- stopping; the next start sends the journaled ones first and "
                              "takes them off", exc)

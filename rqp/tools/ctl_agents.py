@@ -125,7 +125,8 @@ def _print_sender(st: dict) -> None:
     now = st["now"]
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"transmission queue {st['transmission_queue']} "
-          f"({_or_unknown(st['transmission_queue_depth'])} waiting{_trouble(st)}), journal {st['journal_depth']}, "
+          f"({_or_unknown(st['transmission_queue_depth'])} waiting{_trouble(st)}), "
+          f"journal {st['journal_depth']}, "
           f"DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({_dlq_depth(st)}"
           + (f"; {st['dead_letters_held']} more held in memory: it was full"
