@@ -225,13 +225,15 @@ class Scale:
                 for p in producers:
                     p.start()
                 self.procs += producers
+                agents = {"sending MCA": [s[0].pid for s in senders],
+                          "receiving MCA": [receiver.pid], "consumer": [consumer.pid]}
+                # (before the producers are let go: read after, a busy machine could leave
+                # the agents done with the round already, and their CPU counted as 0)
+                before = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
                 try:
                     start.wait(timeout=START_TIMEOUT * 3)
                 except threading.BrokenBarrierError:
                     raise BenchError(f"{case.label}: the producers did not start (see above)")
-                agents = {"sending MCA": [s[0].pid for s in senders],
-                          "receiving MCA": [receiver.pid], "consumer": [consumer.pid]}
-                before = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
                 t0 = time.monotonic_ns()
                 deadline = time.monotonic() + ROUND_TIMEOUT
                 while not ours.poll(0.5):  # (and a producer that failed ends the run now)
