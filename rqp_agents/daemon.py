@@ -4,6 +4,7 @@ the metrics endpoint, reload on SIGHUP, and the command-line entry."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import resource
@@ -89,22 +90,6 @@ def flush_held_lines() -> None:
         limit.flush()
 
 
-def refuse_fixed(running, new, names: tuple[str, ...], agent: str) -> None:
-    """Raise :class:`RQPError` (a reload refused, the running config kept) if a setting that
-    only a start applies (a listening address, a socket, a directory, a queue) differs in
-    ``new``: a reload that took the rest would report a change it never made."""
-    def shown(name: str, value) -> str:
-        if value is None:
-            return "unset"
-        return format_key(value) if name.endswith("_queue") else str(value)
-
-    fixed = [f"{name} {shown(name, getattr(running, name))} -> {shown(name, getattr(new, name))}"
-             for name in names if getattr(new, name) != getattr(running, name)]
-    if fixed:
-        raise RQPError(f"{'; '.join(fixed)}: cannot change while running, restart the {agent} "
-                       "for that")
-
-
 class Daemon:
     """Base of the sending and receiving MCAs. Subclasses provide ``status()``, ``metrics()``
     and ``reload()`` (which raises :class:`RQPError` to refuse a bad config)."""
@@ -127,6 +112,28 @@ class Daemon:
         #: Accepts refused for want of file descriptors (logged once per interval).
         self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
                                                  what="accepts failed for want of descriptors")
+
+    def refuse_fixed(self, new, names: tuple[str, ...], agent: str):
+        """``new`` (a config read again), or :class:`RQPError` (the reload refused, the running
+        config kept) if a setting that only a start applies (a listening address, a socket, a
+        directory, a queue) differs in it: a reload that took the rest would report a change
+        it never made. A control socket written out as the path in use is no change."""
+        running = self.config
+        if new.control_socket and Path(new.control_socket) == self._control_path:
+            new = dataclasses.replace(new, control_socket=running.control_socket)
+
+        def shown(name: str, value) -> str:
+            if value is None:
+                return "unset"
+            return format_key(value) if name.endswith("_queue") else str(value)
+
+        fixed = [f"{name} {shown(name, getattr(running, name))} -> "
+                 f"{shown(name, getattr(new, name))}"
+                 for name in names if getattr(new, name) != getattr(running, name)]
+        if fixed:
+            raise RQPError(f"{'; '.join(fixed)}: cannot change while running, restart the "
+                           f"{agent} for that")
+        return new
 
     async def start_service(self, control_path: Path, metrics_listen) -> None:
         """Signal handlers, the control socket and (if configured) the metrics endpoint."""

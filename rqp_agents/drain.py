@@ -55,7 +55,7 @@ from pathlib import Path
 from rqp.cli import add_log_level, positive_int, positive_seconds
 from rqp.config import QUEUE_NAME_RE, SenderConfig, load_optional_rqprc, parse_queue_key
 from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
-from rqp.protocol.errors import ConfigError, MessageTooBig, QueueError, QueueNotFound, RQPError
+from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
 from rqp.storage.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, archived_spill, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
@@ -123,7 +123,8 @@ class Drain:
         if queue is not None:
             ids = archived_ids([self.archive / name for name in state.files])
             extras = []
-            while ids and (item := self._head(queue)) is not None and record_id(item) in ids:
+            # (a record too long to copy was never copied, so never archived: the end)
+            while ids and (head := queue.copy_head(1)[0]) and record_id(item := head[0]) in ids:
                 got = queue.get(block=False)
                 taken += 1
                 if got != item:
@@ -139,21 +140,11 @@ class Drain:
     def _copy(self, queue: LocalQueue) -> tuple[list[bytes], bool]:
         """Copies of the next records, and False; or the next one taken off (longer than
         the kernel's msgmax, it cannot be copied), and True."""
-        batch, too_long = queue.copy_head(self.batch)
+        batch, too_long = queue.copy_or_take_head(self.batch)
         if too_long is not None:
             log.warning("%s -- taken off before it is archived (a kill now would lose it), so "
                         "that the records behind it move", too_long)
         return batch, too_long is not None
-
-    @staticmethod
-    def _head(queue: LocalQueue) -> bytes | None:
-        """A copy of the record at the head; None if there is none or it is longer than the
-        kernel's msgmax (a record that long was never copied, so never archived)."""
-        try:
-            item = queue.peek(0)
-        except MessageTooBig:
-            return None
-        return item and item[0]
 
     def _mismatch(self, got: bytes) -> bytes:
         log.error("queue %s has another reader: a record taken off it was not the one copied; "

@@ -28,9 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rqp.protocol.constants import SURE_MSG
-from rqp.protocol.errors import (
-    MessageTooBig, QueueError, QueueFull, QueueNotFound, RecordError, RQPError,
-)
+from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordError, RQPError
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
 from rqp.protocol.sender import budget_size
@@ -138,13 +136,13 @@ class Intake:
         # mixed with UNSURE ones of the same batch (never journaled, never handed on): take
         # the batch off; the journaled ones are sent from the journal, the others as new.
         journaled = {entry.record for entry in entries}
-        head, stopped = self._copy_head()
+        head, too_long = self.queue.copy_head(READ_BATCH)
         last = max((i for i, data in enumerate(head) if data in journaled), default=-1)
         leftovers = [data for data in head[:last + 1] if data not in journaled]
         if last >= 0:
             self._take_off(head[:last + 1])
         found = last + 1 - len(leftovers)  # journaled, and still on the queue: taken off
-        if stopped:
+        if too_long is not None:
             # msgmax was lowered before this start: a record of that batch may now be too
             # long to copy, and the batch go on past it. The reader, reading as ever (each
             # record journaled before it is taken, but a long one), takes those journaled
@@ -264,21 +262,10 @@ class Intake:
             self._journaled_window = 0
         return new
 
-    def _copy_head(self) -> tuple[list[bytes], bool]:
-        """Copies of the first READ_BATCH records, and whether a record too long to copy
-        (longer than the kernel's msgmax) ended them."""
-        head = []
-        try:
-            while len(head) < READ_BATCH and (item := self.queue.peek(len(head))) is not None:
-                head.append(item[0])
-        except MessageTooBig:
-            return head, True
-        return head, False
-
     def _copy_batch(self, limit: int) -> tuple[list[bytes], bool]:
         """Copies of the next records, and False; or the next one taken off (longer than
         the kernel's msgmax, it cannot be copied), and True."""
-        batch, too_long = self.queue.copy_head(limit)
+        batch, too_long = self.queue.copy_or_take_head(limit)
         if too_long is not None:
             self._long_records.report(
                 "%s -- taken off before it is journaled (a crash now would lose it), so that "

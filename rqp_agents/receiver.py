@@ -38,7 +38,7 @@ from rqp.system.service import (
     config_changes, counts, host_name, make_state_dir, setup_logging, wall_ms,
 )
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, refuse_fixed, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
 from rqp_agents.gate import Gate
 
@@ -487,10 +487,8 @@ class Receiver(Daemon):
         new = load_receiver_config(self.config.source)
         new = dataclasses.replace(new, **{name: getattr(self.config, name)  # command line
                                           for name in self.overrides})
-        if new.control_socket and Path(new.control_socket) == self.control_path:
-            new = dataclasses.replace(new, control_socket=self.config.control_socket)  # (same)
-        refuse_fixed(self.config, new, ("listen", "state_dir", "dead_letter_queue",
-                                        "control_socket", "metrics_listen"), "receiving MCA")
+        new = self.refuse_fixed(new, ("listen", "state_dir", "dead_letter_queue",
+                                      "control_socket", "metrics_listen"), "receiving MCA")
         problem = new.transport_problem()
         if problem:
             raise RQPError(problem)

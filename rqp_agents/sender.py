@@ -45,7 +45,7 @@ from rqp.system.service import (
 )
 from rqp.system.tls import TLSFileError, check_files, client_context
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, refuse_fixed, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.intake import Intake, Taken, budget_size, messages_in
 from rqp_agents.links import Links
 
@@ -284,10 +284,8 @@ class Sender(Daemon):
         """SIGHUP: read .rqprc again; new hosts and timeouts apply from now on, connections
         and frames in flight are kept. A bad file is refused and the running config kept."""
         new = load_sender_config(self.config.source)
-        if new.control_socket and Path(new.control_socket) == self.control_path:
-            new = dataclasses.replace(new, control_socket=self.config.control_socket)  # (same)
-        refuse_fixed(self.config, new, ("transmission_queue", "dead_letter_queue", "state_dir",
-                                        "control_socket", "metrics_listen"), "sending MCA")
+        new = self.refuse_fixed(new, ("transmission_queue", "dead_letter_queue", "state_dir",
+                                      "control_socket", "metrics_listen"), "sending MCA")
         try:
             tls = _tls_contexts(new)  # new connections use the new certificates
         except TLSFileError as exc:

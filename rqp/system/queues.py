@@ -543,20 +543,26 @@ class LocalQueue:
         raise self._msgrcv_error(err, "msgrcv(MSG_COPY)")
 
     def copy_head(self, limit: int) -> tuple[list[bytes], MessageTooBig | None]:
-        """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None. For a
-        reader that copies, makes them safe (a journal, an archive), then takes them off.
-
-        A message longer than the kernel's msgmax (put before it was lowered) cannot be
-        copied, and left there it would stop that reader for good: as the first one it is
-        taken off instead (:meth:`get`), returned alone with the :class:`MessageTooBig` that
-        says so, and is the reader's to keep safe; further on, the copies stop before it."""
+        """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None; or the
+        copies up to a message longer than the kernel's msgmax (put before it was lowered:
+        it cannot be copied), and the :class:`MessageTooBig` that says so."""
         batch = []
         try:
             while len(batch) < limit and (item := self.peek(len(batch))) is not None:
                 batch.append(item[0])
         except MessageTooBig as exc:
-            if not batch:
-                return [self.get(block=False)], exc
+            return batch, exc
+        return batch, None
+
+    def copy_or_take_head(self, limit: int) -> tuple[list[bytes], MessageTooBig | None]:
+        """:meth:`copy_head`, for a reader that copies, makes them safe (a journal, an
+        archive), then takes them off. A message too long to copy would stop that reader for
+        good: as the first one it is taken off instead (:meth:`get`), returned alone with the
+        :class:`MessageTooBig` that says so, and is the reader's to keep safe; further on,
+        the copies stop before it (None)."""
+        batch, too_long = self.copy_head(limit)
+        if too_long is not None and not batch:
+            return [self.get(block=False)], too_long
         return batch, None
 
     def wait(self) -> tuple[bytes, int] | None:
