@@ -391,8 +391,10 @@ class Receiver(Daemon):
         self._dead_letters_log = RateLimitedLog(log, *limit, what="dead letters")
         self._no_room_log = RateLimitedLog(log, *limit,
                                            what="dead letters DEAD.LETTER.Q could not take")
-        #: Dead letters not written for want of room in DEAD.LETTER.Q, per peer.
+        #: Dead letters not written for want of room in DEAD.LETTER.Q, per peer, and when
+        #: the last was (time.time(); rqpctl status calls the receiver unhealthy a while).
         self.no_room: collections.Counter[str] = collections.Counter()
+        self.no_room_at: float | None = None
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
@@ -888,6 +890,7 @@ class Receiver(Daemon):
             if data is not None:
                 self.dead_letters.discard(data)  # no spill file that no record names
             self.no_room[peer] += 1
+            self.no_room_at = time.time()
             self._no_room_log.report(
                 "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x from %s (queue %s, "
                 "reason %s): %s -- answered DELIVERED_ERROR: %s", logging.ERROR,

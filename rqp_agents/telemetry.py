@@ -228,6 +228,7 @@ def receiver_status(agent) -> dict:
                   "dead_letters_header_only": sum(agent.gate.header_only.values()),
                   "dead_letters_suppressed": sum(agent.gate.suppressed.values()),
                   "dead_letters_no_room": sum(agent.no_room.values())},
+        "dead_letters_no_room_at": agent.no_room_at,
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
         "dead_letters_limited": {"header_only": dict(agent.gate.header_only),

@@ -31,6 +31,7 @@ from rqp.protocol.frames import encode
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags
 from rqp.storage.dedup import DEDUP_ENTRY_SIZE, DEDUP_HEADER_SIZE
+from rqp.tools.ctl_agents import EXIT_UNHEALTHY
 from tests.logfiles import written
 from tests.rqp_peer import (
     DELIVERED_ERROR,
@@ -802,6 +803,11 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
                      check=False, timeout=60)
     assert "  dead letters 2 not written: no room in DEAD.LETTER.Q\n" in status.stdout, \
         status.stdout
+    # the count only grows: a check sees the fault as it is now, for NO_ROOM_RECENT after
+    assert re.search(r"\n  DEAD.LETTER.Q had NO ROOM for a dead letter \d+s ago \(answered "
+                     r"DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one is "
+                     r"lost\): is rqp-dlq-drain running\?\n", status.stdout), status.stdout
+    assert status.returncode == EXIT_UNHEALTHY, status.stdout + status.stderr
 
 
 DLQ_BYTES = r"""

@@ -3,7 +3,9 @@
 ``rqpctl status [--json]``, ``rqpctl metrics``, ``rqpctl queues``, ``rqpctl send``,
 ``rqpctl receive``. Exit status (for scripts): 0 = fine; 1 = an error; 2 = a usage or
 configuration error; 3 = an agent asked for is not running (or runs and does not answer:
-frozen, hung); 4 = it runs, but a route is not healthy (retrying, no route, connecting).
+frozen, hung); 4 = it runs, but a route is not healthy (retrying, no route, connecting), or
+its dead letters have no room (held in memory by a sending MCA; not written by a receiving
+MCA within the last NO_ROOM_RECENT seconds).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ DEFAULT_PING_QUEUE = 0x52510001
 #: Queues the receiving MCA's status line of offers names (the rest: how many; --json has all).
 OFFERS_SHOWN = 20
 SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
+#: Seconds after a receiving MCA last had no room in DEAD.LETTER.Q for a dead letter during
+#: which status calls it unhealthy (the count only grows: a check must see it go away).
+NO_ROOM_RECENT = 300.0
 
 
 def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
@@ -199,6 +204,12 @@ def _window_line(w: dict) -> str:
     return line
 
 
+def _no_room_lately(st: dict) -> bool:
+    """A receiving MCA had no room in DEAD.LETTER.Q for a dead letter within NO_ROOM_RECENT."""
+    at = st.get("dead_letters_no_room_at")
+    return at is not None and st["now"] - at < NO_ROOM_RECENT
+
+
 def _print_receiver(st: dict) -> None:
     now = st["now"]
     print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
@@ -217,6 +228,11 @@ def _print_receiver(st: dict) -> None:
         ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q"))]
     if any(n for n, _ in limited):
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
+    if _no_room_lately(st):
+        print(f"  DEAD.LETTER.Q had NO ROOM for a dead letter "
+              f"{_ago(st['dead_letters_no_room_at'], now)} ago (answered DELIVERED_ERROR: a "
+              "SURE message stays with its sender, an UNSURE one is lost): is rqp-dlq-drain "
+              "running?")
     for c in st["connections"]:
         who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
         print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c.get('frames', 0)} frames, "
@@ -281,9 +297,9 @@ def _status_once(args) -> int:
                 print(_not_reached(name, exc))
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
-                or st.get("dead_letters_held") or st.get("transmission_queue_trouble")) \
-                and code != EXIT_NOT_RUNNING:
-            code = EXIT_UNHEALTHY  # (dead letters held: DEAD.LETTER.Q full, a drain down)
+                or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
+                or _no_room_lately(st)) and code != EXIT_NOT_RUNNING:
+            code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
@@ -552,7 +568,9 @@ def add_commands(groups) -> None:
 
     p = groups.add_parser("status", help="routes, connections and queues of the running "
                           "agents", description="Exit 0 fine, 3 an agent is not running or "
-                          "not answering, 4 a route is not healthy.")
+                          "not answering, 4 a route is not healthy, the transmission queue "
+                          "cannot be read, or dead letters found DEAD.LETTER.Q full (held in "
+                          "memory; not written by a receiver in the last 5 minutes).")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
