@@ -328,7 +328,7 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     except ValueError as exc:
         raise RQPError(str(exc)) from None
     expires_at_ms = 0 if ttl is None and expires_at is None else \
-        _expires_at_ms(ttl, expires_at, now_ns)
+        expiry_ms(ttl, expires_at, now_ns)
     # The bytes straight from the checked values (the hot path: no record object).
     raw = encode_transmission(msg_type, conn.queue_key, bytes(data), 0, _PID.pid,
                               next(_sequence), now_ns, mtype, priority, expires_at_ms)
@@ -355,7 +355,7 @@ def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT
         check_extras(1, priority)
     except ValueError as exc:
         raise RQPError(str(exc)) from None
-    expires_at_ms = _expires_at_ms(ttl, expires_at, time.time_ns())
+    expires_at_ms = expiry_ms(ttl, expires_at, time.time_ns())
     with _lock:
         if handle in _batches:
             raise RQPError(f"handle {handle} has a batch open already: commit or roll it back "
@@ -419,7 +419,7 @@ def batch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIO
             _batches.pop(handle, None)
 
 
-def _expires_at_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
+def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
     """sendMessage's ``ttl`` (seconds from now) or ``expires_at`` (Unix seconds) as the
     record's ``expires_at_ms`` (0: never), with errors that name the parameter."""
     if ttl is not None and expires_at is not None:

@@ -617,6 +617,11 @@ def test_queues_send_and_receive(site):
     out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--priority", "10", "--rqprc",
                  str(rqprc))
     assert out.returncode == 2 and "--priority" in out.stderr
+    # a trial: --ttl 0 put nothing and exited 1, as a failure, where -1 was a usage error
+    for ttl, why in (("0", "ttl must be more than 0 seconds"), ("1e300", "ttl 1e+300 is past the year")):
+        out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--ttl", ttl, "--rqprc",
+                     str(rqprc))
+        assert out.returncode == 2 and f"argument --ttl: {why}" in out.stderr, out.stderr
 
 
 def test_status_of_a_dead_letter_queue_removed_and_made_again(site):

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from rqp import RQPError
 from rqp.cli import positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
@@ -524,6 +525,18 @@ def queue_argument(text: str) -> str | int:
         raise argparse.ArgumentTypeError(f"{exc} (or a queue name from .rqprc)") from None
 
 
+def ttl_argument(text: str) -> float:
+    """An argparse type: --ttl, checked as sendMessage checks it (so that 0 or a ttl past any
+    date is a usage error, exit 2, as a negative one is)."""
+    from rqp.api import expiry_ms
+    value = seconds(text)
+    try:
+        expiry_ms(value, None, time.time_ns())
+    except RQPError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _queue_named(args) -> int:
     """The key of queue name ``args.queue``: from the .rqprc, or on a host that only receives
     (no .rqprc) from the receiving MCA's config, whose ``queues`` name them too."""
@@ -632,7 +645,7 @@ def add_commands(groups) -> None:
                    help="the System V type it is put with at the destination (default 1)")
     p.add_argument("--priority", type=int, choices=range(10), metavar="0-9", default=4,
                    help="0 (lowest) to 9 (highest), default 4")
-    p.add_argument("--ttl", type=seconds, metavar="SECONDS", default=None,
+    p.add_argument("--ttl", type=ttl_argument, metavar="SECONDS", default=None,
                    help="dead-letter it EXPIRED if not delivered within this long")
     p.set_defaults(run=send)
     p = groups.add_parser("receive", help="take messages from a local queue")
