@@ -583,7 +583,8 @@ def add_commands(groups) -> None:
                           "agents", description="Exit 0 fine, 3 an agent is not running or "
                           "not answering, 4 a route is not healthy, the transmission queue "
                           "cannot be read, or dead letters found DEAD.LETTER.Q full (held in "
-                          "memory; not written by a receiver in the last 5 minutes).")
+                          "memory; not written by a receiver in the last "
+                          f"{NO_ROOM_RECENT / 60:g} minutes).")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
