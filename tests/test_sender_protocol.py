@@ -463,6 +463,35 @@ def test_a_sure_message_held_back_behind_a_refused_one_keeps_its_retry_budget():
     assert delivered == [b"small"]
 
 
+def test_a_refused_sure_message_backs_off_whatever_waits_behind_it():
+    """A trial: a SURE message refused (its queue full at the receiver) with five more sent
+    behind it was sent again every ~1.5 s (the receiver's wait for room), its log saying
+    "attempt 26 in 30s": the refusals of the ones held back behind it, each with no failure
+    of its own, set the queue's retry to "at once". The head's back-off now stands."""
+    h = Harness(hosts=("b",))
+    h.submit(payload=b"big")
+    for i in range(5):
+        h.submit(payload=b"small %d" % i)
+    start, tries = h.now, []
+    for _ in range(200):  # (the fault: tries in one instant, without end)
+        if h.now - start >= 60:
+            break
+        frames = h.sent()
+        if not frames:
+            h.advance()
+            continue
+        for host, ev in frames:
+            if isinstance(ev, QueueAsk):
+                h.answer(host, YES)
+            else:  # the first refused, the rest held back behind it: refused too
+                if ev.message == b"big":
+                    tries.append(h.now - start)
+                h.answer(host, ERR)
+    assert tries == [0, 0, 0.5, 1.5, 3.5, 7.5, 15.5, 31.5]  # (README: at once, 0.5 s, 1 s..)
+    notes = [n.detail for n in h.of(Note) if n.kind is NoteKind.RETRY_SCHEDULED]
+    assert notes[-1].startswith("attempt 9 in 30s") and len(notes) == len(tries), notes
+
+
 def test_the_retry_budget_counts_only_tries_that_reached_a_host():
     """A trial's finding: with retry_max_attempts 3 and a frozen receiver, a QUEUE_ASK timed
     out (1), the retry due at once met the connection in its back-off and failed in the same

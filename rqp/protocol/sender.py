@@ -1239,13 +1239,21 @@ class SenderCore:
         self._forget_if_idle(lane)
 
     def _retry_later(self, lane: _Lane, msg: Outgoing) -> None:
-        if self._budget_spent(msg):
+        """``msg`` failed a try: the lane goes on after the back-off of the message it sends
+        first (its head, ``msg`` or one before it), and never sooner than a retry already
+        scheduled (the other frames in flight fail in the same round: a trial saw a SURE
+        message sent again every 1.5 s, not after 30, because each of the ones behind it
+        set the retry to "at once")."""
+        head = lane.pending[0] if lane.pending else msg
+        if self._budget_spent(head):
             return  # no retry to announce: the caller's _pump dead-letters it now
-        delay = self.settings.backoff(msg.failures)
+        delay = self.settings.backoff(head.failures)
+        if lane.retry_at >= self._now + delay:
+            return  # (as late already, and said)
         lane.retry_at = self._now + delay
         self._timed[lane] = None
-        self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, msg.host,
-                   f"attempt {msg.failures + 1} in {delay:g}s: {msg.last_error}", msg.key)
+        self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, head.host,
+                   f"attempt {head.failures + 1} in {delay:g}s: {head.last_error}", head.key)
 
     def _budget_spent(self, msg: Outgoing) -> bool:
         s = self.settings
@@ -1404,7 +1412,8 @@ class SenderCore:
                 self._copy_ended(msg, reached=True)
         else:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
-            if why != "DELIVERED_ERROR" or self.routes.get(key) == link.host:
+            tried = why != "DELIVERED_ERROR" or self.routes.get(key) == link.host
+            if tried:
                 # (a DELIVERED_ERROR after the route was dropped by an earlier one is the
                 # receiver holding the later messages back to keep the order: no try of
                 # this one's own; a trial saw them use up their retry budgets)
@@ -1412,7 +1421,8 @@ class SenderCore:
             self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
                              f"{why}")
             self._requeue(lane, msg)
-            self._retry_later(lane, msg)
+            if tried:  # (held back: the retry its round's first refusal set stands)
+                self._retry_later(lane, msg)
         self._pump(lane)
         self._forget_if_idle(lane)
 
