@@ -15,6 +15,7 @@ import pytest
 
 import rqp.config
 from rqp.config import sender_config_from_mapping
+from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import ConfigError, RQPError
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
@@ -39,11 +40,11 @@ CONFIG = sender_config_from_mapping({"hosts": ["localhost"],
 
 def row(reason=ReasonCode.NO_ROUTE, *, queue_key=Q1, key=0, payload=b"payload", age=0.0,
         mtype=1, host="h1", source="src1", destination="dst1:7460", flags=0, spill="",
-        original_length=None) -> dict:
+        original_length=None, agent=AgentKind.RECEIVER) -> dict:
     record = DeadLetterRecord(
         reason=reason, queue_key=queue_key, message_key=key or (0xD00D << 32 | id(payload) % 997),
         payload=payload, timestamp_ns=NOW - int(age * 1e9), message_type=mtype,
-        agent=AgentKind.RECEIVER, host=host, source_host=source, destination_host=destination,
+        agent=agent, host=host, source_host=source, destination_host=destination,
         flags=flags, spill_path=spill, original_length=original_length)
     return record_to_row(record.to_bytes(), archived_by="drainer")
 
@@ -534,6 +535,39 @@ def test_forward_header_no_discard_and_ignore(tmp_path):
     assert DeadLetterRecord.from_bytes(send.calls[-1][1]) == row_to_record(ignored)
 
 
+def test_a_receivers_notice_of_a_sure_message_is_not_put_back(tmp_path):
+    """A trial: a SURE message refused once for QUEUE_FULL, then delivered by its sender,
+    arrived twice when the receiving host's replay retried the row (`retry` is what the
+    report suggests for QUEUE_FULL): a receiving MCA knows a repeat only from the peer that
+    sent it first. Such a row is a notice, its sender keeps the message: kept, saying why.
+    The sender's own row of it (its retry budget ran out) and an UNSURE row are put back."""
+    archive = tmp_path / "archive"
+    notice = row(ReasonCode.QUEUE_FULL, key=0x41, payload=b"notice", mtype=SURE_MSG)
+    write_archive(archive, [
+        notice,
+        row(ReasonCode.RETRY_BUDGET_EXHAUSTED, key=0x42, payload=b"given up", mtype=SURE_MSG,
+            agent=AgentKind.SENDER),
+        row(ReasonCode.QUEUE_FULL, key=0x43, payload=b"unsure", mtype=UNSURE_MSG)])
+    rules = rules_from_data({"rules": [{"reason": ["QUEUE_FULL", "RETRY_BUDGET_EXHAUSTED"],
+                                        "action": "retry"}]}, config=CONFIG)
+    send, lines = FakeSend(archive), []
+    replayer = Replayer(archive, rules, send=send, out=lines.append, config=CONFIG, now_ns=NOW)
+    replayer.run()
+    assert [payload for _, payload, _ in send.calls] == [b"given up", b"unsure"]
+    assert replayer.summary() == "replayed 2, forwarded 0, discarded 0, kept 1, failed 0"
+    assert list(read_archive(archive)) == [notice]
+    [said] = [line for line in lines if line.startswith("kept")]
+    assert "SURE [rules[0]]: a notice: the sending MCA of the source host keeps this SURE " \
+        "message and sends it again itself" in said and "rqpctl dlq resubmit" in said
+    # forwarded with its key, it would be the same message twice as well; the dead letter
+    # itself (header: yes) is a new message
+    for rule, calls, left in (({"action": "forward", "to": Q2}, 2, [notice]),
+                              ({"action": "forward", "to": Q2, "header": "yes"}, 3, [])):
+        Replayer(archive, rules_from_data({"rules": [rule]}), send=send, out=print,
+                 now_ns=NOW).run()
+        assert len(send.calls) == calls and list(read_archive(archive)) == left, rule
+
+
 def test_a_message_is_forwarded_once_not_round_and_round(tmp_path):
     """A forward (header: no, the message keeps its key) whose copy is dead-lettered again and
     matches the rule again is kept, saying so: else --follow would send it round every round."""
@@ -673,7 +707,7 @@ def test_replay_through_the_real_sending_path(testbed):
     write_archive(archive, [
         first,
         row(ReasonCode.RETRY_BUDGET_EXHAUSTED, queue_key=Q3, key=k2, payload=b"to the fake",
-            mtype=0),
+            mtype=0, agent=AgentKind.SENDER),
         row(ReasonCode.QUEUE_FULL, queue_key=Q4, key=0x77, payload=b"forwarded"),
         row(ReasonCode.UNKNOWN_QUEUE, payload=b"discarded"),
         row(ReasonCode.NOT_AUTHORIZED, payload=b"kept"),

@@ -894,7 +894,9 @@ class Replayer:
                 self.counts["kept"] += 1
             return
         note = ""
-        if decision.action == "retry":
+        if decision.action in ("retry", "forward") and not decision.header and is_notice(row):
+            decision, note = Decision("keep", decision.rule), NOTICE_KEPT
+        elif decision.action == "retry":
             decision, note = self._retry_gate(row, decision)
         elif decision.action == "forward" and not decision.header:
             decision, note = self._forward_gate(row, decision)
@@ -986,6 +988,21 @@ class Replayer:
     def _remove(self, current: _File, index: int) -> None:
         if not self.dry_run:
             current.removed.add(index)
+
+
+def is_notice(row: Mapping) -> bool:
+    """A receiving MCA's row of a SURE message: a notice (README, reason codes). Its sender
+    was answered DELIVERED_ERROR, keeps the message and sends it until a receiver puts it (or
+    dead-letters it on its own host, RETRY_BUDGET_EXHAUSTED, when its retry budget runs out):
+    put back from here as well, the message would arrive twice (a trial saw it), since a
+    receiving MCA knows a repeat only from the peer that sent it first."""
+    return row.get("agent") == "receiver" and row.get("message_type") == "SURE"
+
+
+NOTICE_KEPT = ("a notice: the sending MCA of the source host keeps this SURE message and "
+               "sends it again itself (or dead-letters it there when its retry budget runs "
+               "out); put back from here it would arrive twice (rqpctl dlq resubmit ID puts it "
+               "back by hand, if its sender is gone for good)")
 
 
 def summary_line(counts: Mapping[str, int], *, dry_run: bool = False,
