@@ -20,8 +20,9 @@ import time
 from rqp.config import ReceiverConfig
 from rqp.protocol.access import Allowance, DeadLetterBudget, Grant, Peer, grant_for
 from rqp.protocol.errors import RQPError
-from rqp.system.tls import ALPN, TLSFileError, check_files, handshake_problem, peer_names, \
-    server_context
+from rqp.system.service import release_free_memory
+from rqp.system.tls import ALPN, TLSFileError, bound_read_buffers, check_files, \
+    handshake_problem, peer_names, server_context
 from rqp_agents.daemon import RateLimitedLog
 
 __all__ = ["Gate"]
@@ -35,6 +36,11 @@ GRANT_MEMORY = 4096
 #: Distinct labels (peers, handshake failure reasons) counted apart; more go under "other",
 #: so that a flood from many addresses cannot grow the counters or the metrics without bound.
 COUNTER_LABELS = 256
+#: Once this many connections were open at once and three quarters of them are gone, the
+#: memory they held is given back to the system TRIM_DELAY seconds later (their transports
+#: closed by then).
+TRIM_AFTER = 64
+TRIM_DELAY = 1.0
 
 
 def _count(counter: collections.Counter, label: str) -> None:
@@ -51,6 +57,8 @@ class Gate:
         self.context = self._context(config)
         self.by_source: collections.Counter[str] = collections.Counter()  # open, per address
         self.open = 0
+        self._most = 0  # the most open at once since the last trim of the heap
+        self._trim: asyncio.TimerHandle | None = None
         #: Connections closed at once by a limit, handshakes failed (by reason), and requests
         #: refused because the peer may not use the queue (by peer label).
         self.refused_connections = 0
@@ -75,6 +83,7 @@ class Gate:
         """The TLS context of ``config`` (its files checked first, warnings logged)."""
         if config.tls is None:
             return None
+        bound_read_buffers()  # (each connection's, from its handshake on)
         for warning in check_files(config.tls):
             log.warning("%s", warning)
         return server_context(config.tls)
@@ -110,6 +119,7 @@ class Gate:
             return False
         self.open += 1
         self.by_source[source] += 1
+        self._most = max(self._most, self.open)
         return True
 
     def leave(self, source: str) -> None:
@@ -117,6 +127,15 @@ class Gate:
         self.by_source[source] -= 1
         if not self.by_source[source]:
             del self.by_source[source]
+        if self._most >= TRIM_AFTER and self.open <= self._most // 4 and self._trim is None:
+            # many connections gone (a flood): what they held goes back to the system, once
+            # their transports are closed too
+            self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY, self._trimmed)
+
+    def _trimmed(self) -> None:
+        self._trim = None
+        self._most = self.open
+        release_free_memory()
 
     # --- who it is --------------------------------------------------------------------------
 
