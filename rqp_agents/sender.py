@@ -43,7 +43,7 @@ from rqp.system.service import (
     mark_dead_letter_queue, setup_logging, wall_ms,
     write_file_atomically,
 )
-from rqp.system.tls import TLSFileError, check_files, client_context
+from rqp.system.tls import TLSFileError, check_files, client_context, handshake_problem
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.intake import Intake, Taken, budget_size, messages_in
@@ -79,6 +79,23 @@ def _tls_contexts(config: SenderConfig) -> dict:
 
 #: Why the connections end at a stop (not a failure: logged at INFO).
 STOPPING = "sending MCA stopping"
+
+
+def _ping_problem(exc: BaseException, handshaking: bool) -> str:
+    """Why rqpctl ping got no answer, in words (``handshaking``: over TLS, not connected yet).
+    A trial: a receiver at its max_connections closes at once, the handshake then failed
+    with a ConnectionResetError that says nothing, and ping printed "(TLS): "."""
+    if handshaking and isinstance(exc, (ssl.SSLError, ConnectionError)):
+        why = handshake_problem(exc)
+        if not isinstance(exc, ssl.SSLError):
+            why += (" (the receiver closed the connection during the handshake: at its "
+                    "max_connections or max_connections_per_source, or no TLS there?)")
+        return why
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or exc.__class__.__name__
 
 
 class Sender(Daemon):
@@ -253,13 +270,10 @@ class Sender(Daemon):
         except asyncio.IncompleteReadError:
             return {**out, "problem": "the connection was closed before an answer (refused "
                     "by the receiver's rules or limits, or not an RQP receiver?)"}
-        except ssl.SSLError as exc:
-            return {**out, "problem": f"TLS: {exc.reason or exc}"}
         except ConnectionRefusedError:
             return {**out, "problem": "connection refused (no receiving MCA listens there)"}
-        except (OSError, RQPError) as exc:
-            return {**out, "problem": exc.strerror if isinstance(exc, OSError) and
-                    exc.strerror else str(exc)}
+        except (OSError, RQPError) as exc:  # (ssl.SSLError among them)
+            return {**out, "problem": _ping_problem(exc, context is not None and writer is None)}
         finally:
             if writer is not None:
                 writer.close()

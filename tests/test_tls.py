@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -328,6 +329,25 @@ def test_connections_that_never_handshake_cost_little_and_give_it_back(site):
     assert held < 110, held
     assert sum(site.receiver_status()["handshake_failures"].values()) >= 500
     print(f"500 connections held: +{held:.0f} MB; all gone: +{after:.0f} MB")
+
+
+def test_ping_says_why_a_receiver_at_its_limit_closed_the_connection(site):
+    """A trial: rqpctl ping against a receiver at its max_connections printed "host (TLS): "
+    and nothing more (the handshake ended with an exception that says nothing)."""
+    a, b = site.a, site.b
+    start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test", ips=[b.address]),
+                                                  "max_connections_per_source: 1\n"))
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["the one connection a may have"], SURE)
+    assert receive(b, Q1, 1) == ["the one connection a may have"]
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
+                timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(TLS\): TLS handshake failed: .+ \(the "
+                        r"receiver closed the connection during the handshake: at its "
+                        r"max_connections or max_connections_per_source, or no TLS there\?\)\n",
+                        out.stdout), out.stdout
 
 
 def test_a_peer_reconnecting_in_a_loop_cannot_fill_the_log(site):
