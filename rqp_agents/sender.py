@@ -484,9 +484,10 @@ class Sender(Daemon):
         else:
             self.intake.budget.force(self._waiting_given - now)
         if waiting >= WAITING_FOR_ROUTE_MAX > self._waiting_given:
-            log.warning("%d messages wait for a route (no host offers their queues, or their "
-                        "host is down) or in stopped routes: no more are held beside them; the "
-                        "transmission queue waits until some go (rqpctl status shows which)",
+            log.warning("%d messages wait for a route (no host offers their queues, their "
+                        "host is down, or it refused one and they wait for its retry: rqpctl "
+                        "status says which) or in stopped routes: no more are held beside "
+                        "them; the transmission queue waits until some go",
                         waiting,
                         extra={"event": "waiting_for_route_full"})
         self._waiting_given = now
