@@ -57,14 +57,19 @@ def test_only_plain_hosts_offer_it_the_typed_message_is_dead_lettered_never_put_
     for kind in (SURE_MSG, UNSURE_MSG):
         h = Harness()
         h.submit(message_type=kind, payload=b"t1", mtype=3)
-        h.submit(message_type=kind, payload=b"t2", mtype=3)
+        h.submit(message_type=kind, payload=b"t2", mtype=5)
         h.submit(message_type=kind, payload=b"plain")
         frames = h.serve({"b": {Q1}, "c": {Q1}})
         assert [ev.message for _, ev in messages(frames)] == [b"plain"]
         dead = h.of(DeadLetter)
         assert [(d.message.payload, d.reason) for d in dead] == [
             (b"t1", ReasonCode.EXTENSION_UNSUPPORTED), (b"t2", ReasonCode.EXTENSION_UNSUPPORTED)]
-        assert "b: QUEUE_YES, but plain RQP/1 cannot carry mtype 3" in dead[0].detail
+        # each says what of its own needs MESSAGE_EX (a trial: a batch's said "mtype 5", the
+        # message at the head when the hosts were asked)
+        assert dead[0].detail.startswith("mtype 3 needs MESSAGE_EX") and \
+            dead[1].detail.startswith("mtype 5 needs MESSAGE_EX") and "mtype 3" not in \
+            dead[1].detail, [d.detail for d in dead]
+        assert "b: QUEUE_YES, but it speaks plain RQP/1 (no MESSAGE_EX)" in dead[1].detail
         assert h.core.routes == {Q1: "b"}  # the plain messages still have their route
 
 

@@ -1282,8 +1282,10 @@ class SenderCore:
             if yes and head is not None and head.needs_ex and not link.agreed & EXT_MESSAGE:
                 if lane.plain_yes is None:
                     lane.plain_yes = link.host
-                self._ask_answered(link, lane, False, f"QUEUE_YES, but plain RQP/1 cannot "
-                                   f"carry {head.why_ex}")
+                # (not naming what the head needs: the reason goes with every message dead-
+                # lettered for it, each of which says what of its own needs MESSAGE_EX)
+                self._ask_answered(link, lane, False,
+                                   "QUEUE_YES, but it speaks plain RQP/1 (no MESSAGE_EX)")
             else:
                 lane.declined = lane.declined or not yes
                 lane.said_no = lane.said_no or not yes
