@@ -142,6 +142,43 @@ def test_a_c_record_out_of_range_is_refused_with_errno(cc, args, error):
     assert done.returncode == 3 and f"rqp_build_record: {error}" in done.stderr
 
 
+PUT_SIZE = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <rqp.h>
+/* put_size N: rqp_put of an N-byte payload on a private queue, then on the queue removed:
+ * "ok" or the errno's name, for each */
+static const char *said(int rc) {
+    return rc == 0 ? "ok" : errno == EMSGSIZE ? "EMSGSIZE" : errno == EINVAL ? "EINVAL"
+        : "other";
+}
+int main(int argc, char **argv) {
+    size_t n = argc > 1 ? strtoul(argv[1], NULL, 0) : 0;
+    char *payload = calloc(1, n + 1);
+    int id = msgget(IPC_PRIVATE, IPC_CREAT | 0600);
+    if (payload == NULL || id < 0) { perror("set-up"); return 1; }
+    const char *first = said(rqp_put(id, 0, RQP_UNSURE_MSG, (key_t)0x52510001, payload, n,
+                                     NULL, 1, IPC_NOWAIT));
+    if (msgctl(id, IPC_RMID, NULL) < 0) { perror("msgctl"); return 1; }
+    printf("%s %s\n", first, said(rqp_put(id, 0, RQP_UNSURE_MSG, (key_t)0x52510001, payload,
+                                          1, NULL, 2, IPC_NOWAIT)));
+    return 0;
+}
+"""
+
+
+def test_c_put_over_msgmax_is_emsgsize_and_a_removed_queue_einval(cc):
+    """A trial: rqp_put of an 8,129-byte payload (a record of 8,193 bytes) failed with EINVAL,
+    msgsnd's word for it, where the header promises EMSGSIZE for a record that does not fit."""
+    exe = cc("put_size", PUT_SIZE)
+    msgmax = int(Path("/proc/sys/kernel/msgmax").read_text())
+    for size, first in ((msgmax - TRANSMISSION_HEADER_SIZE, "ok"),
+                        (msgmax - TRANSMISSION_HEADER_SIZE + 1, "EMSGSIZE")):
+        done = subprocess.run([exe, str(size)], capture_output=True, text=True, timeout=30)
+        assert (done.returncode, done.stdout) == (0, f"{first} EINVAL\n"), done.stderr
+
+
 def test_c_producer_to_c_consumer_dispatching_on_mtype(cc, testbed_factory):
     producer, consumer = cc("producer", PRODUCER), cc("consumer", CONSUMER)
     p = Pair(testbed_factory(), Q1)

@@ -140,10 +140,25 @@ static inline int rqp_ring_doorbell(key_t xmit_key) {
     return 0;
 }
 
+/* msgsnd of a record on transmission queue `xmit_id`, retried on EINTR. msgsnd says EINVAL
+ * both for a queue id that names no queue and for a message over the kernel's msgmax: the
+ * second is EMSGSIZE here, as rqp_build_record says it (the queue is there, the type is 1). */
+static inline int rqp_send_record_(int xmit_id, const long *msg, size_t size, int msgflg) {
+    int rc;
+    struct msqid_ds ds;
+    do {
+        rc = msgsnd(xmit_id, msg, size, msgflg);
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0 && errno == EINVAL && msgctl(xmit_id, IPC_STAT, &ds) == 0)
+        errno = EMSGSIZE;
+    return rc;
+}
+
 /* Put one message for queue `queue_key` on transmission queue `xmit_id` (from
  * rqp_open_transmission_queue): one msgsnd, which wakes the sending MCA. `xmit_key` is not
  * used (earlier versions rang a doorbell with it). msgflg as for msgsnd: 0 waits while the
- * transmission queue is full, IPC_NOWAIT fails with EAGAIN. */
+ * transmission queue is full, IPC_NOWAIT fails with EAGAIN. EMSGSIZE: the record (64 bytes
+ * and the payload) is over the kernel's msgmax. */
 static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t queue_key,
                           const void *payload, size_t len, const struct rqp_extras *extras,
                           uint64_t sequence, int msgflg) {
@@ -162,9 +177,7 @@ static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t q
         errno = saved;
         return -1;
     }
-    do {
-        rc = msgsnd(xmit_id, msg, (size_t)n, msgflg);
-    } while (rc < 0 && errno == EINTR);
+    rc = rqp_send_record_(xmit_id, msg, (size_t)n, msgflg);
     saved = errno;
     free(msg);
     (void)xmit_key;
@@ -189,7 +202,7 @@ struct rqp_batch {
 
 /* Start a batch whose record may be up to `cap` bytes: the kernel's msgmax
  * (/proc/sys/kernel/msgmax, 8192 by default; a bigger cap lets rqp_batch_commit fail with
- * EINVAL). extras: priority and expiry for the whole batch (its mtype is ignored; NULL:
+ * EMSGSIZE). extras: priority and expiry for the whole batch (its mtype is ignored; NULL:
  * defaults). 0, or -1 (EINVAL; ENOMEM). After commit or rollback, begin again before adding. */
 static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_type,
                                   key_t queue_key, const struct rqp_extras *extras) {
@@ -269,9 +282,7 @@ static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_
     b->msg[0] = 1;
     rqp_header_((unsigned char *)(b->msg + 1), b->message_type, RQP_FLAG_BATCH, b->queue_key,
                 &b->extras, sequence);
-    do {
-        rc = msgsnd(xmit_id, b->msg, b->len, msgflg);
-    } while (rc < 0 && errno == EINTR);
+    rc = rqp_send_record_(xmit_id, b->msg, b->len, msgflg);
     (void)xmit_key;
     if (rc < 0)
         return -1;
