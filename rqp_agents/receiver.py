@@ -380,6 +380,7 @@ class Receiver(Daemon):
         self.control_path = Path(config.control_socket) if config.control_socket else \
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
+        self._who: dict[asyncio.Task, Peer] = {}  # per connection: who it is
         #: Every peer label served since the start, most recent last (rqpctl trace).
         self._peer_labels: dict[str, None] = {}
         self._comings = RateLimitedLog(log, *limit, what="connections opened")
@@ -538,6 +539,7 @@ class Receiver(Daemon):
             self._idle.discard(task)
             self._connections.discard(task)
             self._peers.pop(task, None)
+            self._who.pop(task, None)
             self.gate.leave(peer_host)
 
     async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -546,9 +548,9 @@ class Receiver(Daemon):
         task = asyncio.current_task()
         self.stats["connections"] += 1
         self._peers[task] = info = {
-            "peer": peer, "identity": who.identity, "may_use": self.gate.grant(who).describe(),
-            "since": time.time(), "frames": 0, "messages": 0, "dead_letters": 0, "asks": 0,
-            "refused": 0, "repeats": 0}
+            "peer": peer, "identity": who.identity, "since": time.time(), "frames": 0,
+            "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0, "repeats": 0}
+        self._who[task] = who  # (what it may use is read at each status: a reload changes it)
         self._peer_labels.pop(who.label, None)
         self._peer_labels[who.label] = None
         if len(self._peer_labels) > PEER_MEMORY:

@@ -217,7 +217,9 @@ def receiver_status(agent) -> dict:
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "dedup_window_keys": window["keys"],  # (kept: the same as dedup_window["keys"])
         "dedup_window": window,
-        "connections": sorted(agent._peers.values(), key=lambda p: p["since"]),
+        "connections": sorted(
+            ({**info, "may_use": agent.gate.grant(agent._who[task]).describe()}
+             for task, info in agent._peers.items()), key=lambda p: p["since"]),
         "queues": offered_queues(agent),
         "tls": agent.config.tls is not None,
         "peers_rules": [rule.describe() for rule in agent.config.peers or ()],

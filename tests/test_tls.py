@@ -98,8 +98,8 @@ def route(status: dict, key: int) -> dict:
 
 def test_sure_and_unsure_over_tls_and_a_queue_the_sender_may_not_use(site):
     a, b = site.a, site.b
-    rx = start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test",
-                                                                 ips=[b.address])))
+    tls = site.cert("b.rqp.test", ips=[b.address])
+    rx = start_receiver(b, config=site.receiver_config(tls))
     rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
     start_sender(a, rqprc)
     send(a, rqprc, Q1, [f"sure-{i}" for i in range(20)], SURE)
@@ -118,6 +118,16 @@ def test_sure_and_unsure_over_tls_and_a_queue_the_sender_may_not_use(site):
     assert conn["identity"] == "a.rqp.test" and "PROD_*" in conn["may_use"]
     assert st["tls"] and st["stats"]["denied"] >= 1 and st["denied"]["a.rqp.test"] >= 1
     assert log_lines(b, rx, "refused QUEUE_ASK for queue 0x00a10002 from a.rqp.test")
+    # A rule put first by a reload applies to the connection open (a trial: its status
+    # still said the rule it matched when it connected)
+    (b.workdir / "receiver.yaml").write_text(site.receiver_config(tls).replace(
+        "peers:\n", "peers:\n  - identity: a.rqp.test\n    queues: ['PROD_*', 'TEST_*']\n"))
+    rx.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(b, rx, "reloaded"), timeout=10, message="no reload")
+    conn, = site.receiver_status()["connections"]
+    assert conn["may_use"].startswith("peers[0] (identity a.rqp.test)") and \
+        "TEST_*" in conn["may_use"], conn
+    assert receive(b, Q2, 1, timeout=30) == ["not for a"]  # (its retry, now allowed)
 
 
 def test_strangers_are_refused_and_nothing_of_theirs_is_put(site):
