@@ -12,6 +12,7 @@ from dataclasses import asdict
 from rqp.protocol.constants import QUEUE_MEMORY
 from rqp.protocol.errors import QueueNotFound, RQPError
 from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
+from rqp.storage.deadletters import RECEIVER_SHARE
 from rqp.system.control import Metric, render
 from rqp.system.queues import LocalQueue, format_key, list_queues
 
@@ -231,6 +232,7 @@ def receiver_status(agent) -> dict:
                   "dead_letters_suppressed": sum(agent.gate.suppressed.values()),
                   "dead_letters_no_room": sum(agent.no_room.values())},
         "dead_letters_no_room_at": agent.no_room_at,
+        "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
         "dead_letters_limited": {"header_only": dict(agent.gate.header_only),
@@ -270,6 +272,9 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_dedup_keys", "gauge",
          "SURE message keys held in the de-duplication window"),
         ("rqp_receiver_dedup_max_keys", "gauge", "dedup_window_keys: the most it holds"),
+        ("rqp_receiver_dead_letters_no_room_timestamp_seconds", "gauge",
+         "Unix time of the last dead letter not written for want of room in DEAD.LETTER.Q "
+         "(within the receiver's share); 0: none since the agent started"),
         ("rqp_receiver_dedup_oldest_seconds", "gauge",
          "age of the oldest key held (when full, how long a key stays in the window)"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
@@ -299,6 +304,8 @@ def receiver_metrics(agent) -> str:
                          ("suppressed", agent.gate.suppressed), ("no_room", agent.no_room)):
         for peer, count in sorted(counts.items()):
             m["rqp_receiver_dead_letters_limited_total"].add(count, peer=peer, kind=kind)
+    m["rqp_receiver_dead_letters_no_room_timestamp_seconds"].add(
+        round(agent.no_room_at or 0, 3))
     m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)

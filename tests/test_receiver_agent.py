@@ -783,6 +783,15 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
     assert any("key=0x000000000000009c" in line and "the UNSURE message is lost" in line
                for line in errors), r.log()
     assert r.qa.depth(DLQ) == full
+    # a check sees the queue full now (a trial: after a restart of the receiver, with the
+    # queue still full, status said nothing and exited 0)
+    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
+                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                     check=False, timeout=60)
+    assert re.search(r"\n  DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now "
+                     r"\(\d+ bytes left of the three quarters it may fill\)", status.stdout), \
+        status.stdout
+    assert status.returncode == EXIT_UNHEALTHY, status.stdout + status.stderr
     # the notice was never written, so the sender's retry is recorded once there is room
     assert len(r.qa.drain(DLQ)) == full
     connect(r.pb, "e", r)  # (on "c", the queue is held back for order until asked again)
@@ -795,6 +804,11 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
                       check=False, timeout=60)
     assert (f'rqp_receiver_dead_letters_limited_total{{kind="no_room",peer="{r.b.address}"}} '
             '2.0\n') in metrics.stdout, metrics.stdout + metrics.stderr
+    # when the last was, for an alert that sees the first of a peer's too (a trial: one on
+    # increase() of the counter did not, a new series starting at 1)
+    stamp = float(re.search(r"^rqp_receiver_dead_letters_no_room_timestamp_seconds (\S+)$",
+                            metrics.stdout, re.M)[1])
+    assert t0 / 1e9 <= stamp <= time.time(), (stamp, t0)
     # (3 refused for queue MISSING, 1 dead letter written: counted as what it is)
     assert 'rqp_receiver_messages_total{outcome="dead_lettered",queue="0x52510099"} 1.0\n' \
         in metrics.stdout, metrics.stdout

@@ -72,7 +72,7 @@ class DeadLetterWriter:
         not (nothing written). What the receiving MCA writes for its peers, so that they
         cannot take the rest of the queue from the sending MCA of the host."""
         limit = self._limit()
-        if share is not None and (room := self._room_within(share)) < limit:
+        if share is not None and (room := self.room_within(share)) < limit:
             # Spilled to fit, what stays in the queue is small, so that the share holds more
             # than one: the header and the payload's first bytes (all of the room if need be).
             fits = (room,) if record.encoded_size() <= room else \
@@ -182,9 +182,10 @@ class DeadLetterWriter:
                           format_key(self.queue_key), limit, exc)
             return None
 
-    def _room_within(self, share: float) -> int:
+    def room_within(self, share: float) -> int:
         """Bytes a record may have so that DEAD.LETTER.Q stays at most ``share`` full (one
-        ``msgctl`` and a read of /proc/sysvipc/msg: for dead letters, which are few)."""
+        ``msgctl`` and a read of /proc/sysvipc/msg: for dead letters, which are few, and for
+        the receiving MCA's status)."""
         try:
             size = self.queue.stat().max_size
             used = size - self.queue.room()

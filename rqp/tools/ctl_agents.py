@@ -40,6 +40,10 @@ SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 #: Seconds after a receiving MCA last had no room in DEAD.LETTER.Q for a dead letter during
 #: which status calls it unhealthy (the count only grows: a check must see it go away).
 NO_ROOM_RECENT = 300.0
+#: A receiving MCA with less room than this left in its share of DEAD.LETTER.Q has no room for
+#: a dead letter now (the smallest, without payload, detail and hosts, is about 100 bytes;
+#: a real one's detail and hosts take more): unhealthy while it lasts, restarts or not.
+NO_ROOM_BYTES = 512
 
 
 def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
@@ -206,9 +210,11 @@ def _window_line(w: dict) -> str:
 
 
 def _no_room_lately(st: dict) -> bool:
-    """A receiving MCA had no room in DEAD.LETTER.Q for a dead letter within NO_ROOM_RECENT."""
+    """A receiving MCA had no room in DEAD.LETTER.Q for a dead letter within NO_ROOM_RECENT,
+    or has none now."""
     at = st.get("dead_letters_no_room_at")
-    return at is not None and st["now"] - at < NO_ROOM_RECENT
+    return (at is not None and st["now"] - at < NO_ROOM_RECENT) or \
+        st.get("dead_letter_room", NO_ROOM_BYTES) < NO_ROOM_BYTES
 
 
 def _print_receiver(st: dict) -> None:
@@ -229,7 +235,13 @@ def _print_receiver(st: dict) -> None:
         ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q"))]
     if any(n for n, _ in limited):
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
-    if _no_room_lately(st):
+    room = st.get("dead_letter_room", NO_ROOM_BYTES)
+    if room < NO_ROOM_BYTES:
+        print(f"  DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now ({room} bytes "
+              "left of the three quarters it may fill): a message to dead-letter is answered "
+              "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost); is "
+              "rqp-dlq-drain running?")
+    elif _no_room_lately(st):
         print(f"  DEAD.LETTER.Q had NO ROOM for a dead letter "
               f"{_ago(st['dead_letters_no_room_at'], now)} ago (answered DELIVERED_ERROR: a "
               "SURE message stays with its sender, an UNSURE one is lost): is rqp-dlq-drain "
