@@ -363,11 +363,15 @@ class Sender(Daemon):
     def _replay(self) -> None:
         """Journaled SURE messages first, in order, with their keys (before any new record)."""
         first, leftovers = self.intake.recover()
-        now = self.loop.time()
+        now, wall_ns = self.loop.time(), time.time_ns()
         for data, record, key, seq, copies in first:
             # (taken before a restart: not counted in taken; a batch, its messages)
             self.stats["from_journal"] += messages_in(record)
-            self._submit(record, now, Taken(record, seq), key, copies)
+            # its retry_max_age goes on counting: from when it was put (the journal does not
+            # keep when it was taken, a little later)
+            waited = (wall_ns - record.enqueued_ns) / 1e9 if record.enqueued_ns else 0.0
+            self._submit(record, now, Taken(record, seq), key, copies,
+                         taken_at=now - waited if waited > 0 else None)
         if leftovers:
             self._on_records(leftovers)
         self._run_actions()
@@ -383,11 +387,13 @@ class Sender(Daemon):
             self._submit(record, now, Taken(record, seq), key, copies)
         self._run_actions()
 
-    def _submit(self, record, now: float, origin: Taken, key: int, copies) -> None:
+    def _submit(self, record, now: float, origin: Taken, key: int, copies,
+                taken_at: float | None = None) -> None:
         self.core.submit(record.message_type, record.queue_key, record.payload, now,
                          origin=origin, key=key, mtype=record.mtype, priority=record.priority,
                          expires_at_ms=record.expires_at_ms, copies=copies,
-                         members=record.members() if record.is_batch else None)
+                         members=record.members() if record.is_batch else None,
+                         taken_at=taken_at)
 
     # --- connections --------------------------------------------------------------------------
 

@@ -117,6 +117,35 @@ rqp.sendMessage(h, b"nobody home", rqp.SURE_MSG)
     assert sender.wait(30) == 0
 
 
+def test_retry_max_age_goes_on_counting_across_a_restart(testbed):
+    """A trial: retry_max_age 20s, a SIGTERM and a start of the sending MCA 12 s after the
+    message was taken: it was dead-lettered 46 s after, its age counted again from the start.
+    A journaled message's age now counts from when it was put (the record's enqueued_ns):
+    here a record put 100 s ago, taken, journaled, then the MCA restarted, with a budget of
+    60 s, is dead-lettered at its first failed try after the start, not 60 s later."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)  # never has the queue: QUEUE_NO, tried again with back-off
+    rqprc = write_rqprc(a, [b], retry_max_age="60s")
+    sender = start_sender(a, rqprc)
+    a.python(r"""
+import sys, time, sysv_ipc
+from rqp.protocol.records import TransmissionRecord
+record = TransmissionRecord(message_type=0, queue_key=0x52510001, payload=b"put long ago",
+                            enqueued_ns=time.time_ns() - 100 * 10**9)
+sysv_ipc.MessageQueue(0x52510000).send(record.to_bytes(), type=1)
+""")
+    wait_for(lambda: log_lines(a, sender, "no host offers queue 0x52510001"), timeout=20,
+             message="the message was not tried")
+    assert dead_letters(a) == []  # (taken now: 60 s of budget from the take)
+    sender.send_signal(15)
+    assert sender.wait(30) == 0
+    again = start_sender(a, rqprc)
+    assert log_lines(a, again, "journal: 1 SURE message(s) to send again first")
+    [dl] = wait_for(lambda: dead_letters(a), timeout=20,
+                    message="not dead-lettered: its age counted again from the start")
+    assert (dl["reason"], dl["payload"]) == ("RETRY_BUDGET_EXHAUSTED", "put long ago")
+
+
 def test_keys_stay_unique_across_restarts(testbed):
     a, b = testbed.add_host("a"), testbed.add_host("b")
     fake = b.popen([sys.executable, str(Path(__file__).with_name("fake_receiver.py")),

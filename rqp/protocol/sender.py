@@ -748,7 +748,7 @@ class SenderCore:
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
                origin: object = None, key: int = 0, *, mtype: int = 1,
                priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0,
-               copies=None, members=None) -> Outgoing:
+               copies=None, members=None, taken_at: float | None = None) -> Outgoing:
         """A record taken from the transmission queue.
 
         ``key``: the unique key already given to it (a SURE message is given its key when it is
@@ -757,11 +757,14 @@ class SenderCore:
         ``copies``: for a broadcast queue key, ``((key, host), ...)``, the copies not done yet
         (journaled with the message; a host by its ``str``); None: one per host, keys given
         here. ``members``: an atomic batch, ``((mtype, data), ...)``, sent with keys ``key``,
-        ``key + 1``, ... Returns the message (a broadcast one: its first copy).
+        ``key + 1``, ... ``taken_at``: when it was taken, if before ``now`` (a journaled message
+        after a restart: its ``retry_max_age`` goes on counting). Returns the message (a
+        broadcast one: its first copy).
         """
         self._now = now
         self._seq += 1
-        msg = Outgoing(self._seq, message_type, queue_key, payload, now, origin, key,
+        msg = Outgoing(self._seq, message_type, queue_key, payload,
+                       now if taken_at is None else min(taken_at, now), origin, key,
                        mtype=mtype, priority=priority, expires_at_ms=expires_at_ms,
                        members=None if members is None else tuple(members))
         problem = None
@@ -1248,6 +1251,8 @@ class SenderCore:
         if self._budget_spent(head):
             return  # no retry to announce: the caller's _pump dead-letters it now
         delay = self.settings.backoff(head.failures)
+        if self.settings.max_age is not None:  # (not a back-off step past its budget)
+            delay = min(delay, max(0.0, head.taken_at + self.settings.max_age - self._now))
         if lane.retry_at >= self._now + delay:
             return  # (as late already, and said)
         lane.retry_at = self._now + delay
@@ -1388,11 +1393,15 @@ class SenderCore:
         msg.last_error = f"{why} from {link.host}" + (
             _REFUSED_WHY if why == "DELIVERED_ERROR" else "")
         key = lane.id
+        # A DELIVERED_ERROR after the route was dropped by an earlier one is the receiver
+        # holding the later messages back to keep the order: no failed try of this one's own
+        # (a trial's status said 176 errors for a handful of messages).
+        tried = why != "DELIVERED_ERROR" or self.routes.get(key) == link.host
         info = self._error(lane.queue_key, msg.last_error)
-        info.errors += 1
+        info.errors += tried
         copy_info = None if msg.target is None else self._copy_info(msg.queue_key, msg.target)
         if copy_info is not None:
-            copy_info.errors += 1
+            copy_info.errors += tried
             copy_info.last_error, copy_info.last_error_at = msg.last_error, self._now
         if msg.message_type == UNSURE_MSG:
             info.lost += msg.count
@@ -1414,11 +1423,7 @@ class SenderCore:
                 self._copy_ended(msg, reached=True)
         else:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
-            tried = why != "DELIVERED_ERROR" or self.routes.get(key) == link.host
-            if tried:
-                # (a DELIVERED_ERROR after the route was dropped by an earlier one is the
-                # receiver holding the later messages back to keep the order: no try of
-                # this one's own; a trial saw them use up their retry budgets)
+            if tried:  # (held back: a trial saw them use up their retry budgets)
                 msg.failures += 1
             self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
                              f"{why}")
