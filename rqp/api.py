@@ -429,8 +429,9 @@ def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
             raise RQPError(f"{name} must be a number of seconds, got {value!r}")
-        if name == "ttl" and value <= 0:
-            raise RQPError(f"ttl must be more than 0 seconds, got {value!r}")
+        if name == "ttl" and not value >= 0.001:  # (a trial's 1e-9 was expired when taken)
+            raise RQPError(f"ttl must be at least 0.001 seconds (expiry is kept in "
+                           f"milliseconds), got {value!r}")
         if name == "expires_at" and value >= EXPIRES_AT_MS_LOOKALIKE:
             raise RQPError(f"expires_at is a Unix time in seconds (like time.time()); "
                            f"{value!r} is after the year 5000: milliseconds? (rqp.h's "

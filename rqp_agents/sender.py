@@ -93,9 +93,12 @@ def _ping_problem(exc: BaseException, handshaking: bool) -> str:
         return why
     if isinstance(exc, ssl.SSLError):
         return f"TLS: {exc.reason or exc}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or exc.__class__.__name__
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+        str(exc) or exc.__class__.__name__
+    if isinstance(exc, ConnectionResetError):  # (plaintext: what a receiver at a limit does)
+        why += (" (the receiver closed the connection: at its max_connections or "
+                "max_connections_per_source, or not an RQP receiver?)")
+    return why
 
 
 class Sender(Daemon):

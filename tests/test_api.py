@@ -211,7 +211,7 @@ def test_extras_out_of_range_are_refused_naming_the_parameter(host):
     out = run(host, """
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 res = []
-for kwargs in ({"mtype": 0}, {"mtype": True}, {"priority": 10}, {"ttl": 0},
+for kwargs in ({"mtype": 0}, {"mtype": True}, {"priority": 10}, {"ttl": 0}, {"ttl": 1e-9},
                {"ttl": 1, "expires_at": 2}, {"expires_at": "soon"}):
     try:
         rqp.sendMessage(h, b"x", **kwargs)
@@ -223,8 +223,9 @@ print(json.dumps(res))
     assert [line.split(",")[0].split(" (")[0] for line in out] == [
         "mtype must be an integer in 1..9223372036854775807",
         "mtype must be an integer in 1..9223372036854775807",
-        "priority must be an integer in 0..9", "ttl must be more than 0 seconds",
-        "give ttl or expires_at", "expires_at must be a number of seconds"]
+        "priority must be an integer in 0..9", "ttl must be at least 0.001 seconds",
+        "ttl must be at least 0.001 seconds", "give ttl or expires_at",
+        "expires_at must be a number of seconds"]
 
 
 def test_batch_errors_say_what_to_do_and_put_nothing(host):

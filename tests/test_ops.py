@@ -618,7 +618,9 @@ def test_queues_send_and_receive(site):
                  str(rqprc))
     assert out.returncode == 2 and "--priority" in out.stderr
     # a trial: --ttl 0 put nothing and exited 1, as a failure, where -1 was a usage error
-    for ttl, why in (("0", "ttl must be more than 0 seconds"), ("1e300", "ttl 1e+300 is past the year")):
+    for ttl, why in (("0", "ttl must be at least 0.001 seconds"),
+                     ("0.0001", "ttl must be at least 0.001 seconds"),
+                     ("1e300", "ttl 1e+300 is past the year")):
         out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--ttl", ttl, "--rqprc",
                      str(rqprc))
         assert out.returncode == 2 and f"argument --ttl: {why}" in out.stderr, out.stderr

@@ -360,6 +360,32 @@ def test_ping_says_why_a_receiver_at_its_limit_closed_the_connection(site):
                         out.stdout), out.stdout
 
 
+def test_ping_says_why_a_plaintext_receiver_at_its_limit_closed_the_connection(testbed):
+    """The same without TLS (the second trial: "Connection reset by peer", no word of the
+    limits). Whether the receiver's close comes as a reset (the ask arrived before it) or as
+    the end of the stream depends on timing; both say why. The reset's words directly:"""
+    from rqp_agents.sender import _ping_problem
+
+    reset = _ping_problem(ConnectionResetError(104, "Connection reset by peer"), False)
+    assert reset == ("Connection reset by peer (the receiver closed the connection: at its "
+                     "max_connections or max_connections_per_source, or not an RQP receiver?)")
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    make_queue(b, Q1)
+    start_receiver(b, config="max_connections_per_source: 1\n")
+    rqprc = write_rqprc(a, [b])
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["the one connection a may have"], SURE)
+    assert receive(b, Q1, 1) == ["the one connection a may have"]
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
+                timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(plaintext\): (Connection reset by "
+                        r"peer \(the receiver closed the connection: at its max_connections or "
+                        r"max_connections_per_source, or not an RQP receiver\?\)|the connection "
+                        r"was closed before an answer \(refused by the receiver's rules or "
+                        r"limits, or not an RQP receiver\?\))\n", out.stdout), out.stdout
+
+
 def test_a_peer_reconnecting_in_a_loop_cannot_fill_the_log(site):
     """Found by a new user: 300 reconnects of a peer with a valid certificate wrote 601 lines,
     and each protocol error one more. Now each kind is at most CONNECTION_LOG_BURST lines per
