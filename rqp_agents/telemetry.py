@@ -233,6 +233,7 @@ def receiver_status(agent) -> dict:
                   "dead_letters_no_room": sum(agent.no_room.values())},
         "dead_letters_no_room_at": agent.no_room_at,
         "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
+        "open_connections": agent.gate.open,  # (those in "connections", and handshakes)
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
         "dead_letters_limited": {"header_only": dict(agent.gate.header_only),

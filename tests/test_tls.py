@@ -327,8 +327,13 @@ def test_connections_that_never_handshake_cost_little_and_give_it_back(site):
         assert holder.stdout.readline() == b"held\n"
         wait_for(lambda: len(list(Path(f"/proc/{rx.pid}/fd").iterdir())) >= 500, timeout=30,
                  message="the receiver did not accept the 500 connections")
-        site.receiver_status()  # (a turn of its event loop after the accepts)
+        st = site.receiver_status()  # (a turn of its event loop after the accepts)
         held = _rss_mb(rx.pid) - start
+        assert (st["open_connections"], st["connections"]) == (500, [])
+        out = b.run([*RQPCTL, "status", "--agent", "receiver", "--receiver-config",
+                     str(b.workdir / "receiver.yaml")], check=False, timeout=60)
+        assert ", 0 connection(s) (and 500 not identified yet: in the TLS handshake), " in \
+            out.stdout, out.stdout  # (the second trial: "0 connection(s)" and no more)
         holder.stdin.close()  # they all close
         assert holder.wait(timeout=30) == 0
     finally:

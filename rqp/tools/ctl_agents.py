@@ -221,8 +221,10 @@ def _print_receiver(st: dict) -> None:
     now = st["now"]
     print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
           f"listening {st['listen']}, DEAD.LETTER.Q {st['dead_letter_queue']} "
-          f"({_dlq_depth(st)}), {len(st['connections'])} connection(s), "
-          f"{st['stats'].get('messages', 0)} message(s) put")
+          f"({_dlq_depth(st)}), {len(st['connections'])} connection(s)"
+          + (f" (and {unknown} not identified yet: in the TLS handshake)" if
+             (unknown := st.get("open_connections", 0) - len(st["connections"])) > 0 else "")
+          + f", {st['stats'].get('messages', 0)} message(s) put")
     stats = st["stats"]
     print(f"  {'TLS (mutual)' if st.get('tls') else 'plaintext RQP/1'}; "
           f"{stats.get('refused_connections', 0)} connection(s) refused by limits, "
