@@ -138,6 +138,7 @@ def test_unique_key_assigned_at_first_send_and_kept_across_retries():
     h.answer("c", YES)
     [(host, second)] = h.sent()
     assert host == "c" and second.key == first.key == 0x100000001
+    h.answer("c", OK)  # (after a failed try, one at a time until one is confirmed)
     h.submit()
     [(_, third)] = h.sent()
     assert third.key == 0x100000002
@@ -494,6 +495,34 @@ def test_a_refused_sure_message_backs_off_whatever_waits_behind_it():
     # back behind it (a trial's status said 176 errors for a handful of messages)
     [route] = h.core.route_status()
     assert route["errors"] == len(tries), route
+
+
+def test_after_a_failed_try_one_message_goes_at_a_time_until_one_is_confirmed():
+    """The second trial: each retry of a refused SURE message sent again every message queued
+    behind it, all refused again (held back to keep the order), and the UNSURE ones among
+    them dead-lettered, lost, at every retry. After a failed try a queue now sends one message
+    at a time until one is confirmed; then the rest go as before."""
+    h = Harness(hosts=("b",))
+    for kind, payload in ((SURE_MSG, b"first"), (UNSURE_MSG, b"u1"), (SURE_MSG, b"s2"),
+                          (UNSURE_MSG, b"u3")):
+        h.submit(message_type=kind, payload=payload)
+    rounds, full = [], True
+    for _ in range(100):
+        frames = h.sent()
+        if not frames:
+            if h.core.held == 0:
+                break
+            h.advance()
+            continue
+        if sent := [ev.message for _, ev in frames if isinstance(ev, Message)]:
+            rounds.append(sent)
+        for host, ev in frames:
+            h.answer(host, YES if isinstance(ev, QueueAsk) else ERR if full else OK)
+        full = len(rounds) < 3  # (room from the fourth try on)
+    assert rounds == [[b"first", b"u1", b"s2", b"u3"],  # before anything failed
+                      [b"first"], [b"first"], [b"first"],  # one at a time, refused twice
+                      [b"s2"]]  # the first confirmed: the rest as before
+    assert [lost.message.payload for lost in h.of(Lost)] == [b"u1", b"u3"]  # (once, not 3x)
 
 
 def test_retry_max_age_ends_at_its_age_and_counts_from_before_a_restart():

@@ -473,6 +473,10 @@ class _Lane:
     contacted: bool = False
     #: A host answered QUEUE_NO in this round (else none answered: down, hung, refused).
     said_no: bool = False
+    #: A SURE message of it failed a try: one message in flight at a time until one is
+    #: confirmed (those sent behind a refused one are refused too, to keep the order, and the
+    #: UNSURE ones among them lost).
+    probing: bool = False
     #: Its key in the lanes, routes and error counters: the queue key, or (key, host); set
     #: once (it is read for every message).
     id: object = None
@@ -1005,7 +1009,7 @@ class SenderCore:
                 lane.pending.popleft()
                 self._expire(head)
                 continue
-            if lane.retry_at > self._now:
+            if lane.retry_at > self._now or (lane.probing and lane.inflight):
                 return
             host = self.routes.get(lane.id)
             if host is None:
@@ -1370,6 +1374,7 @@ class SenderCore:
 
     def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         lane.inflight -= 1
+        lane.probing = False
         self.errors.pop((link.host, lane.id), None)
         self._fire(msg, T.DELIVERED)
         info = self._info(msg.queue_key)
@@ -1425,6 +1430,7 @@ class SenderCore:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
             if tried:  # (held back: a trial saw them use up their retry budgets)
                 msg.failures += 1
+                lane.probing = True
             self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
                              f"{why}")
             self._requeue(lane, msg)
