@@ -70,6 +70,22 @@ class Harness:
     def answer(self, host, *frames):
         self.core.data_received(host, b"".join(frames), self.now)
 
+    def rounds(self, limit: int, until=lambda: False):
+        """The frames sent in each round, the clock moved to the next deadline whenever none
+        were, until nothing is held or ``until()``: at most ``limit`` rounds (more fails the
+        test: a fault sending without end must not hang it)."""
+        for _ in range(limit):
+            if until():
+                return
+            frames = self.sent()
+            if frames:
+                yield frames
+            elif self.core.held == 0:
+                return
+            else:
+                self.advance()
+        raise AssertionError(f"still sending after {limit} rounds")
+
     def serve(self, offers: dict, deliver=lambda host, msg: True, rounds=100,
               ext=frozenset(), down=()) -> list:
         """Play the receiving MCAs until nothing more is sent: ``offers`` maps a host to the
@@ -441,13 +457,7 @@ def test_a_sure_message_held_back_behind_a_refused_one_keeps_its_retry_budget():
     h.submit(payload=b"big")
     h.submit(payload=b"small")
     delivered = []
-    for _ in range(20):
-        frames = h.sent()
-        if not frames:
-            if h.core.held == 0:
-                break
-            h.advance()
-            continue
+    for frames in h.rounds(20):
         held = False  # the receiver: after a refused SURE message, the rest are held back
         for host, ev in frames:
             if isinstance(ev, QueueAsk):
@@ -474,13 +484,7 @@ def test_a_refused_sure_message_backs_off_whatever_waits_behind_it():
     for i in range(5):
         h.submit(payload=b"small %d" % i)
     start, tries = h.now, []
-    for _ in range(200):  # (the fault: tries in one instant, without end)
-        if h.now - start >= 60:
-            break
-        frames = h.sent()
-        if not frames:
-            h.advance()
-            continue
+    for frames in h.rounds(200, until=lambda: h.now - start >= 60):  # (the fault: without end)
         for host, ev in frames:
             if isinstance(ev, QueueAsk):
                 h.answer(host, YES)
@@ -507,13 +511,7 @@ def test_after_a_failed_try_one_message_goes_at_a_time_until_one_is_confirmed():
                           (UNSURE_MSG, b"u3")):
         h.submit(message_type=kind, payload=payload)
     rounds, full = [], True
-    for _ in range(100):
-        frames = h.sent()
-        if not frames:
-            if h.core.held == 0:
-                break
-            h.advance()
-            continue
+    for frames in h.rounds(100):
         if sent := [ev.message for _, ev in frames if isinstance(ev, Message)]:
             rounds.append(sent)
         for host, ev in frames:
@@ -535,13 +533,7 @@ def test_retry_max_age_ends_at_its_age_and_counts_from_before_a_restart():
         start = h.now
         h.core.submit(SURE_MSG, Q1, b"refused", h.now,
                       taken_at=None if taken is None else h.now - taken)
-        for _ in range(100):
-            if h.of(DeadLetter):
-                break
-            frames = h.sent()
-            if not frames:
-                h.advance()
-                continue
+        for frames in h.rounds(100, until=lambda: h.of(DeadLetter)):
             for host, ev in frames:
                 h.answer(host, YES if isinstance(ev, QueueAsk) else ERR)
         [dead] = h.of(DeadLetter)

@@ -346,23 +346,31 @@ def test_connections_that_never_handshake_cost_little_and_give_it_back(site):
     print(f"500 connections held: +{held:.0f} MB; all gone: +{after:.0f} MB")
 
 
-def test_ping_says_why_a_receiver_at_its_limit_closed_the_connection(site):
-    """A trial: rqpctl ping against a receiver at its max_connections printed "host (TLS): "
-    and nothing more (the handshake ended with an exception that says nothing)."""
-    a, b = site.a, site.b
-    start_receiver(b, config=site.receiver_config(site.cert("b.rqp.test", ips=[b.address]),
-                                                  "max_connections_per_source: 1\n"))
-    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+def _ping_at_its_limit(a, b, receiver_config: str, tls: dict | None = None) -> str:
+    """rqpctl ping from a to b's receiver, whose one connection a may have (it allows one per
+    source) is the sending MCA's: what ping prints (it exits 1)."""
+    start_receiver(b, config=receiver_config)
+    rqprc = write_rqprc(a, [b], **({"tls": tls} if tls else {}))
     start_sender(a, rqprc)
     send(a, rqprc, Q1, ["the one connection a may have"], SURE)
     assert receive(b, Q1, 1) == ["the one connection a may have"]
     out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
                 timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_ping_says_why_a_receiver_at_its_limit_closed_the_connection(site):
+    """A trial: rqpctl ping against a receiver at its max_connections printed "host (TLS): "
+    and nothing more (the handshake ended with an exception that says nothing)."""
+    a, b = site.a, site.b
+    said = _ping_at_its_limit(a, b, site.receiver_config(
+        site.cert("b.rqp.test", ips=[b.address]), "max_connections_per_source: 1\n"),
+        tls=site.cert("a.rqp.test"))
     assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(TLS\): TLS handshake failed: .+ \(the "
                         r"receiver closed the connection during the handshake: at its "
                         r"max_connections or max_connections_per_source, or no TLS there\?\)\n",
-                        out.stdout), out.stdout
+                        said), said
 
 
 def test_ping_says_why_a_plaintext_receiver_at_its_limit_closed_the_connection(testbed):
@@ -376,19 +384,12 @@ def test_ping_says_why_a_plaintext_receiver_at_its_limit_closed_the_connection(t
                      "max_connections or max_connections_per_source, or not an RQP receiver?)")
     a, b = testbed.add_host("a"), testbed.add_host("b")
     make_queue(b, Q1)
-    start_receiver(b, config="max_connections_per_source: 1\n")
-    rqprc = write_rqprc(a, [b])
-    start_sender(a, rqprc)
-    send(a, rqprc, Q1, ["the one connection a may have"], SURE)
-    assert receive(b, Q1, 1) == ["the one connection a may have"]
-    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
-                timeout=60)
-    assert out.returncode == 1, out.stdout + out.stderr
+    said = _ping_at_its_limit(a, b, "max_connections_per_source: 1\n")
     assert re.fullmatch(rf"{re.escape(b.address)}:{PORT} \(plaintext\): (Connection reset by "
                         r"peer \(the receiver closed the connection: at its max_connections or "
                         r"max_connections_per_source, or not an RQP receiver\?\)|the connection "
                         r"was closed before an answer \(refused by the receiver's rules or "
-                        r"limits, or not an RQP receiver\?\))\n", out.stdout), out.stdout
+                        r"limits, or not an RQP receiver\?\))\n", said), said
 
 
 def test_a_peer_reconnecting_in_a_loop_cannot_fill_the_log(site):
