@@ -541,6 +541,28 @@ def test_retry_max_age_ends_at_its_age_and_counts_from_before_a_restart():
         assert h.now - start == age - (taken or 0), (h.now - start, age, taken)
 
 
+def test_a_budget_spent_on_a_try_with_no_answer_says_the_message_may_have_been_put():
+    """The third trial: retry_max_age 5s, a frozen receiver: the try timed out at 15 s, the
+    message was dead-lettered "not delivered", and the receiver, let go, put it after all.
+    A try in flight cannot be called back: the dead letter says it may have been put. A
+    refusal's does not."""
+    for answer, lost in ((None, True), (ERR, False)):
+        h = Harness(hosts=("b",), max_attempts=1)
+        h.submit(payload=b"in doubt")
+        h.sent()
+        h.answer("b", YES)
+        assert [type(ev) for _, ev in h.sent()] == [Message]
+        if answer is None:
+            h.advance()  # (confirm_timeout: no answer, the connection is closed)
+        else:
+            h.answer("b", answer)
+        [dead] = h.of(DeadLetter)
+        assert dead.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
+        assert dead.detail.startswith("not delivered after 1 failed try (")
+        assert ("that try had no answer: it may have been put all the same" in dead.detail) \
+            is lost, dead.detail
+
+
 def test_the_retry_budget_counts_only_tries_that_reached_a_host():
     """A trial's finding: with retry_max_attempts 3 and a frozen receiver, a QUEUE_ASK timed
     out (1), the retry due at once met the connection in its back-off and failed in the same
@@ -632,7 +654,7 @@ def test_a_retry_budget_that_runs_out_while_every_host_is_in_back_off_dead_lette
     h.core.tick(h.now)
     [dead] = [a for a in h.actions() if isinstance(a, DeadLetter)]
     assert (dead.message.payload, dead.reason) == (b"old", ReasonCode.RETRY_BUDGET_EXHAUSTED)
-    assert dead.detail.startswith("not delivered after 1 failed tries (0 MESSAGE frame(s) sent)")
+    assert dead.detail.startswith("not delivered after 1 failed try (0 MESSAGE frame(s) sent)")
     assert h.core.held == 0
 
 

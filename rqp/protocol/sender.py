@@ -217,6 +217,8 @@ class Outgoing:
     state: MsgState = MsgState.WAITING_FOR_MESSAGE
     host: object = None  # where it was sent last
     last_error: str = ""
+    #: Its last try ended with no answer (a time-out, a connection lost): it may have been put.
+    answer_lost: bool = False
     mtype: int = 1  # spec section 6: the System V type it is put with
     priority: int = DEFAULT_PRIORITY
     expires_at_ms: int = 0  # Unix ms; 0 = never
@@ -1000,10 +1002,16 @@ class SenderCore:
             if self._budget_spent(head):
                 lane.pending.popleft()
                 self._fire(head, T.RETRY_BUDGET_SPENT)
+                # (a second trial: a try that timed out after the budget was put after all)
                 self._dead_letter(head, ReasonCode.RETRY_BUDGET_EXHAUSTED,
-                                  f"not delivered after {head.failures} failed tries "
+                                  f"not delivered after {head.failures} failed "
+                                  f"{'try' if head.failures == 1 else 'tries'} "
                                   f"({_frames_sent(head)}); last error: "
-                                  f"{head.last_error or 'none'}")
+                                  f"{head.last_error or 'none'}" + (
+                                      "; that try had no answer: it may have been put all the "
+                                      "same (sent again with its key, a receiving MCA that put "
+                                      "it does not put it twice, within its de-duplication "
+                                      "window)" if head.answer_lost else ""))
                 continue
             if self._expired(head):
                 lane.pending.popleft()
@@ -1428,6 +1436,7 @@ class SenderCore:
                 self._copy_ended(msg, reached=True)
         else:
             self._fire(msg, T.ERROR_OR_TIMEOUT_SURE)
+            msg.answer_lost = why != "DELIVERED_ERROR"
             if tried:  # (held back: a trial saw them use up their retry budgets)
                 msg.failures += 1
                 lane.probing = True
