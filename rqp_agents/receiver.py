@@ -33,6 +33,7 @@ from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.deadletters import RECEIVER_SHARE, DeadLetterWriter
 from rqp.storage.dedup import DedupError, DedupWindow, scoped_key, window_path
 from rqp.system.control import default_socket
+from rqp.system.files import write_file_atomically
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
     config_changes, counts, host_name, make_state_dir, setup_logging, wall_ms,
@@ -76,6 +77,22 @@ CONNECTION_LOG_BURST = 20
 NOTICE_MEMORY = 100_000
 #: Peers remembered for rqpctl trace (a key is looked up in the window once per peer).
 PEER_MEMORY = 1024
+
+
+#: In state_dir: the Unix time of the last dead letter DEAD.LETTER.Q had no room for (a third
+#: trial: a restart made rqpctl status exit 0 and ended the alert at once), written at most
+#: once per NO_ROOM_SAVE_INTERVAL seconds.
+NO_ROOM_FILE = "no-room.last"
+NO_ROOM_SAVE_INTERVAL = 1.0
+
+
+def _read_time(path: Path) -> float | None:
+    """The Unix time kept in ``path``; None if there is none (or none that makes sense)."""
+    try:
+        at = float(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return at if 0 < at <= time.time() else None
 
 
 #: What a put without waiting did (Receiver._put_at_once).
@@ -393,9 +410,12 @@ class Receiver(Daemon):
         self._no_room_log = RateLimitedLog(log, *limit,
                                            what="dead letters DEAD.LETTER.Q could not take")
         #: Dead letters not written for want of room in DEAD.LETTER.Q, per peer, and when
-        #: the last was (time.time(); rqpctl status calls the receiver unhealthy a while).
+        #: the last was (time.time(); rqpctl status calls the receiver unhealthy a while, and
+        #: the alert fires): kept in state_dir, so that a restart does not hide it.
         self.no_room: collections.Counter[str] = collections.Counter()
-        self.no_room_at: float | None = None
+        self._no_room_file = Path(config.state_dir) / NO_ROOM_FILE
+        self.no_room_at: float | None = _read_time(self._no_room_file)
+        self._no_room_saved = 0.0
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
@@ -893,6 +913,13 @@ class Receiver(Daemon):
                 self.dead_letters.discard(data)  # no spill file that no record names
             self.no_room[peer] += 1
             self.no_room_at = time.time()
+            if self.no_room_at - self._no_room_saved >= NO_ROOM_SAVE_INTERVAL:
+                self._no_room_saved = self.no_room_at
+                try:
+                    write_file_atomically(self._no_room_file, b"%.3f\n" % self.no_room_at)
+                except OSError as save:
+                    log.debug("cannot keep the time of the last dead letter not written in "
+                              "%s: %s", self._no_room_file, save)
             self._no_room_log.report(
                 "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x from %s (queue %s, "
                 "reason %s): %s -- answered DELIVERED_ERROR: %s", logging.ERROR,

@@ -275,7 +275,7 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_dedup_max_keys", "gauge", "dedup_window_keys: the most it holds"),
         ("rqp_receiver_dead_letters_no_room_timestamp_seconds", "gauge",
          "Unix time of the last dead letter not written for want of room in DEAD.LETTER.Q "
-         "(within the receiver's share); 0: none since the agent started"),
+         "(within the receiver's share; kept in state_dir across restarts); 0: none"),
         ("rqp_receiver_dedup_oldest_seconds", "gauge",
          "age of the oldest key held (when full, how long a key stays in the window)"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),

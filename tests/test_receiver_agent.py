@@ -822,6 +822,20 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
                      r"DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one is "
                      r"lost\): is rqp-dlq-drain running\?\n", status.stdout), status.stdout
     assert status.returncode == EXIT_UNHEALTHY, status.stdout + status.stderr
+    # ... and after a restart too (a third trial: status exited 0 and the gauge said 0, so the
+    # alert ended at once, or never fired)
+    r.rx.send_signal(signal.SIGTERM)
+    assert r.rx.wait(timeout=30) == 0
+    start_receiver(r.a, {**BASE_CONFIG, "control_socket": str(sock)})
+    again = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
+                     "--socket", str(sock)], check=False, timeout=60)
+    assert "  DEAD.LETTER.Q had NO ROOM for a dead letter " in again.stdout, again.stdout
+    assert again.returncode == EXIT_UNHEALTHY, again.stdout + again.stderr
+    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--socket",
+                       str(sock)], check=False, timeout=60).stdout
+    kept = float(re.search(r"^rqp_receiver_dead_letters_no_room_timestamp_seconds (\S+)$",
+                           metrics, re.M)[1])
+    assert stamp - 1.0 <= kept <= stamp, (kept, stamp)  # (saved at most once a second)
 
 
 DLQ_BYTES = r"""
