@@ -620,6 +620,7 @@ def test_queues_send_and_receive(site):
     # a trial: --ttl 0 put nothing and exited 1, as a failure, where -1 was a usage error
     for ttl, why in (("0", "ttl must be at least 0.001 seconds"),
                      ("0.0001", "ttl must be at least 0.001 seconds"),
+                     ("-1", "ttl must be at least 0.001 seconds"),
                      ("1e300", "ttl 1e+300 is past the year")):
         out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--ttl", ttl, "--rqprc",
                      str(rqprc))

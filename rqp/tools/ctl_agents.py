@@ -543,7 +543,14 @@ def ttl_argument(text: str) -> float:
     """An argparse type: --ttl, checked as sendMessage checks it (so that 0 or a ttl past any
     date is a usage error, exit 2, as a negative one is)."""
     from rqp.api import expiry_ms
-    value = seconds(text)
+    try:
+        value = seconds(text)
+    except argparse.ArgumentTypeError:
+        try:  # (a negative number: said as for 0)
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") \
+                from None
     try:
         expiry_ms(value, None, time.time_ns())
     except RQPError as exc:
@@ -634,7 +641,9 @@ def add_commands(groups) -> None:
                           "runs.")
     p.add_argument("host", type=host_argument, help="HOST[:PORT] as in .rqprc's hosts")
     p.add_argument("--queue", type=queue_argument, help="queue key or name to ask for")
-    p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
+    p.add_argument("--rqprc", metavar="FILE", help="the .rqprc of the running sending MCA to "
+                   "ask (its control socket): it pings with the settings it was started or "
+                   "last reloaded with, TLS files included, not this file's")
     p.set_defaults(run=ping)
     p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
     targets(p)
