@@ -209,12 +209,21 @@ def _window_line(w: dict) -> str:
     return line
 
 
-def _no_room_lately(st: dict) -> bool:
-    """A receiving MCA had no room in DEAD.LETTER.Q for a dead letter within NO_ROOM_RECENT,
-    or has none now."""
+def _no_room(st: dict) -> str | None:
+    """What a receiving MCA's status says of DEAD.LETTER.Q having no room for its dead letters,
+    now or within NO_ROOM_RECENT (unhealthy); None if it had room all along."""
+    room = st.get("dead_letter_room", NO_ROOM_BYTES)
+    if room < NO_ROOM_BYTES:
+        return (f"DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now ({room} bytes "
+                "left of the three quarters it may fill): a message to dead-letter is answered "
+                "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost); is "
+                "rqp-dlq-drain running?")
     at = st.get("dead_letters_no_room_at")
-    return (at is not None and st["now"] - at < NO_ROOM_RECENT) or \
-        st.get("dead_letter_room", NO_ROOM_BYTES) < NO_ROOM_BYTES
+    if at is not None and st["now"] - at < NO_ROOM_RECENT:
+        return (f"DEAD.LETTER.Q had NO ROOM for a dead letter {_ago(at, st['now'])} ago "
+                "(answered DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one "
+                "is lost): is rqp-dlq-drain running?")
+    return None
 
 
 def _print_receiver(st: dict) -> None:
@@ -237,17 +246,8 @@ def _print_receiver(st: dict) -> None:
         ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q"))]
     if any(n for n, _ in limited):
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
-    room = st.get("dead_letter_room", NO_ROOM_BYTES)
-    if room < NO_ROOM_BYTES:
-        print(f"  DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now ({room} bytes "
-              "left of the three quarters it may fill): a message to dead-letter is answered "
-              "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost); is "
-              "rqp-dlq-drain running?")
-    elif _no_room_lately(st):
-        print(f"  DEAD.LETTER.Q had NO ROOM for a dead letter "
-              f"{_ago(st['dead_letters_no_room_at'], now)} ago (answered DELIVERED_ERROR: a "
-              "SURE message stays with its sender, an UNSURE one is lost): is rqp-dlq-drain "
-              "running?")
+    if no_room := _no_room(st):
+        print("  " + no_room)
     for c in st["connections"]:
         who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
         print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c.get('frames', 0)} frames, "
@@ -313,7 +313,7 @@ def _status_once(args) -> int:
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
                 or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
-                or _no_room_lately(st)) and code != EXIT_NOT_RUNNING:
+                or _no_room(st)) and code != EXIT_NOT_RUNNING:
             code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
