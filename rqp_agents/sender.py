@@ -154,6 +154,9 @@ class Sender(Daemon):
         self._dead_letter_retry: asyncio.TimerHandle | None = None
         self._dead_letter_delay = DEAD_LETTER_AGAIN  # (the next retry's, while none goes)
         self._dead_letters_full_since: float | None = None  # (loop time)
+        #: Why the next dead letter's spill file cannot be written (its directory full or
+        #: broken), while that holds the dead letters; None: DEAD.LETTER.Q full, if any held.
+        self._spill_trouble: str | None = None
         self._dead_letters_capped = False  # (said so, this time DEAD.LETTER.Q is full)
         self.stats = collections.Counter()
         self.started = time.time()
@@ -339,12 +342,13 @@ class Sender(Daemon):
         self._flush_dead_letters()  # (releases what reaches DEAD.LETTER.Q)
         if self._dead_letter_backlog:
             self.stats["dead_letters_lost"] = len(self._dead_letter_backlog)
-            for data, _seq in self._dead_letter_backlog:  # (their spill files go too)
-                self.dead_letters.discard(data)
-            log.error("%d dead letter(s) held in memory are lost: DEAD.LETTER.Q %s is still "
-                      "full (the SURE messages among them stay journaled: sent again at the "
-                      "next start)", len(self._dead_letter_backlog),
-                      format_key(self.config.dead_letter_queue))
+            for _record, _seq, data in self._dead_letter_backlog:  # (and its spill file)
+                if data is not None:
+                    self.dead_letters.discard(data)
+            log.error("%d dead letter(s) held in memory are lost: %s (the SURE messages "
+                      "among them stay journaled: sent again at the next start)",
+                      len(self._dead_letter_backlog), self._spill_trouble or
+                      f"DEAD.LETTER.Q {format_key(self.config.dead_letter_queue)} is still full")
         self._release_journaled()
         self.intake.journal.close()
         self.pid_file.unlink(missing_ok=True)
@@ -602,13 +606,20 @@ class Sender(Daemon):
 
     @property
     def dead_letters_held(self) -> int:
-        """Dead letters written to memory only: DEAD.LETTER.Q was full."""
+        """Dead letters written to memory only: DEAD.LETTER.Q was full (or see below)."""
         return len(self._dead_letter_backlog)
+
+    @property
+    def dead_letters_held_why(self) -> str | None:
+        """Why dead letters are held in memory (status), None if none is."""
+        if not self._dead_letter_backlog:
+            return None
+        return self._spill_trouble or "it was full"
 
     def _put_dead_letter(self, record: DeadLetterRecord, seq=None) -> None:
         """Onto DEAD.LETTER.Q; a journaled message is released once the record is there
         (``seq``; a broadcast copy: ``(seq, copy key)``, marked done)."""
-        self._dead_letter_backlog.append((self.dead_letters.encode(record), seq))
+        self._dead_letter_backlog.append([record, seq, None])  # (encoded when its turn comes)
         self._flush_dead_letters()  # (those held first: in order)
         if len(self._dead_letter_backlog) > DEAD_LETTERS_HELD_MAX:  # (keeps its place)
             self.intake.budget.force(1)
@@ -630,7 +641,21 @@ class Sender(Daemon):
         again."""
         wrote = 0
         while self._dead_letter_backlog:
-            data, seq = self._dead_letter_backlog[0]
+            held = self._dead_letter_backlog[0]
+            record, seq, data = held
+            if data is None:
+                # Encoded (its payload spilled, if need be) only now that it is next, so
+                # that of those held only this one has a spill file: a kill -9 while
+                # DEAD.LETTER.Q is full leaves at most one behind, not one per record held.
+                try:
+                    data = held[2] = self.dead_letters.encode(record)
+                except OSError as exc:  # (it stopped the agent, exit 70, and lost the record)
+                    self._cannot_spill(exc)
+                    return
+                if self._spill_trouble is not None:
+                    self._spill_trouble = None
+                    log.warning("spill files of dead letters can be written again in %s",
+                                self.dead_letters.spill_dir)
             if not self.dead_letters.try_put(data):
                 if self._dead_letters_full_since is None:
                     self._dead_letters_full_since = self.loop.time()
@@ -662,6 +687,20 @@ class Sender(Daemon):
             self._dead_letter_retry = None
         self._dead_letter_delay = DEAD_LETTER_AGAIN
         self._release_journaled()
+
+    def _cannot_spill(self, exc: OSError) -> None:
+        """The next dead letter held needs a spill file (its record is larger than one
+        System V message) and it cannot be written: it and those behind it stay held, in
+        order, tried again as while DEAD.LETTER.Q is full (a SURE message among them stays
+        journaled until its record is written)."""
+        why = f"cannot write a spill file in {self.dead_letters.spill_dir}: " + (
+            exc.strerror or str(exc))
+        if self._spill_trouble != why:
+            self._spill_trouble = why
+            log.error("%s -- dead letters are held in memory until it can (rqpctl status "
+                      "counts them), tried again at least every %gs", why, DEAD_LETTER_RETRY,
+                      extra={"event": "dead_letter_spill_failed"})
+        self._retry_dead_letters(self._dead_letter_delay)
 
     def _retry_dead_letters(self, delay: float) -> None:
         """One timer for every dead letter held: made, or made sooner."""

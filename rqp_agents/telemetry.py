@@ -98,6 +98,7 @@ def sender_status(agent) -> dict:
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "dead_letters_held": agent.dead_letters_held,
+        "dead_letters_held_why": agent.dead_letters_held_why,
         "journal_depth": agent.intake.journal.live_count, "held": agent.core.held,
         "waiting_for_route": agent.core.waiting_for_route(),
         "in_flight": agent.core.in_flight, "window": agent.config.window,

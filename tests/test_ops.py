@@ -816,6 +816,80 @@ def test_a_full_dead_letter_queue_holds_dead_letters_with_one_retry_and_two_line
     assert rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).returncode == 0
 
 
+BIG_GARBAGE = r"""
+import sys, sysv_ipc
+q = sysv_ipc.MessageQueue(0x52510000, max_message_size=8192)
+for i in range(int(sys.argv[1])):  # (as dead letters, larger than one message: spilled)
+    q.send(b"%d" % i + b"G" * 8180, type=1)
+"""
+
+TAKE_SPILLED = r"""
+import json, sysv_ipc
+from rqp.protocol.records import DeadLetterRecord
+q = sysv_ipc.MessageQueue(0x5251DEAD, max_message_size=1 << 16)
+out = []
+while True:
+    try:
+        data, _ = q.receive(block=False)
+    except sysv_ipc.BusyError:
+        break
+    if not data.startswith(b"f"):
+        record = DeadLetterRecord.from_bytes(data)
+        with open(record.spill_path, "rb") as f:
+            out.append([record.original_length, f.read(4).decode()])
+print(json.dumps(out))
+"""
+
+
+def _sender_status(a, rqprc) -> dict:
+    return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                       str(rqprc), "--json").stdout).values()))
+
+
+def test_dead_letters_held_have_one_spill_file_at_most(site):
+    """Held while DEAD.LETTER.Q is full, dead letters too large for one message used to be
+    spilled when held: a kill -9 then left a spill file per record held, never removed, and
+    counted against spill_limit. Now only the next one to be written has its file."""
+    a, b, rqprc, sender, receiver = site
+    spill = a.workdir / "sender-state" / "spill"
+    a.python(FILL_DLQ)
+    a.python(BIG_GARBAGE, "5")
+    wait_for(lambda: _sender_status(a, rqprc)["dead_letters_held"] == 5, timeout=60,
+             message="the dead letters were not held")
+    assert len(list(spill.iterdir())) == 1
+    got = []
+    wait_for(lambda: got.extend(json.loads(a.python(TAKE_SPILLED))) or len(got) == 5,
+             timeout=60, message=f"not every dead letter was written: {got}")
+    assert got == [[8181, f"{i}GGG"] for i in range(5)]  # (the whole payload in each file)
+    assert _sender_status(a, rqprc)["dead_letters_held"] == 0 and sender.poll() is None
+
+
+def test_a_spill_file_that_cannot_be_written_holds_the_dead_letters(site):
+    """A dead letter's spill file that could not be written (the state directory full or
+    broken) stopped the sending MCA (exit 70) and lost the record. Now it is held, with
+    those behind it, in order, and status says why, until the file can be written."""
+    a, b, rqprc, sender, receiver = site
+    spill = a.workdir / "sender-state" / "spill"
+    spill.write_text("not a directory\n")  # (ENOTDIR: as ENOSPC would, for root too)
+    a.python(BIG_GARBAGE, "2")
+    a.python(GARBAGE, "1")  # (small, behind them: waits its turn)
+    st = wait_for(lambda: (st := _sender_status(a, rqprc))["dead_letters_held"] == 3 and st,
+                  timeout=60, message="the dead letters were not held")
+    why = f"cannot write a spill file in {spill}: Not a directory"
+    assert st["dead_letters_held_why"] == why
+    shown = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert f"3 more held in memory: {why})" in shown.stdout and shown.returncode == 4
+    assert len(log_lines(a, sender, why)) == 1 and sender.poll() is None
+    spill.unlink()
+    got = []  # (two spilled records fill it: taken off as they come)
+    wait_for(lambda: got.extend(json.loads(a.python(TAKE_DLQ))) or len(got) == 3,
+             timeout=60, message=f"not every dead letter was written: {got}")
+    assert [text[:2] for text in got] == ["0G", "1G", "ga"] and got[2] == "garbage 0"
+    assert len(list(spill.iterdir())) == 2
+    assert log_lines(a, sender, "spill files of dead letters can be written again")
+    assert _sender_status(a, rqprc)["dead_letters_held_why"] is None
+
+
 TAKE_DLQ = r"""
 import json, sysv_ipc
 from rqp.protocol.records import DeadLetterRecord

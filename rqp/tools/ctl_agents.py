@@ -139,7 +139,8 @@ def _print_sender(st: dict) -> None:
           f"journal {st['journal_depth']}, "
           f"DEAD.LETTER.Q {st['dead_letter_queue']} "
           f"({_dlq_depth(st)}"
-          + (f"; {st['dead_letters_held']} more held in memory: it was full"
+          + (f"; {st['dead_letters_held']} more held in memory: "
+             f"{st.get('dead_letters_held_why') or 'it was full'}"
              if st.get("dead_letters_held") else "")
           + f"), in flight {st['in_flight']}"
           + (f", {st['waiting_for_route']} waiting for a route" if st.get("waiting_for_route")
