@@ -856,10 +856,13 @@ class SenderCore:
     def _expire(self, msg: Outgoing) -> None:
         late = self._clock_ms() - msg.expires_at_ms
         self._fire(msg, T.EXPIRED)
+        # (a trial: "before it could be sent" of a message sent and refused as expired)
+        when = (f"after {_frames_sent(msg)}, none confirmed" if msg.attempts else
+                "before it could be sent")
         self._dead_letter(msg, ReasonCode.EXPIRED,
                           f"expired {late / 1000:.3f}s ago (expires_at_ms {msg.expires_at_ms}) "
-                          f"before it could be sent" + (f"; last error: {msg.last_error}"
-                                                        if msg.last_error else ""))
+                          f"{when}" + (f"; last error: {msg.last_error}"
+                                       if msg.last_error else ""))
 
     def _drop_expired(self, lane: _Lane) -> None:
         """Dead-letter every waiting message of ``lane`` whose expiry has passed."""
