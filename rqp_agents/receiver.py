@@ -373,7 +373,13 @@ class Receiver(Daemon):
         self.max_message_size = config.max_message_size or self.msgmax
         self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
                                              Path(config.state_dir) / "spill", msgmax=self.msgmax,
-                                             spill_limit=config.spill_limit)
+                                             spill_limit=config.spill_limit,
+                                             cut_unspillable=True)
+        #: The last failure to write the de-duplication window (its text, time.time()), and
+        #: how many connections it closed: for status and metrics (a trial: exit 0 and no
+        #: metric while every connection was closed for a full state_dir).
+        self.dedup_trouble: tuple[str, float] | None = None
+        self.dedup_failures = 0
         state = Path(config.state_dir)
         make_state_dir(state)
         # SURE repeats (same key) are answered without a second put, within this window.
@@ -672,6 +678,8 @@ class Receiver(Daemon):
                                        address=peer))
 
     def _unrecorded(self, peer: str, exc: DedupError, label: str) -> None:
+        self.dedup_trouble = (str(exc), time.time())
+        self.dedup_failures += 1
         self._errors.report("closing connection from %s without answering its last SURE "
                             "messages: the de-duplication window cannot record them (the sender "
                             "keeps them and sends them again): %s", logging.ERROR, peer, exc,

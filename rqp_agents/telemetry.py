@@ -208,6 +208,19 @@ def sender_metrics(agent) -> str:
     return render(list(m.values()))
 
 
+def _state_dir_trouble(agent) -> list[dict]:
+    """The receiving MCA's last failed writes to its state_dir, one per kind (for status)."""
+    out = []
+    if agent.dedup_trouble is not None:
+        error, at = agent.dedup_trouble
+        out.append({"what": "dedup", "error": error, "at": at, "count": agent.dedup_failures})
+    writer = agent.dead_letters
+    if writer.spill_trouble is not None:
+        out.append({"what": "spill", "error": writer.spill_trouble, "at": writer.spill_trouble_at,
+                    "count": writer.unspilled})
+    return out
+
+
 def receiver_status(agent) -> dict:
     window = agent.dedup.state()  # (first: it drops the keys past their age)
     return {
@@ -233,6 +246,7 @@ def receiver_status(agent) -> dict:
                   "dead_letters_suppressed": sum(agent.gate.suppressed.values()),
                   "dead_letters_no_room": sum(agent.no_room.values())},
         "dead_letters_no_room_at": agent.no_room_at,
+        "state_dir_trouble": _state_dir_trouble(agent),
         "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
         "open_connections": agent.gate.open,  # (those in "connections", and handshakes)
         "handshake_failures": dict(agent.gate.handshake_failures),
@@ -277,6 +291,12 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_dead_letters_no_room_timestamp_seconds", "gauge",
          "Unix time of the last dead letter not written for want of room in DEAD.LETTER.Q "
          "(within the receiver's share; kept in state_dir across restarts); 0: none"),
+        ("rqp_receiver_state_write_failures_total", "counter",
+         "writes to state_dir that failed (a full or broken disk), by what: dedup (the "
+         "connection is closed, its last SURE messages unanswered: sent again) or spill (a "
+         "dead letter's payload cut to one message, its end not kept)"),
+        ("rqp_receiver_state_write_failure_timestamp_seconds", "gauge",
+         "Unix time of the last of those failures; 0: none since the start"),
         ("rqp_receiver_dedup_oldest_seconds", "gauge",
          "age of the oldest key held (when full, how long a key stays in the window)"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
@@ -308,6 +328,11 @@ def receiver_metrics(agent) -> str:
             m["rqp_receiver_dead_letters_limited_total"].add(count, peer=peer, kind=kind)
     m["rqp_receiver_dead_letters_no_room_timestamp_seconds"].add(
         round(agent.no_room_at or 0, 3))
+    trouble = _state_dir_trouble(agent)
+    for what, count in (("dedup", agent.dedup_failures), ("spill", agent.dead_letters.unspilled)):
+        m["rqp_receiver_state_write_failures_total"].add(count, what=what)
+    m["rqp_receiver_state_write_failure_timestamp_seconds"].add(
+        round(max((t["at"] for t in trouble), default=0), 3))
     m["rqp_accepts_out_of_descriptors_total"].add(agent.out_of_descriptors.count)
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)

@@ -4,6 +4,8 @@ queue left 1,282 orphaned spill files, 10.5 MB in 20 s)."""
 
 from __future__ import annotations
 
+import pytest
+
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.protocol.reasons import ReasonCode
 from rqp.storage.deadletters import DeadLetterWriter
@@ -47,6 +49,22 @@ def test_a_record_not_written_leaves_no_spill_file(ipc_keys, tmp_path):
     again = DeadLetterRecord.from_bytes(writer.encode(record(4000)))  # the room is back
     assert again.spill_path
     assert writer.try_put(writer.encode(record(10))) and writer.by_reason["QUEUE_NOT_OFFERED"] == 1
+
+
+def test_a_spill_file_that_cannot_be_written_raises_or_cuts_as_asked(ipc_keys, tmp_path):
+    (tmp_path / "spill").write_text("a file where the directory should be")
+    holds = DeadLetterWriter(ipc_keys(), tmp_path / "spill", msgmax=1000)
+    with pytest.raises(NotADirectoryError):
+        holds.encode(record(3000))  # (the sending MCA holds it: a SURE one is journaled)
+    cuts = DeadLetterWriter(ipc_keys(), tmp_path / "spill", msgmax=1000, cut_unspillable=True)
+    cut = DeadLetterRecord.from_bytes(cuts.encode(record(3000)))
+    assert cut.flags & DeadLetterFlags.TRUNCATED and not cut.spill_path
+    assert cut.original_length == 3000 and len(cut.to_bytes()) == 1000
+    why = f"cannot write a spill file in {tmp_path / 'spill'}: Not a directory"
+    assert cut.detail == f"not offered; payload cut to fit one message, not spilled: {why}"
+    assert (cuts.spill_trouble, cuts.unspilled) == (why, 1)
+    (tmp_path / "spill").unlink()
+    assert DeadLetterRecord.from_bytes(cuts.encode(record(3000))).spill_path  # (room again)
 
 
 def test_a_dead_letter_queue_smaller_than_msgmax_gets_records_that_fit_it(ipc_keys, tmp_path):

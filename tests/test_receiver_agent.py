@@ -879,6 +879,74 @@ def test_a_peer_cannot_fill_dead_letter_q_past_the_receivers_share(testbed):
     r.qa.put(DLQ, b"a sending MCA's dead letter" * 140)  # 3,780 bytes: the quarter kept
 
 
+def test_a_spill_file_that_cannot_be_written_cuts_the_dead_letter_and_status_says_so(testbed):
+    """A trial: with state_dir full, a dead letter larger than one message was not written at
+    all (its spill file could not be), the log blamed DEAD.LETTER.Q, and status said it had
+    NO ROOM. Now its payload is cut to fit, as beyond spill_limit, the detail says why, and
+    status and the metrics name the state_dir."""
+    def break_spill(qa):  # (ENOTDIR: as ENOSPC would, for root too)
+        (testbed.workdir / "a" / "receiver-state").mkdir(parents=True, exist_ok=True)
+        (testbed.workdir / "a" / "receiver-state" / "spill").write_text("not a directory\n")
+
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock)}, queues={Q1: 0o660},
+            before_start=break_spill)
+    connect(r.pb, "c", r)
+    big = b"B" * 8150
+    assert r.pb.exchange("c", [msg(MISSING, big, key=0x77, type=UNSURE)]) == DELIVERED_ERROR
+    [rec] = r.qa.dead_letters()
+    spill = testbed.workdir / "a" / "receiver-state" / "spill"
+    why = f"cannot write a spill file in {spill}: Not a directory"
+    assert rec["flags"] & DeadLetterFlags.TRUNCATED and not rec["spill_path"]
+    assert rec["original_length"] == 8150 and big.startswith(rec["payload"])
+    assert rec["detail"].endswith(f"; payload cut to fit one message, not spilled: {why}")
+    assert "cannot take the dead letter" not in r.log()
+    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
+                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                     check=False, timeout=60)
+    assert "STATE_DIR TROUBLE" in status.stdout and f"(spill, 1 so far): {why}: dead " \
+        "letters cut to one message" in status.stdout, status.stdout
+    assert "NO ROOM" not in status.stdout and status.returncode == EXIT_UNHEALTHY
+    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--socket",
+                       str(sock)], timeout=60).stdout
+    assert 'rqp_receiver_state_write_failures_total{what="spill"} 1' in metrics
+    assert 'rqp_receiver_state_write_failures_total{what="dedup"} 0' in metrics
+
+
+def test_a_de_duplication_window_that_cannot_be_written_shows_in_status(testbed):
+    """A trial: with state_dir full, every connection was closed ("the de-duplication window
+    cannot record them") while status exited 0 and no metric said so. Now status names it and
+    exits 4, and a counter and a timestamp are exported. Here the writes fail as on a full
+    disk: past RLIMIT_FSIZE (EFBIG; Python ignores SIGXFSZ)."""
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock)}, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    assert r.pb.exchange("c", [ask(Q1), msg(Q1, b"first", key=1, type=SURE)]) == \
+        QUEUE_YES + DELIVERED_YES
+    subprocess.run(["prlimit", f"--pid={r.rx.pid}", "--fsize=1:unlimited"], check=True)
+    r.pb.send("c", [msg(Q1, b"second", key=2, type=SURE)])
+    got = r.pb.read_to_eof("c", timeout=10)
+    assert got["data"] == b"", got  # closed, unanswered: its sender sends it again
+    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
+                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
+                     check=False, timeout=60)
+    assert re.search(r"STATE_DIR TROUBLE \S+ ago \(dedup, 1 so far\): .*File too large: "
+                     r"connections closed, their last SURE messages unanswered", status.stdout), \
+        status.stdout
+    assert status.returncode == EXIT_UNHEALTHY
+    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--socket",
+                       str(sock)], timeout=60).stdout
+    assert 'rqp_receiver_state_write_failures_total{what="dedup"} 1' in metrics
+    at = float(re.search(r"^rqp_receiver_state_write_failure_timestamp_seconds (\S+)$",
+                         metrics, re.M).group(1))
+    assert time.time() - 60 < at <= time.time()
+    subprocess.run(["prlimit", f"--pid={r.rx.pid}", "--fsize=unlimited"], check=True)
+    connect(r.pb, "d", r)  # the sender's retry is recorded once the disk takes it
+    assert r.pb.exchange("d", [ask(Q1), msg(Q1, b"second", key=2, type=SURE)]) == \
+        QUEUE_YES + DELIVERED_YES
+    assert r.qa.drain(Q1) == [(1, b"first"), (1, b"second")]
+
+
 def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(testbed):
     """Issue 12: 70 frames of 100 bytes to a queue that does not exist filled DEAD.LETTER.Q,
     after which real dead letters closed their connections unanswered. Now a peer's dead

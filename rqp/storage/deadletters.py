@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 
 from rqp.protocol.constants import DEFAULT_SPILL_LIMIT
@@ -42,8 +43,17 @@ class DeadLetterWriter:
     """
 
     def __init__(self, queue_key: int, spill_dir: str | os.PathLike, *,
-                 msgmax: int | None = None, spill_limit: int = DEFAULT_SPILL_LIMIT):
+                 msgmax: int | None = None, spill_limit: int = DEFAULT_SPILL_LIMIT,
+                 cut_unspillable: bool = False):
         self.queue_key = queue_key
+        #: A spill file that cannot be written (its directory full or broken): False, raise
+        #: OSError (the caller holds the record); True, cut the payload as beyond spill_limit,
+        #: the detail saying why (for a caller that cannot hold it).
+        self.cut_unspillable = cut_unspillable
+        #: The last spill file not written, and when (time.time()); records cut for it.
+        self.spill_trouble: str | None = None
+        self.spill_trouble_at: float | None = None
+        self.unspilled = 0
         self.spill_dir = Path(spill_dir)
         self.msgmax = msgmax if msgmax is not None else kernel_limits().msgmax
         self.spill_limit = spill_limit
@@ -99,19 +109,28 @@ class DeadLetterWriter:
         if record.encoded_size() <= limit:
             return record.to_bytes()
         size = len(record.payload)
-        if self._spilled is None or self._spilled + size > self.spill_limit:
-            # (measured again before any cut: the drain removes the files it archives)
-            self._spilled = _bytes_in(self.spill_dir)
-        if self._spilled + size > self.spill_limit:
-            record = dataclasses.replace(record, detail=(
-                f"{record.detail}; payload cut to fit one message, not spilled: "
-                f"{self.spill_dir} holds {self._spilled} bytes, spill limit {self.spill_limit}"
-            ).lstrip("; "))
-            return fit_dead_letter(record, limit).to_bytes()
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
-        record = fit_dead_letter(record, limit, self.spill_dir)
+        try:
+            if self._spilled is None or self._spilled + size > self.spill_limit:
+                # (measured again before any cut: the drain removes the files it archives)
+                self._spilled = _bytes_in(self.spill_dir)
+            if self._spilled + size > self.spill_limit:
+                return _cut(record, limit, f"{self.spill_dir} holds {self._spilled} bytes, "
+                            f"spill limit {self.spill_limit}")
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            spilled = fit_dead_letter(record, limit, self.spill_dir)
+        except OSError as exc:
+            if not self.cut_unspillable:
+                raise
+            why = f"cannot write a spill file in {self.spill_dir}: {exc.strerror or exc}"
+            if why != self.spill_trouble:
+                log.error("%s -- dead letters larger than one message are cut to fit it, "
+                          "their payload's end not kept, until it can", why)
+            self.spill_trouble, self.spill_trouble_at = why, time.time()
+            self.unspilled += 1
+            self._spilled = None
+            return _cut(record, limit, why)
         self._spilled += size
-        return record.to_bytes()
+        return spilled.to_bytes()
 
     def discard(self, data: bytes) -> None:
         """A record :meth:`encode` made and that was not written: its spill file goes."""
@@ -211,6 +230,13 @@ RECEIVER_SHARE = 0.75
 #: The largest record written within that share when its payload must be spilled to fit:
 #: the file has it all; the queue keeps the header and the payload's first bytes.
 SHARE_RECORD_MAX = 1024
+
+
+def _cut(record: DeadLetterRecord, limit: int, why: str) -> bytes:
+    """``record`` with its payload cut to ``limit`` (no spill file), the detail saying why."""
+    record = dataclasses.replace(record, detail=(
+        f"{record.detail}; payload cut to fit one message, not spilled: {why}").lstrip("; "))
+    return fit_dead_letter(record, limit).to_bytes()
 
 
 def _bytes_in(directory: Path) -> int:

@@ -5,7 +5,8 @@
 configuration error; 3 = an agent asked for is not running (or runs and does not answer:
 frozen, hung); 4 = it runs, but a route is not healthy (retrying, no route, connecting), or
 its dead letters have no room (held in memory by a sending MCA; not written by a receiving
-MCA within the last NO_ROOM_RECENT seconds).
+MCA within the last NO_ROOM_RECENT seconds), or a receiving MCA failed to write its state_dir
+within those seconds.
 """
 
 from __future__ import annotations
@@ -227,6 +228,16 @@ def _no_room(st: dict) -> str | None:
     return None
 
 
+def _state_trouble(st: dict) -> list[str]:
+    """What a receiving MCA's status says of writes to its state_dir that failed within
+    NO_ROOM_RECENT (unhealthy): its de-duplication window, its dead letters' spill files."""
+    said = {"dedup": "connections closed, their last SURE messages unanswered (sent again)",
+            "spill": "dead letters cut to one message, their payload's end not kept"}
+    return [f"STATE_DIR TROUBLE {_ago(t['at'], st['now'])} ago ({t['what']}, {t['count']} "
+            f"so far): {t['error']}: {said.get(t['what'], '')}"
+            for t in st.get("state_dir_trouble") or () if st["now"] - t["at"] < NO_ROOM_RECENT]
+
+
 def _print_receiver(st: dict) -> None:
     now = st["now"]
     print(f"receiver pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
@@ -249,6 +260,8 @@ def _print_receiver(st: dict) -> None:
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
     if no_room := _no_room(st):
         print("  " + no_room)
+    for line in _state_trouble(st):
+        print("  " + line)
     for c in st["connections"]:
         who = f"{c['identity']} ({c['peer']})" if c.get("identity") else c["peer"]
         print(f"  from {who:24} for {_ago(c['since'], now):>7}: {c.get('frames', 0)} frames, "
@@ -314,8 +327,8 @@ def _status_once(args) -> int:
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
                 or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
-                or _no_room(st)) and code != EXIT_NOT_RUNNING:
-            code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down)
+                or _no_room(st) or _state_trouble(st)) and code != EXIT_NOT_RUNNING:
+            code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down; a disk)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
