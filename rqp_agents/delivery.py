@@ -14,7 +14,10 @@ from rqp.config import ReceiverConfig
 from rqp.protocol.constants import DEFAULT_MTYPE
 from rqp.protocol.errors import MessageTooBig, QueueError, QueueFull, QueueNotFound
 from rqp.protocol.reasons import ReasonCode
-from rqp.system.queues import LocalQueue, format_key, may_write, may_write_every_queue
+from rqp.system.queues import (
+    AccessStatus, LocalQueue, format_key, list_queues, may_write, may_write_every_queue,
+    write_access,
+)
 from rqp.system.service import is_agent_queue
 from rqp_agents.daemon import RateLimitedLog
 
@@ -90,6 +93,27 @@ class LocalDelivery:
             log.warning("queue %s: cannot tell whether it is writable: %s",
                         format_key(queue_key), exc)
             return False
+
+    def why_not_offered(self, queue_key: int) -> tuple[str, bool]:
+        """Why :meth:`offers` says no, and whether it is the queue's permissions (what an
+        operator must mend: the queue exists, and this agent may not write it)."""
+        if is_agent_queue(queue_key) or queue_key == self.config.dead_letter_queue:
+            return "an agents' own queue (transmission queue, DEAD.LETTER.Q): never offered", \
+                False
+        if not self.offer_default:
+            return "not in offer.allow (as root only the queues it names are offered)", False
+        if not self._allowed(queue_key):
+            return "not offered by the config (offer)", False
+        try:
+            access = write_access(queue_key)
+        except QueueError as exc:
+            return f"cannot tell whether it is writable: {exc}", False
+        if access.status is AccessStatus.NOT_FOUND:
+            return "it does not exist (the program that reads it creates it)", False
+        owner = next((f"; /proc/sysvipc/msg: uid {q.uid} gid {q.gid}, mode {q.mode:03o}"
+                      for q in list_queues() if q.key == queue_key), "")
+        return f"this agent may not write it ({access.reason}{owner})", \
+            access.status is AccessStatus.NO_PERMISSION
 
     def _queue(self, key: int) -> LocalQueue:
         queue = self._queues.get(key)

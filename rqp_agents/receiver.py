@@ -413,6 +413,7 @@ class Receiver(Daemon):
         self._repeated_dead_letters = RateLimitedLog(log, *limit,
                                                      what="repeated dead letters")
         self._dead_letters_log = RateLimitedLog(log, *limit, what="dead letters")
+        self._queue_no_log = RateLimitedLog(log, *limit, what="QUEUE_NO answers")
         self._no_room_log = RateLimitedLog(log, *limit,
                                            what="dead letters DEAD.LETTER.Q could not take")
         #: Dead letters not written for want of room in DEAD.LETTER.Q, per peer, and when
@@ -710,8 +711,16 @@ class Receiver(Daemon):
             if not allowed:
                 info["refused"] += 1
                 self.gate.deny(who, f"QUEUE_ASK for queue {format_key(request.queue_key)}")
-            log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key), peer,
-                      "QUEUE_YES" if offered else "QUEUE_NO")
+            if allowed and not offered:  # (a trial: the README said this log says which)
+                why, mend = self.delivery.why_not_offered(request.queue_key)
+                self._queue_no_log.report(
+                    "QUEUE_NO for queue %s to %s: %s", logging.WARNING if mend else logging.INFO,
+                    format_key(request.queue_key), peer, why,
+                    extra={"event": "queue_not_offered", "peer": who.label,
+                           "queue_key": format_key(request.queue_key)})
+            else:
+                log.debug("QUEUE_ASK queue=%s from=%s: %s", format_key(request.queue_key),
+                          peer, "QUEUE_YES" if offered else "QUEUE_NO")
             return conn.answer_ask(request, offered)
         if isinstance(request, Batch):
             return await self._handle_batch(conn, request, who, info)

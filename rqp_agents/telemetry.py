@@ -56,10 +56,11 @@ def offered_queues(agent, among=None) -> list[dict]:
         if q.key == agent.config.dead_letter_queue or among is not None and \
                 q.key not in among and not agent.config.queue_name(q.key):
             continue
+        offered = agent.delivery.offers(q.key)
         out.append({"queue": format_key(q.key), "queue_key": q.key,
                     "name": agent.config.queue_name(q.key), "depth": q.messages,
-                    "bytes": q.bytes, "mode": f"{q.mode:03o}",
-                    "offered": agent.delivery.offers(q.key)})
+                    "bytes": q.bytes, "mode": f"{q.mode:03o}", "offered": offered,
+                    "why_not": None if offered else agent.delivery.why_not_offered(q.key)[0]})
     return out
 
 

@@ -184,7 +184,7 @@ def test_the_peer_packs_frames_like_the_codec():
 
 
 def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testbed):
-    config = {**BASE_CONFIG,
+    config = {**BASE_CONFIG, "control_socket": str(testbed.workdir / "a" / "receiver.sock"),
               "offer": {"allow": [Q1, Q2, MISSING, "DEAD.LETTER.Q"], "deny": [Q2]}}
     r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660, Q3: 0o660})
     asks = [
@@ -203,6 +203,18 @@ def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testb
     got = r.pb.exchange("c", [ask(k) for k, _ in asks])
     assert answers(got) == answers(b"".join(a for _, a in asks))
     assert r.qa.dead_letters() == []  # asking never dead-letters anything
+    said = [f"{m[1]}:{m[2]}" for m in re.finditer(r"QUEUE_NO for queue (\S+) to \S+: (.*)",
+                                                  r.log())]
+    assert said[:4] == [
+        f"{MISSING:#x}:it does not exist (the program that reads it creates it)",
+        f"{Q2:#x}:not offered by the config (offer)",
+        f"{Q3:#x}:not offered by the config (offer)",
+        f"{DLQ:#x}:an agents' own queue (transmission queue, DEAD.LETTER.Q): never offered"]
+    out = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "queues", "--receiver-config",
+                   str(next(r.a.workdir.glob("receiver-*.yaml")))], timeout=60).stdout
+    rows = {line.split()[0]: line.split(None, 6)[-1] for line in out.splitlines()[1:]}
+    assert (rows[f"{Q1:#x}"], rows[f"{Q2:#x}"], rows[f"{DLQ:#x}"]) == (
+        "yes", "no: not offered by the config (offer)", "no (an agent's own)"), out
     assert r.qa.depth(Q1) == 0 and r.rx.poll() is None
 
 
@@ -275,6 +287,11 @@ def test_unprivileged_receiver_offers_only_what_it_may_write_and_dead_letters_th
     connect(r.pb, "c", r)
     got = r.pb.exchange("c", [ask(root_only), ask(write_only), ask(open_q)])
     assert answers(got) == ["QUEUE_NO", "QUEUE_YES", "QUEUE_YES"]
+    # its log says why (a trial: the README said so, and the log said nothing)
+    [said] = [line for line in r.log().splitlines() if "QUEUE_NO for queue" in line]
+    assert " WARNING " in said and f"QUEUE_NO for queue {root_only:#x} to {r.b.address}" in \
+        said and "this agent may not write it (queue 0x52510001: IPC_STAT refused" in said and \
+        said.endswith("; /proc/sysvipc/msg: uid 0 gid 0, mode 600)")
     got = r.pb.exchange("c", [
         msg(root_only, b"not for you", key=0xA1, type=SURE),
         msg(write_only, b"write only", key=0xA2, type=SURE),

@@ -496,7 +496,10 @@ def queues(args) -> int:
     offered = {}
     try:
         _, candidates = receiver_socket(args.receiver_config)
-        offered = {q["queue_key"]: q["offered"] for q in ask(candidates, "status")["queues"]}
+        st = ask(candidates, "status")
+        offered = {q["queue_key"]: f"no: {q['why_not']}" if q.get("why_not") else q["offered"]
+                   for q in st["queues"]}
+        offered[int(st["dead_letter_queue"], 16)] = "no (an agent's own)"
         note = ""
     except ControlError:
         note = " (no receiving MCA answers at its control socket: 'offered' unknown; " \
@@ -504,8 +507,9 @@ def queues(args) -> int:
     print(f"{'queue':12} {'messages':>9} {'bytes':>9} {'mode':>5} {'uid':>6} {'gid':>6} "
           f"offered{note}")
     for q in list_queues():
+        said = offered.get(q.key)
         shown = "no (an agent's own)" if is_agent_queue(q.key) else \
-            {True: "yes", False: "no"}.get(offered.get(q.key), "?")
+            said if isinstance(said, str) else {True: "yes", False: "no"}.get(said, "?")
         print(f"{format_key(q.key):12} {q.messages:>9} {q.bytes:>9} {q.mode:>5o} {q.uid:>6} "
               f"{q.gid:>6} {shown}")
     return 0
