@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from rqp.protocol.records import (
     check_extras, check_mtype, encode_batch, encode_transmission,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
-from rqp.system.service import sender_serving, spawn_lock
+from rqp.system.service import SENDER_UNIT, sender_serving, sender_unit, spawn_lock
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
@@ -169,19 +170,35 @@ class _Pid:
 _PID = _Pid()
 _lock = threading.Lock()
 _handles: dict[int, _Connection] = {}
+#: Transmission queues this process said it does not start a sending MCA for (a service's).
+_service_said: set[int] = set()
+log = logging.getLogger("rqp.api")
 _batches: dict[int, Batch] = {}
 _next_handle = itertools.count(1)
 _sequence = itertools.count(1)
 
 
-def ensure_sender(config: SenderConfig, rqprc: Path | None = None) -> bool:
-    """Start a sending MCA for ``config``'s transmission queue unless one serves it already.
+def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
+                  force: bool = False) -> bool:
+    """Start a sending MCA for ``config``'s transmission queue unless one serves it already,
+    or this host runs it as a systemd service (:func:`~rqp.system.service.sender_unit`; a
+    line says so, once a process, and the records wait on the transmission queue until the
+    service takes them), unless ``force``.
 
     Returns True if this call started one. Two processes calling at the same moment start
     exactly one: starting is serialised by a semaphore (see :mod:`rqp.system.service`).
     """
     xmit = config.transmission_queue
     if sender_serving(xmit):
+        return False
+    unit = None if force else sender_unit()
+    if unit is not None:
+        if xmit not in _service_said:
+            _service_said.add(xmit)
+            log.warning("no sending MCA serves transmission queue %s, and none is started from "
+                        "here: this host runs it as a service (%s), so that SURE messages are "
+                        "journaled in one place; records wait on the queue until it runs "
+                        "(systemctl start %s)", format_key(xmit), unit, SENDER_UNIT)
         return False
     with spawn_lock(xmit):
         if sender_serving(xmit):
@@ -231,8 +248,12 @@ def _tail(path: Path, lines: int = 10) -> str:
 
 
 def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
-                   start_sender: bool = True) -> int:
-    """A handle for sending to ``queue`` (a System V key, or a name from ``.rqprc``)."""
+                   start_sender: bool | None = None) -> int:
+    """A handle for sending to ``queue`` (a System V key, or a name from ``.rqprc``).
+
+    ``start_sender``: None, start a sending MCA if none serves the transmission queue, but not
+    on a host that runs it as a systemd service (see :func:`ensure_sender`); True, start one
+    all the same; False, never."""
     path = find_rqprc(rqprc)
     config = load_sender_config(path)
     queue_key = config.resolve_queue(queue)
@@ -243,8 +264,8 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     if queue_key in own:  # no receiving MCA offers them: a SURE message would wait forever
         raise RQPError(f"queue {queue!r} ({format_key(queue_key)}) is {own[queue_key]} of the "
                        f"agents, not a destination (no receiving MCA offers it)")
-    if start_sender:
-        ensure_sender(config, path.resolve())
+    if start_sender is not False:
+        ensure_sender(config, path.resolve(), force=bool(start_sender))
     producer = Producer(config)
     with _lock:
         handle = next(_next_handle)

@@ -19,6 +19,12 @@ import traceback
 import pytest
 import sysv_ipc
 
+# Whether this machine has rqp-sender.service installed must not change what the tests see:
+# openConnection does not start a sending MCA where it is (rqp.system.service.sender_unit).
+# No systemd unit directory at all, for this process and every one it starts; the tests of
+# that rule point it at their own.
+os.environ["SYSTEMD_UNIT_PATH"] = os.devnull
+
 _rng = random.SystemRandom()  # not the `random` module state that hypothesis seeds
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -172,6 +173,45 @@ except rqp.AgentStartError as e:
 """)
     assert "exited with status 1" in out and "its log" in out
     assert "No space left" in out or "queue" in out
+
+
+def test_no_sending_mca_is_started_where_it_runs_as_a_service(host, tmp_path):
+    """A trial: with the service stopped, an application's openConnection started its own
+    sending MCA, whose journal (SURE messages not delivered yet) was in that user's home,
+    where the service never looks, and then kept the service from starting. Where
+    rqp-sender.service is installed, the records now wait on the transmission queue for it."""
+    (tmp_path / "rqp-sender.service").write_text("[Service]\n")
+    env = {"SYSTEMD_UNIT_PATH": f"{tmp_path}:"}  # (and systemd's own directories after it)
+    code = """
+from rqp.system.service import serving_pid
+h = rqp.openConnection("PROD_THE_SCHED_COMMON", rqprc=rqprc)
+rqp.sendMessage(h, b"waits", rqp.SURE_MSG)
+h2 = rqp.openConnection("PROD_THE_SCHED_COMMON", rqprc=rqprc)  # (said once a process)
+print(json.dumps(serving_pid(0x52510000)))
+"""
+    out = host.run([sys.executable, "-c", "import json, sys, rqp\nrqprc = sys.argv[1]\n" + code,
+                    str(host.rqprc)], env={**os.environ, **env}, timeout=60)
+    assert json.loads(out.stdout) is None  # none started
+    assert out.stderr.count("no sending MCA serves transmission queue 0x52510000, and none "
+                            "is started from here: this host runs it as a service (" +
+                            str(tmp_path / "rqp-sender.service")) == 1, out.stderr
+    assert "systemctl start rqp-sender.service" in out.stderr
+    ctl = host.run([sys.executable, "-m", "rqp.tools.ctl", "send", "PROD_THE_SCHED_COMMON",
+                    "second", "--rqprc", str(host.rqprc)], env={**os.environ, **env},
+                   check=False, timeout=60)
+    assert ctl.returncode == 3 and "it waits there for the service (" in ctl.stdout and \
+        "systemctl start rqp-sender)" in ctl.stdout, ctl.stdout + ctl.stderr
+    start_sender(host, host.rqprc)  # the service starts: it takes them
+    assert run(host, """
+print(json.dumps([rqp.receiveMessage(0x52510001, timeout=20).decode() for _ in range(2)]))
+""") == ["waits", "second"]
+
+
+def test_the_service_is_found_where_systemd_looks():
+    from rqp.system.service import sender_unit
+
+    assert sender_unit({"SYSTEMD_UNIT_PATH": os.devnull}) is None
+    assert sender_unit({"SYSTEMD_UNIT_PATH": "/nonexistent-rqp-units"}) is None
 
 
 def test_full_transmission_queue_blocks_then_times_out(host):

@@ -26,6 +26,7 @@ from rqp.system.queues import format_key
 
 __all__ = [
     "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "spawn_lock", "KeySource", "write_file_atomically",
+    "sender_unit",
     "notify", "setup_logging", "host_name", "EVENT_LOOP_VARIABLE", "release_free_memory",
 ]
 
@@ -217,6 +218,30 @@ def _existing(transmission_queue: int) -> AgentSemaphores | None:
     if not is_agent_queue(transmission_queue):
         return None
     return AgentSemaphores(transmission_queue)
+
+
+#: The sending MCA's systemd unit, and where systemd looks for system units.
+SENDER_UNIT = "rqp-sender.service"
+UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
+             "/usr/lib/systemd/system", "/lib/systemd/system")
+
+
+def sender_unit(env=None) -> str | None:
+    """The path of the rqp-sender.service installed on this host, or None. Where there is one,
+    the sending MCA is the service's: applications do not start their own, which would keep
+    its journal (SURE messages not yet delivered) in another state_dir, owned by another
+    user, where the service never looks. ``$SYSTEMD_UNIT_PATH`` replaces the directories, as
+    for systemd (a trailing ``:`` adds them after its own)."""
+    env = os.environ if env is None else env
+    dirs = list(UNIT_DIRS)
+    if env.get("SYSTEMD_UNIT_PATH") is not None:
+        given = env["SYSTEMD_UNIT_PATH"].split(":")
+        dirs = given[:-1] + dirs if given[-1] == "" else given
+    for directory in dirs:
+        path = os.path.join(directory, SENDER_UNIT)
+        if directory and os.path.isfile(path):
+            return path
+    return None
 
 
 def sender_serving(transmission_queue: int) -> bool:

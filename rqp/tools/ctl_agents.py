@@ -540,8 +540,11 @@ def send(args) -> int:
     print(f"put {len(data)} bytes for {args.queue} on the transmission queue"
           + (" (journaled by the sending MCA)" if args.sync else ""))
     if not sender_serving(xmit):
+        from rqp.system.service import sender_unit
+        unit = sender_unit()
         print("warning: no sending MCA serves the transmission queue now; it waits there"
-              + (" (--no-start)" if args.no_start else ""))
+              + (" (--no-start)" if args.no_start else f" for the service ({unit}: systemctl "
+                 "start rqp-sender)" if unit else ""))
         return EXIT_NOT_RUNNING
     return 0
 

@@ -123,7 +123,9 @@ def run(workdir: Path, report_dir: Path) -> int:
         wait_until("the receiving MCA to listen", lambda: port_open(port))
         say(f"1. receiving MCA listening on 127.0.0.1:{port}, TLS (pid {receiver.pid})")
 
-        handle = rqp.openConnection(NAME, rqprc=rqprc)
+        # (start_sender=True: its own, in its own state_dir, even on a host that runs
+        # rqp-sender.service, whose agents the demo does not touch)
+        handle = rqp.openConnection(NAME, rqprc=rqprc, start_sender=True)
         sender_pid = serving_pid(xmit)
         say(f"2. openConnection({NAME!r}) -> handle {handle}; it started the sending MCA "
             f"(pid {sender_pid})")
