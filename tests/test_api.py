@@ -214,6 +214,19 @@ def test_the_service_is_found_where_systemd_looks():
     assert sender_unit({"SYSTEMD_UNIT_PATH": "/nonexistent-rqp-units"}) is None
 
 
+def test_an_application_outside_the_agents_group_is_told_so(testbed):
+    """A trial: an application user outside the group got 'semget: Permission denied' and no
+    word of what to do (rqpctl said 'be in its group')."""
+    h = testbed.add_host("a")
+    make = "from rqp.system.service import AgentSemaphores; AgentSemaphores(0x52510000)"
+    h.python(make)  # (as root: mode 0660, root's group)
+    out = h.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 sys.executable, "-c", make], check=False)
+    assert out.returncode == 1 and "semaphores of transmission queue 0x52510000: semget: " \
+        "Permission denied (it is mode 0660, as the queues: be in the group of its owner" \
+        in out.stderr, out.stderr
+
+
 def test_full_transmission_queue_blocks_then_times_out(host):
     out = run(host, """
 h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)

@@ -516,6 +516,18 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
     assert receive(b, Q1, 1, timeout=10) == ["held back"]
     out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--rqprc", str(rqprc))
     assert out.returncode == 2 and "is not stopped: nothing to start" in out.stdout, out.stdout
+    # by its control socket, as status --socket (a trial: route had no --socket)
+    sock = str(a.workdir / "sender-state" / "sender-52510000.sock")
+    out = a.run([*RQPCTL, "route", "stop", hex(Q1), "--socket", sock], check=False,
+                env={**os.environ, "HOME": str(a.workdir / "nowhere")}, cwd=a.workdir)
+    assert out.returncode == 0 and "stopped: nothing more is sent" in out.stdout, out.stdout
+    out = rqpctl(a, "route", "start", "PROD_THE_SCHED_COMMON", "--socket", sock, "--rqprc",
+                 str(rqprc))  # (a name: looked up in .rqprc)
+    assert out.returncode == 0 and "started again" in out.stdout, out.stdout
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--socket", sock], check=False,
+                env={**os.environ, "HOME": str(a.workdir / "nowhere")}, cwd=a.workdir)
+    assert out.returncode == 0 and "QUEUE_ASK 0x52510001 answered QUEUE_YES" in out.stdout, \
+        out.stdout + out.stderr
     for key, why in ((0x52519999, "has sent nothing for it lately"),
                      (0x52510000, "own transmission queue or DEAD.LETTER.Q, not a route")):
         out = rqpctl(a, "route", "stop", hex(key), "--rqprc", str(rqprc))  # (a mistyped key)
@@ -625,6 +637,22 @@ def test_queues_send_and_receive(site):
         out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--ttl", ttl, "--rqprc",
                      str(rqprc))
         assert out.returncode == 2 and f"argument --ttl: {why}" in out.stderr, out.stderr
+
+
+def test_status_does_not_take_its_own_runtime_directory_for_the_agents(site, tmp_path):
+    """A trial ran rqpctl status with RUNTIME_DIRECTORY set (as in a unit): both agents' socket
+    was taken to be $RUNTIME_DIRECTORY/control.sock, so the sending MCA was shown twice, once
+    as the receiver. That variable is for an agent's own socket, not for finding others."""
+    a, b, rqprc, sender, receiver = site
+    st = _sender_status(a, rqprc)  # (found in its state_dir)
+    (tmp_path / "control.sock").symlink_to(
+        a.workdir / "sender-state" / f"sender-{st['transmission_queue'][2:]}.sock")
+    out = a.run([*RQPCTL, "status", "--rqprc", str(rqprc), "--json"], check=False, timeout=60,
+                env={**os.environ, "RUNTIME_DIRECTORY": str(tmp_path)})
+    answers = json.loads(out.stdout)
+    assert answers["receiver"]["agent"] == "receiver" and "pid" not in answers["receiver"], \
+        answers["receiver"]  # (none runs on a)
+    assert [st["agent"] for st in answers.values() if "pid" in st] == ["sender"]
 
 
 def test_status_of_a_dead_letter_queue_removed_and_made_again(site):

@@ -168,7 +168,9 @@ class AgentSemaphores:
         if self.id < 0:
             err = ctypes.get_errno()
             hint = (" (a semaphore set with that key and another size exists: remove it with "
-                    f"ipcrm -S {format_key(transmission_queue)})") if err == errno.EINVAL else ""
+                    f"ipcrm -S {format_key(transmission_queue)})") if err == errno.EINVAL else \
+                (" (it is mode 0660, as the queues: be in the group of its owner, the agents' "
+                 "group, e.g. rqp; ipcs -s -i ID shows them)") if err == errno.EACCES else ""
             raise RQPError(f"semaphores of transmission queue {format_key(transmission_queue)}:"
                            f" semget: {os.strerror(err)}{hint}")
 

@@ -24,7 +24,7 @@ from rqp.config import (
     load_sender_config, parse_host, parse_queue_key,
 )
 from rqp.system.control import (
-    ControlError, ControlNotAnswering, ControlRefused, default_socket, request,
+    ControlError, ControlNotAnswering, ControlRefused, request,
 )
 from rqp.system.queues import QueueEmpty, format_key, list_queues
 from rqp.system.service import is_agent_queue
@@ -48,9 +48,13 @@ NO_ROOM_BYTES = 512
 
 
 def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
+    """Where agent ``name`` listens: its config's control_socket, else its unit's runtime
+    directory or its state_dir. Not this process's $RUNTIME_DIRECTORY (as an agent's
+    ``rqp.system.control.default_socket`` takes it): that is the caller's own, the same for both agents (a
+    trial's status showed the sending MCA twice, once as the receiver)."""
     if configured:
         return [Path(configured)]
-    return [Path(runtime), default_socket(state_dir, name)]
+    return [Path(runtime), Path(state_dir) / f"{name}.sock"]
 
 
 def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
@@ -397,12 +401,22 @@ def message_key(text: str) -> int:
     return key
 
 
+def _sender_asked(args, queue) -> tuple[str, list[Path], int | None]:
+    """The sending MCA to ask (its name and sockets: --socket, else its .rqprc's) and
+    ``queue`` as a key (a name is looked up in .rqprc, needed then; None stays None)."""
+    if args.socket and (queue is None or isinstance(queue, int)):
+        return args.socket, [Path(args.socket)], queue
+    path = find_rqprc(args.rqprc)
+    key = None if queue is None else load_sender_config(path).resolve_queue(queue)
+    if args.socket:
+        return args.socket, [Path(args.socket)], key
+    name, candidates = sender_socket(str(path))
+    return name, candidates, key
+
+
 def route(args) -> int:
     """rqpctl route retry QUEUE: the sending MCA ends that route's back-off now."""
-    path = find_rqprc(args.rqprc)
-    config = load_sender_config(path)
-    key = config.resolve_queue(args.queue)
-    name, candidates = sender_socket(str(path))
+    name, candidates, key = _sender_asked(args, args.queue)
     try:
         got = ask(candidates, "route", action=args.action, queue=key)
     except ControlError as exc:
@@ -419,11 +433,12 @@ def route(args) -> int:
 
 def ping(args) -> int:
     """rqpctl ping HOST: the sending MCA connects to HOST as it would, asks, and times it."""
-    path = find_rqprc(args.rqprc)
-    config = load_sender_config(path)
-    key = config.resolve_queue(args.queue) if args.queue is not None else \
-        next(iter(config.queues.values()), DEFAULT_PING_QUEUE)
-    name, candidates = sender_socket(str(path))
+    if args.queue is None and not args.socket:  # (the first queue named in .rqprc)
+        args.queue = next(iter(load_sender_config(find_rqprc(args.rqprc)).queues.values()),
+                          DEFAULT_PING_QUEUE)
+    name, candidates, key = _sender_asked(args, args.queue)
+    if key is None:
+        key = DEFAULT_PING_QUEUE
     try:
         got = ask(candidates, "ping", host=args.host, queue=key, timeout=30.0)
     except ControlError as exc:
@@ -495,7 +510,8 @@ def merge_expositions(texts: dict[str, str]) -> str:
 def queues(args) -> int:
     offered = {}
     try:
-        _, candidates = receiver_socket(args.receiver_config)
+        candidates = [Path(args.socket)] if args.socket else \
+            receiver_socket(args.receiver_config)[1]
         st = ask(candidates, "status")
         offered = {q["queue_key"]: f"no: {q['why_not']}" if q.get("why_not") else q["offered"]
                    for q in st["queues"]}
@@ -626,7 +642,8 @@ def add_commands(groups) -> None:
                           "not answering, 4 a route is not healthy, the transmission queue "
                           "cannot be read, or dead letters found DEAD.LETTER.Q full (held in "
                           "memory; not written by a receiver in the last "
-                          f"{NO_ROOM_RECENT / 60:g} minutes).")
+                          f"{NO_ROOM_RECENT / 60:g} minutes), or a receiver failed to write "
+                          "its state_dir in those minutes.")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
@@ -653,6 +670,8 @@ def add_commands(groups) -> None:
     p.add_argument("action", choices=("retry", "stop", "start"))
     p.add_argument("queue", type=queue_argument, help="queue key or name from .rqprc")
     p.add_argument("--rqprc", metavar="FILE", help="the sender's .rqprc")
+    p.add_argument("--socket", metavar="PATH", help="ask the sending MCA on this control "
+                   "socket (a queue name is still looked up in .rqprc)")
     p.set_defaults(run=route)
     p = groups.add_parser("ping", help="connect to a receiving MCA as the sending MCA does, "
                           "ask, and time it", description="The sending MCA connects to HOST "
@@ -665,6 +684,8 @@ def add_commands(groups) -> None:
     p.add_argument("--rqprc", metavar="FILE", help="the .rqprc of the running sending MCA to "
                    "ask (its control socket): it pings with the settings it was started or "
                    "last reloaded with, TLS files included, not this file's")
+    p.add_argument("--socket", metavar="PATH", help="ask the sending MCA on this control "
+                   f"socket (--queue default: {DEFAULT_PING_QUEUE:#x} without .rqprc)")
     p.set_defaults(run=ping)
     p = groups.add_parser("metrics", help="the agents' Prometheus metrics")
     targets(p)
@@ -672,6 +693,8 @@ def add_commands(groups) -> None:
     p = groups.add_parser("queues", help="this host's System V queues, and whether the "
                           "receiver offers them")
     p.add_argument("--receiver-config", metavar="FILE")
+    p.add_argument("--socket", metavar="PATH", help="ask the receiving MCA on this control "
+                   "socket")
     p.set_defaults(run=queues)
     p = groups.add_parser("send", help="send one message (an operator's quick test)")
     p.add_argument("queue", help="queue key or name from .rqprc")
