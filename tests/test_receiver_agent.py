@@ -81,6 +81,15 @@ class Rig:
     def log(self) -> str:
         return self.a.output(self.rx, "stderr")
 
+    def rqpctl(self, *args: str) -> subprocess.CompletedProcess:
+        """rqpctl on host a; ``status`` and ``queues`` find the receiver by its config."""
+        if args[0] in ("status", "queues") and "--socket" not in args:
+            args += ("--receiver-config", str(next(self.a.workdir.glob("receiver-*.yaml"))))
+        if args[0] == "status":
+            args += ("--agent", "receiver")
+        return self.a.run([sys.executable, "-m", "rqp.tools.ctl", *args], check=False,
+                          timeout=60)
+
 
 def start_receiver(host: Host, config: dict | None = None, *, listen: str = f"0.0.0.0:{PORT}",
                    state_dir: bool = True, config_path: str | None = None,
@@ -210,8 +219,7 @@ def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testb
         f"{Q2:#x}:not offered by the config (offer)",
         f"{Q3:#x}:not offered by the config (offer)",
         f"{DLQ:#x}:an agents' own queue (transmission queue, DEAD.LETTER.Q): never offered"]
-    out = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "queues", "--receiver-config",
-                   str(next(r.a.workdir.glob("receiver-*.yaml")))], timeout=60).stdout
+    out = r.rqpctl("queues").stdout
     rows = {line.split()[0]: line.split(None, 6)[-1] for line in out.splitlines()[1:]}
     assert (rows[f"{Q1:#x}"], rows[f"{Q2:#x}"], rows[f"{DLQ:#x}"]) == (
         "yes", "no: not offered by the config (offer)", "no (an agent's own)"), out
@@ -802,9 +810,7 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
     assert r.qa.depth(DLQ) == full
     # a check sees the queue full now (a trial: after a restart of the receiver, with the
     # queue still full, status said nothing and exited 0)
-    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
-                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
-                     check=False, timeout=60)
+    status = r.rqpctl("status")
     assert re.search(r"\n  DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now "
                      r"\(\d+ bytes left of the three quarters it may fill\)", status.stdout), \
         status.stdout
@@ -829,9 +835,7 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
     # (3 refused for queue MISSING, 1 dead letter written: counted as what it is)
     assert 'rqp_receiver_messages_total{outcome="dead_lettered",queue="0x52510099"} 1.0\n' \
         in metrics.stdout, metrics.stdout
-    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
-                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
-                     check=False, timeout=60)
+    status = r.rqpctl("status")
     assert "  dead letters 2 not written: no room in DEAD.LETTER.Q\n" in status.stdout, \
         status.stdout
     # the count only grows: a check sees the fault as it is now, for NO_ROOM_RECENT after
@@ -918,14 +922,11 @@ def test_a_spill_file_that_cannot_be_written_cuts_the_dead_letter_and_status_say
     assert rec["original_length"] == 8150 and big.startswith(rec["payload"])
     assert rec["detail"].endswith(f"; payload cut to fit one message, not spilled: {why}")
     assert "cannot take the dead letter" not in r.log()
-    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
-                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
-                     check=False, timeout=60)
+    status = r.rqpctl("status")
     assert "STATE_DIR TROUBLE" in status.stdout and f"(spill, 1 so far): {why}: dead " \
         "letters cut to one message" in status.stdout, status.stdout
     assert "NO ROOM" not in status.stdout and status.returncode == EXIT_UNHEALTHY
-    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--socket",
-                       str(sock)], timeout=60).stdout
+    metrics = r.rqpctl("metrics", "--socket", str(sock)).stdout
     assert 'rqp_receiver_state_write_failures_total{what="spill"} 1' in metrics
     assert 'rqp_receiver_state_write_failures_total{what="dedup"} 0' in metrics
 
@@ -944,15 +945,12 @@ def test_a_de_duplication_window_that_cannot_be_written_shows_in_status(testbed)
     r.pb.send("c", [msg(Q1, b"second", key=2, type=SURE)])
     got = r.pb.read_to_eof("c", timeout=10)
     assert got["data"] == b"", got  # closed, unanswered: its sender sends it again
-    status = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "receiver",
-                      "--receiver-config", str(next(r.a.workdir.glob("receiver-*.yaml")))],
-                     check=False, timeout=60)
+    status = r.rqpctl("status")
     assert re.search(r"STATE_DIR TROUBLE \S+ ago \(dedup, 1 so far\): .*File too large: "
                      r"connections closed, their last SURE messages unanswered", status.stdout), \
         status.stdout
     assert status.returncode == EXIT_UNHEALTHY
-    metrics = r.a.run([sys.executable, "-m", "rqp.tools.ctl", "metrics", "--socket",
-                       str(sock)], timeout=60).stdout
+    metrics = r.rqpctl("metrics", "--socket", str(sock)).stdout
     assert 'rqp_receiver_state_write_failures_total{what="dedup"} 1' in metrics
     at = float(re.search(r"^rqp_receiver_state_write_failure_timestamp_seconds (\S+)$",
                          metrics, re.M).group(1))
