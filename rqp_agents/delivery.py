@@ -94,9 +94,10 @@ class LocalDelivery:
                         format_key(queue_key), exc)
             return False
 
-    def why_not_offered(self, queue_key: int) -> tuple[str, bool]:
+    def why_not_offered(self, queue_key: int, info=None) -> tuple[str, bool]:
         """Why :meth:`offers` says no, and whether it is the queue's permissions (what an
-        operator must mend: the queue exists, and this agent may not write it)."""
+        operator must mend: the queue exists, and this agent may not write it). ``info``:
+        the queue's line of /proc/sysvipc/msg, if read already (a status lists them all)."""
         if is_agent_queue(queue_key) or queue_key == self.config.dead_letter_queue:
             return "an agents' own queue (transmission queue, DEAD.LETTER.Q): never offered", \
                 False
@@ -111,7 +112,8 @@ class LocalDelivery:
         if access.status is AccessStatus.NOT_FOUND:
             return "it does not exist (the program that reads it creates it)", False
         owner = next((f"; /proc/sysvipc/msg: uid {q.uid} gid {q.gid}, mode {q.mode:03o}"
-                      for q in list_queues() if q.key == queue_key), "")
+                      for q in ([info] if info is not None else list_queues())
+                      if q.key == queue_key), "")
         return f"this agent may not write it ({access.reason}{owner})", \
             access.status is AccessStatus.NO_PERMISSION
 

@@ -60,7 +60,7 @@ def offered_queues(agent, among=None) -> list[dict]:
         out.append({"queue": format_key(q.key), "queue_key": q.key,
                     "name": agent.config.queue_name(q.key), "depth": q.messages,
                     "bytes": q.bytes, "mode": f"{q.mode:03o}", "offered": offered,
-                    "why_not": None if offered else agent.delivery.why_not_offered(q.key)[0]})
+                    "why_not": None if offered else agent.delivery.why_not_offered(q.key, q)[0]})
     return out
 
 

@@ -994,8 +994,8 @@ def test_a_lane_gone_idle_is_taken_back_as_new_for_the_next_message_of_its_key()
     h.core.tick(h.now)  # "a" expires before its retry: dead-lettered, its lane idle
     [dead] = [a for a in h.actions() if isinstance(a, DeadLetter)]
     assert dead.reason == ReasonCode.EXPIRED
-    assert "s ago (expires_at_ms" in dead.detail and "after 2 MESSAGE frame(s) sent, none confirmed; " \
-        "last error: DELIVERED_ERROR from b" in dead.detail  # (not: "before it could be sent")
+    assert "s ago (expires_at_ms" in dead.detail and "after 2 MESSAGE frame(s) sent, none " \
+        "confirmed; last error: DELIVERED_ERROR from b" in dead.detail  # (not "before it ...")
     h.now += 1
     h.submit(Q1, SURE_MSG, b"b")
     assert [type(e).__name__ for _, e in h.sent()] == ["QueueAsk"]  # at once, not at 130

@@ -50,8 +50,8 @@ NO_ROOM_BYTES = 512
 def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
     """Where agent ``name`` listens: its config's control_socket, else its unit's runtime
     directory or its state_dir. Not this process's $RUNTIME_DIRECTORY (as an agent's
-    ``rqp.system.control.default_socket`` takes it): that is the caller's own, the same for both agents (a
-    trial's status showed the sending MCA twice, once as the receiver)."""
+    ``rqp.system.control.default_socket`` takes it): that is the caller's own, the same for
+    both agents (a trial's status showed the sending MCA twice, once as the receiver)."""
     if configured:
         return [Path(configured)]
     return [Path(runtime), Path(state_dir) / f"{name}.sock"]
