@@ -455,6 +455,7 @@ class Receiver(Daemon):
         await self.start_service(self.control_path, self.config.metrics_listen)
         self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
+        window_retry = asyncio.create_task(self._retry_window())
         await self.wait_for_stop()
         self._server.close()  # no new connections
         for task in list(self._idle):  # nothing in flight on these
@@ -482,6 +483,7 @@ class Receiver(Daemon):
         except TimeoutError:
             log.debug("stopping: connections still closing after %gs", STOP_GRACE)
         expiry.cancel()
+        window_retry.cancel()
         self.stop_service()
         await self.commits.drain()
         self.dedup.close(commit=not self.dedup.broken)
@@ -539,6 +541,24 @@ class Receiver(Daemon):
         while True:
             await asyncio.sleep(60)
             self.dedup.expire()
+
+    async def _retry_window(self) -> None:
+        """While the de-duplication window's last write failed, write it again every second
+        (what was not written: no new SURE message is put meanwhile), until it succeeds."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.dedup.unwritten:
+                continue
+            try:
+                waiting = self.commits.durable()
+                if waiting is not None:
+                    await waiting
+            except DedupError as exc:
+                self.dedup_trouble = (str(exc), time.time())
+                continue
+            if not self.dedup.unwritten:
+                log.warning("the de-duplication window %s can be written again: SURE messages "
+                            "are put again", self.dedup.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -774,6 +794,8 @@ class Receiver(Daemon):
                 reason, detail, key = short
                 refused = Refuse(next(m for m in batch.messages if m.queue_key == key), reason,
                                  detail)
+        if refused is None and batch.messages[0].message_type == SURE_MSG:
+            self._check_window()  # (before the first put: not a part of it)
         failed = refused
         if failed is None:
             for i, message in enumerate(batch.messages):
@@ -824,10 +846,21 @@ class Receiver(Daemon):
         if self.dedup.seen(key):
             self._repeat(message, peer)
             return _REPEAT
+        self._check_window()
         if not self.delivery.put_at_once(message):
             return None
         self.dedup.record(key)  # made durable before the answer is written
         return _PUT
+
+    def _check_window(self) -> None:
+        """A new SURE message is not put while the de-duplication window cannot be written
+        (its last write failed: a full disk): its key would not survive a restart, and the
+        sender's next try after it would put it again (a trial: 364 duplicates of 2,000, over
+        a restart while the disk was full). DedupError: the connection is closed unanswered,
+        the sender sends again later; :meth:`_retry_window` finds when it can be written."""
+        if self.dedup.unwritten:
+            raise DedupError(f"{self.dedup.path}: its last write failed; no new SURE message is "
+                             "put until it can be written (tried again every second)")
 
     def _repeat(self, message, peer: str) -> None:
         self.stats["repeats"] += 1
@@ -857,6 +890,7 @@ class Receiver(Daemon):
             if self.dedup.seen(key):
                 self._repeat(message, peer)
                 return None, "", True
+            self._check_window()
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
                 reason, detail = await self.delivery.put(message)

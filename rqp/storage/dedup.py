@@ -518,6 +518,12 @@ class DedupWindow:
         return (self._now_ms() - self._keys[next(iter(self._keys))]) / 1000.0
 
     @property
+    def unwritten(self) -> bool:
+        """A commit's write failed (a full disk) and no write since has taken its entries:
+        keys recorded now may not become durable. The next commit retries them."""
+        return bool(self._unwritten)
+
+    @property
     def broken(self) -> bool:
         """An fsync failed: no commit can succeed until the window is reopened."""
         return self._failed is not None
