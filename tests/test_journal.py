@@ -766,3 +766,38 @@ def test_the_struct_release_and_the_construct_declaration_agree(seq):
     body = RELEASE_BODY.build({"seq": seq})
     assert encode_release(seq) == \
         ENTRY_PREFIX.build({"length": len(body), "crc": zlib.crc32(body)}) + body
+
+
+FULL_OF_RELEASED = r"""
+import json, resource, sys
+from rqp.storage.journal import Journal, JournalError
+j = Journal(sys.argv[1])
+for i in range(40):  # delivered and released: dead bytes, far below compact_min_bytes
+    [seq] = j.append([(i + 1, bytes(8000))])
+    j.release([seq])
+live = j.append([(99, b"still to send")])
+size = j.file_bytes  # (the written end: space is allocated ahead of it)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 1000, resource.RLIM_INFINITY))
+try:  # (EFBIG past the limit, as ENOSPC on a full disk; Python ignores SIGXFSZ)
+    j.append([(100, bytes(8000))])
+    print(json.dumps({"ok": True, "size": j.file_bytes, "before": size,
+                      "live": sorted(e.key for e in j.live_entries())}))
+except JournalError as exc:
+    print(json.dumps({"ok": False, "error": str(exc)}))
+"""
+
+
+def test_a_full_disk_of_released_entries_is_compacted_and_the_append_goes_on(tmp_path):
+    """A trial: a sending MCA whose small state_dir filled with its own delivered entries
+    (below compact_min_bytes: never compacted) stopped with 'cannot journal SURE records' at
+    every start. Now an append that finds no room compacts the journal and writes again."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FULL_OF_RELEASED, str(tmp_path)], check=True,
+                         capture_output=True, text=True, timeout=60)
+    got = json.loads(out.stdout)
+    assert got["ok"], got
+    assert got["size"] < got["before"] and got["live"] == [99, 100]
+    assert "compacting it" in out.stderr and "File too large" in out.stderr

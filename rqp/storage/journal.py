@@ -140,7 +140,9 @@ another process) is refused: the journal holds an exclusive ``flock`` on ``{name
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 import threading
 import zlib
@@ -158,6 +160,10 @@ from rqp.protocol.codec import struct_of
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
 from rqp.storage.log import LogFile, ReplaceFailed, written_end
+
+log = logging.getLogger("rqp.journal")
+#: Write errors a compaction may cure: the disk (or the file's size limit) is full.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 __all__ = [
     "APPEND_BODY",
@@ -635,6 +641,27 @@ class Journal:
                 raise JournalError(f"writing to journal {self.path} failed: {exc}") from exc
             raise
 
+    def _write_or_compact(self, data: bytes) -> None:
+        """:meth:`_write`; if the disk is full and the file holds entries no longer live,
+        compact it first and write again (a trial: a sending MCA whose small disk was full of
+        its own delivered entries, below ``compact_min_bytes``, stopped at every start)."""
+        try:
+            self._write(data)
+        except JournalError as exc:
+            cause = exc.__cause__
+            if self._failed is not None or not isinstance(cause, OSError) or \
+                    cause.errno not in _NO_SPACE or \
+                    self._file.size <= FILE_HEADER_SIZE + self._live_bytes:
+                raise
+            log.warning("journal %s: %s; compacting it (%d bytes, %d of them live) and writing "
+                        "again", self.path, cause.strerror, self._file.size, self._live_bytes)
+            try:
+                self._compact_locked()
+            except JournalError as failed:
+                log.warning("%s", failed)
+                raise exc from None
+            self._write(data)
+
     def _sync(self, fd: int) -> None:
         """fsync ``fd`` outside the lock; the caller counted itself in ``_syncers`` under it."""
         try:
@@ -688,8 +715,8 @@ class Journal:
             if first + len(items) - 1 > UINT64_MAX:
                 raise JournalError(f"journal {self.path} has run out of sequence numbers")
             seqs = list(range(first, first + len(items)))
-            self._write(b"".join(_encode_live(seq, key, record, copies)
-                                 for seq, (key, record, copies) in zip(seqs, items)))
+            self._write_or_compact(b"".join(_encode_live(seq, key, record, copies)
+                                            for seq, (key, record, copies) in zip(seqs, items)))
             self._next_seq = first + len(items)
             for seq, (key, record, copies) in zip(seqs, items):
                 self._live[seq] = (key, record)
@@ -711,7 +738,7 @@ class Journal:
             todo = [seq for seq in dict.fromkeys(wanted) if seq in self._live]
             if not todo:
                 return
-            self._write(b"".join(encode_release(seq) for seq in todo))
+            self._write_or_compact(b"".join(encode_release(seq) for seq in todo))
             for seq in todo:
                 self._live_bytes -= _append_size(self._live.pop(seq)[1])
                 self._copies.pop(seq, None)
