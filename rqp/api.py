@@ -179,11 +179,11 @@ _sequence = itertools.count(1)
 
 
 def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
-                  force: bool = False) -> bool:
+                  force: bool = False, say: bool = True) -> bool:
     """Start a sending MCA for ``config``'s transmission queue unless one serves it already,
     or this host runs it as a systemd service (:func:`~rqp.system.service.sender_unit`; a
     line says so, once a process, and the records wait on the transmission queue until the
-    service takes them), unless ``force``.
+    service takes them; ``say=False``: no line, the caller says it), unless ``force``.
 
     Returns True if this call started one. Two processes calling at the same moment start
     exactly one: starting is serialised by a semaphore (see :mod:`rqp.system.service`).
@@ -193,7 +193,7 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
         return False
     unit = None if force else sender_unit()
     if unit is not None:
-        if xmit not in _service_said:
+        if say and xmit not in _service_said:
             _service_said.add(xmit)
             log.warning("no sending MCA serves transmission queue %s, and none is started from "
                         "here: this host runs it as a service (%s), so that SURE messages are "

@@ -801,3 +801,20 @@ def test_a_full_disk_of_released_entries_is_compacted_and_the_append_goes_on(tmp
     assert got["ok"], got
     assert got["size"] < got["before"] and got["live"] == [99, 100]
     assert "compacting it" in out.stderr and "File too large" in out.stderr
+
+
+def test_a_file_that_cannot_be_written_is_named_in_the_error(tmp_path):
+    """A trial: a sending MCA started on a full disk said only 'cannot start: [Errno 28] No
+    space left on device' (a failed write names no file)."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys\nfrom rqp.system.files import write_file_atomically\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (10, resource.RLIM_INFINITY))\n"
+            "try:\n    write_file_atomically(sys.argv[1], bytes(100))\n"
+            "except OSError as exc:\n    print(exc)\n")
+    target = tmp_path / "sender-52510000.pid"
+    out = subprocess.run([sys.executable, "-c", code, str(target)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out == f"[Errno 27] File too large: '{target}'\n"
+    assert list(tmp_path.iterdir()) == []  # (its temporary file removed)

@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -653,6 +654,17 @@ def test_status_does_not_take_its_own_runtime_directory_for_the_agents(site, tmp
     assert answers["receiver"]["agent"] == "receiver" and "pid" not in answers["receiver"], \
         answers["receiver"]  # (none runs on a)
     assert [st["agent"] for st in answers.values() if "pid" in st] == ["sender"]
+
+
+def test_an_agents_own_state_dir_socket_is_asked_before_the_services(tmp_path):
+    """A trial ran a second receiver beside the service's: rqpctl queues --receiver-config of
+    the second asked /run/rqp/receiver/control.sock first, and showed the service's answer."""
+    from rqp.tools.ctl_agents import receiver_socket
+
+    config = tmp_path / "second.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'second'}\n")
+    assert receiver_socket(str(config)) == ("receiver", [
+        tmp_path / "second" / "receiver.sock", Path("/run/rqp/receiver/control.sock")])
 
 
 def test_status_of_a_dead_letter_queue_removed_and_made_again(site):

@@ -30,8 +30,10 @@ def write_file_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o64
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # (a write: ENOSPC says no file)
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     fsync_dir(path.parent)

@@ -48,13 +48,15 @@ NO_ROOM_BYTES = 512
 
 
 def _candidates(configured: str | None, runtime: str, state_dir: str, name: str) -> list[Path]:
-    """Where agent ``name`` listens: its config's control_socket, else its unit's runtime
-    directory or its state_dir. Not this process's $RUNTIME_DIRECTORY (as an agent's
-    ``rqp.system.control.default_socket`` takes it): that is the caller's own, the same for
-    both agents (a trial's status showed the sending MCA twice, once as the receiver)."""
+    """Where agent ``name`` listens: its config's control_socket, else its state_dir, else
+    its unit's runtime directory (the state_dir first: a trial's --receiver-config of a second
+    receiver was answered by the service's). Not this process's $RUNTIME_DIRECTORY (as an
+    agent's ``rqp.system.control.default_socket`` takes it): that is the caller's own, the
+    same for both agents (a trial's status showed the sending MCA twice, once as the
+    receiver)."""
     if configured:
         return [Path(configured)]
-    return [Path(runtime), Path(state_dir) / f"{name}.sock"]
+    return [Path(state_dir) / f"{name}.sock", Path(runtime)]
 
 
 def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
@@ -541,7 +543,7 @@ def send(args) -> int:
     xmit = config.transmission_queue
     # What an application's openConnection() does: start a sending MCA if none serves the
     # transmission queue, exactly one however many start at once (--no-start: only put).
-    started = not args.no_start and ensure_sender(config, path.resolve())
+    started = not args.no_start and ensure_sender(config, path.resolve(), say=False)
     if started:
         print(f"started a sending MCA (pid {serving_pid(xmit)}) for transmission queue "
               f"{format_key(xmit)}; its log: {config.log_path}")
