@@ -83,9 +83,11 @@ def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
 
 
 def verify(root: Path, *units: str) -> subprocess.CompletedProcess:
+    # (without the SYSTEMD_UNIT_PATH tests/conftest.py sets for the API: verify reads it too)
+    env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_UNIT_PATH"}
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}",
                            *[f"/etc/systemd/system/{u}" for u in units]],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.fixture(scope="module")
