@@ -873,3 +873,28 @@ def test_scoped_keys_differ_per_peer_and_are_stable():
     assert scoped_key("10.0.0.1", 7) == scoped_key("10.0.0.1", 7)
     keys = {scoped_key(peer, k) for peer in ("10.0.0.1", "10.0.0.2", "::1") for k in range(1000)}
     assert len(keys) == 3000 and all(0 <= k < 1 << 64 for k in keys)
+
+
+SMALL_WINDOW = r"""
+import os, sys
+from rqp.storage.dedup import DedupWindow
+w = DedupWindow(os.path.join(sys.argv[1], "receiver.dedup"), max_keys=1000)
+for batch in range(200):  # 20,000 keys through a window of 1,000 (20 KB of keys)
+    for i in range(100):
+        w.record(batch * 100 + i + 1)
+    w.commit()
+print(os.path.getsize(os.path.join(sys.argv[1], "receiver.dedup")))
+"""
+
+
+def test_a_small_window_compacts_on_a_small_disk():
+    """A trial: a window of 1,000 keys (20 KB) on a 1 MiB state_dir filled it with dead entries
+    before its first compaction (then at 1 MiB) and closed every connection from then on. A
+    real tmpfs of 256 KiB in a private mount namespace (gone with the process)."""
+    with tempfile.TemporaryDirectory() as disk:
+        out = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             'mount -t tmpfs -o size=256k rqp-test "$1" && exec "$2" -c "$3" "$1"', "sh",
+             disk, sys.executable, SMALL_WINDOW], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert int(out.stdout) < 256 << 10

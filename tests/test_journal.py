@@ -818,3 +818,44 @@ def test_a_file_that_cannot_be_written_is_named_in_the_error(tmp_path):
                          capture_output=True, text=True, timeout=60).stdout
     assert out == f"[Errno 27] File too large: '{target}'\n"
     assert list(tmp_path.iterdir()) == []  # (its temporary file removed)
+
+
+ON_A_SMALL_DISK = r"""
+import os, sys
+from rqp.storage.journal import Journal
+disk = sys.argv[1]
+j = Journal(disk)
+for i in range(300):  # 2.4 MB through a 256 KiB file system, each released once delivered
+    [seq] = j.append([(i + 1, bytes(8000))])
+    j.release([seq])
+    st = os.statvfs(disk)
+    if st.f_bavail * st.f_frsize < 16384:  # the last pages taken by other files (a trial:
+        fd = os.open(os.path.join(disk, "other"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:  # (its pid file): none left
+            while os.write(fd, b"x" * 4096):
+                pass
+        except OSError:
+            pass
+        os.close(fd)
+print(j.file_bytes)
+"""
+
+
+def test_a_small_disk_full_of_released_entries_frees_itself(tmp_path):
+    """A trial: a sending MCA on a 2 MiB state_dir filled it with its own delivered entries,
+    and then had no room even for a compaction's new file: it stopped at every start. With
+    nothing live, the journal is now cut back in place. A real tmpfs of 256 KiB, mounted in a
+    private mount namespace (gone with the process)."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         'mount -t tmpfs -o size=256k rqp-test "$1" && exec "$2" -c "$3" "$1"', "sh",
+         str(disk), sys.executable, ON_A_SMALL_DISK],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) < 256 << 10
+    assert "No space left on device; compacting it" in out.stderr

@@ -656,9 +656,12 @@ class Journal:
             log.warning("journal %s: %s; compacting it (%d bytes, %d of them live) and writing "
                         "again", self.path, cause.strerror, self._file.size, self._live_bytes)
             try:
-                self._compact_locked()
-            except JournalError as failed:
-                log.warning("%s", failed)
+                if self._live:
+                    self._compact_locked()
+                else:  # (in place: a trial's disk had no room even for a compaction's file)
+                    self._file.reset(encode_header(self._next_seq))
+            except (JournalError, OSError) as failed:
+                log.warning("journal %s: cannot compact it: %s", self.path, failed)
                 raise exc from None
             self._write(data)
 

@@ -260,6 +260,17 @@ class LogFile:
             raise failed from exc
         return old
 
+    def reset(self, header: bytes) -> None:
+        """Make ``header`` (no entries) the whole file in place, freeing its space: for a file
+        whose entries are all dead, on a disk too full for :meth:`replace`'s temporary file.
+        Cut to the old header first (a crash then leaves a valid, empty file), then the new
+        one written over it and fsynced. Raises OSError."""
+        os.ftruncate(self.fd, len(header))
+        self.size = self.allocated = len(header)
+        pwrite_all(self.fd, header, 0)
+        self.sync()
+        self._retry_reserve = 0
+
     def fsync_dir(self) -> None:
         if not self.fsync_enabled:
             return
