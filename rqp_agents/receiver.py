@@ -795,7 +795,7 @@ class Receiver(Daemon):
                 refused = Refuse(next(m for m in batch.messages if m.queue_key == key), reason,
                                  detail)
         if refused is None and batch.messages[0].message_type == SURE_MSG:
-            self._check_window()  # (before the first put: not a part of it)
+            await self._window_writable()  # (before the first put: not a part of it)
         failed = refused
         if failed is None:
             for i, message in enumerate(batch.messages):
@@ -846,21 +846,27 @@ class Receiver(Daemon):
         if self.dedup.seen(key):
             self._repeat(message, peer)
             return _REPEAT
-        self._check_window()
-        if not self.delivery.put_at_once(message):
-            return None
+        if self.dedup.unwritten or not self.delivery.put_at_once(message):
+            return None  # (the window first: see _window_writable)
         self.dedup.record(key)  # made durable before the answer is written
         return _PUT
 
-    def _check_window(self) -> None:
+    async def _window_writable(self) -> None:
         """A new SURE message is not put while the de-duplication window cannot be written
         (its last write failed: a full disk): its key would not survive a restart, and the
         sender's next try after it would put it again (a trial: 364 duplicates of 2,000, over
-        a restart while the disk was full). DedupError: the connection is closed unanswered,
-        the sender sends again later; :meth:`_retry_window` finds when it can be written."""
-        if self.dedup.unwritten:
-            raise DedupError(f"{self.dedup.path}: its last write failed; no new SURE message is "
-                             "put until it can be written (tried again every second)")
+        a restart while the disk was full). So the write is tried again first; DedupError if
+        it fails again: the connection is closed unanswered, the sender sends again later
+        (:meth:`_retry_window` also tries every second)."""
+        if not self.dedup.unwritten:
+            return
+        try:
+            waiting = self.commits.durable()
+            if waiting is not None:
+                await waiting
+        except DedupError as exc:
+            raise DedupError(f"{exc}; no new SURE message is put until it can be written") \
+                from exc
 
     def _repeat(self, message, peer: str) -> None:
         self.stats["repeats"] += 1
@@ -890,7 +896,9 @@ class Receiver(Daemon):
             if self.dedup.seen(key):
                 self._repeat(message, peer)
                 return None, "", True
-            self._check_window()
+            await self._window_writable()
+            if key in self._putting or self.dedup.seen(key):  # (meanwhile, from another)
+                return await self._put(message, peer)
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
                 reason, detail = await self.delivery.put(message)

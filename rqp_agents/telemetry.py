@@ -228,6 +228,7 @@ def receiver_status(agent) -> dict:
         "agent": "receiver", "pid": os.getpid(), "host": agent.host,
         "started_at": agent.started, "uptime": time.time() - agent.started,
         "source": agent.config.source, "listen": str(agent.config.listen),
+        "state_dir": os.path.abspath(agent.config.state_dir),
         "max_message_size": agent.max_message_size,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),

@@ -667,6 +667,28 @@ def test_an_agents_own_state_dir_socket_is_asked_before_the_services(tmp_path):
         tmp_path / "second" / "receiver.sock", Path("/run/rqp/receiver/control.sock")])
 
 
+def test_status_of_a_config_is_not_answered_by_another_agent():
+    """Trial 8: the config's own receiver was not running, and the service's answered on the
+    unit's socket: its status, exit 0, for a dead receiver. An answer from an agent that is
+    not the config's (listening elsewhere; serving another transmission queue) is no answer;
+    a copy of the config (an application's) is the same agent's."""
+    from rqp.config import ReceiverConfig, SenderConfig, parse_host
+    from rqp.system.control import ControlError
+    from rqp.tools.ctl_agents import _serving
+
+    recv3 = ReceiverConfig(state_dir="/x/rs3", source="/x/recv3.yaml")
+    assert _serving({"agent": "receiver", "state_dir": "/x/rs3"}, recv3)  # (a copy: the same)
+    with pytest.raises(ControlError, match="no agent of /x/recv3.yaml answers .the one that "
+                       "does keeps its state in /var/lib/rqp, not /x/rs3."):
+        _serving({"agent": "receiver", "state_dir": "/var/lib/rqp"}, recv3)
+    sender = SenderConfig(hosts=(parse_host("b:7460"),), transmission_queue=0x52510300)
+    assert _serving({"agent": "sender", "transmission_queue": "0x52510300"}, sender)
+    with pytest.raises(ControlError, match="serves transmission queue 0x52510000, not "
+                       "0x52510300"):
+        _serving({"agent": "sender", "transmission_queue": "0x52510000"}, sender)
+    assert _serving({"agent": "receiver", "listen": "elsewhere"}, None)  # (none named)
+
+
 def test_status_of_a_dead_letter_queue_removed_and_made_again(site):
     # A trial: after ipcrm of DEAD.LETTER.Q the status line said "DEAD.LETTER.Q 0x5251dead
     # (None)", and went on saying it after the queue was made again, until a dead letter.

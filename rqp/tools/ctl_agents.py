@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -311,13 +312,43 @@ def _receiver_optional(args, targets) -> bool:
         not SYSTEM_RECEIVER_CONFIG.exists() and any(name != "receiver" for name, _ in targets)
 
 
+def _named_config(args, name: str):
+    """The config named on the command line for agent ``name`` (loaded), if any."""
+    if args.socket:
+        return None
+    if name == "receiver":
+        return load_receiver_config(args.receiver_config) if args.receiver_config else None
+    return load_sender_config(find_rqprc(args.rqprc)) if args.rqprc else None
+
+
+def _serving(st: dict, config) -> dict:
+    """``st``, if it is the status of the agent ``config`` is for (the receiving MCA of its
+    state_dir, the sending MCA of its transmission queue); ControlError if it is another's
+    (trial 8: the config's own receiver was not running, and the service's answered on the
+    unit's socket: its status, exit 0)."""
+    if config is None or config.control_socket:  # (the socket it names is the agent's)
+        return st
+    if st.get("agent") == "receiver":  # (one receiver a state_dir: its window is there)
+        mine, theirs, what = os.path.realpath(config.state_dir), st.get("state_dir"), \
+            "keeps its state in"
+        if theirs is not None:
+            theirs = os.path.realpath(theirs)
+    else:
+        mine, theirs, what = format_key(config.transmission_queue), \
+            st.get("transmission_queue"), "serves transmission queue"
+    if theirs is not None and theirs != mine:
+        raise ControlError(f"no agent of {config.source or 'that config'} answers (the one "
+                           f"that does {what} {theirs}, not {mine})")
+    return st
+
+
 def _status_once(args) -> int:
     code, answers = 0, {}
     targets = _targets(args)
     receiver_optional = _receiver_optional(args, targets)
     for name, candidates in targets:
         try:
-            answers[name] = st = ask(candidates, "status")
+            answers[name] = st = _serving(ask(candidates, "status"), _named_config(args, name))
         except ControlError as exc:
             answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
                              "error": str(exc)}
@@ -515,6 +546,8 @@ def queues(args) -> int:
         candidates = [Path(args.socket)] if args.socket else \
             receiver_socket(args.receiver_config)[1]
         st = ask(candidates, "status")
+        if not args.socket and args.receiver_config:
+            st = _serving(st, load_receiver_config(args.receiver_config))
         offered = {q["queue_key"]: f"no: {q['why_not']}" if q.get("why_not") else q["offered"]
                    for q in st["queues"]}
         offered[int(st["dead_letter_queue"], 16)] = "no (an agent's own)"
