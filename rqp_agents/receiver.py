@@ -547,18 +547,10 @@ class Receiver(Daemon):
         (what was not written: no new SURE message is put meanwhile), until it succeeds."""
         while True:
             await asyncio.sleep(1.0)
-            if not self.dedup.unwritten:
-                continue
             try:
-                waiting = self.commits.durable()
-                if waiting is not None:
-                    await waiting
+                await self._window_writable()
             except DedupError as exc:
                 self.dedup_trouble = (str(exc), time.time())
-                continue
-            if not self.dedup.unwritten:
-                log.warning("the de-duplication window %s can be written again: SURE messages "
-                            "are put again", self.dedup.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -867,6 +859,8 @@ class Receiver(Daemon):
         except DedupError as exc:
             raise DedupError(f"{exc}; no new SURE message is put until it can be written") \
                 from exc
+        log.warning("the de-duplication window %s can be written again: SURE messages are put "
+                    "again", self.dedup.path)
 
     def _repeat(self, message, peer: str) -> None:
         self.stats["repeats"] += 1
