@@ -32,7 +32,7 @@ from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordErro
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
 from rqp.protocol.sender import budget_size
-from rqp.storage.journal import Journal
+from rqp.storage.journal import FULL as NO_ROOM, Journal, no_space
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import KeySource
 from rqp_agents.daemon import RateLimitedLog
@@ -43,6 +43,8 @@ log = logging.getLogger("rqp.sender")
 
 #: Records taken in one go by the reader thread once the first one has arrived.
 READ_BATCH = 256
+#: How often the reader tries again while the journal's disk is full (seconds).
+NO_ROOM_WAIT = 1.0
 
 #: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
 #: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
@@ -196,22 +198,31 @@ class Intake:
                 self.budget.give(room)
                 self._queue_trouble(exc)
                 continue
-            self.trouble = None
+            if not (self.trouble or "").startswith(NO_ROOM):  # (that one: said below)
+                self.trouble = None
             if len(batch) < room:
                 self.budget.give(room - len(batch))
             if not batch:
                 self._wait(loop, deliver)
                 continue
+            before = self._journaled_window, set(self._journaled_still)
             new = self._not_journaled(batch)
             try:
                 items = self._journal(new)
             except RQPError as exc:
                 self.budget.give(len(batch))
+                if no_space(exc) and not taken:  # (copied again next time: as before it)
+                    self._journaled_window, self._journaled_still = before
+                    self._no_room(exc)
+                    continue
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
                              "the transmission queue%s", exc, " (but the one taken before it "
                              "was journaled is lost)" if taken else "")
                 loop.call_soon_threadsafe(stop)
                 return
+            if self.trouble is not None and self.trouble.startswith(NO_ROOM):
+                log.warning("the journal takes SURE records again")
+            self.trouble = None
             if len(new) < len(batch):  # (sent from the journal: their places go back)
                 self.budget.give(len(batch) - len(new))
             if taken:
@@ -231,6 +242,18 @@ class Intake:
                 loop.call_soon_threadsafe(stop)
                 return
             loop.call_soon_threadsafe(deliver, items)
+
+    def _no_room(self, exc: RQPError) -> None:
+        """The journal's disk is full: the records stay on the transmission queue, and the
+        reader tries again every NO_ROOM_WAIT seconds (the messages in flight, confirmed,
+        leave the journal, which is then cut back; or an operator makes room). A trial's
+        sending MCA on a 2 MiB state_dir stopped instead, after 253 messages, every time."""
+        why = f"{NO_ROOM}: {exc.__cause__.strerror} ({self.journal.path}); the records wait " \
+            "here, tried again every second"
+        if self.trouble != why:
+            log.error("%s", why, extra={"event": "journal_full"})
+        self.trouble = why
+        self._stop_reading.wait(NO_ROOM_WAIT)
 
     def _wait(self, loop, deliver) -> None:
         """Wait for the next record (or a signal: the stop). The only one the wait takes is

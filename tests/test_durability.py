@@ -289,3 +289,48 @@ def test_a_kill_right_after_a_start_with_msgmax_lowered_loses_nothing(testbed):
     send(a, rqprc, Q1, ["end"], UNSURE_MSG)
     assert receive(b, Q1, 9) == [f"waiting {n}" for n in range(3)] + [
         f"short {n}" for n in range(5)] + ["end"]
+
+
+BIG_SEQUENCE = r"""
+import sys, rqp
+h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
+for i in range(int(sys.argv[2])):
+    rqp.sendMessage(h, b"%05d" % i + bytes(7995), rqp.SURE_MSG, timeout=60)
+"""
+
+TAKE_BIG = r"""
+import json, signal, sys, sysv_ipc
+signal.alarm(150)  # (a receive that never ends fails the test, not the suite)
+q = sysv_ipc.MessageQueue(0x52510001, max_message_size=1 << 16)
+print(json.dumps([q.receive()[0][:5].decode() for _ in range(int(sys.argv[1]))]))
+"""
+
+
+def test_a_sending_mca_on_a_small_disk_waits_for_room_and_goes_on(testbed):
+    """Trial 9: a sending MCA on a 2 MiB state_dir stopped after 253 SURE messages of 8 KB,
+    at every start: its journal filled the disk with messages in flight and delivered ones
+    (compaction starts at 32 MiB). Now the reader leaves the records on the transmission
+    queue while the journal has no room and tries again every second; the journal, emptied as
+    the messages in flight are confirmed, is cut back. A real 2 MiB tmpfs, mounted in the
+    sending MCA's own mount namespace."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    for host in (a, b):
+        host.sysctl("kernel.msgmnb", 4 << 20)
+    start_receiver(b)
+    make_queue(b, Q1)
+    state = a.workdir / "small-state"
+    state.mkdir()
+    rqprc = write_rqprc(a, [b], state_dir=str(state),
+                        control_socket=str(a.workdir / "sender.sock"))
+    sender = a.popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                      'mount -t tmpfs -o size=2m rqp-test "$1" && exec "$2" -m '
+                      'rqp_agents.sender --rqprc "$3" --log-level DEBUG', "sh", str(state),
+                      sys.executable, str(rqprc)])
+    wait_for(lambda: "serving transmission queue" in a.output(sender, "stderr")
+             or sender.poll() is not None, timeout=20, message="the sender did not start")
+    producer = a.popen([sys.executable, "-c", BIG_SEQUENCE, str(rqprc), "600"])
+    got = json.loads(b.python(TAKE_BIG, "600", timeout=160))
+    assert got == [f"{i:05d}" for i in range(600)]  # every one, once, in order
+    assert producer.wait(30) == 0 and sender.poll() is None, a.output(sender, "stderr")[-3000:]
+    assert log_lines(a, sender, "the journal cannot take SURE records: No space left on device")
+    assert log_lines(a, sender, "the journal takes SURE records again")

@@ -689,6 +689,17 @@ def test_status_of_a_config_is_not_answered_by_another_agent():
     assert _serving({"agent": "receiver", "listen": "elsewhere"}, None)  # (none named)
 
 
+def test_status_says_a_full_journal_is_no_unreadable_queue():
+    from rqp.tools.ctl_agents import _trouble
+
+    assert _trouble({"transmission_queue_trouble": "the journal cannot take SURE records: No "
+                     "space left on device (/s/sender.journal); the records wait here"}) == \
+        "; THE JOURNAL CANNOT TAKE SURE RECORDS: No space left on device " \
+        "(/s/sender.journal); the records wait here"
+    assert _trouble({"transmission_queue_trouble": "queue 0x52510000 was removed"}) == \
+        "; CANNOT READ IT: queue 0x52510000 was removed"
+
+
 def test_status_of_a_dead_letter_queue_removed_and_made_again(site):
     # A trial: after ipcrm of DEAD.LETTER.Q the status line said "DEAD.LETTER.Q 0x5251dead
     # (None)", and went on saying it after the queue was made again, until a dead letter.

@@ -165,6 +165,18 @@ log = logging.getLogger("rqp.journal")
 #: Write errors a compaction may cure: the disk (or the file's size limit) is full.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
+
+#: How a sending MCA's status begins to say that its journal's disk is full.
+FULL = "the journal cannot take SURE records"
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (a JournalError) is a write that found the disk full: the journal is
+    fine, and an append may succeed once messages in flight are released (or room is made)."""
+    cause = exc.__cause__
+    return isinstance(exc, JournalError) and isinstance(cause, OSError) and \
+        cause.errno in _NO_SPACE
+
 __all__ = [
     "APPEND_BODY",
     "COPIES_BODY",
@@ -649,8 +661,7 @@ class Journal:
             self._write(data)
         except JournalError as exc:
             cause = exc.__cause__
-            if self._failed is not None or not isinstance(cause, OSError) or \
-                    cause.errno not in _NO_SPACE or \
+            if self._failed is not None or not no_space(exc) or \
                     self._file.size <= FILE_HEADER_SIZE + self._live_bytes:
                 raise
             log.warning("journal %s: %s; compacting it (%d bytes, %d of them live) and writing "
@@ -662,7 +673,7 @@ class Journal:
                     self._file.reset(encode_header(self._next_seq))
             except (JournalError, OSError) as failed:
                 log.warning("journal %s: cannot compact it: %s", self.path, failed)
-                raise exc from None
+                raise exc  # (its cause, the full disk, kept: see no_space)
             self._write(data)
 
     def _sync(self, fd: int) -> None:
@@ -741,7 +752,17 @@ class Journal:
             todo = [seq for seq in dict.fromkeys(wanted) if seq in self._live]
             if not todo:
                 return
-            self._write_or_compact(b"".join(encode_release(seq) for seq in todo))
+            try:
+                self._write_or_compact(b"".join(encode_release(seq) for seq in todo))
+            except JournalError as exc:
+                if not no_space(exc) or self._failed is not None:
+                    raise
+                # Released in memory all the same, as a RELEASE lost in a crash (a re-send,
+                # recognised by its key): so that the journal empties as the messages in
+                # flight are confirmed, and its next append can cut it back in place.
+                log.warning("journal %s: %d RELEASE entries not written (%s): after a crash "
+                            "their messages would be sent again", self.path, len(todo),
+                            exc.__cause__.strerror)
             for seq in todo:
                 self._live_bytes -= _append_size(self._live.pop(seq)[1])
                 self._copies.pop(seq, None)

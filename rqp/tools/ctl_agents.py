@@ -29,6 +29,7 @@ from rqp.system.control import (
 )
 from rqp.system.queues import QueueEmpty, format_key, list_queues
 from rqp.system.service import is_agent_queue
+from rqp.storage.journal import FULL as JOURNAL_FULL
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
@@ -136,6 +137,8 @@ def _or_unknown(value) -> str:
 
 def _trouble(st: dict) -> str:
     trouble = st.get("transmission_queue_trouble")
+    if trouble and trouble.startswith(JOURNAL_FULL):  # (its records are read: not journaled)
+        return f"; {JOURNAL_FULL.upper()}{trouble[len(JOURNAL_FULL):]}"
     return f"; CANNOT READ IT: {trouble}" if trouble else ""
 
 
