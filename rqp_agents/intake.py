@@ -198,21 +198,23 @@ class Intake:
                 self.budget.give(room)
                 self._queue_trouble(exc)
                 continue
-            if not (self.trouble or "").startswith(NO_ROOM):  # (that one: said below)
-                self.trouble = None
+            if self.trouble is not None and not self.trouble.startswith(NO_ROOM):
+                self.trouble = None  # (that one: said below)
             if len(batch) < room:
                 self.budget.give(room - len(batch))
             if not batch:
                 self._wait(loop, deliver)
                 continue
-            before = self._journaled_window, set(self._journaled_still)
+            before = (self._journaled_window, set(self._journaled_still)) \
+                if self._journaled_window else None  # (after a start only)
             new = self._not_journaled(batch)
             try:
                 items = self._journal(new)
             except RQPError as exc:
                 self.budget.give(len(batch))
                 if no_space(exc) and not taken:  # (copied again next time: as before it)
-                    self._journaled_window, self._journaled_still = before
+                    if before is not None:
+                        self._journaled_window, self._journaled_still = before
                     self._no_room(exc)
                     continue
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
@@ -220,9 +222,10 @@ class Intake:
                              "was journaled is lost)" if taken else "")
                 loop.call_soon_threadsafe(stop)
                 return
-            if self.trouble is not None and self.trouble.startswith(NO_ROOM):
-                log.warning("the journal takes SURE records again")
-            self.trouble = None
+            if self.trouble is not None:
+                if self.trouble.startswith(NO_ROOM):
+                    log.warning("the journal takes SURE records again")
+                self.trouble = None
             if len(new) < len(batch):  # (sent from the journal: their places go back)
                 self.budget.give(len(batch) - len(new))
             if taken:
