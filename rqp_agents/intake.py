@@ -118,6 +118,10 @@ class Intake:
         #: Why the reader cannot read the transmission queue now (None: it can), for the
         #: status: records wait there meanwhile.
         self.trouble: str | None = None
+        #: Records read in one go: READ_BATCH, halved while a batch finds no room in an empty
+        #: journal (trial 10: 256 records of 8 KB never fit a 2 MiB state_dir, and the reader
+        #: waited for ever with the disk 99 % free).
+        self._batch_cap = READ_BATCH
         #: Records journaled before this start that may still be on the queue, past one too
         #: long to copy (see recover), within the next ``_journaled_window`` records read.
         self._journaled_still: set[bytes] = set()
@@ -189,7 +193,7 @@ class Intake:
     def _read_records(self, loop, deliver, stop) -> None:
         stopping = self._stop_reading.is_set
         while not stopping():
-            room = self.budget.take(READ_BATCH, timeout=0.2)
+            room = self.budget.take(self._batch_cap, timeout=0.2)
             if not room:
                 continue
             try:
@@ -215,6 +219,9 @@ class Intake:
                 if no_space(exc) and not taken:  # (copied again next time: as before it)
                     if before is not None:
                         self._journaled_window, self._journaled_still = before
+                    if not self.journal.live_count and len(batch) > 1:
+                        self._batch_cap = max(1, len(batch) // 2)  # (at once: it may fit)
+                        continue
                     self._no_room(exc)
                     continue
                 log.critical("cannot journal SURE records: %s -- stopping, records stay on "
@@ -226,6 +233,8 @@ class Intake:
                 if self.trouble.startswith(NO_ROOM):
                     log.warning("the journal takes SURE records again")
                 self.trouble = None
+            if self._batch_cap < READ_BATCH:
+                self._batch_cap = min(READ_BATCH, 2 * self._batch_cap)
             if len(new) < len(batch):  # (sent from the journal: their places go back)
                 self.budget.give(len(batch) - len(new))
             if taken:

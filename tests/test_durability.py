@@ -295,7 +295,7 @@ BIG_SEQUENCE = r"""
 import sys, rqp
 h = rqp.openConnection(0x52510001, rqprc=sys.argv[1], start_sender=False)
 for i in range(int(sys.argv[2])):
-    rqp.sendMessage(h, b"%05d" % i + bytes(7995), rqp.SURE_MSG, timeout=60)
+    rqp.sendMessage(h, b"%05d" % i + bytes(8095), rqp.SURE_MSG, timeout=60)
 """
 
 TAKE_BIG = r"""
@@ -322,13 +322,15 @@ def test_a_sending_mca_on_a_small_disk_waits_for_room_and_goes_on(testbed):
     state.mkdir()
     rqprc = write_rqprc(a, [b], state_dir=str(state),
                         control_socket=str(a.workdir / "sender.sock"))
+    producer = a.popen([sys.executable, "-c", BIG_SEQUENCE, str(rqprc), "600"])
+    # (first a backlog: trial 10's batch of 256 records of 8 KB, 2 MB, never fit 2 MiB)
+    wait_for(lambda: int(a.python("import sysv_ipc; print(sysv_ipc.MessageQueue(0x52510000)"
+                                  ".current_messages)")) >= 300, timeout=60,
+             message="no backlog on the transmission queue")
     sender = a.popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                       'mount -t tmpfs -o size=2m rqp-test "$1" && exec "$2" -m '
                       'rqp_agents.sender --rqprc "$3" --log-level DEBUG', "sh", str(state),
                       sys.executable, str(rqprc)])
-    wait_for(lambda: "serving transmission queue" in a.output(sender, "stderr")
-             or sender.poll() is not None, timeout=20, message="the sender did not start")
-    producer = a.popen([sys.executable, "-c", BIG_SEQUENCE, str(rqprc), "600"])
     got = json.loads(b.python(TAKE_BIG, "600", timeout=160))
     assert got == [f"{i:05d}" for i in range(600)]  # every one, once, in order
     assert producer.wait(30) == 0 and sender.poll() is None, a.output(sender, "stderr")[-3000:]
