@@ -118,6 +118,9 @@ class Intake:
         #: Why the reader cannot read the transmission queue now (None: it can), for the
         #: status: records wait there meanwhile.
         self.trouble: str | None = None
+        #: Why the journal takes no SURE records now (its disk is full; None: it does): they
+        #: wait on the transmission queue meanwhile.
+        self.journal_full: str | None = None
         #: Records read in one go: READ_BATCH, halved while a batch finds no room in an empty
         #: journal (trial 10: 256 records of 8 KB never fit a 2 MiB state_dir, and the reader
         #: waited for ever with the disk 99 % free).
@@ -202,8 +205,7 @@ class Intake:
                 self.budget.give(room)
                 self._queue_trouble(exc)
                 continue
-            if self.trouble is not None and not self.trouble.startswith(NO_ROOM):
-                self.trouble = None  # (that one: said below)
+            self.trouble = None
             if len(batch) < room:
                 self.budget.give(room - len(batch))
             if not batch:
@@ -229,10 +231,9 @@ class Intake:
                              "was journaled is lost)" if taken else "")
                 loop.call_soon_threadsafe(stop)
                 return
-            if self.trouble is not None:
-                if self.trouble.startswith(NO_ROOM):
-                    log.warning("the journal takes SURE records again")
-                self.trouble = None
+            if self.journal_full is not None:
+                self.journal_full = None
+                log.warning("the journal takes SURE records again")
             if self._batch_cap < READ_BATCH:
                 self._batch_cap = min(READ_BATCH, 2 * self._batch_cap)
             if len(new) < len(batch):  # (sent from the journal: their places go back)
@@ -262,9 +263,9 @@ class Intake:
         sending MCA on a 2 MiB state_dir stopped instead, after 253 messages, every time."""
         why = f"{NO_ROOM}: {exc.__cause__.strerror} ({self.journal.path}); the records wait " \
             "here, tried again every second"
-        if self.trouble != why:
+        if self.journal_full != why:
             log.error("%s", why, extra={"event": "journal_full"})
-        self.trouble = why
+        self.journal_full = why
         self._stop_reading.wait(NO_ROOM_WAIT)
 
     def _wait(self, loop, deliver) -> None:

@@ -95,7 +95,7 @@ def sender_status(agent) -> dict:
         "source": agent.config.source,
         "transmission_queue": format_key(agent.config.transmission_queue),
         "transmission_queue_depth": _depth(agent.intake.queue),
-        "transmission_queue_trouble": agent.intake.trouble,
+        "transmission_queue_trouble": agent.intake.journal_full or agent.intake.trouble,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "dead_letters_held": agent.dead_letters_held,
