@@ -140,11 +140,11 @@ another process) is refused: the journal holds an exclusive ``flock`` on ``{name
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
 import threading
+import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -160,11 +160,13 @@ from rqp.protocol.codec import struct_of
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
 from rqp.storage.log import LogFile, ReplaceFailed, written_end
+from rqp.system.files import out_of_space
 
 log = logging.getLogger("rqp.journal")
-#: Write errors a compaction may cure: the disk (or the file's size limit) is full.
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
+
+#: Seconds between tries of a compaction that found no room for its copy (maybe_compact).
+COMPACT_AGAIN = 10.0
 
 #: How a sending MCA's status begins to say that its journal's disk is full.
 FULL = "the journal cannot take SURE records"
@@ -174,8 +176,7 @@ def no_space(exc: BaseException) -> bool:
     """Whether ``exc`` (a JournalError) is a write that found the disk full: the journal is
     fine, and an append may succeed once messages in flight are released (or room is made)."""
     cause = exc.__cause__
-    return isinstance(exc, JournalError) and isinstance(cause, OSError) and \
-        cause.errno in _NO_SPACE
+    return isinstance(exc, JournalError) and out_of_space(cause)
 
 __all__ = [
     "APPEND_BODY",
@@ -466,6 +467,7 @@ class Journal:
         self._syncers = 0
         self._failed: str | None = None
         self._closed = False
+        self._compact_again = 0.0  # (monotonic time: see maybe_compact)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -669,12 +671,29 @@ class Journal:
             try:
                 if self._live:
                     self._compact_locked()
-                else:  # (in place: a trial's disk had no room even for a compaction's file)
-                    self._file.reset(encode_header(self._next_seq))
+                else:
+                    self._cut_back_locked()
             except (JournalError, OSError) as failed:
                 log.warning("journal %s: cannot compact it: %s", self.path, failed)
                 raise exc  # (its cause, the full disk, kept: see no_space)
             self._write(data)
+
+    def _cut_back_locked(self) -> bool:
+        """With nothing live, cut the file back to its header in place (a trial's disk had no
+        room even for a compaction's new file). Returns whether it held more."""
+        if self._live or self._file.size <= FILE_HEADER_SIZE and \
+                self._file.allocated <= FILE_HEADER_SIZE:
+            return False
+        self._file.reset(encode_header(self._next_seq))
+        return True
+
+    def cut_back_if_empty(self) -> bool:
+        """Free the file's room when no entry in it is live (see :meth:`_cut_back_locked`):
+        what a sending MCA does to make room for its reserve on a full disk. Raises OSError
+        if the cut fails."""
+        with self._cond:
+            self._check_usable()
+            return self._cut_back_locked()
 
     def _sync(self, fd: int) -> None:
         """fsync ``fd`` outside the lock; the caller counted itself in ``_syncers`` under it."""
@@ -784,7 +803,14 @@ class Journal:
                         released.append(seq)
             if not parts:
                 return []
-            self._write(b"".join(parts))
+            try:
+                self._write_or_compact(b"".join(parts))
+            except JournalError as exc:
+                if not no_space(exc) or self._failed is not None:
+                    raise
+                log.warning("journal %s: %d COPY_DONE/RELEASE entries not written (%s): "
+                            "after a crash those copies would be sent again", self.path,
+                            len(parts), exc.__cause__.strerror)  # (as release() does)
             for seq, left in pending.items():
                 if seq in self._copies:
                     self._copies[seq] = left
@@ -816,12 +842,23 @@ class Journal:
 
     def maybe_compact(self) -> bool:
         """Compact if the file is at least ``compact_min_bytes`` and less than
-        ``compact_ratio`` of it is live. Returns whether it compacted."""
+        ``compact_ratio`` of it is live. Returns whether it compacted. On a disk too full for
+        the compacted copy it does not (logged), and tries again no sooner than
+        COMPACT_AGAIN seconds later (each try writes the live entries until the disk is full)."""
         with self._cond:
             self._check_usable()
-            if not self._should_compact():
+            if not self._should_compact() or time.monotonic() < self._compact_again:
                 return False
-            self._compact_locked()
+            try:
+                self._compact_locked()
+            except JournalError as exc:
+                if not no_space(exc) or self._failed is not None:
+                    raise
+                self._compact_again = time.monotonic() + COMPACT_AGAIN
+                log.warning("journal %s: no room to compact it (%s; %d bytes, %d of them "
+                            "live): tried again in %gs", self.path, exc.__cause__.strerror,
+                            self._file.size, self._live_bytes, COMPACT_AGAIN)
+                return False
             return True
 
     def compact(self) -> None:
