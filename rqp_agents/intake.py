@@ -21,6 +21,7 @@ every record behind it, for good.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import threading
@@ -32,12 +33,14 @@ from rqp.protocol.errors import QueueError, QueueFull, QueueNotFound, RecordErro
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.records import TransmissionRecord
 from rqp.protocol.sender import budget_size
-from rqp.storage.journal import FULL as NO_ROOM, Journal, no_space
+from rqp.storage.journal import FULL as NO_ROOM, Journal, JournalError, no_space
+from rqp.system.files import SpaceReserve
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import KeySource
 from rqp_agents.daemon import RateLimitedLog
 
-__all__ = ["Budget", "Intake", "Item", "Taken", "budget_size", "messages_in"]
+__all__ = ["START_RESERVE", "Budget", "Intake", "Item", "NoReserve", "Taken", "budget_size",
+           "messages_in"]
 
 log = logging.getLogger("rqp.sender")
 
@@ -45,6 +48,8 @@ log = logging.getLogger("rqp.sender")
 READ_BATCH = 256
 #: How often the reader tries again while the journal's disk is full (seconds).
 NO_ROOM_WAIT = 1.0
+#: Bytes kept free in state_dir for the sending MCA's next start (:class:`SpaceReserve`).
+START_RESERVE = 64 << 10
 
 #: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
 #: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
@@ -100,11 +105,22 @@ class Budget:
             self._cond.notify()
 
 
+class NoReserve(JournalError):
+    """SURE records are not journaled while the start reserve is missing (see Intake)."""
+
+
 class Intake:
-    """The transmission queue, the journal of SURE records and the reader thread."""
+    """The transmission queue, the journal of SURE records and the reader thread.
+
+    The journal never takes the room of the sending MCA's start reserve (``reserve``, freed
+    by the start before its own writes): while the reserve cannot be made again, SURE records
+    wait on the transmission queue as when the journal's disk is full, and
+    :meth:`keep_reserve` is called every second. So a sending MCA stopped or killed on a full
+    disk can always start again.
+    """
 
     def __init__(self, transmission_queue: int, state_dir: Path, name: str, keys: KeySource,
-                 budget: int) -> None:
+                 budget: int, reserve: SpaceReserve) -> None:
         self.key = transmission_queue
         self.queue = LocalQueue.create(transmission_queue)
         self.keys = keys
@@ -112,6 +128,7 @@ class Intake:
         self.journal = Journal(state_dir, name)
         for problem in self.journal.problems:
             log.error("journal %s: %s", state_dir / f"{name}.journal", problem)
+        self.reserve = reserve
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
         self._long_records = RateLimitedLog(log, 10.0, 20, what="records longer than msgmax")
@@ -131,6 +148,33 @@ class Intake:
         self._journaled_window = 0
         #: (broadcast queue keys, hosts): what a broadcast record is copied to (spec section 6).
         self.fanout: tuple[frozenset, tuple] = (frozenset(), ())
+
+    # --- the start reserve ---------------------------------------------------------------------
+
+    def keep_reserve(self) -> bool:
+        """Make the start reserve if it is missing; with no room for it, cut the journal back
+        first if nothing in it is live (released entries take the disk until the next append
+        otherwise). Returns whether it is there; logs when that changes."""
+        was = self.reserve.missing
+        made = self.reserve.make()
+        if not made and self.journal.live_count == 0:
+            try:
+                if self.journal.cut_back_if_empty():
+                    made = self.reserve.make()
+            except (OSError, JournalError) as exc:
+                log.warning("journal %s: cannot cut it back to make room: %s",
+                            self.journal.path, exc)
+        if made and was is not None:
+            log.warning("the start reserve %s is made again: SURE records are journaled "
+                        "again", self.reserve.path)
+        elif not made and was is None:
+            log.error("the start reserve %s (%d KiB) cannot be made: %s: SURE records wait "
+                      "on the transmission queue until it is (tried every second), so that "
+                      "this sending MCA could start again if it stopped now; make room in %s",
+                      self.reserve.path, self.reserve.size >> 10, self.reserve.missing,
+                      self.reserve.path.parent,
+                      extra={"event": "reserve_missing"})
+        return made
 
     # --- start: what the journal holds ---------------------------------------------------------
 
@@ -221,7 +265,8 @@ class Intake:
                 if no_space(exc) and not taken:  # (copied again next time: as before it)
                     if before is not None:
                         self._journaled_window, self._journaled_still = before
-                    if not self.journal.live_count and len(batch) > 1:
+                    if not self.journal.live_count and len(batch) > 1 and \
+                            not isinstance(exc, NoReserve):
                         self._batch_cap = max(1, len(batch) // 2)  # (at once: it may fit)
                         continue
                     self._no_room(exc)
@@ -261,8 +306,10 @@ class Intake:
         reader tries again every NO_ROOM_WAIT seconds (the messages in flight, confirmed,
         leave the journal, which is then cut back; or an operator makes room). A trial's
         sending MCA on a 2 MiB state_dir stopped instead, after 253 messages, every time."""
-        why = f"{NO_ROOM}: {exc.__cause__.strerror} ({self.journal.path}); the records wait " \
-            "here, tried again every second"
+        where = f"the start reserve {self.reserve.path} cannot be made" \
+            if isinstance(exc, NoReserve) else self.journal.path
+        why = f"{NO_ROOM}: {exc.__cause__.strerror} ({where}); the records wait here, tried " \
+            "again every second"
         if self.journal_full != why:
             log.error("%s", why, extra={"event": "journal_full"})
         self.journal_full = why
@@ -331,6 +378,9 @@ class Intake:
             if record.message_type == SURE_MSG and not queue_key_problem(record.queue_key):
                 sure.append(len(items))
             items.append([data, record, key, None, copies])
+        if sure and self.reserve.missing is not None:
+            raise NoReserve(f"the start reserve {self.reserve.path} cannot be made") from \
+                OSError(errno.ENOSPC, self.reserve.missing)
         seqs = self.journal.append([(items[i][2], items[i][0], items[i][4]) for i in sure])
         for i, seq in zip(sure, seqs):
             items[i][3] = seq

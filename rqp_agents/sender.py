@@ -37,16 +37,16 @@ from rqp.protocol.sender import (
 )
 from rqp.storage.deadletters import DeadLetterWriter
 from rqp.system.control import default_socket
+from rqp.system.files import SpaceReserve
 from rqp.system.queues import format_key, kernel_limits
 from rqp.system.service import (
     KeySource, ServingLock, config_changes, counts, host_name, make_state_dir,
     mark_dead_letter_queue, setup_logging, wall_ms,
-    write_file_atomically,
 )
 from rqp.system.tls import TLSFileError, check_files, client_context, handshake_problem
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
-from rqp_agents.intake import Intake, Taken, budget_size, messages_in
+from rqp_agents.intake import NO_ROOM_WAIT, START_RESERVE, Intake, Taken, budget_size, messages_in
 from rqp_agents.links import Links
 
 log = logging.getLogger("rqp.sender")
@@ -119,14 +119,18 @@ class Sender(Daemon):
         mark_dead_letter_queue(config.dead_letter_queue)  # never offered by a receiver here
         self.lock = ServingLock(config.transmission_queue)
         self.name = config.agent_name
+        # Freed before the start's own writes, made again once they are done (Intake): a
+        # sending MCA killed while its journal filled the disk could not start (trial 10).
+        self.reserve = SpaceReserve(self.state_dir / f"{self.name}.reserve", START_RESERVE)
+        self.reserve.free()
+        (self.state_dir / f"{self.name}.pid").unlink(missing_ok=True)  # (no longer written)
         self.keys = KeySource(self.state_dir, self.name)
-        self.pid_file = self.state_dir / f"{self.name}.pid"
-        write_file_atomically(self.pid_file, f"{os.getpid()}\n".encode())
         self.core = SenderCore(Settings.from_config(config), self.keys, clock_ms=wall_ms)
         # SURE records are journaled before they are taken off the transmission queue and
         # released once delivered or dead-lettered here (spec 5.7).
         self.intake = Intake(config.transmission_queue, self.state_dir, self.name, self.keys,
-                             budget_size(config.window, len(config.hosts)))
+                             budget_size(config.window, len(config.hosts)), self.reserve)
+        self.intake.keep_reserve()
         self.intake.fanout = (config.broadcast_keys, config.hosts)
         #: Messages waiting for a route whose places in the budget were given back (up to
         #: WAITING_FOR_ROUTE_MAX): they do not hold up the queues that have one.
@@ -181,11 +185,21 @@ class Sender(Daemon):
             log.info("plaintext RQP/1 to %s (no tls: block for them in %s)", ", ".join(plain),
                      self.config.source)
         self.ready("serving")
+        reserve = asyncio.create_task(self._keep_reserve())
         await self.wait_for_stop()
+        reserve.cancel()
         if self.failed:
             await self._abort()
         else:
             await self._stop()
+
+    async def _keep_reserve(self) -> None:
+        """While the start reserve is missing, try to make it again every second (in a
+        thread: it writes and fsyncs 64 KiB, and may cut the journal back)."""
+        while True:
+            await asyncio.sleep(NO_ROOM_WAIT)
+            if self.reserve.missing is not None:
+                await asyncio.to_thread(self.intake.keep_reserve)
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -351,7 +365,6 @@ class Sender(Daemon):
                       f"DEAD.LETTER.Q {format_key(self.config.dead_letter_queue)} is still full")
         self._release_journaled()
         self.intake.journal.close()
-        self.pid_file.unlink(missing_ok=True)
         log.info("stopped: %s", counts(self.stats))
 
     async def _abort(self) -> None:
@@ -361,7 +374,6 @@ class Sender(Daemon):
         self.links.close_all()
         self.stop_service()
         self.intake.journal.close()
-        self.pid_file.unlink(missing_ok=True)
         log.error("stopped after an unexpected error: %d message(s) held, %d SURE in the "
                   "journal", self.core.held, self.intake.journal.live_count)
 

@@ -4,6 +4,7 @@ does), the retry budget, unique keys across restarts."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -336,3 +337,70 @@ def test_a_sending_mca_on_a_small_disk_waits_for_room_and_goes_on(testbed):
     assert producer.wait(30) == 0 and sender.poll() is None, a.output(sender, "stderr")[-3000:]
     assert log_lines(a, sender, "the journal cannot take SURE records: No space left on device")
     assert log_lines(a, sender, "the journal takes SURE records again")
+
+
+FREE_BYTES = "import os, sys; st = os.statvfs(sys.argv[1]); print(st.f_bavail * st.f_frsize)"
+
+
+def test_a_sending_mca_killed_on_a_full_disk_starts_again(testbed):
+    """Trial 10: a sending MCA killed while its state_dir was full (its journal, with
+    messages waiting for a route, took the disk) could not start again until room was made:
+    'cannot start: [Errno 28] No space left on device: .../sender-*.incarnation'. It keeps a
+    reserve file for its start now, freed by the start; while it cannot be made again, its
+    journal takes no SURE record. A real 2 MiB tmpfs in a mount namespace of its own, held by
+    a process of the test, so that each start finds the same full disk."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    for host in (a, b):
+        host.sysctl("kernel.msgmnb", 4 << 20)
+    state = a.workdir / "small-state"
+    state.mkdir()
+    control = a.workdir / "sender.sock"
+    rqprc = write_rqprc(a, [b], state_dir=str(state), control_socket=str(control))
+    disk = a.popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                    'mount -t tmpfs -o size=2m rqp-test "$1" && echo mounted && exec cat',
+                    "sh", str(state)], stdin=subprocess.PIPE)
+    wait_for(lambda: a.output(disk) == "mounted\n", timeout=20, message="no tmpfs")
+    on_disk = ["nsenter", f"--mount=/proc/{disk.pid}/ns/mnt", "--"]
+    sender_argv = [*on_disk, sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc),
+                   "--log-level", "DEBUG"]
+
+    def fill(name: str, leave: int = 0) -> None:  # another file takes the disk's last pages
+        free = int(a.run([*on_disk, sys.executable, "-c", FREE_BYTES, str(state)]).stdout)
+        a.run([*on_disk, "dd", "if=/dev/zero", f"of={state / name}", "bs=4k",
+               f"count={(free - leave) // 4096}"], check=False)
+
+    def start_on_full_disk():
+        sender = a.popen(sender_argv)
+        wait_for(lambda: log_lines(a, sender, "serving transmission queue") or
+                 sender.poll() is not None, timeout=30, message="the start said nothing")
+        assert sender.poll() is None, a.output(sender, "stderr")[-3000:]
+        return sender
+
+    producer = a.popen([sys.executable, "-c", BIG_SEQUENCE, str(rqprc), "400"])
+    first = a.popen(sender_argv)  # b has no receiver yet: every message waits, journaled
+    wait_for(lambda: log_lines(a, first, "the journal cannot take SURE records"), timeout=60,
+             message="the journal never filled the disk")
+    fill("other")
+    assert a.kill(first) == -9
+    second = start_on_full_disk()  # the reserve's room was enough for the start: made again
+    assert not log_lines(a, second, "cannot be made")
+    # Killed again; the reserve gone meanwhile and its room half taken: the start fits
+    # (nothing else does), the reserve cannot be made, no SURE record is taken ...
+    assert a.kill(second) == -9
+    a.run([*on_disk, "rm", str(state / "sender-52510000.reserve")])
+    fill("more", leave=32 << 10)
+    third = start_on_full_disk()
+    assert log_lines(a, third, "(64 KiB) cannot be made: No space left on device")
+    ctl = [sys.executable, "-m", "rqp.tools.ctl", "status", "--socket", str(control)]
+    said = "THE JOURNAL CANNOT TAKE SURE RECORDS: No space left on device (the start reserve"
+    wait_for(lambda: said in a.run(ctl, check=False, timeout=60).stdout, timeout=30,
+             message="rqpctl status did not say that the journal takes no records")
+    assert a.run(ctl, check=False, timeout=60).returncode == 4
+    # ... until the journal, its messages delivered, is cut back: then all go, once, in order
+    start_receiver(b)
+    make_queue(b, Q1)
+    got = json.loads(b.python(TAKE_BIG, "400", timeout=160))
+    assert got == [f"{i:05d}" for i in range(400)]
+    assert producer.wait(30) == 0 and third.poll() is None, a.output(third, "stderr")[-3000:]
+    assert log_lines(a, third, "is made again: SURE records are journaled again")
+    disk.stdin.close()
