@@ -96,6 +96,7 @@ def sender_status(agent) -> dict:
         "transmission_queue": format_key(agent.config.transmission_queue),
         "transmission_queue_depth": _depth(agent.intake.queue),
         "transmission_queue_trouble": agent.intake.journal_full or agent.intake.trouble,
+        "start_reserve": str(agent.reserve.path), "start_reserve_missing": agent.reserve.missing,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
         "dead_letter_queue_depth": _depth(agent.dead_letters.queue),
         "dead_letters_held": agent.dead_letters_held,
@@ -152,6 +153,11 @@ def sender_metrics(agent) -> str:
          "heartbeats not answered in time (the connection was closed), by host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal (an atomic batch once)"),
+        ("rqp_sender_journal_full", "gauge",
+         "1 while the journal takes no SURE records (state_dir full, or the start reserve "
+         "cannot be made): they wait on the transmission queue"),
+        ("rqp_sender_start_reserve_missing", "gauge",
+         "1 while the reserve kept in state_dir for the next start cannot be made (no room)"),
         ("rqp_sender_dead_letters_held", "gauge",
          "dead letters held in memory because DEAD.LETTER.Q is full"),
         ("rqp_sender_waiting_for_route", "gauge",
@@ -198,6 +204,8 @@ def sender_metrics(agent) -> str:
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)
+    m["rqp_sender_journal_full"].add(int(agent.intake.journal_full is not None))
+    m["rqp_sender_start_reserve_missing"].add(int(agent.reserve.missing is not None))
     m["rqp_sender_dead_letters_held"].add(agent.dead_letters_held)
     m["rqp_sender_waiting_for_route"].add(agent.core.waiting_for_route())
     for name, queue in (("rqp_dead_letter_queue_depth", agent.dead_letters.queue),

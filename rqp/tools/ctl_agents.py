@@ -161,6 +161,10 @@ def _print_sender(st: dict) -> None:
             f" ({h['heartbeat_failures']} heartbeat(s) unanswered, the last "
             f"{_ago(h.get('heartbeat_failed_at'), now)} ago)" if h.get("heartbeat_failures")
             else "") for h in st["hosts"]))
+    if st.get("start_reserve_missing"):
+        print(f"  START RESERVE MISSING: {st['start_reserve']} cannot be made "
+              f"({st['start_reserve_missing']}): no SURE record is journaled until it is; make "
+              "room in state_dir (a sending MCA stopped now might not start again)")
     if not st["routes"]:
         print("  no messages sent yet")
         return
@@ -367,6 +371,7 @@ def _status_once(args) -> int:
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
                 or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
+                or st.get("start_reserve_missing")
                 or _no_room(st) or _state_trouble(st)) and code != EXIT_NOT_RUNNING:
             code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down; a disk)
         if not args.json:
