@@ -395,7 +395,11 @@ def test_a_sending_mca_killed_on_a_full_disk_starts_again(testbed):
     said = "THE JOURNAL CANNOT TAKE SURE RECORDS: No space left on device (the start reserve"
     wait_for(lambda: said in a.run(ctl, check=False, timeout=60).stdout, timeout=30,
              message="rqpctl status did not say that the journal takes no records")
-    assert a.run(ctl, check=False, timeout=60).returncode == 4
+    status = a.run(ctl, check=False, timeout=60)
+    assert status.returncode == 4 and "START RESERVE MISSING: " in status.stdout, status.stdout
+    metrics = a.run([*ctl[:-3], "metrics", "--socket", str(control)], timeout=60).stdout
+    assert "rqp_sender_start_reserve_missing 1" in metrics
+    assert "rqp_sender_journal_full 1" in metrics
     # ... until the journal, its messages delivered, is cut back: then all go, once, in order
     start_receiver(b)
     make_queue(b, Q1)
