@@ -681,8 +681,8 @@ class SenderConfig:
     @property
     def agent_name(self) -> str:
         """The name of the sending MCA that serves this transmission queue,
-        ``sender-52510000``: its journal, key incarnation, start reserve, log and control socket files are named
-        after it (one MCA per transmission queue)."""
+        ``sender-52510000``: its journal, key incarnation, start reserve, log and control
+        socket files are named after it (one MCA per transmission queue)."""
         return f"sender-{self.transmission_queue:08x}"
 
     @property
