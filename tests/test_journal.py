@@ -976,3 +976,54 @@ def test_a_compaction_that_finds_no_room_is_not_an_error(tmp_path):
                          check=True, capture_output=True, text=True, timeout=60)
     assert json.loads(out.stdout) == [False, False, 2, None]
     assert out.stderr.count("no room to compact it (File too large;") == 1, out.stderr
+
+
+TORN_ON_A_FULL_DISK = r"""
+import json, os, sys
+from rqp.storage.journal import Journal
+""" + FILL + r"""
+disk, zeros = sys.argv[1], sys.argv[2] == "zeros"
+j = Journal(disk)
+j.append([(1, b"x" * 30000)])  # (not zeros: the written end is the last byte not zero)
+first = j.file_bytes
+j.append([(2, b"x" * 30000)])
+end = j.file_bytes
+j.close()
+path = os.path.join(disk, "sender.journal")
+with open(path, "r+b") as f:  # the last entry damaged: cut short, or its last byte changed
+    f.truncate(end - 2) if not zeros else (f.seek(end - 1), f.write(b"\xff"))
+said = [end - first, os.path.getsize(path) > end]  # (room allocated ahead: zeros)
+fill(os.path.join(disk, "other"))
+try:
+    j = Journal(disk)
+except OSError as exc:
+    said.append(str(exc))
+    os.unlink(os.path.join(disk, "other"))  # room made
+    j = Journal(disk)
+said.append([e.key for e in j.recovered])
+said.append(sorted(os.path.getsize(os.path.join(disk, n)) for n in os.listdir(disk)
+                   if ".discarded-" in n))
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.parametrize("disk", ["256k", "4m"])
+def test_a_damaged_tail_on_a_full_disk_is_saved_or_the_open_says_what_room_it_needs(
+        tmp_path, disk):
+    """Trial 11: a journal whose last entry a kill tore, on a full disk, could not be opened
+    (its damaged bytes are saved to a side file before they are cut off), and each try left a
+    part of that copy, taking the room made for the next. Now the room allocated ahead of the
+    appends is given back first (on the 4 MiB disk: then the copy fits), and where it still
+    does not fit the error says what room it needs and leaves nothing behind."""
+    import json
+
+    zeros = "zeros" if disk == "4m" else "cut"
+    said = json.loads(_on_a_tmpfs(tmp_path, TORN_ON_A_FULL_DISK.replace(
+        'sys.argv[2] == "zeros"', f"{zeros == 'zeros'}"), size=disk).stdout)
+    entry = said.pop(0)
+    if disk == "4m":
+        assert said == [True, [1], [entry]]  # opened at once, the copy saved
+    else:
+        assert said[0] is False and said[2:] == [[1], [entry - 2]]
+        assert said[1].startswith(f"[Errno 28] cannot save the {entry - 2} damaged bytes of ") \
+            and "(No space left on device): make room for them: '" in said[1], said[1]

@@ -158,15 +158,29 @@ class LogFile:
         side = None
         if keep_copy is not None:
             data = read_all(self.fd)
-            tail = data[offset:written_end(data, offset)]
+            written = written_end(data, offset)
+            tail = data[offset:written]
+            if len(data) > written:  # the reserved zeros' room first: the copy may need it
+                os.ftruncate(self.fd, written)  # (a crash now: the same file, shorter zeros)
             side = self._unused(f"{self.path.name}.{keep_copy}-{_utc_stamp()}")
             fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                pwrite_all(fd, tail, 0)
-                if self.fsync_enabled:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                try:
+                    pwrite_all(fd, tail, 0)
+                    if self.fsync_enabled:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException as exc:
+                # A part of a copy (a full disk) would take the room a retry needs (a trial:
+                # each start on a full disk left one more, and never started).
+                with contextlib.suppress(OSError):
+                    os.unlink(side)
+                if isinstance(exc, OSError):
+                    raise OSError(exc.errno, f"cannot save the {len(tail)} damaged bytes of "
+                                  f"{self.path} from offset {offset} before cutting them off "
+                                  f"({exc.strerror}): make room for them", str(side)) from exc
+                raise
             self.fsync_dir()
         os.ftruncate(self.fd, offset)
         if self.fsync_enabled:
