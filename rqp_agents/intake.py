@@ -25,6 +25,7 @@ import errno
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from rqp.system.service import KeySource
 from rqp_agents.daemon import RateLimitedLog
 
 __all__ = ["START_RESERVE", "Budget", "Intake", "Item", "NoReserve", "Taken", "budget_size",
-           "messages_in"]
+           "messages_in", "start_reserve_size"]
 
 log = logging.getLogger("rqp.sender")
 
@@ -48,8 +49,17 @@ log = logging.getLogger("rqp.sender")
 READ_BATCH = 256
 #: How often the reader tries again while the journal's disk is full (seconds).
 NO_ROOM_WAIT = 1.0
-#: Bytes kept free in state_dir for the sending MCA's next start (:class:`SpaceReserve`).
+#: Least seconds between two lines saying that the journal cannot take SURE records.
+NO_ROOM_SAY_AGAIN = 60.0
+#: Bytes kept free in state_dir for the sending MCA's next start (:class:`SpaceReserve`):
+#: its own small files, beside the copy of a record's journal entry that a kill tore
+#: (:func:`start_reserve_size`; a trial with msgmax 65536 had no room for that copy).
 START_RESERVE = 64 << 10
+
+
+def start_reserve_size(msgmax: int) -> int:
+    """START_RESERVE and one record's room (msgmax and a page), in whole pages."""
+    return START_RESERVE + -(-(msgmax + 4096) // 4096) * 4096
 
 #: A record read off the queue: ``[bytes, TransmissionRecord or RecordError, key, journal seq,
 #: copies]``; ``copies``: for a broadcast queue key, ``((key, host), ...)``, else None.
@@ -138,9 +148,17 @@ class Intake:
         #: Why the journal takes no SURE records now (its disk is full; None: it does): they
         #: wait on the transmission queue meanwhile.
         self.journal_full: str | None = None
-        #: Records read in one go: READ_BATCH, halved while a batch finds no room in an empty
-        #: journal (trial 10: 256 records of 8 KB never fit a 2 MiB state_dir, and the reader
-        #: waited for ever with the disk 99 % free).
+        #: When the last "cannot take" line was logged (monotonic), whether the journal has
+        #: been full since, and how many times it was full again without a line (at most one
+        #: a NO_ROOM_SAY_AGAIN: a trial's full disk, freed by each delivery, logged 21 pairs of
+        #: lines in 22 s).
+        self._no_room_said_at = -NO_ROOM_SAY_AGAIN
+        self._no_room_said_now = False
+        self._no_room_unsaid = 0
+        #: Records read in one go: READ_BATCH, halved while a batch finds no room (trial 10:
+        #: 256 records of 8 KB never fit a 2 MiB state_dir, and the reader waited for ever
+        #: with the disk 99 % free; trial 11: 192 waited with half of it free, the journal
+        #: holding messages in flight).
         self._batch_cap = READ_BATCH
         #: Records journaled before this start that may still be on the queue, past one too
         #: long to copy (see recover), within the next ``_journaled_window`` records read.
@@ -151,11 +169,13 @@ class Intake:
 
     # --- the start reserve ---------------------------------------------------------------------
 
-    def keep_reserve(self) -> bool:
-        """Make the start reserve if it is missing; with no room for it, cut the journal back
-        first if nothing in it is live (released entries take the disk until the next append
-        otherwise). Returns whether it is there; logs when that changes."""
+    def keep_reserve(self, *, at_start: bool = False) -> bool:
+        """Make the start reserve if it is missing (``at_start``: the start freed it); with no
+        room for it, cut the journal back first if nothing in it is live (released entries
+        take the disk until the next append otherwise). Returns whether it is there; logs
+        when that changes."""
         was = self.reserve.missing
+        gone = not at_start and was is None and not self.reserve.there()  # (removed by hand)
         made = self.reserve.make()
         if not made and self.journal.live_count == 0:
             try:
@@ -167,6 +187,9 @@ class Intake:
         if made and was is not None:
             log.warning("the start reserve %s is made again: SURE records are journaled "
                         "again", self.reserve.path)
+        elif made and gone:
+            log.warning("the start reserve %s was gone (removed by hand?): made again",
+                        self.reserve.path)
         elif not made and was is None:
             log.error("the start reserve %s (%d KiB) cannot be made: %s: SURE records wait "
                       "on the transmission queue until it is (tried every second), so that "
@@ -265,8 +288,7 @@ class Intake:
                 if no_space(exc) and not taken:  # (copied again next time: as before it)
                     if before is not None:
                         self._journaled_window, self._journaled_still = before
-                    if not self.journal.live_count and len(batch) > 1 and \
-                            not isinstance(exc, NoReserve):
+                    if len(batch) > 1 and not isinstance(exc, NoReserve):
                         self._batch_cap = max(1, len(batch) // 2)  # (at once: it may fit)
                         continue
                     self._no_room(exc)
@@ -278,7 +300,9 @@ class Intake:
                 return
             if self.journal_full is not None:
                 self.journal_full = None
-                log.warning("the journal takes SURE records again")
+                log.log(logging.WARNING if self._no_room_said_now else logging.DEBUG,
+                        "the journal takes SURE records again")
+                self._no_room_said_now = False
             if self._batch_cap < READ_BATCH:
                 self._batch_cap = min(READ_BATCH, 2 * self._batch_cap)
             if len(new) < len(batch):  # (sent from the journal: their places go back)
@@ -311,7 +335,16 @@ class Intake:
         why = f"{NO_ROOM}: {exc.__cause__.strerror} ({where}); the records wait here, tried " \
             "again every second"
         if self.journal_full != why:
-            log.error("%s", why, extra={"event": "journal_full"})
+            now = time.monotonic()
+            if now - self._no_room_said_at >= NO_ROOM_SAY_AGAIN:
+                log.error("%s%s", why, f" (and full {self._no_room_unsaid} more time(s) since "
+                          "the last such line)" if self._no_room_unsaid else "",
+                          extra={"event": "journal_full"})
+                self._no_room_said_at, self._no_room_said_now = now, True
+                self._no_room_unsaid = 0
+            else:
+                self._no_room_unsaid += self.journal_full is None
+                log.debug("%s", why)
         self.journal_full = why
         self._stop_reading.wait(NO_ROOM_WAIT)
 

@@ -46,7 +46,9 @@ from rqp.system.service import (
 from rqp.system.tls import TLSFileError, check_files, client_context, handshake_problem
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
-from rqp_agents.intake import NO_ROOM_WAIT, START_RESERVE, Intake, Taken, budget_size, messages_in
+from rqp_agents.intake import (
+    NO_ROOM_WAIT, Intake, Taken, budget_size, messages_in, start_reserve_size,
+)
 from rqp_agents.links import Links
 
 log = logging.getLogger("rqp.sender")
@@ -121,7 +123,8 @@ class Sender(Daemon):
         self.name = config.agent_name
         # Freed before the start's own writes, made again once they are done (Intake): a
         # sending MCA killed while its journal filled the disk could not start (trial 10).
-        self.reserve = SpaceReserve(self.state_dir / f"{self.name}.reserve", START_RESERVE)
+        self.reserve = SpaceReserve(self.state_dir / f"{self.name}.reserve",
+                                    start_reserve_size(self.msgmax))
         self.reserve.free()
         (self.state_dir / f"{self.name}.pid").unlink(missing_ok=True)  # (no longer written)
         self.keys = KeySource(self.state_dir, self.name)
@@ -130,7 +133,7 @@ class Sender(Daemon):
         # released once delivered or dead-lettered here (spec 5.7).
         self.intake = Intake(config.transmission_queue, self.state_dir, self.name, self.keys,
                              budget_size(config.window, len(config.hosts)), self.reserve)
-        self.intake.keep_reserve()
+        self.intake.keep_reserve(at_start=True)
         self.intake.fanout = (config.broadcast_keys, config.hosts)
         #: Messages waiting for a route whose places in the budget were given back (up to
         #: WAITING_FOR_ROUTE_MAX): they do not hold up the queues that have one.
@@ -194,11 +197,12 @@ class Sender(Daemon):
             await self._stop()
 
     async def _keep_reserve(self) -> None:
-        """While the start reserve is missing, try to make it again every second (in a
-        thread: it writes and fsyncs 64 KiB, and may cut the journal back)."""
+        """While the start reserve is missing (or was removed: a trial), try to make it again
+        every second (in a thread: it writes and fsyncs its bytes, and may cut the journal
+        back)."""
         while True:
             await asyncio.sleep(NO_ROOM_WAIT)
-            if self.reserve.missing is not None:
+            if self.reserve.missing is not None or not self.reserve.there():
                 await asyncio.to_thread(self.intake.keep_reserve)
 
     # --- reload, status, metrics ---------------------------------------------------------------

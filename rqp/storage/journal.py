@@ -468,6 +468,7 @@ class Journal:
         self._failed: str | None = None
         self._closed = False
         self._compact_again = 0.0  # (monotonic time: see maybe_compact)
+        self._said_compacting = -COMPACT_AGAIN * 6  # (when the last line said so: monotonic)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -666,8 +667,13 @@ class Journal:
             if self._failed is not None or not no_space(exc) or \
                     self._file.size <= FILE_HEADER_SIZE + self._live_bytes:
                 raise
-            log.warning("journal %s: %s; compacting it (%d bytes, %d of them live) and writing "
-                        "again", self.path, cause.strerror, self._file.size, self._live_bytes)
+            now = time.monotonic()  # (a line a minute: a full disk may be so for hours)
+            loud = now - self._said_compacting >= COMPACT_AGAIN * 6
+            if loud:
+                self._said_compacting = now
+            log.log(logging.WARNING if loud else logging.DEBUG, "journal %s: %s; compacting it "
+                    "(%d bytes, %d of them live) and writing again", self.path, cause.strerror,
+                    self._file.size, self._live_bytes)
             try:
                 if self._live:
                     self._compact_locked()

@@ -70,6 +70,13 @@ class SpaceReserve:
         #: Why the last :meth:`make` failed (None: the file is there, or not tried yet).
         self.missing: str | None = None
 
+    def there(self) -> bool:
+        """Whether the file is there, whole (someone may have removed it)."""
+        try:
+            return os.stat(self.path).st_size == self.size
+        except OSError:
+            return False
+
     def free(self) -> bool:
         """Remove the file (and a temporary one a kill left); whether there was one."""
         with self._lock:
@@ -85,12 +92,9 @@ class SpaceReserve:
         """Make the file if it is not there (durably). Returns whether it is there now; when
         not, :attr:`missing` says why (a full disk, or any other error writing it)."""
         with self._lock:
-            try:
-                if os.stat(self.path).st_size == self.size:
-                    self.missing = None
-                    return True
-            except FileNotFoundError:
-                pass
+            if self.there():
+                self.missing = None
+                return True
             try:
                 # (a fixed temporary name: one a kill leaves is removed by the next free)
                 fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
