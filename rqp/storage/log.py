@@ -162,6 +162,7 @@ class LogFile:
             tail = data[offset:written]
             if len(data) > written:  # the reserved zeros' room first: the copy may need it
                 os.ftruncate(self.fd, written)  # (a crash now: the same file, shorter zeros)
+                self.allocated = written
             side = self._unused(f"{self.path.name}.{keep_copy}-{_utc_stamp()}")
             fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
