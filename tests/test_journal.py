@@ -1027,3 +1027,33 @@ def test_a_damaged_tail_on_a_full_disk_is_saved_or_the_open_says_what_room_it_ne
         assert said[0] is False and said[2:] == [[1], [entry - 2]]
         assert said[1].startswith(f"[Errno 28] cannot save the {entry - 2} damaged bytes of ") \
             and "(No space left on device): make room for them: '" in said[1], said[1]
+
+
+SMALL_DISK_WITH_ONE_WAITING = r"""
+import json, logging, os, sys
+from rqp.storage.journal import Journal
+logging.basicConfig(level=logging.WARNING)
+disk = sys.argv[1]
+j = Journal(disk)
+j.append([(1, b"w" * 8000)])  # a message whose route is down: live all along
+most = 0
+for i in range(400):  # 3.2 MB delivered through a 2 MiB disk, as the sending MCA does
+    [seq] = j.append([(i + 2, b"d" * 8000)])
+    j.release([seq])
+    j.maybe_compact()
+    most = max(most, j.file_bytes)
+print(json.dumps([j.live_count, most < 1536 << 10]))
+"""
+
+
+def test_a_journal_on_a_small_disk_compacts_while_it_has_room_for_the_copy(tmp_path):
+    """Trial 12: a journal on a 2 MiB disk grew to 2 MB of delivered entries (compaction
+    starts at 32 MiB, or when a write finds the disk full); once full it could not be
+    compacted (no room for the copy of the few messages whose route was down) and took no
+    SURE record. Now, on a disk with less free room than its size, it compacts from 256 KiB
+    of delivered entries."""
+    import json
+
+    out = _on_a_tmpfs(tmp_path, SMALL_DISK_WITH_ONE_WAITING, size="2m")
+    assert json.loads(out.stdout) == [1, True], out.stderr
+    assert "compact" not in out.stderr  # (never at the last moment)

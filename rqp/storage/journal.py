@@ -98,7 +98,11 @@ Compaction
 The live entries (keeping seq and key) are written to ``{name}.journal.tmp`` in the same
 directory, which is fsynced and renamed over the journal (``os.replace``, atomic), then the
 directory is fsynced and appends go on in the new file. A crash at any point leaves either the
-old complete journal or the new complete one.
+old complete journal or the new complete one. With nothing live, the file is cut back to its
+header in place instead (no room needed). It compacts when less than half of it is live and it
+is at least ``compact_min_bytes`` (32 MiB), or, on a disk with less free room than the file's
+size, from 256 KiB of dead entries (so that a small disk keeps room for the live entries' copy),
+or when a write finds the disk full.
 
 Durability and threads
 ======================
@@ -167,6 +171,8 @@ log = logging.getLogger("rqp.journal")
 
 #: Seconds between tries of a compaction that found no room for its copy (maybe_compact).
 COMPACT_AGAIN = 10.0
+#: Dead bytes from which a journal on a disk with less free room than its size compacts.
+SMALL_DISK_DEAD = 256 << 10
 
 #: How a sending MCA's status begins to say that its journal's disk is full.
 FULL = "the journal cannot take SURE records"
@@ -469,6 +475,9 @@ class Journal:
         self._closed = False
         self._compact_again = 0.0  # (monotonic time: see maybe_compact)
         self._said_compacting = -COMPACT_AGAIN * 6  # (when the last line said so: monotonic)
+        self._room_checked_size = -SMALL_DISK_DEAD  # (file size at the last statvfs)
+        self._room_short = False
+        self._copy_failed_until = 0.0  # (monotonic: see _write_or_compact)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -659,30 +668,41 @@ class Journal:
     def _write_or_compact(self, data: bytes) -> None:
         """:meth:`_write`; if the disk is full and the file holds entries no longer live,
         compact it first and write again (a trial: a sending MCA whose small disk was full of
-        its own delivered entries, below ``compact_min_bytes``, stopped at every start)."""
+        its own delivered entries, below ``compact_min_bytes``, stopped at every start). A
+        compaction that found no room for its copy is not tried again within a second (a
+        reader halving its batch tried ten in a row)."""
         try:
             self._write(data)
         except JournalError as exc:
             cause = exc.__cause__
             if self._failed is not None or not no_space(exc) or \
-                    self._file.size <= FILE_HEADER_SIZE + self._live_bytes:
+                    self._file.size <= FILE_HEADER_SIZE + self._live_bytes or \
+                    (self._live and time.monotonic() < self._copy_failed_until):
                 raise
-            now = time.monotonic()  # (a line a minute: a full disk may be so for hours)
-            loud = now - self._said_compacting >= COMPACT_AGAIN * 6
-            if loud:
-                self._said_compacting = now
+            loud = self._say_now()
             log.log(logging.WARNING if loud else logging.DEBUG, "journal %s: %s; compacting it "
                     "(%d bytes, %d of them live) and writing again", self.path, cause.strerror,
                     self._file.size, self._live_bytes)
             try:
-                if self._live:
+                if not self._cut_back_locked():
                     self._compact_locked()
-                else:
-                    self._cut_back_locked()
             except (JournalError, OSError) as failed:
-                log.warning("journal %s: cannot compact it: %s", self.path, failed)
+                if no_space(failed):
+                    self._copy_failed_until = time.monotonic() + 1.0
+                log.log(logging.WARNING if loud else logging.DEBUG,
+                        "journal %s: cannot compact it: %s", self.path, failed)
                 raise exc  # (its cause, the full disk, kept: see no_space)
             self._write(data)
+
+    def _say_now(self) -> bool:
+        """Whether a line about compacting on a full disk is logged at WARNING now: one a
+        minute (a full disk may stay so for hours; a trial logged 20 in 1.2 s), the others at
+        DEBUG."""
+        now = time.monotonic()
+        if now - self._said_compacting < COMPACT_AGAIN * 6:
+            return False
+        self._said_compacting = now
+        return True
 
     def _cut_back_locked(self) -> bool:
         """With nothing live, cut the file back to its header in place (a trial's disk had no
@@ -843,27 +863,53 @@ class Journal:
     # --- compaction ------------------------------------------------------------------------
 
     def _should_compact(self) -> bool:
-        return (self._file.size >= self.compact_min_bytes
-                and self._live_bytes < self.compact_ratio * self._file.size)
+        size = self._file.size
+        if self._live_bytes >= self.compact_ratio * size:
+            return False
+        if size >= self.compact_min_bytes:
+            return True
+        if size - self._live_bytes < min(SMALL_DISK_DEAD, self.compact_min_bytes):
+            return False
+        return self._disk_short(size)
+
+    def _disk_short(self, size: int) -> bool:
+        """Whether the disk has less free room than the file's size: then the file compacts
+        long before compact_min_bytes, while there is still room for the live entries' copy
+        (a trial: a journal of 2 MB on a 2 MiB disk, 96 % of it delivered entries, could not
+        be compacted once full, and took no SURE record while a route was down). Looked up
+        (statvfs) each time the file has grown by SMALL_DISK_DEAD/4 since, or shrunk."""
+        if 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
+            return self._room_short
+        self._room_checked_size = size
+        try:
+            st = os.fstatvfs(self._file.fd)
+        except OSError:
+            self._room_short = False
+        else:
+            self._room_short = st.f_bavail * st.f_frsize < size
+        return self._room_short
 
     def maybe_compact(self) -> bool:
-        """Compact if the file is at least ``compact_min_bytes`` and less than
-        ``compact_ratio`` of it is live. Returns whether it compacted. On a disk too full for
-        the compacted copy it does not (logged), and tries again no sooner than
-        COMPACT_AGAIN seconds later (each try writes the live entries until the disk is full)."""
+        """Compact if less than ``compact_ratio`` of the file is live and it is at least
+        ``compact_min_bytes``, or holds SMALL_DISK_DEAD dead bytes on a disk with less free
+        room than its size. Returns whether it compacted. On a disk too full for the
+        compacted copy it does not (logged), and tries again no sooner than COMPACT_AGAIN
+        seconds later (each try writes the live entries until the disk is full)."""
         with self._cond:
             self._check_usable()
             if not self._should_compact() or time.monotonic() < self._compact_again:
                 return False
             try:
-                self._compact_locked()
+                if not self._cut_back_locked():  # (nothing live: in place, no new file)
+                    self._compact_locked()
             except JournalError as exc:
                 if not no_space(exc) or self._failed is not None:
                     raise
                 self._compact_again = time.monotonic() + COMPACT_AGAIN
-                log.warning("journal %s: no room to compact it (%s; %d bytes, %d of them "
-                            "live): tried again in %gs", self.path, exc.__cause__.strerror,
-                            self._file.size, self._live_bytes, COMPACT_AGAIN)
+                log.log(logging.WARNING if self._say_now() else logging.DEBUG,
+                        "journal %s: no room to compact it (%s; %d bytes, %d of them live): "
+                        "tried again in %gs", self.path, exc.__cause__.strerror,
+                        self._file.size, self._live_bytes, COMPACT_AGAIN)
                 return False
             return True
 
