@@ -80,6 +80,48 @@ class RateLimitedLog:
         return note
 
 
+class SpellLog:
+    """Lines for a condition that comes and goes (a full disk): a spell's start is logged at
+    most once per ``again`` seconds, but a spell that lasts ``lasting`` seconds is logged all
+    the same; its end is logged (at ``end_level``) when its start was, else at DEBUG. The next
+    start logged counts the short spells that were not. Call :meth:`still` each time the
+    condition is seen, :meth:`over` when it is gone."""
+
+    def __init__(self, log: logging.Logger, again: float, lasting: float, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = log
+        self.again = again
+        self.lasting = lasting
+        self.clock = clock
+        self.active = False
+        self._said_at = -again
+        self._since = 0.0
+        self._said = False  # (this spell's start)
+        self._unsaid = 0  # short spells not logged since the last line
+        self._text: str | None = None
+
+    def still(self, text: str, level: int = logging.ERROR, *, extra: dict | None = None) -> None:
+        now = self.clock()
+        if not self.active:
+            self.active, self._since, self._said = True, now, False
+        if not self._said and (now - self._said_at >= self.again or
+                               now - self._since >= self.lasting):
+            more = f" (and {self._unsaid} more time(s) for a moment since the last such " \
+                "line)" if self._unsaid else ""
+            self.log.log(level, "%s%s", text, more, extra=extra)
+            self._said_at, self._said, self._unsaid = now, True, 0
+        elif text != self._text:
+            self.log.debug("%s", text)
+        self._text = text
+
+    def over(self, text: str, end_level: int = logging.WARNING) -> None:
+        if not self.active:
+            return
+        self.log.log(end_level if self._said else logging.DEBUG, "%s", text)
+        self._unsaid += not self._said
+        self.active, self._text = False, None
+
+
 #: Every limit of this process, for :func:`flush_held_lines` at exit.
 _LIMITS: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
 

@@ -25,7 +25,6 @@ import errno
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from rqp.storage.journal import FULL as NO_ROOM, Journal, JournalError, no_space
 from rqp.system.files import SpaceReserve
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import KeySource
-from rqp_agents.daemon import RateLimitedLog
+from rqp_agents.daemon import RateLimitedLog, SpellLog
 
 __all__ = ["START_RESERVE", "Budget", "Intake", "Item", "NoReserve", "Taken", "budget_size",
            "messages_in", "start_reserve_size"]
@@ -49,8 +48,10 @@ log = logging.getLogger("rqp.sender")
 READ_BATCH = 256
 #: How often the reader tries again while the journal's disk is full (seconds).
 NO_ROOM_WAIT = 1.0
-#: Least seconds between two lines saying that the journal cannot take SURE records.
+#: Least seconds between two lines saying that the journal cannot take SURE records, and
+#: how long a spell of it lasts before it is said all the same.
 NO_ROOM_SAY_AGAIN = 60.0
+NO_ROOM_LASTING = 10.0
 #: Bytes kept free in state_dir for the sending MCA's next start (:class:`SpaceReserve`):
 #: its own small files, beside the copy of a record's journal entry that a kill tore
 #: (:func:`start_reserve_size`; a trial with msgmax 65536 had no room for that copy).
@@ -148,13 +149,10 @@ class Intake:
         #: Why the journal takes no SURE records now (its disk is full; None: it does): they
         #: wait on the transmission queue meanwhile.
         self.journal_full: str | None = None
-        #: When the last "cannot take" line was logged (monotonic), whether the journal has
-        #: been full since, and how many times it was full again without a line (at most one
-        #: a NO_ROOM_SAY_AGAIN: a trial's full disk, freed by each delivery, logged 21 pairs of
-        #: lines in 22 s).
-        self._no_room_said_at = -NO_ROOM_SAY_AGAIN
-        self._no_room_said_now = False
-        self._no_room_unsaid = 0
+        #: The "cannot take" line comes at most once a NO_ROOM_SAY_AGAIN (a trial's full disk,
+        #: freed by each delivery, logged 21 pairs of lines in 22 s), but always for a spell
+        #: that lasts NO_ROOM_LASTING (another's log ended with "takes again" while full).
+        self._full_log = SpellLog(log, NO_ROOM_SAY_AGAIN, NO_ROOM_LASTING)
         #: Records read in one go: READ_BATCH, halved while a batch finds no room (trial 10:
         #: 256 records of 8 KB never fit a 2 MiB state_dir, and the reader waited for ever
         #: with the disk 99 % free; trial 11: 192 waited with half of it free, the journal
@@ -300,9 +298,7 @@ class Intake:
                 return
             if self.journal_full is not None:
                 self.journal_full = None
-                log.log(logging.WARNING if self._no_room_said_now else logging.DEBUG,
-                        "the journal takes SURE records again")
-                self._no_room_said_now = False
+                self._full_log.over("the journal takes SURE records again")
             if self._batch_cap < READ_BATCH:
                 self._batch_cap = min(READ_BATCH, 2 * self._batch_cap)
             if len(new) < len(batch):  # (sent from the journal: their places go back)
@@ -334,17 +330,7 @@ class Intake:
             if isinstance(exc, NoReserve) else self.journal.path
         why = f"{NO_ROOM}: {exc.__cause__.strerror} ({where}); the records wait here, tried " \
             "again every second"
-        if self.journal_full != why:
-            now = time.monotonic()
-            if now - self._no_room_said_at >= NO_ROOM_SAY_AGAIN:
-                log.error("%s%s", why, f" (and full {self._no_room_unsaid} more time(s) since "
-                          "the last such line)" if self._no_room_unsaid else "",
-                          extra={"event": "journal_full"})
-                self._no_room_said_at, self._no_room_said_now = now, True
-                self._no_room_unsaid = 0
-            else:
-                self._no_room_unsaid += self.journal_full is None
-                log.debug("%s", why)
+        self._full_log.still(why, extra={"event": "journal_full"})
         self.journal_full = why
         self._stop_reading.wait(NO_ROOM_WAIT)
 

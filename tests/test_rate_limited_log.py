@@ -1,4 +1,4 @@
-"""The agents' rate-limited log lines (rqp_agents.daemon.RateLimitedLog)."""
+"""The agents' rate-limited log lines (rqp_agents.daemon.RateLimitedLog, SpellLog)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 import re
 
 from rqp_agents import daemon
-from rqp_agents.daemon import RateLimitedLog
+from rqp_agents.daemon import RateLimitedLog, SpellLog
 
 
 def test_the_count_held_back_is_named_for_every_line_of_the_limit(monkeypatch, caplog):
@@ -51,3 +51,36 @@ def test_what_is_held_back_is_said_at_exit(monkeypatch, caplog):
     assert len(said) == 3 and said[2][0] == logging.WARNING
     assert re.fullmatch(r"2 more connections closed not logged since \d\d:\d\d:\d\d",
                         said[2][1]), said[2][1]
+
+
+def test_a_condition_that_comes_and_goes_is_said_once_a_while_and_when_it_lasts(caplog):
+    """Trial 11: a full disk, freed by each delivery, logged 'the journal cannot take SURE
+    records' and 'takes SURE records again' 21 times each in 22 s. Limited to one a minute,
+    trial 12's log then ended with 'takes again' while the journal was full for two
+    minutes. Now a short spell within the minute is counted, one that lasts is said."""
+    now = [0.0]
+    log = logging.getLogger("rqp.test-spells")
+    spells = SpellLog(log, again=60.0, lasting=10.0, clock=lambda: now[0])
+
+    def spell(seconds: float) -> None:  # seen full each second, then free again
+        for _ in range(int(seconds)):
+            spells.still("full")
+            now[0] += 1.0
+        spells.over("free again")
+
+    with caplog.at_level(logging.DEBUG, logger=log.name):
+        spell(2)  # said, and its end
+        for _ in range(5):
+            now[0] += 3.0
+            spell(2)  # within the minute, short: counted, at DEBUG only
+        now[0] += 3.0
+        spell(30)  # lasts: said after 10 s, with the count, and its end
+        now[0] += 70.0
+        spell(1)  # a minute after the last line: said at once
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > logging.DEBUG]
+    assert said == [("ERROR", "full"), ("WARNING", "free again"),
+                    ("ERROR", "full (and 5 more time(s) for a moment since the last such "
+                              "line)"), ("WARNING", "free again"),
+                    ("ERROR", "full"), ("WARNING", "free again")]
+    spells.over("free again")  # (not in a spell: nothing)
+    assert len([r for r in caplog.records if r.levelno > logging.DEBUG]) == 6
