@@ -1057,3 +1057,47 @@ def test_a_journal_on_a_small_disk_compacts_while_it_has_room_for_the_copy(tmp_p
     out = _on_a_tmpfs(tmp_path, SMALL_DISK_WITH_ONE_WAITING, size="2m")
     assert json.loads(out.stdout) == [1, True], out.stderr
     assert "compact" not in out.stderr  # (never at the last moment)
+
+
+TRICKLES_THEN_A_ROUTE_DOWN = r"""
+import json, logging, os, sys
+from rqp.storage.journal import Journal, JournalError
+logging.basicConfig(level=logging.WARNING)
+disk = sys.argv[1]
+j = Journal(disk)
+key, before = 0, []
+for _ in range(10):  # trickles of 20, each delivered while the next is sent
+    seqs = []
+    for _ in range(20):
+        key += 1
+        seqs += j.append([(key, b"d" * 8000)])
+    j.release(before)
+    j.maybe_compact()
+    before = seqs
+first_ahead = os.path.getsize(os.path.join(disk, "sender.journal")) - j.file_bytes
+taken = 0
+try:  # the route is down: nothing released any more
+    for _ in range(200):
+        key += 1
+        j.append([(key, b"w" * 8000)])
+        taken += 1
+except JournalError as exc:
+    pass
+print(json.dumps([taken, first_ahead <= 1 << 19]))
+"""
+
+
+def test_a_route_down_on_a_small_disk_finds_the_delivered_entries_compacted(tmp_path):
+    """Trial 13: on a 2 MiB disk, trickles of messages left 746 KB of delivered entries in the
+    journal (compacted only at a release, and 1 MiB of zeros allocated ahead of the appends
+    hid how little room was left); a route then went down, nothing was released, and the
+    journal took 156 messages of 8 KB and then none (no room to compact). Now the zeros ahead
+    are at most a quarter of the free room, and a journal on a disk getting full compacts
+    before an append too: it takes as many as the disk holds beside the live ones."""
+    import json
+
+    taken, small_ahead = json.loads(_on_a_tmpfs(tmp_path, TRICKLES_THEN_A_ROUTE_DOWN,
+                                                size="2m").stdout)
+    assert small_ahead
+    # (2 MiB hold 260 entries of 8,040 bytes; 20 are live from the last trickle)
+    assert taken == 200, taken

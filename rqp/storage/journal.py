@@ -774,6 +774,7 @@ class Journal:
             if first + len(items) - 1 > UINT64_MAX:
                 raise JournalError(f"journal {self.path} has run out of sequence numbers")
             seqs = list(range(first, first + len(items)))
+            self._maybe_compact_locked(at_append=True)
             self._write_or_compact(b"".join(_encode_live(seq, key, record, copies)
                                             for seq, (key, record, copies) in zip(seqs, items)))
             self._next_seq = first + len(items)
@@ -862,22 +863,26 @@ class Journal:
 
     # --- compaction ------------------------------------------------------------------------
 
-    def _should_compact(self) -> bool:
+    def _should_compact(self, *, at_append: bool = False) -> bool:
+        """Whether to compact now (see maybe_compact); ``at_append``: only for a disk that
+        is getting full (compact_min_bytes is for releases: a compaction before an append
+        delays it)."""
         size = self._file.size
         if self._live_bytes >= self.compact_ratio * size:
             return False
-        if size >= self.compact_min_bytes:
+        if size >= self.compact_min_bytes and not at_append:
             return True
         if size - self._live_bytes < min(SMALL_DISK_DEAD, self.compact_min_bytes):
             return False
         return self._disk_short(size)
 
     def _disk_short(self, size: int) -> bool:
-        """Whether the disk has less free room than the file's size: then the file compacts
-        long before compact_min_bytes, while there is still room for the live entries' copy
-        (a trial: a journal of 2 MB on a 2 MiB disk, 96 % of it delivered entries, could not
-        be compacted once full, and took no SURE record while a route was down). Looked up
-        (statvfs) each time the file has grown by SMALL_DISK_DEAD/4 since, or shrunk."""
+        """Whether the disk has less free room than the file takes (with the zeros allocated
+        ahead of its appends): then the file compacts long before compact_min_bytes, while
+        there is still room for the live entries' copy (trial 12: a journal of 2 MB on a 2 MiB
+        disk, 96 % of it delivered entries, could not be compacted once full, and took no
+        SURE record while a route was down). Looked up (statvfs) each time the file has grown
+        by SMALL_DISK_DEAD/4 since, or shrunk."""
         if 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
             return self._room_short
         self._room_checked_size = size
@@ -886,7 +891,7 @@ class Journal:
         except OSError:
             self._room_short = False
         else:
-            self._room_short = st.f_bavail * st.f_frsize < size
+            self._room_short = st.f_bavail * st.f_frsize < max(size, self._file.allocated)
         return self._room_short
 
     def maybe_compact(self) -> bool:
@@ -897,21 +902,28 @@ class Journal:
         seconds later (each try writes the live entries until the disk is full)."""
         with self._cond:
             self._check_usable()
-            if not self._should_compact() or time.monotonic() < self._compact_again:
-                return False
-            try:
-                if not self._cut_back_locked():  # (nothing live: in place, no new file)
-                    self._compact_locked()
-            except JournalError as exc:
-                if not no_space(exc) or self._failed is not None:
-                    raise
-                self._compact_again = time.monotonic() + COMPACT_AGAIN
-                log.log(logging.WARNING if self._say_now() else logging.DEBUG,
-                        "journal %s: no room to compact it (%s; %d bytes, %d of them live): "
-                        "tried again in %gs", self.path, exc.__cause__.strerror,
-                        self._file.size, self._live_bytes, COMPACT_AGAIN)
-                return False
-            return True
+            return self._maybe_compact_locked()
+
+    def _maybe_compact_locked(self, *, at_append: bool = False) -> bool:
+        """:meth:`maybe_compact`, the lock held; ``at_append``: before an append, for a disk
+        that is getting full only (trial 13: with a route down nothing was released, and the
+        delivered entries of before were never compacted on a disk that was getting full)."""
+        if not self._should_compact(at_append=at_append) or \
+                time.monotonic() < self._compact_again:
+            return False
+        try:
+            if not self._cut_back_locked():  # (nothing live: in place, no new file)
+                self._compact_locked()
+        except JournalError as exc:
+            if not no_space(exc) or self._failed is not None:
+                raise
+            self._compact_again = time.monotonic() + COMPACT_AGAIN
+            log.log(logging.WARNING if self._say_now() else logging.DEBUG,
+                    "journal %s: no room to compact it (%s; %d bytes, %d of them live): "
+                    "tried again in %gs", self.path, exc.__cause__.strerror,
+                    self._file.size, self._live_bytes, COMPACT_AGAIN)
+            return False
+        return True
 
     def compact(self) -> None:
         """Rewrite the journal with only the live entries (see the module docstring).
