@@ -363,7 +363,9 @@ def test_a_sending_mca_killed_on_a_full_disk_starts_again(testbed):
                     'mount -t tmpfs -o size=2m rqp-test "$1" && echo mounted && exec cat',
                     "sh", str(state)], stdin=subprocess.PIPE)
     wait_for(lambda: a.output(disk) == "mounted\n", timeout=20, message="no tmpfs")
-    on_disk = ["nsenter", f"--mount=/proc/{disk.pid}/ns/mnt", "--"]
+    # (its root and working directory too: entering a mount namespace alone starts at the
+    # namespace's root, not at a chroot's, and a fresh machine's checkout is in one)
+    on_disk = ["nsenter", "--target", str(disk.pid), "--mount", "--root", "--wd", "--"]
     sender_argv = [*on_disk, sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc),
                    "--log-level", "DEBUG"]
 
@@ -389,6 +391,14 @@ def test_a_sending_mca_killed_on_a_full_disk_starts_again(testbed):
     fill("other")
     assert a.kill(first) == -9
     second = start_on_full_disk()  # the reserve's room was enough for the start: made again
+    assert not log_lines(a, second, "cannot be made")
+    # Removed by hand while the journal waits for room: the reserve gets the room back, not
+    # the journal (trial 13: the journal took it within 2 ms, and the next start failed).
+    wait_for(lambda: log_lines(a, second, "the journal cannot take SURE records"), timeout=30,
+             message="the second start's journal did not find the disk full")
+    a.run([*on_disk, "rm", str(state / "sender-52510000.reserve")])
+    wait_for(lambda: log_lines(a, second, "was gone (removed by hand?): made again"),
+             timeout=30, message="the reserve removed by hand was not made again")
     assert not log_lines(a, second, "cannot be made")
     # Killed again; the reserve gone meanwhile and its room half taken: the start fits
     # (nothing else does), the reserve cannot be made, no SURE record is taken ...
