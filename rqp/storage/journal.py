@@ -163,7 +163,7 @@ from construct import (
 from rqp.protocol.codec import struct_of
 from rqp.protocol.constants import UINT64_MAX
 from rqp.protocol.errors import RecordError, RQPError
-from rqp.storage.log import LogFile, ReplaceFailed, written_end
+from rqp.storage.log import RESERVE_LEAST, LogFile, ReplaceFailed, written_end
 from rqp.system.files import out_of_space
 
 log = logging.getLogger("rqp.journal")
@@ -476,7 +476,7 @@ class Journal:
         self._compact_again = 0.0  # (monotonic time: see maybe_compact)
         self._said_compacting = -COMPACT_AGAIN * 6  # (when the last line said so: monotonic)
         self._room_checked_size = -SMALL_DISK_DEAD  # (file size at the last statvfs)
-        self._room_short = False
+        self._room_free: int | None = None  # (free bytes on its disk then)
         self._copy_failed_until = 0.0  # (monotonic: see _write_or_compact)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
@@ -867,39 +867,47 @@ class Journal:
         """Whether to compact now (see maybe_compact); ``at_append``: only for a disk that
         is getting full (compact_min_bytes is for releases: a compaction before an append
         delays it)."""
-        size = self._file.size
-        if self._live_bytes >= self.compact_ratio * size:
-            return False
-        if size >= self.compact_min_bytes and not at_append:
+        size, live = self._file.size, self._live_bytes
+        if not at_append and size >= self.compact_min_bytes and live < self.compact_ratio * size:
             return True
-        if size - self._live_bytes < min(SMALL_DISK_DEAD, self.compact_min_bytes):
+        if size - live < min(RESERVE_LEAST, self.compact_min_bytes):
             return False
-        return self._disk_short(size)
+        return self._small_disk_worth(size, live)
 
-    def _disk_short(self, size: int) -> bool:
+    def _small_disk_worth(self, size: int, live: int) -> bool:
         """Whether the disk has less free room than the file takes (with the zeros allocated
-        ahead of its appends): then the file compacts long before compact_min_bytes, while
-        there is still room for the live entries' copy (trial 12: a journal of 2 MB on a 2 MiB
-        disk, 96 % of it delivered entries, could not be compacted once full, and took no
-        SURE record while a route was down). Looked up (statvfs) each time the file has grown
-        by SMALL_DISK_DEAD/4 since, or shrunk."""
-        if 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
-            return self._room_short
-        self._room_checked_size = size
-        try:
-            st = os.fstatvfs(self._file.fd)
-        except OSError:
-            self._room_short = False
-        else:
-            self._room_short = st.f_bavail * st.f_frsize < max(size, self._file.allocated)
-        return self._room_short
+        ahead of its appends) and still room for a copy of the live entries (none needed
+        when none is live): then the file compacts long before compact_min_bytes, whatever
+        part of it is live, from SMALL_DISK_DEAD dead bytes, or RESERVE_LEAST when the copy
+        will soon not fit (trial 12: a journal of 2 MB on a 2 MiB disk, 96 % of it
+        delivered entries, could not be compacted once full, and took no SURE record while a
+        route was down; trial 14: with more than half of it live it waited for that, and by
+        then the copy did not fit). The free room is looked up (statvfs) each time the file
+        has grown by SMALL_DISK_DEAD/4 since, or shrunk."""
+        if not 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
+            self._room_checked_size = size
+            try:
+                st = os.fstatvfs(self._file.fd)
+                self._room_free = st.f_bavail * st.f_frsize
+            except OSError:
+                self._room_free = None
+        free = self._room_free
+        if free is None or free >= max(size, self._file.allocated):
+            return False
+        if not self._live:
+            return True  # (cut back in place: no room needed)
+        copy = live + FILE_HEADER_SIZE + RESERVE_LEAST
+        # from SMALL_DISK_DEAD dead bytes on, or any (RESERVE_LEAST) while a copy still fits
+        # but will not for long (trial 14: 160 KB of them cost 20 messages of 8 KB)
+        return copy < free and (size - live >= SMALL_DISK_DEAD or free < copy + SMALL_DISK_DEAD)
 
     def maybe_compact(self) -> bool:
         """Compact if less than ``compact_ratio`` of the file is live and it is at least
         ``compact_min_bytes``, or holds SMALL_DISK_DEAD dead bytes on a disk with less free
-        room than its size. Returns whether it compacted. On a disk too full for the
-        compacted copy it does not (logged), and tries again no sooner than COMPACT_AGAIN
-        seconds later (each try writes the live entries until the disk is full)."""
+        room than it takes and room for the copy (:meth:`_small_disk_worth`). Returns
+        whether it compacted. On a disk too full for the compacted copy it does not (logged),
+        and tries again no sooner than COMPACT_AGAIN seconds later (each try writes the live
+        entries until the disk is full); with nothing live it cuts the file back at once."""
         with self._cond:
             self._check_usable()
             return self._maybe_compact_locked()
@@ -909,11 +917,14 @@ class Journal:
         that is getting full only (trial 13: with a route down nothing was released, and the
         delivered entries of before were never compacted on a disk that was getting full)."""
         if not self._should_compact(at_append=at_append) or \
-                time.monotonic() < self._compact_again:
+                (self._live and time.monotonic() < self._compact_again):  # (a cut: no room)
             return False
         try:
-            if not self._cut_back_locked():  # (nothing live: in place, no new file)
-                self._compact_locked()
+            try:
+                if not self._cut_back_locked():  # (nothing live: in place, no new file)
+                    self._compact_locked()
+            except OSError as exc:  # (a cut back: ftruncate, a header, fsync)
+                raise JournalError(f"cutting journal {self.path} back failed: {exc}") from exc
         except JournalError as exc:
             if not no_space(exc) or self._failed is not None:
                 raise
@@ -923,6 +934,9 @@ class Journal:
                     "tried again in %gs", self.path, exc.__cause__.strerror,
                     self._file.size, self._live_bytes, COMPACT_AGAIN)
             return False
+        if at_append:
+            log.debug("journal %s compacted before an append (its disk is getting full): %d "
+                      "live message(s), %d bytes", self.path, len(self._live), self._file.size)
         return True
 
     def compact(self) -> None:

@@ -36,7 +36,8 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LogFile", "RESERVE", "ReplaceFailed", "pwrite_all", "read_all", "written_end"]
+__all__ = ["LogFile", "RESERVE", "RESERVE_LEAST", "ReplaceFailed", "pwrite_all", "read_all",
+           "written_end"]
 
 #: Bytes of file allocated ahead of the appends at a time (see the module docstring), at most
 #: a quarter of the disk's free room, and none if that is less than RESERVE_LEAST.
