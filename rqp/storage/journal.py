@@ -477,6 +477,7 @@ class Journal:
         self._said_compacting = -COMPACT_AGAIN * 6  # (when the last line said so: monotonic)
         self._room_checked_size = -SMALL_DISK_DEAD  # (file size at the last statvfs)
         self._room_free: int | None = None  # (free bytes on its disk then)
+        self._room_short = False  # (then less than the file takes: see _small_disk_worth)
         self._copy_failed_until = 0.0  # (monotonic: see _write_or_compact)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
@@ -870,6 +871,8 @@ class Journal:
         size, live = self._file.size, self._live_bytes
         if not at_append and size >= self.compact_min_bytes and live < self.compact_ratio * size:
             return True
+        if not self._room_short and 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
+            return False  # (a disk with room, looked at lately: the hot path)
         if size - live < min(RESERVE_LEAST, self.compact_min_bytes):
             return False
         return self._small_disk_worth(size, live)
@@ -891,8 +894,10 @@ class Journal:
                 self._room_free = st.f_bavail * st.f_frsize
             except OSError:
                 self._room_free = None
+            self._room_short = self._room_free is not None and \
+                self._room_free < max(size, self._file.allocated)
         free = self._room_free
-        if free is None or free >= max(size, self._file.allocated):
+        if not self._room_short:
             return False
         if not self._live:
             return True  # (cut back in place: no room needed)
