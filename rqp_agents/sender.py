@@ -13,7 +13,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import os
 import ssl
 import sys
 import time
