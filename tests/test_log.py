@@ -151,3 +151,19 @@ def test_a_cut_saves_the_written_bytes_not_the_reserve(tmp_path):
     assert side.read_bytes() == b"bad!" and f.path.read_bytes() == b"HEADgood"
     assert f.size == f.allocated == 8
     f.close()
+
+
+def test_the_zeros_ahead_can_be_given_back(tmp_path):
+    """A journal on a disk getting full gives back the zeros allocated ahead of its appends
+    before it compacts (trial 16: their room was the copy's); the good data stays."""
+    f = LogFile(tmp_path / "x.log", reserve=64 << 10)
+    f.create(b"HEAD")
+    f.append(b"a" * 10)
+    assert f.path.stat().st_size == f.allocated == 14 + (64 << 10)
+    f.give_back_zeros()
+    assert f.path.stat().st_size == f.allocated == f.size == 14
+    f.give_back_zeros()  # (none left: nothing to do)
+    f.append(b"b" * 10)  # appends go on, reserving ahead again
+    assert written(f.path, f.size) == b"HEAD" + b"a" * 10 + b"b" * 10
+    assert f.allocated == 24 + (64 << 10)
+    f.close()

@@ -902,6 +902,7 @@ class Journal:
         if not self._live:
             return True  # (cut back in place: no room needed)
         copy = live + FILE_HEADER_SIZE + RESERVE_LEAST
+        free += max(0, self._file.allocated - size)  # (the zeros ahead: given back first)
         # from SMALL_DISK_DEAD dead bytes on, or any (RESERVE_LEAST) while a copy still fits
         # but will not for long (trial 14: 160 KB of them cost 20 messages of 8 KB)
         return copy < free and (size - live >= SMALL_DISK_DEAD or free < copy + SMALL_DISK_DEAD)
@@ -927,6 +928,8 @@ class Journal:
         try:
             try:
                 if not self._cut_back_locked():  # (nothing live: in place, no new file)
+                    if self._room_short:  # (trial 16: the zeros ahead held the copy's room)
+                        self._file.give_back_zeros()
                     self._compact_locked()
             except OSError as exc:  # (a cut back: ftruncate, a header, fsync)
                 raise JournalError(f"cutting journal {self.path} back failed: {exc}") from exc

@@ -224,6 +224,13 @@ class LogFile:
         self.size = end
         self.allocated = max(self.allocated, end)
 
+    def give_back_zeros(self) -> None:
+        """Cut the zeros allocated ahead of the appends (their room is wanted elsewhere: a
+        compaction's copy on a full disk). A crash meanwhile leaves the same good data."""
+        if self.allocated > self.size:
+            os.ftruncate(self.fd, self.size)
+            self.allocated = self.size
+
     def _reserve(self, end: int) -> None:
         """Allocate the file up to :attr:`reserve` bytes past ``end``. Without the space (or
         with a file system that cannot), nothing is reserved and nothing is tried again for
