@@ -171,6 +171,8 @@ log = logging.getLogger("rqp.journal")
 
 #: Seconds between tries of a compaction that found no room for its copy (maybe_compact).
 COMPACT_AGAIN = 10.0
+#: Least seconds between two WARNING lines about compacting on a full disk.
+SAY_AGAIN = 60.0
 #: Dead bytes from which a journal on a disk with less free room than its size compacts.
 SMALL_DISK_DEAD = 256 << 10
 
@@ -474,7 +476,7 @@ class Journal:
         self._failed: str | None = None
         self._closed = False
         self._compact_again = 0.0  # (monotonic time: see maybe_compact)
-        self._said_compacting = -COMPACT_AGAIN * 6  # (when the last line said so: monotonic)
+        self._said_compacting = -SAY_AGAIN  # (when the last line said so: monotonic)
         self._room_checked_size = -SMALL_DISK_DEAD  # (file size at the last statvfs)
         self._room_free: int | None = None  # (free bytes on its disk then)
         self._room_short = False  # (then less than the file takes: see _small_disk_worth)
@@ -685,9 +687,8 @@ class Journal:
                     "(%d bytes, %d of them live) and writing again", self.path, cause.strerror,
                     self._file.size, self._live_bytes)
             try:
-                if not self._cut_back_locked():
-                    self._compact_locked()
-            except (JournalError, OSError) as failed:
+                self._drop_dead_locked()
+            except JournalError as failed:
                 if no_space(failed):
                     self._copy_failed_until = time.monotonic() + 1.0
                 log.log(logging.WARNING if loud else logging.DEBUG,
@@ -700,10 +701,22 @@ class Journal:
         minute (a full disk may stay so for hours; a trial logged 20 in 1.2 s), the others at
         DEBUG."""
         now = time.monotonic()
-        if now - self._said_compacting < COMPACT_AGAIN * 6:
+        if now - self._said_compacting < SAY_AGAIN:
             return False
         self._said_compacting = now
         return True
+
+    def _drop_dead_locked(self) -> None:
+        """Free the room of the entries no longer live: with none live, cut the file back in
+        place (no new file); else compact it, the zeros ahead of its appends given back first
+        on a disk getting full (trial 16: they held the copy's room). Raises JournalError."""
+        try:
+            if not self._cut_back_locked():
+                if self._room_short:
+                    self._file.give_back_zeros()
+                self._compact_locked()
+        except OSError as exc:  # (a cut back: ftruncate, a header, fsync)
+            raise JournalError(f"cutting journal {self.path} back failed: {exc}") from exc
 
     def _cut_back_locked(self) -> bool:
         """With nothing live, cut the file back to its header in place (a trial's disk had no
@@ -926,13 +939,7 @@ class Journal:
                 (self._live and time.monotonic() < self._compact_again):  # (a cut: no room)
             return False
         try:
-            try:
-                if not self._cut_back_locked():  # (nothing live: in place, no new file)
-                    if self._room_short:  # (trial 16: the zeros ahead held the copy's room)
-                        self._file.give_back_zeros()
-                    self._compact_locked()
-            except OSError as exc:  # (a cut back: ftruncate, a header, fsync)
-                raise JournalError(f"cutting journal {self.path} back failed: {exc}") from exc
+            self._drop_dead_locked()
         except JournalError as exc:
             if not no_space(exc) or self._failed is not None:
                 raise

@@ -165,9 +165,7 @@ class LogFile:
             data = read_all(self.fd)
             written = written_end(data, offset)
             tail = data[offset:written]
-            if len(data) > written:  # the reserved zeros' room first: the copy may need it
-                os.ftruncate(self.fd, written)  # (a crash now: the same file, shorter zeros)
-                self.allocated = written
+            self.give_back_zeros(written)  # (their room first: the copy may need it)
             side = self._unused(f"{self.path.name}.{keep_copy}-{_utc_stamp()}")
             fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -224,12 +222,14 @@ class LogFile:
         self.size = end
         self.allocated = max(self.allocated, end)
 
-    def give_back_zeros(self) -> None:
-        """Cut the zeros allocated ahead of the appends (their room is wanted elsewhere: a
-        compaction's copy on a full disk). A crash meanwhile leaves the same good data."""
-        if self.allocated > self.size:
-            os.ftruncate(self.fd, self.size)
-            self.allocated = self.size
+    def give_back_zeros(self, end: int | None = None) -> None:
+        """Cut the zeros allocated ahead of the appends, after :attr:`size` or the written
+        ``end`` (their room is wanted elsewhere: a compaction's copy, or a damaged tail's, on
+        a full disk). A crash meanwhile leaves the same data, with fewer zeros."""
+        end = self.size if end is None else end
+        if self.allocated > end:
+            os.ftruncate(self.fd, end)
+            self.allocated = end
 
     def _reserve(self, end: int) -> None:
         """Allocate the file up to :attr:`reserve` bytes past ``end``. Without the space (or
