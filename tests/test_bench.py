@@ -4,6 +4,7 @@ that every benchmark case relies on catches what it must. No speed is asserted a
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -310,6 +311,56 @@ def test_scale_stopped_by_sigterm_cleans_up_and_a_killed_runs_directory_is_swept
     running = [p for p in Path("/proc").glob("[0-9]*/cmdline")
                if str(workdir) in _read_bytes(p).decode(errors="replace")]
     assert not running, "agents of the stopped run still running"
+
+
+_ARMED: list[int] = []  # (os.register_at_fork has no undo: the hook below acts once when armed)
+
+
+def _signal_at_fork() -> None:
+    if _ARMED:
+        os.kill(_ARMED.pop(), signal.SIGTERM)
+
+
+os.register_at_fork(after_in_parent=_signal_at_fork)
+
+
+def _child_that_stops(parent: int) -> None:
+    bench._child_setup(parent)
+
+
+def test_a_stop_signal_while_a_child_starts_is_handled_after_its_record():
+    """CI saw rqp-scale go on after its SIGTERM: the signal came during the fork of a child,
+    and its handler ran in logging's at-fork hook, whose exception Python only prints. Here an
+    at-fork hook sends the signal at that moment every time: held while the child starts, it
+    stops the run once the child is recorded for the clean-up."""
+    before = signal.signal(signal.SIGTERM, bench._raise_on_signal)
+    child = multiprocessing.get_context("fork").Process(target=_child_that_stops,
+                                                        args=(os.getpid(),))
+    recorded = []
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            with bench.stop_signals_held():
+                _ARMED.append(os.getpid())
+                child.start()
+                recorded.append(child)
+    finally:
+        _ARMED.clear()
+        signal.signal(signal.SIGTERM, before)
+        child.join(30)
+    assert recorded == [child]
+    assert child.exitcode == 0  # (the child let go of the held signals: it was not stopped)
+
+
+def test_a_command_started_while_stop_signals_are_held_does_not_inherit_the_hold():
+    """A signal mask survives exec: an agent started in the held block must still stop on
+    SIGTERM."""
+    with bench.stop_signals_held():
+        proc = subprocess.run(["grep", "^SigBlk:", "/proc/self/status"],
+                              preexec_fn=bench._child_preexec, capture_output=True, text=True,
+                              timeout=30)
+    blocked = int(proc.stdout.split()[1], 16)
+    assert proc.returncode == 0 and blocked & (1 << (signal.SIGTERM - 1)) == 0, proc.stdout
+    assert blocked & (1 << (signal.SIGHUP - 1)) == 0 and blocked & (1 << (signal.SIGINT - 1)) == 0
 
 
 def _read_bytes(path: Path) -> bytes:

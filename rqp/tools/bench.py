@@ -29,6 +29,7 @@ told by the kernel (PR_SET_PDEATHSIG) to stop if the benchmark itself is killed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import multiprocessing
@@ -177,11 +178,40 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+#: What stops a run as Ctrl-C does (the run cleans up: agents stopped, queues removed).
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Hold the stop signals while a child is started and recorded in the list its clean-up
+    reads; a signal that came meanwhile is handled when the block ends.
+
+    Handled inside the fork, a stop was lost: its handler ran in an at-fork hook (logging's),
+    and Python only prints what such a hook raises, so the run went on. Handled between the
+    start and the record, the child was left out of the clean-up, which then waited for it.
+    The child inherits the hold: it lets go with :func:`_child_setup` (a fork) or
+    :func:`_child_preexec` (a command)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _child_preexec() -> None:
+    """``preexec_fn`` of the commands this module starts: the stop signals are let go (held by
+    the parent while it started us: a signal mask survives exec), and we die with the parent."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _die_with_parent()
+
+
 def _child_setup(parent: int) -> None:
     """First thing in every pipeline process this module forks."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # (held by stop_signals_held)
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl
         os._exit(1)
@@ -615,9 +645,11 @@ class Bench:
         self._start_raw()
         self._start_agents()
         if self.args.against == "rabbitmq":
-            self.broker = Broker(self.workdir, (free_port(), free_port(), free_port()),
-                                 rabbit_python(Path(__file__).resolve().parents[2]),
-                                 preexec=_die_with_parent)
+            with stop_signals_held():  # (stopped while it starts: cleanup() stops it)
+                self.broker = Broker(self.workdir, (free_port(), free_port(), free_port()),
+                                     rabbit_python(Path(__file__).resolve().parents[2]),
+                                     preexec=_child_preexec)
+            self.broker.wait_started()
         self.watchdog.counters += [self.rqp.progress, self.raw.progress, self.raw_sent,
                                    self.raw_acked, lambda: self.sent]
         self.watchdog.start()
@@ -640,8 +672,9 @@ class Bench:
     def _fork(self, name: str, target, *args):
         ctx = multiprocessing.get_context("fork")
         proc = ctx.Process(target=target, args=(os.getpid(), *args), name=name, daemon=False)
-        proc.start()
-        self.children.append((name, proc))
+        with stop_signals_held():
+            proc.start()
+            self.children.append((name, proc))
         return proc
 
     def _start_consumer(self, pipe: Pipeline, raw: bool) -> None:
@@ -675,11 +708,11 @@ class Bench:
     def _popen(self, name: str, argv: list[str], log: Path, cwd: Path) -> subprocess.Popen:
         _load_libc()
         env = {**os.environ, EVENT_LOOP_VARIABLE: self.loop_name}
-        with open(log, "ab") as log_file:
+        with open(log, "ab") as log_file, stop_signals_held():
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=log_file, cwd=str(cwd), start_new_session=True,
-                                    preexec_fn=_die_with_parent, env=env)
-        self.children.append((name, proc))
+                                    preexec_fn=_child_preexec, env=env)
+            self.children.append((name, proc))
         return proc
 
     def _start_agents(self, transport: str = "plaintext", loop: str = "asyncio") -> None:

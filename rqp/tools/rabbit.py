@@ -83,9 +83,13 @@ class Broker:
             self.proc = subprocess.Popen([str(SERVER)], env=self.env, cwd=self.dir,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True, preexec_fn=preexec)
-        self.pid = self._wait_started()
+        self.pid = self.proc.pid  # (the node's own, once wait_started has read it)
 
-    def _wait_started(self) -> int:
+    def wait_started(self) -> None:
+        """Until the node listens (RabbitError if it exits or START_TIMEOUT passes)."""
+        self.pid = self._listening()
+
+    def _listening(self) -> int:
         import socket
 
         deadline = time.monotonic() + START_TIMEOUT

@@ -52,9 +52,9 @@ from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
-    BenchError, ISOLATED_ENV, _child_setup, _die_with_parent, _ipc_namespace, _raise_on_signal,
-    free_port, START_TIMEOUT, process_cpu_ns, reexec_isolated, say, sweep_stale_workdirs,
-    unused_key, wait_started,
+    BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, _raise_on_signal,
+    free_port, START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held,
+    sweep_stale_workdirs, unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
@@ -209,8 +209,9 @@ class Scale:
             ctx = multiprocessing.get_context("fork")
             ours, theirs = ctx.Pipe()
             consumer = ctx.Process(target=consumer_main, args=(os.getpid(), dest, theirs))
-            consumer.start()
-            self.procs.append(consumer)
+            with stop_signals_held():
+                consumer.start()
+                self.procs.append(consumer)
             theirs.close()
             per = [n // case.producers + (i < n % case.producers) for i in range(case.producers)]
             for round_ in range(args.rounds + 1):  # the first is a warm-up
@@ -223,8 +224,9 @@ class Scale:
                     args.size, self.msg_type, start, cpu, senders[i % case.senders][2]))
                     for i in range(case.producers)]
                 for p in producers:
-                    p.start()
-                self.procs += producers
+                    with stop_signals_held():
+                        p.start()
+                        self.procs.append(p)
                 agents = {"sending MCA": [s[0].pid for s in senders],
                           "receiving MCA": [receiver.pid], "consumer": [consumer.pid]}
                 # (before the producers are let go: read after, a busy machine could leave
@@ -288,16 +290,16 @@ class Scale:
         return list(range(base, base + count))
 
     def _popen(self, argv: list[str], log: Path, host=None) -> subprocess.Popen:
-        with open(log, "ab") as log_file:
+        with open(log, "ab") as log_file, stop_signals_held():
             if host is not None:  # (killed by the testbed's close, whatever happens to us)
                 proc = host.popen(argv, stdout=subprocess.DEVNULL, stderr=log_file,
-                                  cwd=str(self.workdir))
+                                  cwd=str(self.workdir), preexec_fn=_child_preexec)
             else:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=log_file,
                                         cwd=str(self.workdir), start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-        self.procs.append(proc)
+                                        preexec_fn=_child_preexec)
+            self.procs.append(proc)
         return proc
 
     def _tls(self, name: str) -> str:
