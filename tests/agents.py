@@ -51,8 +51,9 @@ def write_rqprc(host, receivers, **settings) -> Path:
     return path
 
 
-def start_sender(host, rqprc: Path, log_level: str = "DEBUG", extra=()):
-    proc = host.popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc),
+def start_sender(host, rqprc: Path, log_level: str = "DEBUG", extra=(), prefix=()):
+    """A sending MCA on ``host``; ``prefix``: a command that runs it."""
+    proc = host.popen([*prefix, sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc),
                        "--log-level", log_level, *extra])
     wait_for(lambda: "serving transmission queue" in host.output(proc, "stderr")
              or proc.poll() is not None, timeout=20, message=f"sender on {host.name} did not start")

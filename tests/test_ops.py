@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rqp import SURE_MSG
 from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX, budget_size
 from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
@@ -1010,3 +1011,39 @@ def test_dead_letters_held_are_bounded_and_the_transmission_queue_waits(site):
     assert producer.wait(30) == 0
     wait_for(lambda: status()["dead_letters_held"] == 0, timeout=30, message="still held")
     assert sender.poll() is None
+
+
+HOLDING = r"""
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                          signal.SIGUSR1})
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def _held(pid: int) -> set[str]:
+    mask = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                    .splitlines() if line.startswith("SigBlk:")), 16)
+    return {s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+            if mask & (1 << (s - 1))}
+
+
+def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(testbed):
+    """A signal mask survives exec: a sending MCA started by an application that held SIGTERM
+    (a signal thread of its own, through openConnection) ran on after SIGTERM. Each agent now
+    starts with no signal held: it reloads on SIGHUP, stops on SIGTERM, and the sending MCA's
+    reader thread (woken by SIGUSR1) lets it stop."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    holding = [sys.executable, "-c", HOLDING]
+    receiver = start_receiver(b, prefix=holding)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc, prefix=holding)
+    assert _held(receiver.pid) == set() and _held(sender.pid) == set()
+    send(a, rqprc, Q1, ["through"], SURE_MSG)
+    assert receive(b, Q1, 1) == ["through"]
+    for host, agent in ((a, sender), (b, receiver)):
+        agent.send_signal(signal.SIGHUP)
+        wait_for(lambda: log_lines(host, agent, "reloaded "), timeout=20, message="no reload")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0, host.output(agent, "stderr")[-2000:]
