@@ -313,6 +313,25 @@ def test_scale_stopped_by_sigterm_cleans_up_and_a_killed_runs_directory_is_swept
     assert not running, "agents of the stopped run still running"
 
 
+def test_scale_on_simulated_hosts_removes_the_hosts_a_killed_run_left():
+    """A new user's trial: `timeout -s KILL 4 scripts/bench --scale --hosts ...` left 12
+    network namespaces, their IPC namespace mounts and directories, and no later run removed
+    them. The next --hosts run now does (those of runs whose process is gone)."""
+    from tests.testbed import Testbed
+
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    with Testbed(name_prefix="scale") as left:
+        host = left.add_host("r")
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        (left.run_dir / "owner").write_text(f"{pid_max}\n")  # its run was killed
+        proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--hosts", "--sweeps",
+                               "keys", "--keys", "1", "--messages", "20", "--rounds", "1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"netns {host.netns}" in proc.stderr and f"dir {left.run_dir}" in proc.stderr
+        assert [x for x in left.leftovers() if not x.startswith("pid ")] == []
+
+
 _ARMED: list[int] = []  # (os.register_at_fork has no undo: the hook below acts once when armed)
 
 

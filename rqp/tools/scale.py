@@ -269,11 +269,14 @@ class Scale:
         """A receiving host and ``senders`` sending hosts; this thread enters the receiving
         host's IPC namespace (the destination queues and the consumer live there)."""
         try:
-            from tests.testbed import Testbed, TestbedError
+            from tests.testbed import Testbed, TestbedError, sweep_stale
         except ImportError as exc:
             raise BenchError(f"--hosts runs the agents on the test suite's simulated hosts "
                              f"(tests/testbed.py), which this installation lacks ({exc}): run "
                              "scripts/bench --scale --hosts from a clone of the project") from None
+        swept = sweep_stale("scale")  # (the hosts of a run killed before it could clean up)
+        if swept:
+            say(f"rqp-scale: removed what a killed run left: {', '.join(swept)}", err=True)
         try:
             self.bed = Testbed(name_prefix="scale", sysctls={"kernel.msgmnb": 1 << 22})
             self.receiving_host = self.bed.add_host("r")
@@ -513,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             say("rqp-scale: the cases measured before the failure:", err=True)
             say(table(done, args))
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        say(f"rqp-scale: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         return 130
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
