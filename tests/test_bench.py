@@ -370,6 +370,31 @@ def test_a_stop_signal_while_a_child_starts_is_handled_after_its_record():
     assert child.exitcode == 0  # (the child let go of the held signals: it was not stopped)
 
 
+class _StoppedWhileDropped:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # (the handler runs here: inside the finalizer)
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_whose_exception_python_swallowed_is_raised_by_the_next_wait(monkeypatch):
+    """What a signal handler raises while a finalizer runs, Python only prints: the run went
+    on as if not stopped. The tools' waits raise the stop again."""
+    monkeypatch.setattr(bench, "_stops", [])
+    before = signal.signal(signal.SIGTERM, bench._raise_on_signal)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        _StoppedWhileDropped()  # dropped at once; the KeyboardInterrupt is swallowed
+        assert bench._stops == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            bench.wait_started("nothing", lambda: False, sleeper)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_command_started_while_stop_signals_are_held_does_not_inherit_the_hold():
     """A signal mask survives exec: an agent started in the held block must still stop on
     SIGTERM."""

@@ -536,6 +536,7 @@ def wait_started(what: str, predicate, proc: subprocess.Popen, log: Path | None 
     its ``log``) or START_TIMEOUT passes."""
     deadline = time.monotonic() + START_TIMEOUT
     while not predicate():
+        raise_if_stopped()
         if proc.poll() is not None:
             tail = ""
             if log is not None:
@@ -784,7 +785,7 @@ class Bench:
 
     def _collect(self, pipe: Pipeline) -> tuple[int, int]:
         while not pipe.conn.poll(0.25):
-            pass  # the watchdog raises Stalled here if nothing moves
+            raise_if_stopped()  # (and the watchdog raises Stalled here if nothing moves)
         reply = pipe.conn.recv()
         if reply[0] == "error":
             raise BenchError(f"{pipe.name} consumer: {reply[1]}")
@@ -1228,8 +1229,22 @@ def _ipc_namespace() -> str:
         return "unknown"
 
 
+#: The stop signals received (see _raise_on_signal).
+_stops: list[int] = []
+
+
 def _raise_on_signal(signum, _frame):
+    """Stop the run as Ctrl-C does, and remember it: what a handler raises while a finalizer
+    (``__del__``, a weakref callback) or an at-fork hook runs, Python only prints, so the
+    waits raise it again (raise_if_stopped)."""
+    _stops.append(signum)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop that a handler's exception, swallowed, did not (see _raise_on_signal)."""
+    if _stops:
+        raise KeyboardInterrupt(f"signal {signal.Signals(_stops[0]).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1240,7 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
     private = bool(left) and left.startswith("ipc:") and left != _ipc_namespace()
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.getsignal(sig) for sig in handled}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in handled:
         signal.signal(sig, _raise_on_signal)
     sweep_stale_workdirs()
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))

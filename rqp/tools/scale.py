@@ -53,8 +53,8 @@ from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, _raise_on_signal,
-    free_port, START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held,
-    sweep_stale_workdirs, unused_key, wait_started,
+    free_port, START_TIMEOUT, process_cpu_ns, raise_if_stopped, reexec_isolated, say,
+    stop_signals_held, sweep_stale_workdirs, unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
@@ -239,6 +239,7 @@ class Scale:
                 t0 = time.monotonic_ns()
                 deadline = time.monotonic() + ROUND_TIMEOUT
                 while not ours.poll(0.5):  # (and a producer that failed ends the run now)
+                    raise_if_stopped()
                     failed = [p for p in producers if p.exitcode not in (None, 0)]
                     if failed:
                         raise BenchError(f"{case.label}: a producer exited with status "
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernel.msgmnb for its queues", err=True)
         return 2
     Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # (stopped: clean up as on Ctrl-C)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (clean up as on Ctrl-C)
         signal.signal(sig, _raise_on_signal)
     sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
