@@ -185,7 +185,9 @@ STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 @contextlib.contextmanager
 def stop_signals_held():
     """Hold the stop signals while a child is started and recorded in the list its clean-up
-    reads; a signal that came meanwhile is handled when the block ends.
+    reads; a signal that came meanwhile is handled when the block ends. (The mask is the
+    calling thread's: so that it holds them for the process, the tools start their other
+    threads inside such a block, and those threads never take a stop signal.)
 
     Handled inside the fork, a stop was lost: its handler ran in an at-fork hook (logging's),
     and Python only prints what such a hook raises, so the run went on. Handled between the
@@ -426,7 +428,8 @@ class Watchdog:
     def start(self) -> None:
         signal.signal(signal.SIGUSR2, self._on_signal)
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-        self._thread.start()
+        with stop_signals_held():  # (so that it never holds them: the main thread gets them,
+            self._thread.start()  # and stop_signals_held there holds them for the process)
 
     def _on_signal(self, *_):
         if self.armed and self.reason:

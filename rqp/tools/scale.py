@@ -264,7 +264,8 @@ class Scale:
             ours.send(("stop",))
             consumer.join(10)
         finally:
-            self.stop_all()
+            with stop_signals_held():  # (a second stop waits for the clean-up to finish)
+                self.stop_all()
 
     def _make_hosts(self, senders: int) -> None:
         """A receiving host and ``senders`` sending hosts; this thread enters the receiving
