@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,13 @@ from tests.testbed import wait_for
 
 PORT = 7460
 DLQ = 0x5251DEAD
+
+
+def held_signals(status: str) -> set[signal.Signals]:
+    """The signals a process (or thread) holds, from the text of its /proc status file."""
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigBlk:")), 16)
+    return {s for s in signal.Signals if mask & (1 << (s - 1))}
 
 
 #: What the tests' receivers (root on their own namespaced hosts) offer unless a test's config

@@ -18,7 +18,8 @@ from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX
 from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
-    PORT, log_lines, make_queue, receive, send, start_receiver, start_sender, write_rqprc,
+    PORT, held_signals, log_lines, make_queue, receive, send, start_receiver, start_sender,
+    write_rqprc,
 )
 from tests.testbed import wait_for
 
@@ -1021,13 +1022,6 @@ os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
-def _held(pid: int) -> set[str]:
-    mask = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
-                    .splitlines() if line.startswith("SigBlk:")), 16)
-    return {s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-            if mask & (1 << (s - 1))}
-
-
 def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(testbed):
     """A signal mask survives exec: a sending MCA started by an application that held SIGTERM
     (a signal thread of its own, through openConnection) ran on after SIGTERM. Each agent now
@@ -1039,7 +1033,8 @@ def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(te
     make_queue(b, Q1)
     rqprc = write_rqprc(a, [b])
     sender = start_sender(a, rqprc, prefix=holding)
-    assert _held(receiver.pid) == set() and _held(sender.pid) == set()
+    for agent in (receiver, sender):
+        assert held_signals(Path(f"/proc/{agent.pid}/status").read_text()) == set()
     send(a, rqprc, Q1, ["through"], SURE_MSG)
     assert receive(b, Q1, 1) == ["through"]
     for host, agent in ((a, sender), (b, receiver)):
