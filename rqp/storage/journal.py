@@ -884,7 +884,7 @@ class Journal:
         size, live = self._file.size, self._live_bytes
         if not at_append and size >= self.compact_min_bytes and live < self.compact_ratio * size:
             return True
-        if not self._room_short and 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
+        if not self._room_short and self._room_looked_at(size):
             return False  # (a disk with room, looked at lately: the hot path)
         if size - live < min(RESERVE_LEAST, self.compact_min_bytes):
             return False
@@ -900,7 +900,7 @@ class Journal:
         route was down; trial 14: with more than half of it live it waited for that, and by
         then the copy did not fit). The free room is looked up (statvfs) each time the file
         has grown by SMALL_DISK_DEAD/4 since, or shrunk."""
-        if not 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4:
+        if not self._room_looked_at(size):
             self._room_checked_size = size
             try:
                 st = os.fstatvfs(self._file.fd)
@@ -919,6 +919,11 @@ class Journal:
         # from SMALL_DISK_DEAD dead bytes on, or any (RESERVE_LEAST) while a copy still fits
         # but will not for long (trial 14: 160 KB of them cost 20 messages of 8 KB)
         return copy < free and (size - live >= SMALL_DISK_DEAD or free < copy + SMALL_DISK_DEAD)
+
+    def _room_looked_at(self, size: int) -> bool:
+        """Whether the disk's free room was looked up since the file (now ``size`` bytes) last
+        shrank or grew by SMALL_DISK_DEAD/4."""
+        return 0 <= size - self._room_checked_size < SMALL_DISK_DEAD // 4
 
     def maybe_compact(self) -> bool:
         """Compact if less than ``compact_ratio`` of the file is live and it is at least
