@@ -18,6 +18,7 @@ from typing import Callable
 from rqp import RQPError
 from rqp.system.control import serve_control, serve_metrics
 from rqp.system.queues import format_key
+from rqp.system import signals
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
@@ -352,11 +353,10 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     """Build the agent and run it; exit status 1 with the reason logged if it cannot, 70
     (EXIT_UNEXPECTED) after an unexpected error."""
-    # A signal mask survives exec: an agent started by a process that holds signals (an
-    # application with a signal thread of its own, through openConnection) would never stop on
-    # SIGTERM, reload on SIGHUP, or wake the sending MCA's reader thread (SIGUSR1). It starts,
-    # as daemon(7) asks, with none held; the threads it starts later inherit that.
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    # An agent started by a process that holds signals (an application with a signal thread of
+    # its own, through openConnection) would never stop on SIGTERM, reload on SIGHUP, or wake
+    # the sending MCA's reader thread (SIGUSR1).
+    signals.hold_none()
     try:
         loop_factory = event_loop_factory()
         agent = build()

@@ -60,6 +60,7 @@ from rqp.storage.archive import (
     ArchiveError, ArchiveWriter, DrainState, archived_ids, archived_spill, lock_file,
     read_drain_state, record_id, record_to_row, safe_host, write_drain_state,
 )
+from rqp.system import signals
 from rqp.system.files import write_file_atomically
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import host_name, setup_logging
@@ -318,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: stopping after the batch in hand", signal.Signals(sig).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals.handle(on_signal, (signal.SIGTERM, signal.SIGINT))
     out = lambda text: print(text, flush=True)  # noqa: E731
     try:
         config = load_optional_rqprc(args.rqprc)

@@ -13,6 +13,16 @@ PORT = 7460
 DLQ = 0x5251DEAD
 
 
+#: A command prefix: runs the command holding the signals a program stops or reloads on, as a
+#: process with a signal-waiting thread would start it (a signal mask survives exec).
+HOLDING_SIGNALS = [sys.executable, "-c", r"""
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                          signal.SIGUSR1})
+os.execv(sys.argv[1], sys.argv[1:])
+"""]
+
+
 def held_signals(status: str) -> set[signal.Signals]:
     """The signals a process (or thread) holds, from the text of its /proc status file."""
     mask = int(next(line.split()[1] for line in status.splitlines()

@@ -278,17 +278,22 @@ def test_corebench_names_a_bad_argument_before_running(args, error, capsys):
     assert error in capsys.readouterr().err
 
 
-def test_scale_stopped_by_sigterm_cleans_up_and_a_killed_runs_directory_is_swept(tmp_path):
+@pytest.mark.parametrize("held", [False, True], ids=["plain", "started-holding-them"])
+def test_scale_stopped_by_sigterm_cleans_up_and_a_killed_runs_directory_is_swept(tmp_path,
+                                                                                 held):
     """A new user's trial: `timeout 12 scripts/bench --scale ...` (SIGTERM) left its working
     directory in /tmp (36 MB), and SIGKILL's stayed for good. SIGTERM now cleans up as Ctrl-C
-    does (exit 130, agents stopped, queues removed); the next run removes what a SIGKILL left."""
+    does (exit 130, agents stopped, queues removed); the next run removes what a SIGKILL left.
+    And a signal mask survives exec: started by a process that holds the stop signals (a
+    harness's thread), it used to run on after its SIGTERM, for good."""
     python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
     stale = Path(tempfile.mkdtemp(prefix=f"rqp-scale-{_dead_pid()}-"))
     (stale / "receiver-left-behind").mkdir()
     before = set(Path("/tmp").glob("rqp-scale-*")) - {stale}
     proc = subprocess.Popen([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys",
                              "--messages", "200000", "--rounds", "3"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_hold_stop_signals if held else None)
     try:
         for line in proc.stderr:  # the first case has started: a directory, then agents
             if line.startswith("rqp-scale: keys: 1 key(s)"):
@@ -333,6 +338,15 @@ def test_scale_on_simulated_hosts_removes_the_hosts_a_killed_run_left():
         assert [x for x in left.leftovers() if not x.startswith("pid ")] == []
 
 
+@pytest.fixture
+def stop_signals_through():
+    """These tests take the stop signals in this process: let them through here, whatever
+    mask the suite was started with (a signal mask survives exec), and put it back after."""
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, bench.STOP_SIGNALS)
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 _ARMED: list[int] = []  # (os.register_at_fork has no undo: the hook below acts once when armed)
 
 
@@ -350,6 +364,7 @@ def _child_that_stops(parent: int) -> None:
              else 0)
 
 
+@pytest.mark.usefixtures("stop_signals_through")
 def test_a_stop_signal_while_a_child_starts_is_handled_after_its_record(monkeypatch):
     """CI saw rqp-scale go on after its SIGTERM: the signal came during the fork of a child,
     and its handler ran in logging's at-fork hook, whose exception Python only prints. Here an
@@ -382,6 +397,7 @@ class _StoppedWhileDropped:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.usefixtures("stop_signals_through")
 def test_a_stop_whose_exception_python_swallowed_is_raised_by_the_next_wait(monkeypatch):
     """What a signal handler raises while a finalizer runs, Python only prints: the run went
     on as if not stopped. The tools' waits raise the stop again."""
@@ -399,6 +415,7 @@ def test_a_stop_whose_exception_python_swallowed_is_raised_by_the_next_wait(monk
         sleeper.wait()
 
 
+@pytest.mark.usefixtures("stop_signals_through")
 def test_the_watchdog_thread_never_takes_a_stop_signal():
     """A reviewer's find: a signal mask is a thread's, and the kernel gave a SIGTERM to the
     running watchdog thread; its handler then ran in the main thread inside a held block, and
@@ -424,6 +441,10 @@ def test_a_command_started_while_stop_signals_are_held_does_not_inherit_the_hold
         proc = subprocess.run(["cat", "/proc/self/status"], preexec_fn=bench._child_preexec,
                               capture_output=True, text=True, timeout=30, check=True)
     assert not held_signals(proc.stdout) & bench.STOP_SIGNALS
+
+
+def _hold_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, bench.STOP_SIGNALS)
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -18,7 +18,7 @@ from rqp.protocol.records import AgentKind, DeadLetterRecord
 from rqp.storage.archive import (
     archive_files, read_archive, read_drain_state, record_id, row_raw_bytes,
 )
-from tests.agents import DLQ, send, start_receiver, start_sender, write_rqprc
+from tests.agents import DLQ, HOLDING_SIGNALS, send, start_receiver, start_sender, write_rqprc
 from tests.testbed import wait_for
 
 Q1 = 0x52510001
@@ -200,8 +200,10 @@ def test_killed_at_any_point_then_rerun_archives_each_record_exactly_once(
 
 
 def test_continuous_mode_keeps_draining_and_stops_on_sigterm(host):
-    proc = host.popen([*DRAIN, "--archive", str(host.archive), "--rqprc", str(host.rqprc),
-                       "--interval", "0.1"])
+    """Started holding the signals, as a supervisor's thread might: it lets go of those it
+    stops on (a signal mask survives exec)."""
+    proc = host.popen([*HOLDING_SIGNALS, *DRAIN, "--archive", str(host.archive), "--rqprc",
+                       str(host.rqprc), "--interval", "0.1"])
     wait_for(lambda: "draining queue" in host.output(proc, "stderr"), timeout=20,
              message="the drain did not start")
     first, second = make_records(10), make_records(15)[10:]

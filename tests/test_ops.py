@@ -18,8 +18,8 @@ from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX
 from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
-    PORT, held_signals, log_lines, make_queue, receive, send, start_receiver, start_sender,
-    write_rqprc,
+    HOLDING_SIGNALS, PORT, held_signals, log_lines, make_queue, receive, send, start_receiver,
+    start_sender, write_rqprc,
 )
 from tests.testbed import wait_for
 
@@ -401,8 +401,9 @@ def test_status_watch_refreshes_until_interrupted(site):
     a, b, rqprc, sender, receiver = site
     send(a, rqprc, Q1, ["one"])
     assert receive(b, Q1, 1) == ["one"]
-    watch = a.popen([*RQPCTL, "status", "--agent", "sender", "--rqprc", str(rqprc),
-                     "--watch", "0.2"])
+    # (started holding the signals, as a harness's thread would: it lets go of those it takes)
+    watch = a.popen([*HOLDING_SIGNALS, *RQPCTL, "status", "--agent", "sender", "--rqprc",
+                     str(rqprc), "--watch", "0.2"])
     # (three whole screens: a signal may come between a screen's header and its table)
     wait_for(lambda: a.output(watch).count("PROD_THE_SCHED_COMMON") >= 3, timeout=20,
              message="rqpctl status --watch did not refresh")
@@ -1014,25 +1015,16 @@ def test_dead_letters_held_are_bounded_and_the_transmission_queue_waits(site):
     assert sender.poll() is None
 
 
-HOLDING = r"""
-import os, signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                          signal.SIGUSR1})
-os.execv(sys.argv[1], sys.argv[1:])
-"""
-
-
 def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(testbed):
     """A signal mask survives exec: a sending MCA started by an application that held SIGTERM
     (a signal thread of its own, through openConnection) ran on after SIGTERM. Each agent now
     starts with no signal held: it reloads on SIGHUP, stops on SIGTERM, and the sending MCA's
     reader thread (woken by SIGUSR1) lets it stop."""
     a, b = testbed.add_host("a"), testbed.add_host("b")
-    holding = [sys.executable, "-c", HOLDING]
-    receiver = start_receiver(b, prefix=holding)
+    receiver = start_receiver(b, prefix=HOLDING_SIGNALS)
     make_queue(b, Q1)
     rqprc = write_rqprc(a, [b])
-    sender = start_sender(a, rqprc, prefix=holding)
+    sender = start_sender(a, rqprc, prefix=HOLDING_SIGNALS)
     for agent in (receiver, sender):
         assert held_signals(Path(f"/proc/{agent.pid}/status").read_text()) == set()
     send(a, rqprc, Q1, ["through"], SURE_MSG)

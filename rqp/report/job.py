@@ -83,6 +83,7 @@ from pathlib import Path
 from rqp.report import history
 from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
+from rqp.system import signals
 
 __all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
            "check_local_output", "default_store", "load_compute", "run_drain", "parse_args", "main"]
@@ -271,6 +272,7 @@ def run_dated(compute, spark, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
+    signals.let_ctrl_c_through()
     try:
         if args.drain:
             run_drain(args.archive)

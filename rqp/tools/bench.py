@@ -56,6 +56,7 @@ from rqp import cli
 from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
+from rqp.system import signals
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
 from rqp.system.service import EVENT_LOOP_VARIABLE, sender_serving
 from rqp.tools.rabbit import CONFIRM_WINDOW, Broker, rabbit_python
@@ -1256,10 +1257,7 @@ def main(argv: list[str] | None = None) -> int:
     reexec_isolated(argv)
     left = os.environ.get(ISOLATED_ENV)
     private = bool(left) and left.startswith("ipc:") and left != _ipc_namespace()
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.getsignal(sig) for sig in handled}
-    for sig in handled:
-        signal.signal(sig, _raise_on_signal)
+    previous = signals.handle(_raise_on_signal, STOP_SIGNALS)
     sweep_stale_workdirs()
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     bench = Bench(args, workdir, private)
@@ -1283,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"rqp-bench: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         status = 130
     finally:
-        for sig in handled:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
         try:
             bench.cleanup()

@@ -41,6 +41,7 @@ from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, archive_files, archived_spill, find_rows, iso_utc, read_archive_file,
     row_payload,
 )
+from rqp.system import signals
 from rqp.system.control import ControlError
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import sender_serving
@@ -107,8 +108,7 @@ def _stop_on_signals() -> threading.Event:
         _say(f"{signal.Signals(sig).name}: stopping after the record in hand")
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals.handle(on_signal, (signal.SIGTERM, signal.SIGINT))
     return stop
 
 
@@ -404,6 +404,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    signals.let_ctrl_c_through()  # (status --watch, receive: Ctrl-C ends them)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         code = args.run(args)

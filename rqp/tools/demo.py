@@ -26,6 +26,7 @@ from pathlib import Path
 
 import rqp
 from rqp.protocol.records import DeadLetterRecord
+from rqp.system import signals
 from rqp.system.queues import LocalQueue, format_key
 from rqp.system.service import serving_pid
 from rqp.tools import tls as tls_tool
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-dir", metavar="DIR", default="rqp-demo-report",
                         help="where the dead-letter report goes (default: ./rqp-demo-report)")
     args = parser.parse_args(argv)  # (--help ends here, before anything is started)
+    signals.let_ctrl_c_through()
     if os.geteuid() == 0 and not os.environ.get("RQP_DEMO_ISOLATED") and shutil.which("unshare"):
         env = dict(os.environ, RQP_DEMO_ISOLATED="1")
         return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.tools.demo",

@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from rqp.report import generate
+from rqp.system import signals
 
 PER_FILE = 200_000
 DEFAULT_SIZES = (1_000_000, 5_000_000, 50_000_000)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the job reading the JSON archive itself (no store)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signals.handle(_on_sigterm, (signal.SIGTERM,))
 
     tmp = tempfile.mkdtemp(prefix="rqp-report-bench-")
     spark = None

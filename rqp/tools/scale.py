@@ -50,11 +50,12 @@ import rqp
 from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
+from rqp.system import signals
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
-    BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, _raise_on_signal,
-    free_port, START_TIMEOUT, process_cpu_ns, raise_if_stopped, reexec_isolated, say,
-    stop_signals_held, sweep_stale_workdirs, unused_key, wait_started,
+    BenchError, ISOLATED_ENV, STOP_SIGNALS, _child_preexec, _child_setup, _ipc_namespace,
+    _raise_on_signal, free_port, START_TIMEOUT, process_cpu_ns, raise_if_stopped,
+    reexec_isolated, say, stop_signals_held, sweep_stale_workdirs, unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
@@ -491,8 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernel.msgmnb for its queues", err=True)
         return 2
     Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (clean up as on Ctrl-C)
-        signal.signal(sig, _raise_on_signal)
+    signals.handle(_raise_on_signal, STOP_SIGNALS)  # (clean up as on Ctrl-C)
     sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     scale = Scale(args, workdir)
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"rqp-scale: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         return 130
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
         scale.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)

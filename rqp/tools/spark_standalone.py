@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from rqp.system import signals
+
 __all__ = ["StandaloneCluster", "ClusterError", "spark_home"]
 
 START_TIMEOUT = 90.0
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default="2g")
     args = parser.parse_args(argv)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signals.handle(lambda *_: stop.set(), (signal.SIGTERM,))
     with StandaloneCluster(args.cores, args.memory) as cluster:
         print(f"Spark standalone master {cluster.url} (one worker, {args.cores} cores, "
               f"{args.memory}); Ctrl-C stops it", flush=True)
