@@ -14,6 +14,7 @@ from tests.testbed import testbed, testbed_factory  # noqa: F401
 import os
 import pickle
 import random
+import signal
 import traceback
 
 import pytest
@@ -24,6 +25,20 @@ import sysv_ipc
 # No systemd unit directory at all, for this process and every one it starts; the tests of
 # that rule point it at their own.
 os.environ["SYSTEMD_UNIT_PATH"] = os.devnull
+
+# The signals this run was started with must not change what the tests see either. A signal
+# mask and ignored signals survive exec: a runner that holds SIGTERM (started from a thread
+# that waits for signals) or ignores SIGINT (a shell's background job) passes that to every
+# process the tests start, and a helper that a test ends with SIGTERM (a pool's worker, a
+# peer, `sleep`) would never end. As a terminal starts a program: nothing held, nothing
+# ignored. (The project's own programs let go of the signals they take, however started:
+# the tests that say so start them holding the signals, with tests.agents.HOLDING_SIGNALS.)
+signal.pthread_sigmask(signal.SIG_SETMASK, ())
+for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2, signal.SIGCHLD):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT
+                      else signal.SIG_DFL)
 
 _rng = random.SystemRandom()  # not the `random` module state that hypothesis seeds
 

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 from rqp.protocol import reasons as _reasons
+from rqp.system import signals
 
 __all__ = [
     "REASON_WEIGHTS",
@@ -340,7 +341,8 @@ def generate(records: int, output: str, seed: int = 1, per_file: int = DEFAULT_P
     elif processes <= 1 or len(tasks) <= 1:
         done = [_write_file(t) for t in tasks]
     else:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(tasks))) as pool:
+        with multiprocessing.get_context("fork").Pool(
+                min(processes, len(tasks)), initializer=signals.end_on_sigterm) as pool:
             done = pool.map(_write_file, tasks, chunksize=1)
     return sorted(path for path, _ in kept + done)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable
 
-__all__ = ["handle", "hold_none", "let_ctrl_c_through"]
+__all__ = ["end_on_sigterm", "handle", "hold_none", "let_ctrl_c_through"]
 
 
 def handle(handler: Callable | int, signals: Iterable[int]) -> dict[int, Callable | int]:
@@ -22,6 +22,13 @@ def handle(handler: Callable | int, signals: Iterable[int]) -> dict[int, Callabl
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     return previous
+
+
+def end_on_sigterm() -> None:
+    """For a worker process its parent ends with SIGTERM (a multiprocessing pool's terminate,
+    which its ``with`` block calls): the default action, let through. Held, the pool's end
+    waits for that worker for good."""
+    handle(signal.SIG_DFL, (signal.SIGTERM,))
 
 
 def let_ctrl_c_through() -> None:

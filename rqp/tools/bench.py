@@ -1245,6 +1245,12 @@ def _raise_on_signal(signum, _frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def ignore_stops() -> None:
+    """From here on the stop signals are ignored: the clean-up runs to its end."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def raise_if_stopped() -> None:
     """Raise the stop that a handler's exception, swallowed, did not (see _raise_on_signal)."""
     if _stops:
@@ -1278,17 +1284,19 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as diag_exc:  # noqa: BLE001
             say(f"rqp-bench: (diagnosis failed: {diag_exc})", err=True)
     except KeyboardInterrupt as exc:
+        ignore_stops()  # (a second Ctrl-C while this is said: not a traceback)
         say(f"rqp-bench: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         status = 130
     finally:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
+        ignore_stops()  # let the clean-up finish
         try:
             bench.cleanup()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    if status == 130:
+        say("rqp-bench: stopped; its agents, queues and files are removed", err=True)
     return status
 
 

@@ -54,7 +54,7 @@ from rqp.system import signals
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, STOP_SIGNALS, _child_preexec, _child_setup, _ipc_namespace,
-    _raise_on_signal, free_port, START_TIMEOUT, process_cpu_ns, raise_if_stopped,
+    _raise_on_signal, free_port, ignore_stops, START_TIMEOUT, process_cpu_ns, raise_if_stopped,
     reexec_isolated, say, stop_signals_held, sweep_stale_workdirs, unused_key, wait_started,
 )
 
@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = {**SWEEPS, "keys": [dict(keys=k, producers=1, senders=1) for k in args.keys]}
     cases = [Case(name, **spec) for name in args.sweeps.split(",") for spec in sweeps[name]]
     done: list[Case] = []
+    stopped = False
     try:
         for case in cases:
             say(f"rqp-scale: {case.label} ...", err=True)
@@ -519,13 +520,16 @@ def main(argv: list[str] | None = None) -> int:
             say(table(done, args))
         return 1
     except KeyboardInterrupt as exc:
+        ignore_stops()  # (a second Ctrl-C while this is said: not a traceback)
         say(f"rqp-scale: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
+        stopped = True
         return 130
     finally:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)  # let the clean-up finish
+        ignore_stops()  # let the clean-up finish
         scale.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
+        if stopped:
+            say("rqp-scale: stopped; its agents, queues and files are removed", err=True)
 
 
 if __name__ == "__main__":
