@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from rqp import RQPError
+from rqp.system import signals
 from rqp.system.control import serve_control, serve_metrics
 from rqp.system.queues import format_key
-from rqp.system import signals
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
