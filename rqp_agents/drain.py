@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     signals.handle(on_signal, (signal.SIGTERM, signal.SIGINT))
+    signals.let_stops_through()  # (SIGHUP: its default action)
     out = lambda text: print(text, flush=True)  # noqa: E731
     try:
         config = load_optional_rqprc(args.rqprc)

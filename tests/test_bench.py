@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
+from rqp.system import signals
 from rqp.system.queues import kernel_limits
 from rqp.tools import bench, scale
 from rqp.tools.bench import PAYLOAD_HEAD, BenchError, filler
@@ -343,10 +344,13 @@ def test_scale_on_simulated_hosts_removes_the_hosts_a_killed_run_left():
 
 
 @pytest.fixture
-def stop_signals_through():
+def stop_signals_through(monkeypatch):
     """These tests take the stop signals in this process: let them through here, whatever
-    mask the suite was started with (a signal mask survives exec), and put it back after."""
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, bench.STOP_SIGNALS)
+    mask the suite was started with (a signal mask survives exec), and put it back after;
+    no stop noted yet, none quieted (as take_stops() leaves it)."""
+    monkeypatch.setattr(signals, "stopped", [])
+    monkeypatch.setattr(signals, "_quiet", False)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.STOP_SIGNALS)
     yield
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
@@ -369,13 +373,12 @@ def _child_that_stops(parent: int) -> None:
 
 
 @pytest.mark.usefixtures("stop_signals_through")
-def test_a_stop_signal_while_a_child_starts_is_handled_after_its_record(monkeypatch):
+def test_a_stop_signal_while_a_child_starts_is_handled_after_its_record():
     """CI saw rqp-scale go on after its SIGTERM: the signal came during the fork of a child,
     and its handler ran in logging's at-fork hook, whose exception Python only prints. Here an
     at-fork hook sends the signal at that moment every time: held while the child starts, it
     stops the run once the child is recorded for the clean-up."""
-    monkeypatch.setattr(bench, "_stops", [])
-    before = signal.signal(signal.SIGTERM, bench._raise_on_signal)
+    before = signal.signal(signal.SIGTERM, signals._raise_on_stop)
     child = multiprocessing.get_context("fork").Process(target=_child_that_stops,
                                                         args=(os.getpid(),))
     recorded = []
@@ -402,15 +405,14 @@ class _StoppedWhileDropped:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.usefixtures("stop_signals_through")
-def test_a_stop_whose_exception_python_swallowed_is_raised_by_the_next_wait(monkeypatch):
+def test_a_stop_whose_exception_python_swallowed_is_raised_by_the_next_wait():
     """What a signal handler raises while a finalizer runs, Python only prints: the run went
     on as if not stopped. The tools' waits raise the stop again."""
-    monkeypatch.setattr(bench, "_stops", [])
-    before = signal.signal(signal.SIGTERM, bench._raise_on_signal)
+    before = signal.signal(signal.SIGTERM, signals._raise_on_stop)
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         _StoppedWhileDropped()  # dropped at once; the KeyboardInterrupt is swallowed
-        assert bench._stops == [signal.SIGTERM]
+        assert signals.stopped == [signal.SIGTERM]
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
             bench.wait_started("nothing", lambda: False, sleeper)
     finally:

@@ -272,7 +272,7 @@ def run_dated(compute, spark, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
-    signals.let_ctrl_c_through()
+    signals.let_stops_through()
     try:
         if args.drain:
             run_drain(args.archive)

@@ -1,10 +1,16 @@
-"""Signals a program is sure to receive: the one home of "a signal mask survives exec".
+"""Signals a program is sure to receive, and stops that clean up: the one home of both.
 
 A process inherits the signals its parent holds (blocks), through fork and exec alike. A
 program started by one that holds SIGTERM (an application with a signal-waiting thread of its
 own, a supervisor, a test harness that started it from such a thread) would never receive it:
 a tool would run on after ``timeout`` or ``systemctl stop``, an agent would never stop. So
-each program lets go of the signals it handles, when it starts handling them.
+each program lets go of the signals that stop it. What a program was started *ignoring*
+(``nohup`` ignores SIGHUP, a shell's background job SIGINT) stays ignored, as its starter
+asked.
+
+The tools that make things (agents, queues, directories: the benchmarks, the demo) take the
+stop signals (:data:`STOP_SIGNALS`) as Ctrl-C: the first raises KeyboardInterrupt, the run
+cleans up and exits 130; later ones are noted and change nothing (:func:`take_stops`).
 """
 
 from __future__ import annotations
@@ -12,34 +18,97 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterable
 
-__all__ = ["end_on_sigterm", "handle", "hold_none", "let_ctrl_c_through"]
+__all__ = ["STOP_SIGNALS", "end_on_sigterm", "handle", "hold_none", "let_stops_through",
+           "let_through",
+           "quiet_stops", "raise_if_stopped", "restore", "stopped", "take_stops"]
+
+#: What stops a run as Ctrl-C does.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+#: The stop signals received since take_stops(), in order.
+stopped: list[int] = []
 
 
 def handle(handler: Callable | int, signals: Iterable[int]) -> dict[int, Callable | int]:
-    """Install ``handler`` for each of ``signals`` and let them through (unblock them in this
-    thread, and so in the threads it starts from now on). Returns the handlers they had."""
+    """Install ``handler`` for each of ``signals`` that the program was not started ignoring,
+    and let them through (unblock them in this thread, and so in the threads it starts from
+    now on). Returns the handlers replaced. A signal that was held and came meanwhile is
+    handled here: a handler that raises, raises from this call."""
     signals = tuple(signals)
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    previous = {sig: signal.signal(sig, handler) for sig in signals
+                if signal.getsignal(sig) != signal.SIG_IGN}
+    let_through(signals)
     return previous
+
+
+def restore(previous: dict[int, Callable | int]) -> None:
+    """Put back the handlers :func:`handle` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def let_through(signals: Iterable[int]) -> None:
+    """Unblock ``signals`` in this thread (and the threads it starts from now on)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, tuple(signals))
+
+
+def let_stops_through() -> None:
+    """For a program that the stop signals end as they are (their default action, Python's
+    KeyboardInterrupt for Ctrl-C): let them through. Ignored ones stay ignored."""
+    let_through(STOP_SIGNALS)
 
 
 def end_on_sigterm() -> None:
     """For a worker process its parent ends with SIGTERM (a multiprocessing pool's terminate,
     which its ``with`` block calls): the default action, let through. Held, the pool's end
     waits for that worker for good."""
-    handle(signal.SIG_DFL, (signal.SIGTERM,))
-
-
-def let_ctrl_c_through() -> None:
-    """Let SIGINT through where Python's own handler (KeyboardInterrupt) takes it: a program
-    that ends on Ctrl-C. Not where the program started with SIGINT ignored, as a shell's
-    background job does: that stays as the shell asked."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    let_through((signal.SIGTERM,))
 
 
 def hold_none() -> None:
     """Hold no signal at all, as daemon(7) asks of a daemon that starts: the agents, whose
     threads started later inherit that."""
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+# --- stops that clean up ----------------------------------------------------------------------
+
+_quiet = False  # (the clean-up has begun: stops are noted, not raised)
+
+
+def _raise_on_stop(signum, _frame):
+    """The first stop raises KeyboardInterrupt (the run cleans up); later ones, and any once
+    the clean-up has begun, are only noted: a burst of signals must not break into the
+    clean-up. Noted first, because what a handler raises while a finalizer (``__del__``, a
+    weakref callback) or an at-fork hook runs, Python only prints: :func:`raise_if_stopped`
+    raises it again."""
+    stopped.append(signum)
+    if len(stopped) == 1 and not _quiet:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def take_stops() -> dict[int, Callable | int]:
+    """Stop on :data:`STOP_SIGNALS` as on Ctrl-C, from now on; returns the handlers replaced.
+    Raises KeyboardInterrupt at once if a stop came while the program's starter held it."""
+    global _quiet
+    stopped.clear()
+    _quiet = False
+    return handle(_raise_on_stop, STOP_SIGNALS)
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop that a handler's exception, swallowed, did not (see _raise_on_stop)."""
+    if stopped and not _quiet:
+        raise KeyboardInterrupt(f"signal {signal.Signals(stopped[0]).name}")
+
+
+def quiet_stops() -> None:
+    """The clean-up begins: from here on a stop signal is noted and changes nothing, so the
+    clean-up runs to its end. (One assignment, so no signal finds it half done; then the stop
+    signals a library took meanwhile are taken back: PySpark takes SIGINT.)"""
+    global _quiet
+    _quiet = True
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) not in (signal.SIG_IGN, _raise_on_stop):
+            signal.signal(sig, _raise_on_stop)

@@ -57,6 +57,7 @@ from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system import signals
+from rqp.system.signals import STOP_SIGNALS, raise_if_stopped
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
 from rqp.system.service import EVENT_LOOP_VARIABLE, sender_serving
 from rqp.tools.rabbit import CONFIRM_WINDOW, Broker, rabbit_python
@@ -177,10 +178,6 @@ def _die_with_parent() -> None:
     libc = _load_libc()
     if libc:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-#: What stops a run as Ctrl-C does (the run cleans up: agents stopped, queues removed).
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 @contextlib.contextmanager
@@ -428,6 +425,7 @@ class Watchdog:
 
     def start(self) -> None:
         signal.signal(signal.SIGUSR2, self._on_signal)
+        signals.let_through((signal.SIGUSR2,))  # (its starter may have held it)
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         with stop_signals_held():  # (so that it never holds them: the main thread gets them,
             self._thread.start()  # and stop_signals_held there holds them for the process)
@@ -1233,37 +1231,17 @@ def _ipc_namespace() -> str:
         return "unknown"
 
 
-#: The stop signals received (see _raise_on_signal).
-_stops: list[int] = []
-
-
-def _raise_on_signal(signum, _frame):
-    """Stop the run as Ctrl-C does, and remember it: what a handler raises while a finalizer
-    (``__del__``, a weakref callback) or an at-fork hook runs, Python only prints, so the
-    waits raise it again (raise_if_stopped)."""
-    _stops.append(signum)
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-def ignore_stops() -> None:
-    """From here on the stop signals are ignored: the clean-up runs to its end."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def raise_if_stopped() -> None:
-    """Raise the stop that a handler's exception, swallowed, did not (see _raise_on_signal)."""
-    if _stops:
-        raise KeyboardInterrupt(f"signal {signal.Signals(_stops[0]).name}")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     reexec_isolated(argv)
     left = os.environ.get(ISOLATED_ENV)
     private = bool(left) and left.startswith("ipc:") and left != _ipc_namespace()
-    previous = signals.handle(_raise_on_signal, STOP_SIGNALS)
+    try:
+        previous = signals.take_stops()
+    except KeyboardInterrupt as exc:  # (held by its starter: it came before we began)
+        say(f"rqp-bench: stopped ({exc}) before it began; nothing was made", err=True)
+        return 130
     sweep_stale_workdirs()
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     bench = Bench(args, workdir, private)
@@ -1284,17 +1262,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as diag_exc:  # noqa: BLE001
             say(f"rqp-bench: (diagnosis failed: {diag_exc})", err=True)
     except KeyboardInterrupt as exc:
-        ignore_stops()  # (a second Ctrl-C while this is said: not a traceback)
+        signals.quiet_stops()  # (a second Ctrl-C while this is said: not a traceback)
         say(f"rqp-bench: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         status = 130
     finally:
-        ignore_stops()  # let the clean-up finish
+        signals.quiet_stops()  # let the clean-up finish
         try:
             bench.cleanup()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            signals.restore(previous)
     if status == 130:
         say("rqp-bench: stopped; its agents, queues and files are removed", err=True)
     return status

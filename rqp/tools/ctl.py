@@ -404,7 +404,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    signals.let_ctrl_c_through()  # (status --watch, receive: Ctrl-C ends them)
+    signals.let_stops_through()  # (status --watch, receive: what stops them, gets through)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         code = args.run(args)

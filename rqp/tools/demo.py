@@ -176,6 +176,7 @@ def run(workdir: Path, report_dir: Path) -> int:
             "their reasons, archived and reported")
         return 0
     finally:
+        signals.quiet_stops()  # (the clean-up runs to its end)
         stop(None, sender_pid or serving_pid(xmit))
         stop(receiver)
         for queue in queues:
@@ -193,15 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-dir", metavar="DIR", default="rqp-demo-report",
                         help="where the dead-letter report goes (default: ./rqp-demo-report)")
     args = parser.parse_args(argv)  # (--help ends here, before anything is started)
-    signals.let_ctrl_c_through()
     if os.geteuid() == 0 and not os.environ.get("RQP_DEMO_ISOLATED") and shutil.which("unshare"):
+        # (becomes the demo in its own IPC namespace, same process: a stop signal reaches it)
         env = dict(os.environ, RQP_DEMO_ISOLATED="1")
-        return subprocess.call(["unshare", "--ipc", "--", sys.executable, "-m", "rqp.tools.demo",
-                                *argv], env=env)
+        sys.stdout.flush()
+        os.execvpe("unshare", ["unshare", "--ipc", "--", sys.executable, "-m", "rqp.tools.demo",
+                               *argv], env)
+    try:
+        signals.take_stops()  # Ctrl-C, SIGTERM, SIGHUP: stop the agents, remove what it made
+    except KeyboardInterrupt as exc:  # (held by its starter: it came before we began)
+        print(f"rqp-demo: stopped ({exc}) before it began; nothing was made", file=sys.stderr)
+        return 130
     report_dir = Path(args.report_dir).resolve()
     workdir = Path(tempfile.mkdtemp(prefix="rqp-demo-"))
     try:
         return run(workdir, report_dir)
+    except KeyboardInterrupt as exc:
+        print(f"rqp-demo: interrupted ({exc or 'Ctrl-C'}); its agents are stopped, its queues "
+              "and files removed", file=sys.stderr)
+        return 130
     except rqp.RQPError as exc:
         print(f"rqp-demo: {exc}", file=sys.stderr)
         for log in ("receiver.log", "state/sender-*.log"):

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     signals.handle(_on_sigterm, (signal.SIGTERM,))
-    signals.let_ctrl_c_through()
+    signals.let_stops_through()
 
     tmp = tempfile.mkdtemp(prefix="rqp-report-bench-")
     spark = None

@@ -51,11 +51,12 @@ from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system import signals
+from rqp.system.signals import raise_if_stopped
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.tools.bench import (
-    BenchError, ISOLATED_ENV, STOP_SIGNALS, _child_preexec, _child_setup, _ipc_namespace,
-    _raise_on_signal, free_port, ignore_stops, START_TIMEOUT, process_cpu_ns, raise_if_stopped,
-    reexec_isolated, say, stop_signals_held, sweep_stale_workdirs, unused_key, wait_started,
+    BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, free_port,
+    START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held, sweep_stale_workdirs,
+    unused_key, wait_started,
 )
 
 #: Front of every payload: the round's tag, the producer's number, its sequence number.
@@ -492,7 +493,11 @@ def main(argv: list[str] | None = None) -> int:
             "kernel.msgmnb for its queues", err=True)
         return 2
     Path("/proc/sys/kernel/msgmnb").write_text(f"{1 << 22}\n")
-    signals.handle(_raise_on_signal, STOP_SIGNALS)  # (clean up as on Ctrl-C)
+    try:
+        signals.take_stops()  # (clean up as on Ctrl-C)
+    except KeyboardInterrupt as exc:  # (held by its starter: it came before we began)
+        say(f"rqp-scale: stopped ({exc}) before it began; nothing was made", err=True)
+        return 130
     sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     scale = Scale(args, workdir)
@@ -520,12 +525,12 @@ def main(argv: list[str] | None = None) -> int:
             say(table(done, args))
         return 1
     except KeyboardInterrupt as exc:
-        ignore_stops()  # (a second Ctrl-C while this is said: not a traceback)
+        signals.quiet_stops()  # (a second Ctrl-C while this is said: not a traceback)
         say(f"rqp-scale: interrupted{f' ({exc})' if str(exc) else ''}; cleaning up", err=True)
         stopped = True
         return 130
     finally:
-        ignore_stops()  # let the clean-up finish
+        signals.quiet_stops()  # let the clean-up finish
         scale.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
         if stopped:

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop = threading.Event()
     signals.handle(lambda *_: stop.set(), (signal.SIGTERM,))
-    signals.let_ctrl_c_through()
+    signals.let_stops_through()
     with StandaloneCluster(args.cores, args.memory) as cluster:
         print(f"Spark standalone master {cluster.url} (one worker, {args.cores} cores, "
               f"{args.memory}); Ctrl-C stops it", flush=True)
