@@ -83,12 +83,25 @@ def stop(proc: subprocess.Popen | None, pid: int | None = None) -> None:
             return
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if _gone(pid):
                 return
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended: reaped here if it is our child (openConnection started the
+    sending MCA as one; an unreaped child still answers kill(pid, 0), for 15 s of waiting)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass  # not our child
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def run(workdir: Path, report_dir: Path) -> int:
@@ -187,6 +200,12 @@ def run(workdir: Path, report_dir: Path) -> int:
         say("   agents stopped, queues removed")
 
 
+def _interrupted(why: str) -> int:
+    print(f"rqp-demo: interrupted ({why}); its agents are stopped, its queues and files "
+          "removed", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rqp-demo", description=__doc__.split("\n\n")[0],
@@ -210,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(workdir, report_dir)
     except KeyboardInterrupt as exc:
-        print(f"rqp-demo: interrupted ({exc or 'Ctrl-C'}); its agents are stopped, its queues "
-              "and files removed", file=sys.stderr)
-        return 130
-    except rqp.RQPError as exc:
+        return _interrupted(str(exc) or "Ctrl-C")
+    except Exception as exc:  # noqa: BLE001
+        if signals.stopped:  # (what the stop ended first: PySpark's JVM, in our process group)
+            return _interrupted(f"signal {signal.Signals(signals.stopped[0]).name}")
+        if not isinstance(exc, rqp.RQPError):
+            raise
         print(f"rqp-demo: {exc}", file=sys.stderr)
         for log in ("receiver.log", "state/sender-*.log"):
             for path in workdir.glob(log):
