@@ -57,9 +57,9 @@ from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system import signals
-from rqp.system.signals import STOP_SIGNALS, raise_if_stopped
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
 from rqp.system.service import EVENT_LOOP_VARIABLE, sender_serving
+from rqp.system.signals import STOP_SIGNALS, raise_if_stopped
 from rqp.tools.rabbit import CONFIRM_WINDOW, Broker, rabbit_python
 
 

@@ -51,8 +51,8 @@ from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system import signals
-from rqp.system.signals import raise_if_stopped
 from rqp.system.queues import LocalQueue, kernel_limits
+from rqp.system.signals import raise_if_stopped
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, free_port,
     START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held, sweep_stale_workdirs,
