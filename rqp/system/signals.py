@@ -19,8 +19,7 @@ import signal
 from collections.abc import Callable, Iterable
 
 __all__ = ["STOP_SIGNALS", "end_on_sigterm", "handle", "hold_none", "let_stops_through",
-           "let_through",
-           "quiet_stops", "raise_if_stopped", "restore", "stopped", "take_stops"]
+           "let_through", "quiet_stops", "raise_if_stopped", "restore", "stopped", "take_stops"]
 
 #: What stops a run as Ctrl-C does.
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})

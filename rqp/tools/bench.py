@@ -202,7 +202,7 @@ def stop_signals_held():
 def _child_preexec() -> None:
     """``preexec_fn`` of the commands this module starts: the stop signals are let go (held by
     the parent while it started us: a signal mask survives exec), and we die with the parent."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signals.let_stops_through()
     _die_with_parent()
 
 
@@ -211,7 +211,7 @@ def _child_setup(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # (held by stop_signals_held)
+    signals.let_stops_through()  # (held by stop_signals_held)
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl
         os._exit(1)
