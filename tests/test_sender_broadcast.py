@@ -22,6 +22,12 @@ def delivered(h: Harness) -> list:
     return sorted((d.host, d.message.payload) for d in h.of(Delivered))
 
 
+def copy_states(h: Harness) -> dict:
+    """Per host, the state of its copies, as ``rqpctl status`` shows it."""
+    [row] = h.core.route_status()
+    return {c["peer"]: c["state"] for c in row["copies"]}
+
+
 def test_every_host_that_says_yes_gets_one_copy_with_its_own_key():
     h = cast()
     h.submit(BQ, payload=b"hello")
@@ -62,8 +68,10 @@ def test_sure_copy_for_a_host_that_is_down_waits_with_backoff_and_goes_when_it_i
     assert status["a"]["delivered"] == 3 and status["a"]["waiting"] == 0
     assert h.core.waiting_for_route() == 3  # (messages, each held for its copy to b)
     for _ in range(3):  # b stays down a while: asked again with back-off, nothing lost
-        h.advance()
+        h.advance()  # (b's copies are asked for again: a connection to b is being made)
+        assert copy_states(h)["b"] == "retrying", "b's copies looked healthy between tries"
         h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+        assert copy_states(h)["b"] == "retrying"
     frames = []
     for _ in range(3):  # b is back: its copies go at the next try (its connection's back-off
         h.advance()     # and the lane's may take a step or two to line up)

@@ -673,6 +673,9 @@ def test_route_status_in_words():
     assert r["errors"] == 1 and r["last_error"] == (
         "DELIVERED_ERROR from b (refused: the receiving MCA's log says why)")
     h.sent()
+    # asking again after a failed try is retrying (rqpctl status exits 4), not a route being
+    # found for the first time: a flaky test saw a host that stayed down look healthy
+    assert [r["state"] for r in h.core.route_status()] == ["retrying"]
     h.answer("b", NO)  # second failure: back-off; the last error is now the newer one
     [r] = h.core.route_status()
     # (a round of asking that found no host is a failed try too: a trial saw errors stay 0

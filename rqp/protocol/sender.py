@@ -1834,7 +1834,9 @@ class SenderCore:
         if info.queue_key in self.stopped:
             return "stopped"
         if lane is not None and lane.asking is not None:
-            return "asking"
+            # asking again after a failed try is part of retrying, not a route being found:
+            # a host that stays down must not look healthy each time it is asked again
+            return "retrying" if lane.pending and lane.pending[0].failures else "asking"
         if lane is not None and lane.pending and (
                 host is None or lane.retry_at > (self._now if now is None else now)):
             return "retrying"  # (with no route: until the next round of asking)
