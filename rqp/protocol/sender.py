@@ -1002,8 +1002,8 @@ class SenderCore:
             if lane.asking is not None:
                 return
             head = lane.pending[0]
-            if self._budget_spent(head):
-                lane.pending.popleft()
+            if head.failures and self._budget_spent(head):  # (tests first what is cheap:
+                lane.pending.popleft()                       # every message passes here)
                 self._fire(head, T.RETRY_BUDGET_SPENT)
                 # (a second trial: a try that timed out after the budget was put after all)
                 self._dead_letter(head, ReasonCode.RETRY_BUDGET_EXHAUSTED,
@@ -1016,7 +1016,7 @@ class SenderCore:
                                       "it does not put it twice, within its de-duplication "
                                       "window)" if head.answer_lost else ""))
                 continue
-            if self._expired(head):
+            if head.expires_at_ms and self._expired(head):
                 lane.pending.popleft()
                 self._expire(head)
                 continue
@@ -1401,8 +1401,10 @@ class SenderCore:
             copy_info.delivered += msg.count
             copy_info.last_confirmed_at = self._now
             self._copy_ended(msg, reached=True)
-        self._pump(lane)
-        self._forget_if_idle(lane)
+        if lane.pending:
+            self._pump(lane)
+        if not lane.pending and not lane.inflight:  # (with many keys, most answers idle
+            self._forget_if_idle(lane)              # their lane)
 
     def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
         lane.inflight -= 1
