@@ -409,10 +409,10 @@ class Intake:
         return items
 
     def _take_off(self, batch: list[bytes]) -> None:
-        for data in batch:  # nobody else takes from it, so these are the records copied
-            if self.queue.get(block=False) != data:
-                log.error("the transmission queue %s has another reader: a record taken off "
-                          "it was not the one copied", format_key(self.key))
+        # nobody else takes from it, so these are the records copied
+        if self.queue.take_head(len(batch)) != batch:
+            log.error("the transmission queue %s has another reader: records taken off it "
+                      "were not the ones copied", format_key(self.key))
 
     def _queue_trouble(self, exc: QueueError) -> None:
         if isinstance(exc, QueueNotFound):

@@ -509,6 +509,28 @@ def test_peek_of_a_message_larger_than_the_ones_before_asks_again_with_room_for_
     assert [len(q.peek(i)[0]) for i in (2, 1, 0)] == [7, limit // 2, 5]
 
 
+def test_copy_head_and_take_head_a_batch_of_any_sizes_in_order(make_queue):
+    """The sending MCA's batch: copies of the head (a tight loop; a message longer than the
+    last ones, or the queue's end, left to peek), then the same records taken off."""
+    from rqp.system.queues import PEEK_SIZE_MIN
+
+    q = make_queue()
+    limit = min(q.msgmax, kernel_limits().msgmnb // 4)
+    bodies = [bytes([65 + i]) * size for i, size in enumerate(
+        [10, PEEK_SIZE_MIN + 1, 3, limit, 1, 2 * PEEK_SIZE_MIN + 1])]
+    for body in bodies:
+        q.put(body)
+    assert q.copy_head(4) == (bodies[:4], None)
+    assert q.copy_head(100) == (bodies, None)  # (stops at the end of the queue)
+    assert q.depth == len(bodies)
+    assert q.take_head(2) == bodies[:2] and q.copy_head(100) == (bodies[2:], None)
+    assert q.take_head(4) == bodies[2:] and q.copy_head(5) == ([], None)
+    q.put(b"only one")
+    with pytest.raises(QueueEmpty):  # fewer than asked: as get(block=False) says
+        q.take_head(2)
+    assert q.depth == 0
+
+
 def test_peek_of_a_removed_queue(make_queue):
     q = make_queue()
     q.remove()

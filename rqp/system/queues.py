@@ -546,13 +546,50 @@ class LocalQueue:
         """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None; or the
         copies up to a message longer than the kernel's msgmax (put before it was lowered:
         it cannot be copied), and the :class:`MessageTooBig` that says so."""
-        batch = []
+        batch: list[bytes] = []
+        # The sending MCA's hot path: the plain copies in a tight loop (a peek's own upkeep cost
+        # more than its msgrcv); anything else -- the end of the queue, a buffer too short,
+        # an error -- is left to peek, which says what it means.
+        buf = self._copy_buffer or self._buffer()
+        receive, queue_id, text, flags = _libc.msgrcv, self._mq.id, self._copy_text, \
+            _MSG_COPY | _IPC_NOWAIT
+        size = self._peek_size
+        longest = 0
         try:
-            while len(batch) < limit and (item := self.peek(len(batch))) is not None:
+            while len(batch) < limit:
+                n = receive(queue_id, buf, size, len(batch), flags)
+                if n >= 0:
+                    batch.append(ctypes.string_at(text, n))
+                    longest = max(longest, n)
+                    continue
+                item = self.peek(len(batch))
+                if item is None:
+                    break
                 batch.append(item[0])
+                buf, text, size = self._copy_buffer, self._copy_text, self._peek_size
+                queue_id = self._mq.id  # (peek may have opened it again: msgmax raised)
         except MessageTooBig as exc:
             return batch, exc
+        finally:
+            if longest:  # (as peek keeps it: room for twice the longest, shrinking slowly)
+                self._peek_size = min(self._msgmax, max(PEEK_SIZE_MIN, 2 * longest,
+                                                        self._peek_size - self._peek_size // 16))
         return batch, None
+
+    def take_head(self, n: int) -> list[bytes]:
+        """Take the next ``n`` messages, without waiting: their bytes, in order. Raises as
+        ``get(block=False)`` does (:class:`QueueEmpty` if fewer are there). For a reader that
+        copied them first (:meth:`copy_or_take_head`): a tight loop, the sending MCA's hot
+        path; anything but a plain take is left to :meth:`get`, which says what it means."""
+        out: list[bytes] = []
+        receive = self._mq.receive
+        while len(out) < n:
+            try:
+                out.append(receive(False)[0])
+            except (sysv_ipc.Error, OSError):
+                out.append(self.get(block=False))
+                receive = self._mq.receive  # (get may have opened it again, with more room)
+        return out
 
     def copy_or_take_head(self, limit: int) -> tuple[list[bytes], MessageTooBig | None]:
         """:meth:`copy_head`, for a reader that copies, makes them safe (a journal, an
