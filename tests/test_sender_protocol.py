@@ -692,6 +692,50 @@ def test_route_status_in_words():
     assert later[Q2] == "idle"
 
 
+def _states_while_b_stays_down(h: Harness, rounds: int = 8) -> list:
+    """Let time pass while b (the only host) refuses connections: the state of every route
+    each time a connection to b is being made, to ask it again."""
+    seen = []
+    for _ in range(rounds):
+        h.advance()
+        h.sent(connect=False)
+        if any(lane.asking for lane in h.core._lanes.values()):
+            seen.append({r["queue_key"]: r["state"] for r in h.core.route_status()})
+            h.core.connect_failed("b", "Connection refused", h.now)
+            h.actions()
+    assert seen, "b was never asked again"
+    return seen
+
+
+@pytest.mark.parametrize("then", ["a higher priority first", "the head expired", "retry now"])
+def test_asking_again_after_a_failed_try_is_retrying_whatever_heads_the_queue(then):
+    """A trial: while the host stayed down, rqpctl status said 'asking' (exit 0) again once a
+    message never tried came to the head -- a higher priority one, the one behind an expired
+    head -- or an operator's "retry now" started the counts again. The route has failed
+    since it got busy, and nothing was confirmed since: it is retrying until something is."""
+    h = Harness(hosts=("b",))
+    h.submit(Q1, SURE_MSG, b"first", expires_at_ms=h.wall + 5_000)
+    h.submit(Q1, SURE_MSG, b"second")
+    h.sent(down=("b",))  # a failed try: b refuses
+    assert [r["state"] for r in h.core.route_status()] == ["retrying"]
+    assert {Q1: "retrying"} in _states_while_b_stays_down(h, rounds=4)
+    if then == "a higher priority first":
+        h.submit(Q1, SURE_MSG, b"urgent", priority=9)
+    elif then == "the head expired":
+        h.wall += 10_000
+    else:
+        h.core.retry_now(Q1, h.now)
+    seen = [states[Q1] for states in _states_while_b_stays_down(h)]
+    assert seen == ["retrying"] * len(seen)
+    for _ in range(5):  # b is back: the messages go at the next try (the lane's back-off
+        h.advance()     # and the connection's may take a step or two to line up) ...
+        if h.serve({"b": {Q1}}):
+            break
+    assert [d.message.payload for d in h.of(Delivered)][-1] == b"second"
+    # ... and once one is confirmed, the route runs
+    assert [r["state"] for r in h.core.route_status()] == ["running"]
+
+
 def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest_message_is():
     """Issue 15: state shows progress, not only what the route does. A route with messages in
     flight and nothing confirmed for stall_after is "stalled" (with since when and why), its

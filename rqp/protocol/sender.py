@@ -484,6 +484,10 @@ class _Lane:
     id: object = None
     #: Since when it has been busy: when it was made, or taken back from the idle lanes.
     created_at: float = 0.0
+    #: A SURE message of it failed a try since it got busy or last had one confirmed: asking
+    #: again is "retrying" then, not a route being found (whatever heads it now: one never
+    #: tried, of a higher priority or behind an expired head, or after a "retry now").
+    failed: bool = False
 
     def __post_init__(self) -> None:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
@@ -801,6 +805,7 @@ class SenderCore:
                 lane = _Lane(msg.queue_key, target, created_at=self._now)
             else:  # (every round of asking starts afresh: only these carry over)
                 lane.created_at, lane.retry_at, lane.next_expiry_ms = self._now, 0.0, 0
+                lane.failed = False
             self._lanes[lane_id] = lane  # (busy before _info: never the key it forgets)
             if lane_id not in self.routes:
                 self._unrouted.add(lane)
@@ -1188,6 +1193,7 @@ class SenderCore:
             self._asked_for(head)
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
+            lane.failed = True
             head.last_error = (_no_host(lane, why) if lane.target is None else
                                f"no answer for broadcast queue {lane.queue_key:#x} ({why})")
             self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
@@ -1385,7 +1391,7 @@ class SenderCore:
 
     def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         lane.inflight -= 1
-        lane.probing = False
+        lane.probing = lane.failed = False
         self.errors.pop((link.host, lane.id), None)
         self._fire(msg, T.DELIVERED)
         info = self._info(msg.queue_key)
@@ -1444,7 +1450,7 @@ class SenderCore:
             msg.answer_lost = why != "DELIVERED_ERROR"
             if tried:  # (held back: a trial saw them use up their retry budgets)
                 msg.failures += 1
-                lane.probing = True
+                lane.probing = lane.failed = True
             self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
                              f"{why}")
             self._requeue(lane, msg)
@@ -1838,7 +1844,7 @@ class SenderCore:
         if lane is not None and lane.asking is not None:
             # asking again after a failed try is part of retrying, not a route being found:
             # a host that stays down must not look healthy each time it is asked again
-            return "retrying" if lane.pending and lane.pending[0].failures else "asking"
+            return "retrying" if lane.failed else "asking"
         if lane is not None and lane.pending and (
                 host is None or lane.retry_at > (self._now if now is None else now)):
             return "retrying"  # (with no route: until the next round of asking)
