@@ -262,8 +262,10 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
            config.transmission_queue: "the transmission queue",
            config.dead_letter_queue: "DEAD.LETTER.Q"}
     if queue_key in own:  # no receiving MCA offers them: a SURE message would wait forever
-        raise RQPError(f"queue {queue!r} ({format_key(queue_key)}) is {own[queue_key]} of the "
-                       f"agents, not a destination (no receiving MCA offers it)")
+        named = f"{queue!r} ({format_key(queue_key)})" if isinstance(queue, str) else \
+            format_key(queue_key)  # (a key by number: in hex, as everywhere, not in decimal)
+        raise RQPError(f"queue {named} is {own[queue_key]} of the agents, not a destination "
+                       f"(no receiving MCA offers it)")
     if start_sender is not False:
         ensure_sender(config, path.resolve(), force=bool(start_sender))
     producer = Producer(config)

@@ -152,6 +152,8 @@ print(json.dumps(res))
     assert "handle" in out["type"] or "msg_type" in out["type"]
     assert len(out["own"]) == 2 and "is DEAD.LETTER.Q of the agents" in out["own"][0]
     assert "transmission queue of the agents" in out["own"][1]
+    assert out["own"][1].startswith("queue 0x52510000 is ")  # (a trial: it said 1381040128)
+    assert out["own"][0].startswith("queue 'DEAD.LETTER.Q' (0x")
     assert len(out["time"]) == 3  # RQPError, not OverflowError, and milliseconds are caught
     assert "past the year 500 million" in out["time"][0] and "milliseconds?" in out["time"][2]
 
