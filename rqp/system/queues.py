@@ -585,9 +585,10 @@ class LocalQueue:
 
     def take_head(self, n: int) -> list[bytes]:
         """Take the next ``n`` messages, without waiting: their bytes, in order. Raises as
-        ``get(block=False)`` does (:class:`QueueEmpty` if fewer are there). For a reader that
-        copied them first (:meth:`copy_or_take_head`): a tight loop, the sending MCA's hot
-        path; anything but a plain take is left to :meth:`get`, which says what it means."""
+        ``get(block=False)`` does (:class:`QueueEmpty` if fewer are there; those taken before
+        the error are gone with it). For a reader that copied them first, so knows they are
+        there (:meth:`copy_or_take_head`): a tight loop, the sending MCA's hot path; anything
+        but a plain take is left to :meth:`get`, which says what it means."""
         out: list[bytes] = []
         receive = self._mq.receive
         while len(out) < n:
