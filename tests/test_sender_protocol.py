@@ -736,6 +736,65 @@ def test_asking_again_after_a_failed_try_is_retrying_whatever_heads_the_queue(th
     assert [r["state"] for r in h.core.route_status()] == ["running"]
 
 
+def test_a_known_route_whose_host_goes_down_is_retrying_while_it_is_asked_again():
+    """A second trial: the route to b was known (a message confirmed, the connection closed
+    while idle); b went down, a new SURE message could not connect, and the route, asked
+    again, showed 'asking' (exit 0) for a connect time-out in every outage."""
+    h = Harness(hosts=("b",))
+    h.submit(Q1, SURE_MSG, b"m0")
+    h.serve({"b": {Q1}})
+    h.core.connection_lost("b", "closed", h.now, clean=True)  # idle close, nothing in flight
+    h.advance(10)
+    h.submit(Q1, SURE_MSG, b"m1")
+    h.sent(down=("b",))  # the route's connection is refused: dropped, asked again
+    seen = [h.core.route_status()[0]["state"]]
+    seen += [states[Q1] for states in _states_while_b_stays_down(h, rounds=4)]
+    assert seen == ["retrying"] * len(seen)
+
+
+@pytest.mark.parametrize("spent_by", ["max_attempts", "max_age"])
+def test_a_lane_emptied_by_its_retry_budget_is_idle_and_a_new_message_starts_afresh(spent_by):
+    """A second trial: a SURE message dead-lettered when its retry budget ran out left its lane
+    busy and empty, with its failure, age and back-off: the next message on that key showed
+    'retrying' (or 'stalled', by the old lane's age) before it was ever tried, and the route
+    'no route' for ever after."""
+    h = Harness(hosts=("b",), **({"max_attempts": 1} if spent_by == "max_attempts"
+                                 else {"max_age": 5.0}))
+    h.submit(Q1, SURE_MSG, b"old")
+    h.sent(down=("b",))
+    if spent_by == "max_age":
+        h.advance(6)
+    [dead] = [a for a in h.of(DeadLetter)]
+    assert dead.reason == ReasonCode.RETRY_BUDGET_EXHAUSTED
+    assert Q1 not in h.core._lanes and h.core.held == 0  # idle: nothing of it is busy
+    h.advance(120)
+    assert [r["state"] for r in h.core.route_status()] == ["idle"]  # not 'no route' for ever
+    h.submit(Q1, SURE_MSG, b"fresh")
+    h.sent(connect=False)  # (b's connection in the making: asked for the first time)
+    [r] = h.core.route_status()
+    assert (r["state"], r["stalled_since"]) == ("asking", None)
+
+
+def test_max_age_answered_at_the_same_instant_ends_in_a_dead_letter_not_a_loop():
+    """A second trial: with retry_max_age, the back-off was cut to the budget's end by one
+    sum and the budget judged by another; a rounding error apart, the retry came 'at once'
+    and the budget was not spent, and it asked again without end while answers came at the
+    same instant."""
+    h = Harness(hosts=("c",), max_age=0.1)
+    h.submit(Q1, SURE_MSG, b"m")
+    h.serve({"c": set()})  # c says QUEUE_NO: a failed try, retried within the budget
+    asks = 0
+    for _ in range(20):
+        h.advance()
+        frames = h.sent()
+        if not frames:
+            break
+        asks += len(frames)
+        h.answer("c", NO)
+    [dead] = [a for a in h.of(DeadLetter)]
+    assert dead.reason == ReasonCode.RETRY_BUDGET_EXHAUSTED and asks <= 3
+
+
 def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest_message_is():
     """Issue 15: state shows progress, not only what the route does. A route with messages in
     flight and nothing confirmed for stall_after is "stalled" (with since when and why), its

@@ -1049,6 +1049,10 @@ class SenderCore:
             self._fire(head, T.NEW_MESSAGE_ROUTED if head.state is S.WAITING_FOR_MESSAGE
                        else T.QUEUE_YES)
             self._send_message(link, lane, head)
+        if not lane.inflight and lane.asking is None:
+            # emptied here (dead-lettered, expired): idle, so a new message finds it afresh
+            # (a trial: a lane left busy and empty kept its failure, age and back-off)
+            self._forget_if_idle(lane)
 
     def _keys(self, n: int) -> int:
         """The first of ``n`` consecutive new keys."""
@@ -1271,22 +1275,26 @@ class SenderCore:
         head = lane.pending[0] if lane.pending else msg
         if self._budget_spent(head):
             return  # no retry to announce: the caller's _pump dead-letters it now
-        delay = self.settings.backoff(head.failures)
-        if self.settings.max_age is not None:  # (not a back-off step past its budget)
-            delay = min(delay, max(0.0, head.taken_at + self.settings.max_age - self._now))
-        if lane.retry_at >= self._now + delay:
+        retry_at = self._now + self.settings.backoff(head.failures)
+        if self.settings.max_age is not None:  # not a back-off step past its budget: at its
+            # end, the very time _budget_spent says it is spent (a trial: a delay computed
+            # apart came to 0 while 'spent' was a rounding error short, and it asked again
+            # and again at the same instant)
+            retry_at = min(retry_at, head.taken_at + self.settings.max_age)
+        if lane.retry_at >= retry_at:
             return  # (as late already, and said)
-        lane.retry_at = self._now + delay
+        lane.retry_at = retry_at
         self._timed[lane] = None
         self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, head.host,
-                   f"attempt {head.failures + 1} in {delay:g}s: {head.last_error}", head.key)
+                   f"attempt {head.failures + 1} in {retry_at - self._now:g}s: "
+                   f"{head.last_error}", head.key)
 
     def _budget_spent(self, msg: Outgoing) -> bool:
         s = self.settings
         if msg.message_type != SURE_MSG or not msg.failures:
             return False
         return ((s.max_attempts is not None and msg.failures >= s.max_attempts)
-                or (s.max_age is not None and self._now - msg.taken_at >= s.max_age))
+                or (s.max_age is not None and self._now >= msg.taken_at + s.max_age))
 
     def _answer(self, link: _Link, frame: _Frame, event) -> None:
         if link.heartbeat_failed_at is not None and link.answered_at < link.heartbeat_failed_at:
@@ -1362,6 +1370,7 @@ class SenderCore:
                 self._ask(lane, self._next_index(lane, link.host))
             else:  # the messages were taken out meanwhile (a graceful stop)
                 lane.asking = None
+                self._forget_if_idle(lane)
 
     def _next_index(self, lane: _Lane, host) -> int:
         """Where asking goes on after ``host``: the host after it in ``.rqprc`` (the end of
@@ -1630,6 +1639,7 @@ class SenderCore:
         head.last_error = f"{link.host}: {why}"
         self._error(lane.queue_key, head.last_error)
         if head.message_type == SURE_MSG:
+            lane.failed = True  # (asked again from here: retrying, not a route being found)
             self._drop_route(key, link.host, f"SURE message waiting and {why}")
         else:
             count = self.errors.get((link.host, key), 0) + 1
