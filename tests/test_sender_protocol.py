@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -793,6 +794,51 @@ def test_max_age_answered_at_the_same_instant_ends_in_a_dead_letter_not_a_loop()
         h.answer("c", NO)
     [dead] = [a for a in h.of(DeadLetter)]
     assert dead.reason == ReasonCode.RETRY_BUDGET_EXHAUSTED and asks <= 3
+
+
+def test_a_yes_from_a_host_a_reload_took_out_makes_no_route_to_it():
+    """A third trial: a reload took host a out of .rqprc while a QUEUE_ASK to it was in
+    flight; its QUEUE_YES made a route to a, kept for good, and every later message went to
+    the removed host. The hosts listed now are asked instead."""
+    h = Harness(hosts=("a", "b"))
+    h.submit(Q1, SURE_MSG, b"m1")
+    assert h.sent() == [("a", Ask(Q1))]
+    h.core.update_settings(dataclasses.replace(h.core.settings, hosts=("b",)), h.now)
+    h.answer("a", YES)
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", YES)
+    [(host, msg)] = h.sent()
+    assert (host, msg.message) == ("b", b"m1") and h.core.routes == {Q1: "b"}
+
+
+def test_a_retry_age_already_spent_by_the_head_is_scheduled_now_not_in_the_past():
+    """A third trial: the head at rescheduling time (not the message that failed) was past
+    its retry_max_age, and the note said "attempt 1 in -50s"."""
+    h = Harness(hosts=("b",), window=1, max_age=10.0, confirm_timeout=60.0)
+    h.submit(Q1, SURE_MSG, b"B")
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.submit(Q1, SURE_MSG, b"A", priority=9)  # waits for room in the window
+    h.advance(60)  # B's answer is overdue
+    notes = [n.detail for n in h.of(Note) if n.kind is NoteKind.RETRY_SCHEDULED]
+    assert notes and not any(" in -" in detail for detail in notes), notes
+
+
+def test_a_lane_taken_up_afresh_sends_a_window_again_not_one_at_a_time():
+    """A third trial: a lane that went idle after a failed try kept sending one message at a
+    time (probing) when taken up again, until one was confirmed."""
+    h = Harness(hosts=("b",), max_attempts=1)
+    h.submit(Q1, SURE_MSG, b"old")
+    h.sent()
+    h.answer("b", YES)
+    h.sent()
+    h.answer("b", ERR)  # its only try failed: dead-lettered, the lane idle
+    for payload in (b"n1", b"n2", b"n3"):
+        h.submit(Q1, SURE_MSG, payload)
+    h.sent()
+    h.answer("b", YES)
+    assert [msg.message for _, msg in h.sent()] == [b"n1", b"n2", b"n3"]
 
 
 def test_a_route_without_progress_is_stalled_and_says_why_and_how_old_its_oldest_message_is():

@@ -805,7 +805,7 @@ class SenderCore:
                 lane = _Lane(msg.queue_key, target, created_at=self._now)
             else:  # (every round of asking starts afresh: only these carry over)
                 lane.created_at, lane.retry_at, lane.next_expiry_ms = self._now, 0.0, 0
-                lane.failed = False
+                lane.failed = lane.probing = False
             self._lanes[lane_id] = lane  # (busy before _info: never the key it forgets)
             if lane_id not in self.routes:
                 self._unrouted.add(lane)
@@ -1280,7 +1280,7 @@ class SenderCore:
             # end, the very time _budget_spent says it is spent (a trial: a delay computed
             # apart came to 0 while 'spent' was a rounding error short, and it asked again
             # and again at the same instant)
-            retry_at = min(retry_at, head.taken_at + self.settings.max_age)
+            retry_at = max(self._now, min(retry_at, head.taken_at + self.settings.max_age))
         if lane.retry_at >= retry_at:
             return  # (as late already, and said)
         lane.retry_at = retry_at
@@ -1355,6 +1355,16 @@ class SenderCore:
     def _ask_answered(self, link: _Link, lane: _Lane, yes: bool, why: str) -> None:
         if lane.asking != link.host:
             raise LocalProtocolError(f"answer to an ask not pending for {link.host}")
+        if yes and link.host not in self._hosts_for(lane):
+            # asked before a reload took the host out of .rqprc (a trial: its QUEUE_YES made
+            # a route to it, kept for good): no route to it; the hosts listed now are asked
+            lane.asking = None
+            if lane.pending:
+                self._fire(lane.pending[0], T.QUEUE_NO_OR_TIMEOUT)
+                self._ask(lane, 0)
+            else:
+                self._forget_if_idle(lane)
+            return
         if yes:
             lane.asking = None
             self._set_route(lane.id, link.host)
