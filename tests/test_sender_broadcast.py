@@ -187,3 +187,15 @@ def test_status_shows_each_hosts_progress():
                       "c": ("retrying", 0, 0, 1)}
     assert rows[BQ]["waiting"] == 1 and rows[BQ]["state"] == "retrying"
     assert rows[BQ]["waiting_by_priority"] == {"4": 1}
+
+
+def test_a_stopped_broadcast_queue_shows_stopped_while_its_copies_wait():
+    """A trial: the copies said 'stopped', the queue's own line 'idle' (exit 0)."""
+    h = cast(hosts=("a",))
+    h.core.stop_route(BQ, h.now)
+    h.submit(BQ, message_type=UNSURE_MSG, payload=b"x")
+    [row] = h.core.route_status()
+    assert (row["state"], row["waiting"], copy_states(h)) == ("stopped", 1, {"a": "stopped"})
+    h.core.start_route(BQ, h.now)
+    h.serve({"a": {BQ}})
+    assert delivered(h) == [("a", b"x")] and h.core.route_status()[0]["state"] != "stopped"

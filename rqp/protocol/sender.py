@@ -1924,7 +1924,7 @@ class SenderCore:
             if copies:
                 states = {c["state"] for c in copies}
                 state = next((s for s in ("stalled", "retrying", "asking", "connecting",
-                                          "running") if s in states), "idle")
+                                          "stopped", "running") if s in states), "idle")
                 in_flight = sum(c["in_flight"] for c in copies)
                 waiting = sum(c["waiting"] for c in copies)
                 stalled = min((c["stalled_since"] for c in copies
