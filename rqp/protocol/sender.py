@@ -1427,9 +1427,9 @@ class SenderCore:
             copy_info.last_confirmed_at = self._now
             self._copy_ended(msg, reached=True)
         if lane.pending:
-            self._pump(lane)
-        if not lane.pending and not lane.inflight:  # (with many keys, most answers idle
-            self._forget_if_idle(lane)              # their lane)
+            self._pump(lane)  # (which lets the lane go idle if it empties it)
+        elif not lane.inflight:  # (with many keys, most answers idle their lane)
+            self._forget_if_idle(lane)
 
     def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
         lane.inflight -= 1

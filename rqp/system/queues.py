@@ -397,14 +397,9 @@ class LocalQueue:
             data = bytes(data)
         if mtype < 1:
             raise ValueError(f"mtype must be >= 1, got {mtype}")
-        if len(data) <= self._msgmax:
-            try:  # the common case, at the cost of one msgsnd (every put of both agents)
-                self._mq.send(data, False, mtype)
-                return
-            except (sysv_ipc.Error, OSError, ValueError):
-                pass  # full, or trouble: put again below, which says what it is
-        self._check_msgmax(len(data))
-        if self._send(data, mtype, False):  # it fits after all (room freed), no msgctl needed
+        if len(data) > self._msgmax:
+            self._check_msgmax(len(data))  # (raised since we opened, or too big: it says)
+        if self._send(data, mtype, False):  # the common case: it fits, no msgctl needed
             return
         self._check_size(len(data))  # full now, or never room enough? (max_size: a msgctl)
         if block and timeout is None:
@@ -529,8 +524,7 @@ class LocalQueue:
             size = self._msgmax
             n = _libc.msgrcv(self._mq.id, buf, size, index, _MSG_COPY | _IPC_NOWAIT)
         if n >= 0:  # (only the n bytes copied are read: not the whole msgmax buffer)
-            # room for twice this one; shrinking slowly after a large one
-            self._peek_size = min(self._msgmax, max(PEEK_SIZE_MIN, 2 * n, size - size // 16))
+            self._peek_size = self._next_peek_size(n, size)
             return ctypes.string_at(self._copy_text, n), self._copy_type.value
         err = ctypes.get_errno()
         if err == errno.ENOMSG:
@@ -548,6 +542,11 @@ class LocalQueue:
                 f"({msgmax} bytes; lowered since it was put): it can be taken, not copied",
                 size=msgmax + 1, limit=msgmax)
         raise self._msgrcv_error(err, "msgrcv(MSG_COPY)")
+
+    def _next_peek_size(self, n: int, size: int) -> int:
+        """What the next peek asks for after one of ``n`` bytes that asked for ``size``: room
+        for twice this one, shrinking slowly after a large one."""
+        return min(self._msgmax, max(PEEK_SIZE_MIN, 2 * n, size - size // 16))
 
     def copy_head(self, limit: int) -> tuple[list[bytes], MessageTooBig | None]:
         """Copies (:meth:`peek`) of up to ``limit`` messages from the head, and None; or the
@@ -578,9 +577,8 @@ class LocalQueue:
         except MessageTooBig as exc:
             return batch, exc
         finally:
-            if longest:  # (as peek keeps it: room for twice the longest, shrinking slowly)
-                self._peek_size = min(self._msgmax, max(PEEK_SIZE_MIN, 2 * longest,
-                                                        self._peek_size - self._peek_size // 16))
+            if longest:
+                self._peek_size = self._next_peek_size(longest, self._peek_size)
         return batch, None
 
     def take_head(self, n: int) -> list[bytes]:
