@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from rqp import SURE_MSG
-from rqp.protocol.sender import QUEUE_MEMORY, ROUTE_CACHE, WAITING_FOR_ROUTE_MAX, budget_size
+from rqp.protocol.sender import (
+    QUEUE_MEMORY, ROUTE_CACHE, ROUTE_STATES, WAITING_FOR_ROUTE_MAX, budget_size,
+)
 from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
@@ -133,7 +135,7 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
                        "'http://127.0.0.1:9746/metrics', timeout=5).read().decode())")
     lines = metrics.splitlines()
     states = [l for l in lines if l.startswith("rqp_sender_route_state{")]
-    assert len(states) == 8  # every state of the route, 1 for the one it is in
+    assert len(states) == len(ROUTE_STATES) == 9  # every state, 1 for the one it is in
     assert sum(float(l.rsplit(" ", 1)[1]) for l in states) == 1
     # (the route moves on while it retries, between the status above and this scrape: the
     # state it is in now is a broken one, not necessarily the same)

@@ -893,11 +893,49 @@ def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_fl
     h.sent()  # a MESSAGE in flight on b
     h.core.update_settings(Settings(hosts=("c", "d")), h.now)
     assert h.core.routes == {} and h.of(Note)[-1].kind is NoteKind.ROUTE_DROPPED
+    [r] = h.core.route_status()
+    assert (r["state"], r["peer"], r["in_flight"]) == ("finishing", "b", 1)
     h.answer("b", OK)  # the frame in flight on b is still answered and counted
     assert len(h.of(Delivered)) == 1
     h.submit(Q1, UNSURE_MSG)
     assert h.serve({"d": {Q1}})[:2] == [("c", Ask(Q1)),
                                         ("d", Ask(Q1))]
+
+
+def test_a_route_dropped_with_messages_in_flight_is_finishing_not_idle():
+    """A trial's status said 'idle' beside 'in flight 3': the error counter had dropped the
+    route while UNSURE messages sent on it still waited for their answers. Until they come
+    the route is "finishing", with the host they are due from; past stall_after, stalled."""
+    h = Harness(hosts=("b",), error_limit=1, stall_after=60.0)
+    for _ in range(4):
+        h.submit(Q1, UNSURE_MSG)
+    h.sent()
+    h.answer("b", YES)
+    assert len(h.sent()) == 4
+    h.answer("b", ERR, ERR)  # the second error passes ERROR_LIMIT 1: the route is dropped
+    assert h.core.routes == {}
+    [r] = h.core.route_status()
+    assert (r["state"], r["peer"], r["in_flight"], r["waiting"]) == ("finishing", "b", 2, 0)
+    [r] = h.core.route_status(h.now + 60)
+    assert (r["state"], r["stalled_why"]) == ("stalled", "route dropped; answers due from b; "
+                                              "last error: DELIVERED_ERROR from b (refused: "
+                                              "the receiving MCA's log says why)")
+    h.answer("b", OK, OK)
+    [r] = h.core.route_status()
+    assert (r["state"], r["peer"], r["in_flight"]) == ("idle", None, 0)
+
+
+def test_a_broadcast_copy_whose_host_a_reload_took_out_is_finishing_while_in_flight():
+    h = Harness(hosts=("b", "c"), broadcast=frozenset({Q1}))
+    h.submit(Q1, UNSURE_MSG)
+    assert sorted(h.sent()) == [("b", Ask(Q1)), ("c", Ask(Q1))]
+    h.answer("b", YES)
+    h.answer("c", YES)
+    assert sorted(host for host, _ in h.sent()) == ["b", "c"]  # the copies: none answered
+    h.core.update_settings(Settings(hosts=("c",), broadcast=frozenset({Q1})), h.now)
+    [r] = h.core.route_status()
+    copies = {c["peer"]: c["state"] for c in r["copies"]}
+    assert copies["b"] == "finishing" and r["state"] == "finishing"
 
 
 def test_unsure_then_sure_to_a_refusing_host_retries_the_sure_one():

@@ -382,8 +382,10 @@ RTT_SAMPLES = 256
 #: Every state a route can be in, in words (the metrics export each, 1 for the current one).
 #: "stalled": messages wait or are in flight and none was confirmed for ``stall_after``.
 #: "stopped": an operator stopped it (rqpctl route stop); its messages wait until started.
+#: "finishing": its route was dropped while messages sent on it were in flight; they wait for
+#: their answers from the host they went to (the next message asks the hosts again).
 ROUTE_STATES = ("running", "connecting", "asking", "retrying", "no route", "idle", "stalled",
-                "stopped")
+                "stopped", "finishing")
 
 
 # --- internal bookkeeping --------------------------------------------------------------------
@@ -1826,6 +1828,11 @@ class SenderCore:
                     taken.setdefault(frame.lane.id, []).append(frame.msg.taken_at)
         return taken
 
+    def _carrier(self, lane: _Lane):
+        """The host a lane's frames in flight went to (its route dropped since; status only)."""
+        return next((link.host for link in self._links.values()
+                     if any(f.lane is lane for f in link.outstanding)), None)
+
     def _progress(self, lane: _Lane | None, info: RouteInfo, now: float,
                   taken: dict) -> tuple[float | None, float | None]:
         """(since when the lane is stalled, or None; when its oldest message was taken, or
@@ -1852,6 +1859,8 @@ class SenderCore:
             why = "retrying after errors"
         elif state == "no route":
             why = "no route for the queue"
+        elif state == "finishing":
+            why = f"route dropped; answers due from {host}"
         else:
             why = state
         fresh = info.last_error and (since is None or (info.last_error_at or 0) >= since)
@@ -1877,6 +1886,8 @@ class SenderCore:
             if lane is None and link.state is LinkState.DOWN and not link.rewarm:
                 return "idle"  # (closed while idle, by the receiver: made again when needed)
             return "connecting"  # (or connected again and not answered since a lost heartbeat)
+        if lane is not None and lane.inflight:
+            return "finishing"  # (a trial saw 'idle' beside 'in flight 3')
         if info.last_event == NoteKind.NO_ROUTE.value and (
                 lane is not None or (self._now if now is None else now) - info.last_event_at
                 < self.settings.stall_after):
@@ -1924,7 +1935,8 @@ class SenderCore:
             if copies:
                 states = {c["state"] for c in copies}
                 state = next((s for s in ("stalled", "retrying", "asking", "connecting",
-                                          "stopped", "running") if s in states), "idle")
+                                          "stopped", "finishing", "running") if s in states),
+                             "idle")
                 in_flight = sum(c["in_flight"] for c in copies)
                 waiting = sum(c["waiting"] for c in copies)
                 stalled = min((c["stalled_since"] for c in copies
@@ -1935,6 +1947,8 @@ class SenderCore:
                                 if c["stalled_why"])
             else:
                 state = self._lane_state(lane, host, info, now)
+                if state == "finishing":  # (no route: the host its answers are due from)
+                    host = self._carrier(lane)
                 in_flight = lane.inflight if lane is not None else 0
                 waiting = len(lane.pending) if lane is not None else 0
                 stalled, oldest = self._progress(lane, info, now, taken)
