@@ -19,7 +19,7 @@ from rqp import RQPError
 from rqp.system import signals
 from rqp.system.control import serve_control, serve_metrics
 from rqp.system.queues import format_key
-from rqp.system.service import EVENT_LOOP_VARIABLE, notify, watchdog_interval
+from rqp.system.service import EVENT_LOOP_VARIABLE, notify, tune_collector, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
 #: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.
@@ -360,6 +360,7 @@ def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     try:
         loop_factory = event_loop_factory()
         agent = build()
+        tune_collector()  # (the sending MCA's hot path: about 1 µs a message less)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(agent.run())
     except RQPError as exc:

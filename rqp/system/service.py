@@ -28,6 +28,7 @@ __all__ = [
     "AgentSemaphores", "ServingLock", "sender_serving", "serving_pid", "spawn_lock", "KeySource", "write_file_atomically",
     "sender_unit",
     "notify", "setup_logging", "host_name", "EVENT_LOOP_VARIABLE", "release_free_memory",
+    "tune_collector", "GC_YOUNG_THRESHOLD",
 ]
 
 log = logging.getLogger("rqp")
@@ -330,6 +331,28 @@ def spawn_lock(transmission_queue: int, timeout: float = 30.0):
         yield
     finally:
         sems.give(SPAWNING)
+
+
+#: An agent's young-generation threshold for the cyclic garbage collector: a collection every
+#: 10,000 allocations of container objects, not Python's 700. The sending MCA's hot path makes
+#: a few such objects a message, nearly all freed by their reference counts, so at 700 it
+#: collected every 200 messages or so, with next to nothing to collect. Three bench runs of
+#: 60,000 SURE and 60,000 UNSURE messages: 595-611 young collections took 51-59 ms and six full
+#: ones 83-97 ms (14-16 ms each, the event loop stopped meanwhile), 149-169 ms in all; with
+#: :func:`tune_collector`, 72 young and two full ones, 25-31 ms (about 1.1 µs a message less).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_collector() -> None:
+    """For a long-running agent, once it is built: what it made to start (modules, classes,
+    configuration: about 30,000 objects) leaves the collector's sight (``gc.freeze``: a full
+    collection no longer walks it), and the young generation is collected every
+    :data:`GC_YOUNG_THRESHOLD` allocations (a higher threshold already set is kept). Cyclic
+    garbage is still collected, later; :func:`release_free_memory` still collects at once."""
+    gc.collect()
+    gc.freeze()
+    young, *older = gc.get_threshold()
+    gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
 
 
 def release_free_memory() -> bool:
