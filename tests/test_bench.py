@@ -184,6 +184,42 @@ def test_scale_sweeps_run_every_case_and_leave_nothing_behind(tmp_path):
     assert set(Path("/tmp").glob("rqp-scale-*")) <= before  # gone (and any a killed run left)
 
 
+def test_scale_passes_interleave_the_cases_and_compare_each_with_the_first_pass_by_pass(
+        tmp_path):
+    """--passes: the cases run in turn, again and again, with fresh agents; each case after
+    the sweep's first is compared with it within each pass (a drifting machine moves both)."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "scale.json"
+    proc = subprocess.run([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys", "--keys",
+                           "1,3", "--messages", "200", "--rounds", "1", "--passes", "2",
+                           "--json", str(figures)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    order = [line for line in proc.stderr.splitlines() if line.startswith("rqp-scale: keys:")]
+    assert order == [f"rqp-scale: keys: {k} key(s), 1 producer(s), 1 sending MCA(s), pass {p} "
+                     "of 2 ..." for p in (1, 2) for k in (1, 3)]
+    one, three = json.loads(figures.read_text())
+    assert one["pass"] == three["pass"] == [0, 1] and len(three["msg_per_s"]) == 2
+    assert one["msg_per_s_vs_first_pct"] == [] and len(three["msg_per_s_vs_first_pct"]) == 2
+    assert three["msg_per_s_vs_first_pct"][1] == pytest.approx(
+        100 * (three["msg_per_s"][1] / one["msg_per_s"][1] - 1))
+    assert "2 passes over the cases in turn" in proc.stdout
+
+
+def test_scale_changes_against_the_first_case_are_paired_by_pass():
+    first = scale.Case("keys", 1, 1, 1, seconds=[1.0, 2.0], passes=[0, 1],
+                       cpu={"sending MCA": [20.0, 40.0]})
+    later = scale.Case("keys", 1000, 1, 1, seconds=[1.25, 2.0], passes=[0, 1],
+                       cpu={"sending MCA": [22.0, 40.0]})
+    other = scale.Case("producers", 1, 5, 1, seconds=[1.0], passes=[0],
+                       cpu={"sending MCA": [20.0]})
+    changes = scale.against_first([first, later, other], messages=1000)
+    assert list(changes) == [id(later)]  # (each sweep's first case is the base: no change)
+    rates, cpu = changes[id(later)]
+    assert rates == pytest.approx([-20.0, 0.0]) and cpu == pytest.approx([10.0, 0.0])
+    assert scale._change(rates) == "-10.0% (-20..+0)"
+
+
 def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
     """Issue 14, scale: a receiver serving 10 sending *hosts* (each agent in network and IPC
     namespaces of its own, over the testbed's bridge), the agents talking mutual TLS; every
@@ -212,6 +248,7 @@ def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):
     (["--size", "99999"], "--size 99999: a payload of 10..{largest} bytes"),
     (["--window", "0"], "argument --window: expected a window of frames in 1..65536, got '0'"),
     (["--rounds", "0"], "--rounds 0: at least 1"),
+    (["--passes", "0"], "--passes 0: at least 1"),
     (["--json", "/tmp"], "argument --json: '/tmp' is a directory: name a file in it"),
     (["--keys", "10,x"], "argument --keys: expected whole numbers >= 1, comma-separated"),
     (["--keys", "+3"], "argument --keys: expected whole numbers >= 1, comma-separated"),

@@ -19,7 +19,11 @@ Per case: messages/s (median over the rounds, first put to last take) and CPU mi
 message of each kind of process (the sum over the processes of that kind, from /proc), so that
 "flat from 1 to 1,000 queue keys" can be read off directly. The consumer is one process that
 takes each message from the queue it must be next on, waiting there (no polling over many
-queues: the CPU it spends is reported, but it is the harness's, not RQP's).
+queues: the CPU it spends is reported, but it is the harness's, not RQP's). Each case after a
+sweep's first is also shown against it: the change in msg/s and in the sending MCA's CPU.
+With ``--passes P`` the whole list of cases is run P times in turn (fresh agents each time),
+and those changes are taken pass by pass, then the median: on a machine whose speed drifts
+during a run, one case run after another differs by as much as the ±10 % "flat" allows.
 
 Like rqp-bench it re-executes itself in a private IPC namespace (root, ``unshare --ipc``),
 raises ``kernel.msgmnb`` there, and removes everything it made at the end.
@@ -177,6 +181,16 @@ class Case:
     senders: int
     seconds: list[float] = field(default_factory=list)
     cpu: dict[str, list[float]] = field(default_factory=dict)  # kind -> us/msg per round
+    passes: list[int] = field(default_factory=list)  # the pass each round was in (--passes)
+
+    def pass_figures(self, messages: int) -> dict[int, tuple[float, float]]:
+        """Per pass: (msg/s, sending MCA CPU µs a message), medians of its rounds."""
+        out = {}
+        for each in sorted(set(self.passes)):
+            rounds = [i for i, p in enumerate(self.passes) if p == each]
+            out[each] = (statistics.median(messages / self.seconds[i] for i in rounds),
+                         statistics.median(self.cpu["sending MCA"][i] for i in rounds))
+        return out
 
     @property
     def label(self) -> str:
@@ -200,7 +214,7 @@ class Scale:
 
     # --- one case -----------------------------------------------------------------------------
 
-    def run_case(self, case: Case) -> None:
+    def run_case(self, case: Case, pass_: int = 0) -> None:
         args, n = self.args, self.args.messages
         try:
             if args.hosts:
@@ -260,6 +274,7 @@ class Scale:
                 if round_ == 0:
                     continue
                 case.seconds.append((reply[2] - t0) / 1e9)
+                case.passes.append(pass_)
                 case.cpu.setdefault("producer", []).append(sum(cpu) / 1000 / n)
                 for kind in agents:
                     case.cpu.setdefault(kind, []).append((after[kind] - before[kind]) / 1000 / n)
@@ -417,19 +432,52 @@ def _read(log: Path) -> str:
 KINDS = ("producer", "sending MCA", "receiving MCA", "consumer")
 
 
+def against_first(cases: list[Case], messages: int) -> dict[int, tuple[list, list]]:
+    """Per case but the first of its sweep (by ``id``): for each pass both ran in, the change
+    against that first case in the same pass, in percent: (msg/s, sending MCA CPU a message).
+    Paired by pass, so a machine that slows down or speeds up during a run moves both."""
+    first: dict[str, dict] = {}
+    out: dict[int, tuple[list, list]] = {}
+    for case in cases:
+        figures = case.pass_figures(messages)
+        if case.sweep not in first:
+            first[case.sweep] = figures
+            continue
+        base = first[case.sweep]
+        both = [p for p in figures if p in base]
+        out[id(case)] = ([100 * (figures[p][0] / base[p][0] - 1) for p in both],
+                         [100 * (figures[p][1] / base[p][1] - 1) for p in both])
+    return out
+
+
+def _change(values: list[float]) -> str:
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):+.1f}%"
+    return text + (f" ({min(values):+.0f}..{max(values):+.0f})" if len(values) > 1 else "")
+
+
 def table(cases: list[Case], args: argparse.Namespace) -> str:
     where = ("each agent on a simulated host of its own" if args.hosts else
              "every agent on this host")
+    passes = (f", {args.passes} passes over the cases in turn (fresh agents each time)"
+              if args.passes > 1 else "")
     lines = [f"{args.type} {args.size} B, {'TLS' if args.tls else 'plaintext'}, {where}, "
              f"{args.messages} messages per round, median of "
-             f"{args.rounds} round(s) (spread min-max); CPU us per message per kind of process "
-             "(summed over its processes)",
-             f"{'case':62} {'msg/s':>22} " + " ".join(f"{k:>13}" for k in KINDS)]
+             f"{args.rounds * args.passes} round(s) (spread min-max){passes}; CPU us per "
+             "message per kind of process (summed over its processes); against the sweep's "
+             "first case: the change in msg/s and in the sending MCA's CPU, in the same pass "
+             "(median over the passes, min..max)",
+             f"{'case':62} {'msg/s':>22} " + " ".join(f"{k:>13}" for k in KINDS)
+             + f" {'msg/s vs first':>22} {'sending vs first':>22}"]
+    changes = against_first(cases, args.messages)
     for case in cases:
         rates = [args.messages / s for s in case.seconds]
         rate = f"{statistics.median(rates):,.0f} ({min(rates)/1000:.1f}-{max(rates)/1000:.1f}k)"
         cpu = " ".join(f"{statistics.median(case.cpu[k]):13.1f}" for k in KINDS)
-        lines.append(f"{case.label:62} {rate:>22} {cpu}")
+        rate_change, cpu_change = changes.get(id(case), ([], []))
+        lines.append(f"{case.label:62} {rate:>22} {cpu} {_change(rate_change):>22} "
+                     f"{_change(cpu_change):>22}")
     return "\n".join(lines)
 
 
@@ -447,6 +495,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=20_000,
                         help="messages per round (default 20000)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (3)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="go over the cases this many times in turn, with fresh agents "
+                        "each time, --rounds rounds a case each pass (default 1): on a noisy "
+                        "machine the cases are then compared pass by pass (flat from 1 to "
+                        "1,000 keys: --sweeps keys --passes 5 --rounds 1)")
     parser.add_argument("--window", type=cli.window, help="the sending MCAs' window (default: "
                         ".rqprc's)")
     parser.add_argument("--hosts", action="store_true",
@@ -480,6 +533,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--messages {args.messages}: at least 20")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
+    if args.passes < 1:
+        parser.error(f"--passes {args.passes}: at least 1")
     return args
 
 
@@ -506,16 +561,23 @@ def main(argv: list[str] | None = None) -> int:
     done: list[Case] = []
     stopped = False
     try:
-        for case in cases:
-            say(f"rqp-scale: {case.label} ...", err=True)
-            scale.run_case(case)
-            done.append(case)
+        for pass_ in range(args.passes):
+            for case in cases:
+                say(f"rqp-scale: {case.label}" + (f", pass {pass_ + 1} of {args.passes}"
+                                                  if args.passes > 1 else "") + " ...", err=True)
+                scale.run_case(case, pass_)
+                if not pass_:
+                    done.append(case)
         say(table(done, args))
         if args.json:
+            changes = against_first(done, args.messages)
             Path(args.json).write_text(json.dumps(
                 [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
                   "hosts": args.hosts, "tls": args.tls,
-                  "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu}
+                  "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu,
+                  "pass": c.passes,
+                  "msg_per_s_vs_first_pct": changes.get(id(c), ([], []))[0],
+                  "sending_cpu_vs_first_pct": changes.get(id(c), ([], []))[1]}
                  for c in done], indent=2) + "\n")
         return 0
     except (BenchError, rqp.RQPError, OSError, sysv_ipc.Error) as exc:
