@@ -640,6 +640,39 @@ def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
         "replayed 1, forwarded 0, discarded 0, kept 1, failed 0 (stopped by a signal)"
 
 
+def test_follow_handles_a_file_another_host_wrote_while_a_round_ran(tmp_path):
+    """A fresh machine's suite: a dead letter another host's drain wrote into the shared
+    archive while a round ran, after that round had listed the archive, stayed unhandled:
+    the wait that followed took the archive as it found it, file and all, and waited for a
+    change that never came. Now the round after it comes at once."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x61, payload=b"first")])
+    rules = rules_from_data({"rules": [{"action": "forward", "to": Q2}]})
+    send = FakeSend(archive)
+    elsewhere = ArchiveWriter(archive, host="c")
+
+    def send_while_another_host_drains(*args, **kw):
+        send(*args, **kw)
+        if len(send.calls) == 1:  # (during the first round, after it listed the archive)
+            elsewhere.write([row(key=0x62, payload=b"from c")])
+
+    replayer = Replayer(archive, rules, send=send_while_another_host_drains, out=print,
+                        follow=True)
+    waits: list[float] = []
+
+    def wait(seconds: float) -> bool:
+        waits.append(seconds)
+        if len(waits) == 8:  # (doubling to --poll: 3.1 s of nothing)
+            replayer.stop.set()
+        return replayer.stop.is_set()
+
+    follower = Follower(replayer, poll=0.8, out=print, wait=wait)
+    follower.run()
+    assert [payload for _, payload, _ in send.calls] == [b"first", b"from c"]
+    assert follower.rounds == 2 and waits == [0.1, 0.2, 0.4] + [0.8] * 5  # (then nothing)
+    assert payloads(archive) == []
+
+
 def test_follow_drains_when_the_queue_holds_records_and_retries_a_failed_drain_slowly(
         tmp_path):
     archive = tmp_path / "archive"

@@ -1068,6 +1068,7 @@ class Follower:
             if self.drain is not None:
                 pending = self.pending is None or self.pending()
                 self.drain_failed = pending and self.drain() is False
+            before = self._signature()  # (after our drain: its files are the round's)
             with self.replayer.locked():
                 counts = self.replayer.run_round()
             self.rounds += 1
@@ -1083,7 +1084,7 @@ class Follower:
             elif was_paused and not self.replayer.paused:
                 self.out("resumed        the sending MCA takes records again")
             was_paused = self.replayer.paused
-            self._wait()
+            self._wait(before)
         if self.stop.is_set():
             self.replayer.stopped_by = self.replayer.stopped_by or "stopped by a signal"
         return self.totals
@@ -1104,11 +1105,17 @@ class Follower:
             out.append((path.name, st.st_mtime_ns, st.st_size, st.st_ino))
         return tuple(out)
 
-    def _wait(self) -> None:
+    def _wait(self, before: tuple) -> None:
+        """Until something may bring work; ``before``: the archive's signature before the
+        round just run."""
         if self.replayer.paused:
             self.wait(self.poll)
             return
         seen = self._signature()
+        if _changed_beside(before, seen):
+            return  # (a file written while the round ran, after it listed the archive: a
+            # trial's shared archive kept another host's dead letter unhandled, as nothing
+            # changed after it)
         delay = MIN_POLL
         while True:
             timeout = delay
@@ -1125,6 +1132,16 @@ class Follower:
             if self._signature() != seen:
                 return
             delay = min(delay * 2, self.poll)
+
+
+def _changed_beside(before: tuple, after: tuple) -> bool:
+    """Whether an archive's signature ``after`` a round shows what the round did not do itself:
+    a file that was not there ``before`` it (another host's drain, a resubmit cannot: the round
+    holds the lock), or a drain state changed. The round only rewrites or removes the archive
+    files it listed."""
+    old = {entry[0]: entry for entry in before}
+    return any(entry[0] not in old or (not entry[0].endswith(SUFFIX) and old[entry[0]] != entry)
+               for entry in after)
 
 
 # --------------------------------------------------------------------------------------------
