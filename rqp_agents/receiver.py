@@ -628,8 +628,14 @@ class Receiver(Daemon):
                         framed = True
                         info["frames"] += 1
                         sure = sure or _answers_sure(request)
-                        answer = self._handle_at_once(conn, request, who, info) \
-                            or await self._handle(conn, request, who, info)
+                        answer = self._handle_at_once(conn, request, who, info)
+                        if answer is None:
+                            if batch:  # (it may wait for a full queue: what is decided goes
+                                # now, or the sender's confirm_timeout ran out on an answer
+                                # held back behind it, and took the connection down)
+                                answers.send(batch, sure)
+                                batch, sure, octets = [], _answers_sure(request), 0
+                            answer = await self._handle(conn, request, who, info)
                         batch.append(answer)
                         octets += len(answer)  # (an atomic batch: one answer per message)
                         if octets >= ANSWER_BATCH * ANSWER_SIZE:

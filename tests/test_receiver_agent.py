@@ -355,6 +355,23 @@ def test_a_full_queue_does_not_hold_up_other_connections(testbed):
     assert r.pb.recv("stuck", 2, timeout=3)["data"] == DELIVERED_YES
 
 
+def test_an_answer_decided_goes_out_before_the_next_put_waits_for_a_full_queue(testbed):
+    """A trial: three messages for a full queue in one read, the first refused after the
+    retry budget (10 s), its answer held back while the next waited (10 s more): the sender's
+    confirm_timeout (15 s) ran out and it closed the connection, with every other queue's
+    frames. Each answer goes out once decided, before the next put waits."""
+    config = {**BASE_CONFIG, "put_retry_count": 30, "put_retry_interval": 0.1}  # 3 s budget
+    r = rig(testbed, config, queues={Q1: 0o660})
+    r.qa.fill(Q1)
+    connect(r.pb, "c", r)
+    r.pb.send("c", [msg(Q1, b"first", key=1, type=UNSURE), msg(Q1, b"second", key=2,
+                                                               type=UNSURE)])
+    assert r.pb.recv("c", 2, timeout=10)["data"] == DELIVERED_ERROR  # the first: refused
+    assert r.qa.drain(Q1, limit=1)  # room, while the second still waits (held back, it was
+    assert r.pb.recv("c", 2, timeout=10)["data"] == DELIVERED_YES  # refused before this)
+    assert (1, b"second") in r.qa.drain(Q1)
+
+
 def test_a_queue_removed_and_created_again_gets_the_next_message(testbed):
     """The receiver caches queue handles: a stale one must not lose or misfile messages."""
     t0 = time.time_ns()
