@@ -105,7 +105,8 @@ def sender_status(agent) -> dict:
         "waiting_for_route": agent.core.waiting_for_route(),
         "in_flight": agent.core.in_flight, "window": agent.config.window,
         "held_most": agent.intake.budget.size, "incarnation": f"{agent.keys.incarnation:08x}",
-        "hosts": [_host_status(agent, h, to_wall) for h in agent.config.hosts],
+        "hosts": [_host_status(agent, h, to_wall) for h in
+                  (*agent.config.hosts, *agent.core.removed_hosts_connected())],
         "routes": routes, "queue_memory": QUEUE_MEMORY, "route_cache": ROUTE_CACHE,
         "forgotten": asdict(agent.core.forgotten),
         "stats": dict(agent.stats),

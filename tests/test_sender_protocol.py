@@ -306,7 +306,10 @@ def test_order_kept_when_a_pipelined_sure_message_fails():
     h.sent()
     h.answer("b", YES)
     assert [m.message for _, m in h.sent()] == [b"0", b"1", b"2", b"3"]
-    h.answer("b", OK, ERR, ERR, OK)  # 1 and 2 failed; 3 (a foreign receiver) took it
+    h.answer("b", OK, ERR)  # 1 failed: its route dropped, 2 and 3 still in flight
+    [r] = h.core.route_status()
+    assert (r["state"], r["in_flight"], r["waiting"]) == ("retrying", 2, 1)  # not finishing
+    h.answer("b", ERR, OK)  # 2 failed too; 3 (a foreign receiver) took it
     assert h.sent() == [("b", Ask(Q1))]
     h.answer("b", YES)
     assert [m.message for _, m in h.sent()] == [b"1", b"2"]
@@ -895,8 +898,17 @@ def test_reload_adds_hosts_and_drops_routes_to_removed_ones_keeping_frames_in_fl
     assert h.core.routes == {} and h.of(Note)[-1].kind is NoteKind.ROUTE_DROPPED
     [r] = h.core.route_status()
     assert (r["state"], r["peer"], r["in_flight"]) == ("finishing", "b", 1)
+    assert h.core.removed_hosts_connected() == ["b"]  # (status lists it beside .rqprc's)
+    assert h.core.connection_text("b") == ("up, removed from .rqprc: closed once answered "
+                                           "(1 answer(s) due)")
+    assert not h.of(Close)
     h.answer("b", OK)  # the frame in flight on b is still answered and counted
     assert len(h.of(Delivered)) == 1
+    # then its connection is closed (a trial saw it stay open, unlisted, until the
+    # receiver's idle time-out), in order: no failure
+    [close] = h.of(Close)
+    assert (close.host, close.reason, close.idle) == ("b", "host removed from .rqprc", True)
+    assert h.core.removed_hosts_connected() == [] and h.core.link_state("b").value == "down"
     h.submit(Q1, UNSURE_MSG)
     assert h.serve({"d": {Q1}})[:2] == [("c", Ask(Q1)),
                                         ("d", Ask(Q1))]
@@ -916,13 +928,21 @@ def test_a_route_dropped_with_messages_in_flight_is_finishing_not_idle():
     assert h.core.routes == {}
     [r] = h.core.route_status()
     assert (r["state"], r["peer"], r["in_flight"], r["waiting"]) == ("finishing", "b", 2, 0)
+    h.submit(Q1, UNSURE_MSG)  # (a trial: 'retrying', with no error, as soon as one came)
+    assert h.sent() == []  # it waits for the answers in flight, to keep the order
+    [r] = h.core.route_status()
+    assert (r["state"], r["peer"], r["in_flight"], r["waiting"]) == ("finishing", "b", 2, 1)
     [r] = h.core.route_status(h.now + 60)
     assert (r["state"], r["stalled_why"]) == ("stalled", "route dropped; answers due from b; "
                                               "last error: DELIVERED_ERROR from b (refused: "
                                               "the receiving MCA's log says why)")
     h.answer("b", OK, OK)
+    assert h.sent() == [("b", Ask(Q1))]  # then it asks
+    h.answer("b", YES)
+    assert len(h.sent()) == 1
+    h.answer("b", OK)
     [r] = h.core.route_status()
-    assert (r["state"], r["peer"], r["in_flight"]) == ("idle", None, 0)
+    assert (r["state"], r["peer"], r["in_flight"]) == ("running", "b", 0)
 
 
 def test_a_broadcast_copy_whose_host_a_reload_took_out_is_finishing_while_in_flight():
@@ -936,6 +956,21 @@ def test_a_broadcast_copy_whose_host_a_reload_took_out_is_finishing_while_in_fli
     [r] = h.core.route_status()
     copies = {c["peer"]: c["state"] for c in r["copies"]}
     assert copies["b"] == "finishing" and r["state"] == "finishing"
+
+
+def test_a_removed_hosts_idle_connection_is_closed_at_reload_and_kept_if_added_again():
+    h = Harness(hosts=("b", "c"))
+    h.submit(Q1, UNSURE_MSG)
+    h.serve({"b": {Q1}})
+    assert h.core.link_state("b").value == "up"
+    h.core.update_settings(Settings(hosts=("c",)), h.now)
+    [close] = h.of(Close)
+    assert (close.host, close.idle) == ("b", True) and h.core.link_state("b").value == "down"
+    h.core.update_settings(Settings(hosts=("b", "c")), h.now)  # back: used again, kept open
+    h.submit(Q1, UNSURE_MSG)
+    h.serve({"b": {Q1}})
+    assert h.core.link_state("b").value == "up" and len(h.of(Close)) == 1
+    assert h.core.removed_hosts_connected() == []
 
 
 def test_unsure_then_sure_to_a_refusing_host_retries_the_sure_one():

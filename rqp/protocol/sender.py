@@ -450,6 +450,8 @@ class _Link:
     failed_at: float = 0.0  # when it last went down
     answered_at: float = 0.0  # when an answer last came
     up_at: float = 0.0  # when it last connected (or answered again after a lost heartbeat)
+    #: A reload took its host out of .rqprc: closed once nothing rides on it.
+    removed: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -700,10 +702,19 @@ class SenderCore:
     def link_state(self, host) -> LinkState:
         return self._links[host].state
 
+    def removed_hosts_connected(self) -> list:
+        """Hosts a reload took out of .rqprc whose connections are still open: answers to
+        what was sent to them are due (then they are closed)."""
+        return [link.host for link in self._links.values()
+                if link.removed and link.state is not LinkState.DOWN]
+
     def connection_text(self, host) -> str:
         """The connection to ``host`` in words (rqpctl status): 'down' only after a failure,
         and 'up' only while it answers."""
         link = self._links.get(host)
+        if link is not None and link.removed and link.state is not LinkState.DOWN:
+            return (f"{link.state.value}, removed from .rqprc: closed once answered "
+                    f"({len(link.outstanding)} answer(s) due)")
         if link is None or link.state is LinkState.DOWN:
             if link is None or not (link.up_at or link.failed_at):
                 return "not connected (no message has needed it yet)"
@@ -896,6 +907,8 @@ class SenderCore:
         link.rewarm = False
         self._note(NoteKind.CONNECTED, None, host)
         self._wake(link)
+        if link.removed:
+            self._close_removed(link)
 
     def connect_failed(self, host, error: str, now: float) -> None:
         self._now = now
@@ -930,6 +943,8 @@ class SenderCore:
                 self._answer(link, frame, event)
                 if link.state is not LinkState.UP:
                     return
+            if link.removed:
+                self._close_removed(link)
         except RemoteProtocolError as exc:
             self._drop_link(link, f"protocol error: {exc}")
 
@@ -949,10 +964,20 @@ class SenderCore:
         if link.outstanding or link.waiting:
             self._drop_link(link, why)
             return
+        self._close_idle(link, why)
+
+    def _close_idle(self, link: _Link, why: str) -> None:
+        """An orderly end of a connection with nothing riding on it: no failure."""
         self._actions.append(Close(link.host, why, idle=True))
         self._go(link, LinkEvent.LOST)
         link.decoder = None
         self._note(NoteKind.CONNECTION_CLOSED, None, link.host, why)
+
+    def _close_removed(self, link: _Link) -> None:
+        """The connection to a host a reload took out of .rqprc ends once nothing rides on it
+        (a trial saw one stay open, and unlisted, until the receiver's idle time-out)."""
+        if link.state is LinkState.UP and not link.outstanding and not link.waiting:
+            self._close_idle(link, "host removed from .rqprc")
 
     def tick(self, now: float) -> None:
         """Let time pass: overdue answers end their connection; back-offs end; quiet
@@ -1402,6 +1427,7 @@ class SenderCore:
         for host in settings.hosts:
             if host not in self._links:
                 self._links[host] = _Link(host)
+            self._links[host].removed = False  # (added again)
         for key, host in list(self.routes.items()):
             if host in removed:
                 self._drop_route(key, host, "host removed from .rqprc")
@@ -1409,6 +1435,9 @@ class SenderCore:
             if lane.target in removed and lane.asking is None:
                 lane.retry_at = 0.0  # its copies are done with now, not after a back-off
             self._pump(lane)
+        for host in removed:
+            self._links[host].removed = True
+            self._close_removed(self._links[host])
 
     def _confirmed(self, link: _Link, lane: _Lane, msg: Outgoing) -> None:
         lane.inflight -= 1
@@ -1874,6 +1903,9 @@ class SenderCore:
             # asking again after a failed try is part of retrying, not a route being found:
             # a host that stays down must not look healthy each time it is asked again
             return "retrying" if lane.failed else "asking"
+        if lane is not None and host is None and lane.inflight and not (
+                lane.pending and lane.failed):  # (a trial saw 'idle' beside 'in flight 3')
+            return "finishing"  # (what came since waits for these answers, then asks: _pump)
         if lane is not None and lane.pending and (
                 host is None or lane.retry_at > (self._now if now is None else now)):
             return "retrying"  # (with no route: until the next round of asking)
@@ -1886,8 +1918,6 @@ class SenderCore:
             if lane is None and link.state is LinkState.DOWN and not link.rewarm:
                 return "idle"  # (closed while idle, by the receiver: made again when needed)
             return "connecting"  # (or connected again and not answered since a lost heartbeat)
-        if lane is not None and lane.inflight:
-            return "finishing"  # (a trial saw 'idle' beside 'in flight 3')
         if info.last_event == NoteKind.NO_ROUTE.value and (
                 lane is not None or (self._now if now is None else now) - info.last_event_at
                 < self.settings.stall_after):
