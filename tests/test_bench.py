@@ -199,25 +199,88 @@ def test_scale_passes_interleave_the_cases_and_compare_each_with_the_first_pass_
     assert order == [f"rqp-scale: keys: {k} key(s), 1 producer(s), 1 sending MCA(s), pass {p} "
                      "of 2 ..." for p in (1, 2) for k in (1, 3)]
     one, three = json.loads(figures.read_text())
-    assert one["pass"] == three["pass"] == [0, 1] and len(three["msg_per_s"]) == 2
+    assert one["pass"] == three["pass"] == [1, 2] and len(three["msg_per_s"]) == 2
     assert one["msg_per_s_vs_first_pct"] == [] and len(three["msg_per_s_vs_first_pct"]) == 2
     assert three["msg_per_s_vs_first_pct"][1] == pytest.approx(
         100 * (three["msg_per_s"][1] / one["msg_per_s"][1] - 1))
     assert "2 passes over the cases in turn" in proc.stdout
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes started, directly or not, by ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_scale_says_at_once_that_an_agent_died_and_keeps_the_rounds_measured(tmp_path):
+    """A trial killed the run's receiving MCA in its second pass: rqp-scale noticed only at
+    the round's time-out (300 s), the table's heading counted rounds never run, and --json
+    wrote nothing."""
+    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
+    figures = tmp_path / "scale.json"
+    proc = subprocess.Popen([str(python), "-m", "rqp.tools.scale", "--sweeps", "keys",
+                             "--keys", "1", "--messages", "300000", "--rounds", "1",
+                             "--passes", "2", "--json", str(figures)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the second pass has started: the first's rounds are in
+            if line.startswith("rqp-scale: keys: 1 key(s), 1 producer(s), 1 sending MCA(s), "
+                               "pass 2 of 2"):
+                break
+        deadline = time.monotonic() + 60
+
+        def serving() -> int | None:  # the receiving MCA, once a sending MCA connected to it
+            for pid in _descendants(proc.pid):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if b"rqp_agents.receiver" in argv:
+                        log = Path(argv[argv.index(b"--config") + 1].decode()).with_name(
+                            "receiver.log")
+                        if "connection from" in log.read_text(errors="replace"):
+                            return pid
+                except OSError:  # (gone meanwhile: a producer, the last pass's agents)
+                    continue
+            return None
+
+        while (receiver := serving()) is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "no receiving MCA"
+            time.sleep(0.1)  # (polling /proc and a log for a condition, with a deadline)
+        os.kill(receiver, signal.SIGKILL)  # (one this test started, through rqp-scale)
+        code, out, err = proc.wait(120), proc.stdout.read(), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 1, err
+    assert "the receiving MCA exited with status -9 during round" in err, err
+    assert "the rounds measured before the failure" in err and "pass 2" not in out
+    [case] = json.loads(figures.read_text())
+    assert case["pass"] == [1] and len(case["msg_per_s"]) == 1
+
+
 def test_scale_changes_against_the_first_case_are_paired_by_pass():
-    first = scale.Case("keys", 1, 1, 1, seconds=[1.0, 2.0], passes=[0, 1],
+    first = scale.Case("keys", 1, 1, 1, seconds=[1.0, 2.0], passes=[1, 2],
                        cpu={"sending MCA": [20.0, 40.0]})
-    later = scale.Case("keys", 1000, 1, 1, seconds=[1.25, 2.0], passes=[0, 1],
+    later = scale.Case("keys", 1000, 1, 1, seconds=[1.25, 2.0], passes=[1, 2],
                        cpu={"sending MCA": [22.0, 40.0]})
-    other = scale.Case("producers", 1, 5, 1, seconds=[1.0], passes=[0],
+    other = scale.Case("producers", 1, 5, 1, seconds=[1.0], passes=[1],
                        cpu={"sending MCA": [20.0]})
     changes = scale.against_first([first, later, other], messages=1000)
     assert list(changes) == [id(later)]  # (each sweep's first case is the base: no change)
     rates, cpu = changes[id(later)]
     assert rates == pytest.approx([-20.0, 0.0]) and cpu == pytest.approx([10.0, 0.0])
-    assert scale._change(rates) == "-10.0% (-20..+0)"
+    assert scale._change(rates) == "-10.0% (-20.0..+0.0)"
 
 
 def test_scale_on_simulated_hosts_over_tls_leaves_no_namespace(tmp_path):

@@ -214,7 +214,7 @@ class Scale:
 
     # --- one case -----------------------------------------------------------------------------
 
-    def run_case(self, case: Case, pass_: int = 0) -> None:
+    def run_case(self, case: Case, pass_: int = 1) -> None:
         args, n = self.args, self.args.messages
         try:
             if args.hosts:
@@ -260,6 +260,13 @@ class Scale:
                     if failed:
                         raise BenchError(f"{case.label}: a producer exited with status "
                                          f"{failed[0].exitcode} (see above)")
+                    gone = [(name, proc.returncode) for name, proc in
+                            [("receiving MCA", receiver), *(("sending MCA", s[0])
+                                                            for s in senders)]
+                            if proc.poll() is not None]
+                    if gone:  # (not only at ROUND_TIMEOUT: a trial waited 300 s for it)
+                        raise BenchError(f"{case.label}: the {gone[0][0]} exited with status "
+                                         f"{gone[0][1]} during round {round_}")
                     if time.monotonic() > deadline:
                         raise BenchError(f"{case.label}: round {round_} did not finish in "
                                          f"{ROUND_TIMEOUT:g}s")
@@ -454,7 +461,7 @@ def _change(values: list[float]) -> str:
     if not values:
         return "-"
     text = f"{statistics.median(values):+.1f}%"
-    return text + (f" ({min(values):+.0f}..{max(values):+.0f})" if len(values) > 1 else "")
+    return text + (f" ({min(values):+.1f}..{max(values):+.1f})" if len(values) > 1 else "")
 
 
 def table(cases: list[Case], args: argparse.Namespace) -> str:
@@ -463,8 +470,8 @@ def table(cases: list[Case], args: argparse.Namespace) -> str:
     passes = (f", {args.passes} passes over the cases in turn (fresh agents each time)"
               if args.passes > 1 else "")
     lines = [f"{args.type} {args.size} B, {'TLS' if args.tls else 'plaintext'}, {where}, "
-             f"{args.messages} messages per round, median of "
-             f"{args.rounds * args.passes} round(s) (spread min-max){passes}; CPU us per "
+             f"{args.messages} messages per round, median of the rounds ({args.rounds} a "
+             f"case{' each pass' if args.passes > 1 else ''}; spread min-max){passes}; CPU us per "
              "message per kind of process (summed over its processes); against the sweep's "
              "first case: the change in msg/s and in the sending MCA's CPU, in the same pass "
              "(median over the passes, min..max)",
@@ -479,6 +486,23 @@ def table(cases: list[Case], args: argparse.Namespace) -> str:
         lines.append(f"{case.label:62} {rate:>22} {cpu} {_change(rate_change):>22} "
                      f"{_change(cpu_change):>22}")
     return "\n".join(lines)
+
+
+def write_json(cases: list[Case], args: argparse.Namespace) -> bool:
+    """The figures to ``--json``'s file, if one was given: per case, per round (with the pass
+    it was in, from 1), and each case against its sweep's first, pass by pass."""
+    if not args.json:
+        return False
+    changes = against_first(cases, args.messages)
+    Path(args.json).write_text(json.dumps(
+        [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
+          "hosts": args.hosts, "tls": args.tls,
+          "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu,
+          "pass": c.passes,
+          "msg_per_s_vs_first_pct": changes.get(id(c), ([], []))[0],
+          "sending_cpu_vs_first_pct": changes.get(id(c), ([], []))[1]}
+         for c in cases], indent=2) + "\n")
+    return True
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -565,26 +589,20 @@ def main(argv: list[str] | None = None) -> int:
             for case in cases:
                 say(f"rqp-scale: {case.label}" + (f", pass {pass_ + 1} of {args.passes}"
                                                   if args.passes > 1 else "") + " ...", err=True)
-                scale.run_case(case, pass_)
+                scale.run_case(case, pass_ + 1)
                 if not pass_:
                     done.append(case)
         say(table(done, args))
-        if args.json:
-            changes = against_first(done, args.messages)
-            Path(args.json).write_text(json.dumps(
-                [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
-                  "hosts": args.hosts, "tls": args.tls,
-                  "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu,
-                  "pass": c.passes,
-                  "msg_per_s_vs_first_pct": changes.get(id(c), ([], []))[0],
-                  "sending_cpu_vs_first_pct": changes.get(id(c), ([], []))[1]}
-                 for c in done], indent=2) + "\n")
+        write_json(done, args)
         return 0
     except (BenchError, rqp.RQPError, OSError, sysv_ipc.Error) as exc:
         say(f"rqp-scale: FAILED: {exc}", err=True)
+        done = [case for case in done if case.seconds]
         if done:
-            say("rqp-scale: the cases measured before the failure:", err=True)
+            say("rqp-scale: the rounds measured before the failure:", err=True)
             say(table(done, args))
+            if write_json(done, args):
+                say(f"rqp-scale: and written to {args.json}", err=True)
         return 1
     except KeyboardInterrupt as exc:
         signals.quiet_stops()  # (a second Ctrl-C while this is said: not a traceback)
