@@ -338,8 +338,8 @@ def spawn_lock(transmission_queue: int, timeout: float = 30.0):
 #: a few such objects a message, nearly all freed by their reference counts, so at 700 it
 #: collected every 200 messages or so, with next to nothing to collect. Three bench runs of
 #: 60,000 SURE and 60,000 UNSURE messages: 595-611 young collections took 51-59 ms and six full
-#: ones 83-97 ms (14-16 ms each, the event loop stopped meanwhile), 149-169 ms in all; with
-#: :func:`tune_collector`, 72 young and two full ones, 25-31 ms (about 1.1 µs a message less).
+#: ones 83-97 ms (14-16 ms each, the event loop stopped meanwhile), 144-169 ms in all; with
+#: :func:`tune_collector`, 72 young and two full ones, 26-33 ms (about 1 µs a message less).
 GC_YOUNG_THRESHOLD = 10_000
 
 
