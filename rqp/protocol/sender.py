@@ -1848,19 +1848,17 @@ class SenderCore:
         _let_go(self.info, QUEUE_MEMORY, lambda key: key == new_key or key in lanes
                 or key in keep, lambda key, info: self.forgotten.add(info))
 
-    def _taken_at_by_lane(self) -> dict:
-        """When each message in flight was taken, by lane (for the lag; status only)."""
+    def _in_flight_by_lane(self) -> tuple[dict, dict]:
+        """By lane, when each message in flight was taken (for the lag), and the host they
+        went to (a route dropped since: 'finishing'); status only."""
         taken: dict = {}
+        carriers: dict = {}
         for link in self._links.values():
             for frame in link.outstanding:
                 if frame.msg is not None:
                     taken.setdefault(frame.lane.id, []).append(frame.msg.taken_at)
-        return taken
-
-    def _carrier(self, lane: _Lane):
-        """The host a lane's frames in flight went to (its route dropped since; status only)."""
-        return next((link.host for link in self._links.values()
-                     if any(f.lane is lane for f in link.outstanding)), None)
+                    carriers[frame.lane.id] = link.host
+        return taken, carriers
 
     def _progress(self, lane: _Lane | None, info: RouteInfo, now: float,
                   taken: dict) -> tuple[float | None, float | None]:
@@ -1955,7 +1953,7 @@ class SenderCore:
         flight, ``last_confirmed_at``; ``stalled_since`` when nothing was confirmed for
         ``stall_after`` while messages wait (``stalled_why``: what the route is doing)."""
         now = self._now if now is None else now
-        taken = self._taken_at_by_lane()
+        taken, carriers = self._in_flight_by_lane()
         out = []
         for key in sorted(self.info):
             info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
@@ -1978,7 +1976,7 @@ class SenderCore:
             else:
                 state = self._lane_state(lane, host, info, now)
                 if state == "finishing":  # (no route: the host its answers are due from)
-                    host = self._carrier(lane)
+                    host = carriers.get(key)
                 in_flight = lane.inflight if lane is not None else 0
                 waiting = len(lane.pending) if lane is not None else 0
                 stalled, oldest = self._progress(lane, info, now, taken)
