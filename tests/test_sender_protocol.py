@@ -958,6 +958,34 @@ def test_a_broadcast_copy_whose_host_a_reload_took_out_is_finishing_while_in_fli
     assert copies["b"] == "finishing" and r["state"] == "finishing"
 
 
+@pytest.mark.parametrize("answer", [None, ERR])
+def test_a_sure_copy_sent_to_a_host_a_reload_took_out_says_whether_it_may_have_been_put(answer):
+    """A trial: the copy's answer never came, it was dead-lettered NO_ROUTE with no word that it
+    had been sent; the host had put it, and its replay put it a second time elsewhere."""
+    h = Harness(hosts=("b", "c"), broadcast=frozenset({Q1}))
+    h.submit(Q1, payload=b"in doubt")
+    h.sent()
+    h.answer("b", YES)
+    h.answer("c", YES)
+    assert sorted(host for host, _ in h.sent()) == ["b", "c"]
+    h.answer("c", OK)
+    h.core.update_settings(Settings(hosts=("c",), broadcast=frozenset({Q1})), h.now)
+    if answer is None:
+        h.advance()  # (confirm_timeout: b's answer is overdue, its connection is closed)
+    else:
+        h.answer("b", answer)
+    for _ in range(5):  # (asking again finds no host for b's copy: no frame goes out)
+        if h.of(DeadLetter) or not h.sent() and h.core.next_deadline() is None:
+            break
+        h.advance()
+    [dead] = h.of(DeadLetter)
+    assert dead.reason is ReasonCode.NO_ROUTE and dead.message.target == "b"
+    assert dead.detail.startswith(f"copy of broadcast queue {Q1:#x} for host b, no longer in "
+                                  ".rqprc; 1 MESSAGE frame(s) sent to it, the last "), dead.detail
+    assert ("it may have been put there all the same" in dead.detail) is (answer is None)
+    assert ("the last refused" in dead.detail) is (answer is not None)
+
+
 def test_a_removed_hosts_idle_connection_is_closed_at_reload_and_kept_if_added_again():
     h = Harness(hosts=("b", "c"))
     h.submit(Q1, UNSURE_MSG)

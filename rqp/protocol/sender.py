@@ -497,6 +497,18 @@ class _Lane:
         self.id = self.queue_key if self.target is None else (self.queue_key, self.target)
 
 
+def _tries_so_far(msg: Outgoing) -> str:
+    """What the dead letter of a copy sent before its host left ``.rqprc`` adds: a try with no
+    answer cannot be called back, so that host may have put it (a trial's replay of such a
+    copy put it a second time: the replay is a new message, with new keys)."""
+    if not msg.attempts:
+        return ""
+    if msg.answer_lost:
+        return (f"; {_frames_sent(msg)} to it, the last with no answer: it may have been put "
+                f"there all the same (outcome unknown: look on that host before a replay)")
+    return f"; {_frames_sent(msg)} to it, the last refused (the receiving MCA's log says why)"
+
+
 def _frames_sent(msg: Outgoing) -> str:
     """How many frames carried ``msg`` so far, in words: a batch's each time it was sent."""
     if msg.members is None:
@@ -1247,7 +1259,9 @@ class SenderCore:
             if removed and msg.message_type == SURE_MSG:
                 self._fire(msg, T.NO_HOST_TAKES_COPY)
                 self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy of broadcast queue "
-                                  f"{msg.queue_key:#x} for a host no longer in .rqprc ({why})")
+                                  f"{msg.queue_key:#x} for host {msg.target}, no longer in "
+                                  f".rqprc" + ("" if "no longer in .rqprc" in why else
+                                               f" ({why})") + _tries_so_far(msg))
             else:
                 self._declined(msg, why)
         self._forget_if_idle(lane)
