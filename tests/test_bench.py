@@ -199,6 +199,9 @@ def test_scale_passes_interleave_the_cases_and_compare_each_with_the_first_pass_
     assert order == [f"rqp-scale: keys: {k} key(s), 1 producer(s), 1 sending MCA(s), pass {p} "
                      "of 2 ..." for p in (1, 2) for k in (1, 3)]
     one, three = json.loads(figures.read_text())
+    assert {k: three[k] for k in ("type", "size", "messages", "window", "hosts", "tls")} == {
+        "type": "SURE", "size": 100, "messages": 200, "window": None, "hosts": False,
+        "tls": False}  # (what ran, beside the figures: a file read later says it)
     assert one["pass"] == three["pass"] == [1, 2] and len(three["msg_per_s"]) == 2
     assert one["msg_per_s_vs_first_pct"] == [] and len(three["msg_per_s_vs_first_pct"]) == 2
     assert three["msg_per_s_vs_first_pct"][1] == pytest.approx(

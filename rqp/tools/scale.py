@@ -489,14 +489,16 @@ def table(cases: list[Case], args: argparse.Namespace) -> str:
 
 
 def write_json(cases: list[Case], args: argparse.Namespace) -> bool:
-    """The figures to ``--json``'s file, if one was given: per case, per round (with the pass
+    """The figures to ``--json``'s file, if one was given: per case, what it ran (message
+    type, payload size, messages a round, window: null for .rqprc's), per round (with the pass
     it was in, from 1), and each case against its sweep's first, pass by pass."""
     if not args.json:
         return False
     changes = against_first(cases, args.messages)
     Path(args.json).write_text(json.dumps(
         [{"keys": c.keys, "producers": c.producers, "senders": c.senders,
-          "hosts": args.hosts, "tls": args.tls,
+          "hosts": args.hosts, "tls": args.tls, "type": args.type, "size": args.size,
+          "messages": args.messages, "window": args.window,
           "msg_per_s": [args.messages / s for s in c.seconds], "cpu_us": c.cpu,
           "pass": c.passes,
           "msg_per_s_vs_first_pct": changes.get(id(c), ([], []))[0],
