@@ -413,6 +413,21 @@ def test_job_writes_every_output(spark, report):
                                                            "d09"]
 
 
+def test_a_run_that_fails_while_writing_leaves_no_earlier_summary_beside_its_tables(
+        spark, archive, tmp_path, capsys):
+    """summary.json is written last, so a directory with one is a finished report: a run
+    that stops half-way (a failure, Ctrl-C) into an earlier run's directory must not leave
+    that run's summary.json beside tables it has half rewritten (--previous would take the
+    mix for a finished report)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"by_reason": []}\n')  # an earlier run's
+    (out / "parquet").write_text("in the way\n")  # (a file: the first table cannot be written)
+    assert job.main(["--input", str(archive), "--output", str(out)]) != 0
+    capsys.readouterr()
+    assert not (out / "summary.json").exists()
+
+
 def test_job_summary_totals(report):
     out, stdout, stderr = report
     summary = json.loads((out / "summary.json").read_text())

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ from rqp.report.schema import (
     ArchiveSchemaError,
 )
 from rqp.report.files import join as _join
-from rqp.report.files import write_text
+from rqp.report.files import delete, write_text
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",
@@ -333,6 +336,9 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
                 err.write(f"  {name}: {n}\n")
         dead = rows.where(F.col("_valid")).select(*DEAD_COLUMNS)
         unique = check.dead_letters
+        # From here the output directory is rewritten: without summary.json (written last)
+        # it is no finished report, so one stopped half-way is not taken for the last one.
+        delete(spark, _join(output, "summary.json"))
         written: dict[str, DataFrame] = {}
         for table in TABLES:
             written[table.name] = write_table(
@@ -512,14 +518,18 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
     # Python workers (if any are started) run this interpreter, the one with the project's
     # packages, unless the operator chose another.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (SparkSession.builder.appName(PROG).config("spark.sql.session.timeZone", "UTC")
-               .config("spark.ui.showConsoleProgress", "false"))
-    try:
+    def make() -> SparkSession:  # (every step that may start the JVM)
+        builder = (SparkSession.builder.appName(PROG)
+                   .config("spark.sql.session.timeZone", "UTC")
+                   .config("spark.ui.showConsoleProgress", "false"))
         if master:
             builder = builder.master(master)
         elif not existing and not _master_configured():
             builder = builder.master("local[*]")
-        return builder.getOrCreate(), not existing
+        return builder.getOrCreate()
+
+    try:
+        return _made_aside(make), not existing
     except PySparkRuntimeError as exc:  # the JVM did not start (no Java, a Java too old, ...)
         text = _first_line(exc)
         hint = ("PySpark needs a Java 17 or later runtime" if "JAVA_GATEWAY" in text
@@ -535,6 +545,89 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
 
 
 _MASTER_HINT = "a master is local[N], spark://HOST:PORT, yarn or k8s://https://HOST:PORT"
+
+
+def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
+    """``make()`` in a thread of its own, waited for here. Ctrl-C stays the caller's: a
+    SparkContext made in the main thread takes SIGINT, with a handler that asks the JVM to
+    cancel every job over the py4j connection the main thread is in the middle of a call on,
+    and so breaks that call (a Ctrl-C of a report gave two screens of py4j tracebacks and exit
+    -2). Made in another thread, it takes no signal: Ctrl-C raises KeyboardInterrupt in the
+    main thread; ``spark.stop()`` (the caller's ``finally``) cancels what runs in the JVM,
+    which ignores SIGINT itself.
+
+    A Ctrl-C while the session is being made waits for it to be made, then stops it: a JVM
+    left half-started outlives us for good (it watches its stdin, and so ends with us, only
+    once it is up; a trial found one running with no parent). A second Ctrl-C ends the
+    processes the making started and does not wait."""
+    made: list = []
+    done = threading.Event()  # (not Thread.join: one that KeyboardInterrupt broke, Python 3.11
+    #                            takes the thread for ended, and a second join returns at once)
+
+    def run() -> None:
+        try:
+            made.append(make())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            made.append(exc)
+        finally:
+            done.set()
+
+    before = _children_of(os.getpid())
+    threading.Thread(target=run, name="rqp-spark-session", daemon=True).start()
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopping once Spark has started (Ctrl-C again: end it now)",
+              file=sys.stderr, flush=True)
+        try:
+            done.wait()
+        except KeyboardInterrupt:
+            for pid in _children_of(os.getpid()) - before:
+                for each in (pid, *_children_of(pid, deep=True)):
+                    try:
+                        os.kill(each, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            raise
+        if made and not isinstance(made[0], BaseException):
+            made[0].stop()
+        raise
+    root = logging.getLogger()
+    if not any(isinstance(f, _Py4JInterrupted) for f in root.filters):
+        root.addFilter(_Py4JInterrupted())
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+def _children_of(pid: int, deep: bool = False) -> set[int]:
+    """The processes whose parent is ``pid`` (and theirs, if ``deep``), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # (gone meanwhile)
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            found.add(child)
+            if deep:
+                todo.append(child)
+    return found
+
+
+class _Py4JInterrupted(logging.Filter):
+    """py4j logs a call that Ctrl-C broke, with its traceback, on the root logger, and then
+    lets the KeyboardInterrupt go on to the caller, which says it once in a line: drop that
+    record (any other py4j record stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt)
+                    and f"{os.sep}py4j{os.sep}" in record.pathname)
 
 
 class SparkFailed(RQPError):

@@ -283,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_local_output(args.store, "--store")
         compute = load_compute()
         spark, created = compute.get_session(args.master)
+        print(f"{PROG}: Spark {spark.version} ({spark.sparkContext.master}) started; reading "
+              f"{' '.join(args.input)}", file=sys.stderr, flush=True)
         try:
             if args.reports:
                 run_dated(compute, spark, args)
@@ -301,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ReportError, ArchiveSchemaError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # (Ctrl-C, or the stop a caller such as rqp-demo took)
+        print(f"{PROG}: interrupted ({str(exc) or 'Ctrl-C'}); Spark stopped; this run's "
+              "report is not finished (its summary.json is written last)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,0 +1,129 @@
+"""Ctrl-C of rqp-dlq-report (a real job, with its own JVM, as an operator runs it): one line
+that says what it stopped, exit 130, no traceback, no JVM left behind, and no summary.json
+that would make a half-written output pass for a finished report."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.report_data import archive_of, generate_archive
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("interrupt")
+    return archive_of(root, generate_archive(root / "generated", files=8))
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _until(condition, seconds: float, what: str) -> None:
+    """Wait for ``condition()`` (polled), failing the test after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _start(archive: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "rqp.report.job", "--master", "local[2]", "--input",
+         str(archive), "--output", str(out)], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # (a group:
+    # Ctrl-C goes to every process of the terminal's foreground group, the JVM's too)
+
+
+def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
+    """Ctrl-C to the job's group; its exit status and stderr. Fails if a process it started
+    (``seen``) outlives it by a minute (ended first: it holds the job's stderr open)."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the JVM ends with the job (it watches its stdin), or the job ends it
+    deadline = time.monotonic() + 60
+    while any(map(_alive, seen)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = sorted(filter(_alive, seen))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)  # (started by this test's job)
+    err = proc.stderr.read()
+    proc.stdout.read()
+    assert not left, f"left running after the job ended: {left}\n{err}"
+    return code, err
+
+
+def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive, tmp_path):
+    """A trial: two screens of py4j tracebacks and exit -2 (PySpark's own SIGINT handler
+    called into the JVM over the connection the job was in the middle of a call on)."""
+    out = tmp_path / "out"
+    proc = _start(archive, out)
+    lines = []
+    try:
+        for line in proc.stderr:  # up to the line that says Spark is up and the job reads
+            lines.append(line)
+            if "started; reading" in line:
+                break
+    finally:
+        seen = _descendants(proc.pid)
+        if not lines or "started; reading" not in lines[-1]:
+            _interrupt(proc, seen)  # (ended, and what it started gone, before failing)
+    assert "started; reading" in lines[-1], "".join(lines)
+    assert seen, "the JVM was expected to run by now"
+    code, err = _interrupt(proc, seen)
+    err = "".join(lines) + err
+    assert code == 130, err
+    assert "rqp-dlq-report: interrupted (Ctrl-C); Spark stopped" in err
+    assert "Traceback" not in err and "py4j" not in err, err
+    assert not (out / "summary.json").exists()
+
+
+def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_path):
+    """A trial: Ctrl-C while the JVM started left it running, with no parent, for good (it
+    ends with its parent only once it is up). The job now waits for it, then stops it."""
+    proc = _start(archive, tmp_path / "out")
+    seen: set[int] = set()
+
+    def starting() -> bool:
+        seen.update(_descendants(proc.pid))
+        return bool(seen) or proc.poll() is not None
+
+    _until(starting, 60, "the job started no process (spark-submit)")
+    code, err = _interrupt(proc, seen)
+    assert code == 130, err
+    assert "stopping once Spark has started" in err and "interrupted (Ctrl-C)" in err, err
+    assert "Traceback" not in err, err
