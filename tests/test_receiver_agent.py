@@ -1377,6 +1377,25 @@ def test_connection_limits_and_timeouts(testbed):
     assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
 
 
+def test_a_first_frame_trickled_a_byte_at_a_time_is_due_within_first_frame_timeout(testbed):
+    """A trial: a byte every 3 s kept a connection open past a 10 s first_frame_timeout (the
+    time-out began again with every read) and its QUEUE_ASK was answered after 30 s."""
+    config = {**BASE_CONFIG, "first_frame_timeout": "300ms", "idle_timeout": "60s"}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    connect(r.pb, "slow", r)
+    frame = pack_ask(Q1)
+    for i in range(len(frame)):  # a byte every 100 ms: the frame would be whole after 1 s
+        try:
+            r.pb.send("slow", [raw(frame[i:i + 1])])
+        except PeerError:
+            break  # closed under it
+        time.sleep(0.1)  # (the trickle's pace: what is tested, not a wait for the receiver)
+    got = r.pb.read_to_eof("slow", timeout=10)
+    assert (got["eof"] or got["reset"]) and not got["data"], got  # closed, never answered
+    wait_for(lambda: "no complete frame within 0.3s (first_frame_timeout)" in r.log(),
+             timeout=10, message="no time-out logged")
+
+
 #: Runs on host b: SURE messages to the receiver on ARGV[1] for queue ARGV[2], in writes of
 #: 1,000, reading none of the answers (a small receive buffer), until the receiver closes the
 #: connection or ARGV[3] messages are sent; prints how many were written and how it ended.
