@@ -393,7 +393,7 @@ class Sender(Daemon):
             # keep when it was taken, a little later)
             waited = (wall_ns - record.enqueued_ns) / 1e9 if record.enqueued_ns else 0.0
             self._submit(record, now, Taken(record, seq), key, copies,
-                         taken_at=now - waited if waited > 0 else None)
+                         taken_at=now - waited if waited > 0 else None, resumed=True)
         if leftovers:
             self._on_records(leftovers)
         self._run_actions()
@@ -410,12 +410,12 @@ class Sender(Daemon):
         self._run_actions()
 
     def _submit(self, record, now: float, origin: Taken, key: int, copies,
-                taken_at: float | None = None) -> None:
+                taken_at: float | None = None, resumed: bool = False) -> None:
         self.core.submit(record.message_type, record.queue_key, record.payload, now,
                          origin=origin, key=key, mtype=record.mtype, priority=record.priority,
                          expires_at_ms=record.expires_at_ms, copies=copies,
                          members=record.members() if record.is_batch else None,
-                         taken_at=taken_at)
+                         taken_at=taken_at, resumed=resumed)
 
     # --- connections --------------------------------------------------------------------------
 

@@ -344,6 +344,42 @@ def test_duplicates_held_batches_and_the_limit(tmp_path):
     assert len(archive_files(archive)) == 3
 
 
+def test_a_broadcast_copy_is_not_put_back_on_its_broadcast_queue(tmp_path):
+    """A trial: the dead letter of host B's copy, retried, went to every host of the broadcast
+    name with new keys; host A, which had its own copy, put it a second time, and B, back in
+    .rqprc, too. RQP cannot pin a host: retry and resubmit refuse it (dry run too), saying
+    what to do; forwarding it to an ordinary queue is the operator's choice, and goes."""
+    qb = 0x52510AAA
+    config = sender_config_from_mapping({"hosts": ["localhost"],
+                                         "queues": {"PROD_THE_SCHED_COMMON": Q1,
+                                                    "PROD_ALL_T19": qb}})
+    archive = tmp_path / "archive"
+    copy = row(ReasonCode.NO_ROUTE, queue_key=qb, key=0x51, payload=b"copy", mtype=SURE_MSG,
+               agent=AgentKind.SENDER, destination="hostb:7460")
+    plain = row(ReasonCode.NO_ROUTE, key=0x52, payload=b"plain", mtype=SURE_MSG,
+                agent=AgentKind.SENDER)
+    write_archive(archive, [copy, plain])
+    rules = rules_from_data({"rules": [{"reason": "NO_ROUTE", "action": "retry"}]},
+                            config=config)
+    for dry_run in (True, False):
+        send, lines = FakeSend(archive), []
+        replayer = Replayer(archive, rules, send=send, out=lines.append, config=config,
+                            now_ns=NOW, dry_run=dry_run)
+        replayer.run()
+        assert [payload for _, payload, _ in send.calls] == ([] if dry_run else [b"plain"])
+        [said] = [line for line in lines if "copy for hostb:7460" in line]
+        assert said.startswith("would fail" if dry_run else "failed"), said
+        assert "broadcast queue 0x52510aaa" in said.lower() and "look on hostb:7460" in said
+    assert list(read_archive(archive)) == [copy]  # kept
+    lines, calls = [], []
+    counts = resubmit(archive, [copy["id"]], lambda *a, **k: calls.append(a), config=config,
+                      out=lines.append)
+    assert counts == {"failed": 1} and not calls and "copy for hostb:7460" in lines[0]
+    counts = resubmit(archive, [copy["id"]], lambda *a, **k: calls.append(a), to=Q2,
+                      config=config, out=lines.append)
+    assert counts == {"resubmitted": 1} and calls == [(Q2, b"copy", 0x51)]
+
+
 def test_resubmit_leaves_rows_of_an_unfinished_drain_batch(tmp_path):
     archive = tmp_path / "archive"
     [path] = write_archive(archive, [row(key=0x71, payload=b"not yet taken off"),

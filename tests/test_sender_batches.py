@@ -113,5 +113,5 @@ def test_a_batch_whose_retry_budget_runs_out_says_how_many_frames_carried_it():
             h.advance()
     [dead] = h.of(DeadLetter)
     assert dead.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED
-    assert dead.detail.startswith("not delivered after 3 failed tries (sent 3 time(s): 9 "
+    assert dead.detail.startswith("not delivered after 3 failed tries (sent 3 times: 9 "
                                   "MESSAGE_EX frames)"), dead.detail

@@ -658,7 +658,7 @@ def test_a_retry_budget_that_runs_out_while_every_host_is_in_back_off_dead_lette
     h.core.tick(h.now)
     [dead] = [a for a in h.actions() if isinstance(a, DeadLetter)]
     assert (dead.message.payload, dead.reason) == (b"old", ReasonCode.RETRY_BUDGET_EXHAUSTED)
-    assert dead.detail.startswith("not delivered after 1 failed try (0 MESSAGE frame(s) sent)")
+    assert dead.detail.startswith("not delivered after 1 failed try (0 MESSAGE frames sent)")
     assert h.core.held == 0
 
 
@@ -946,16 +946,23 @@ def test_a_route_dropped_with_messages_in_flight_is_finishing_not_idle():
 
 
 def test_a_broadcast_copy_whose_host_a_reload_took_out_is_finishing_while_in_flight():
-    h = Harness(hosts=("b", "c"), broadcast=frozenset({Q1}))
-    h.submit(Q1, UNSURE_MSG)
+    h = Harness(hosts=("b", "c"), broadcast=frozenset({Q1}), stall_after=60.0,
+                confirm_timeout=600.0)
+    h.submit(Q1, SURE_MSG)
     assert sorted(h.sent()) == [("b", Ask(Q1)), ("c", Ask(Q1))]
     h.answer("b", YES)
     h.answer("c", YES)
     assert sorted(host for host, _ in h.sent()) == ["b", "c"]  # the copies: none answered
-    h.core.update_settings(Settings(hosts=("c",), broadcast=frozenset({Q1})), h.now)
+    h.core.update_settings(Settings(hosts=("c",), broadcast=frozenset({Q1}),
+                                    stall_after=60.0, confirm_timeout=600.0), h.now)
     [r] = h.core.route_status()
     copies = {c["peer"]: c["state"] for c in r["copies"]}
     assert copies["b"] == "finishing" and r["state"] == "finishing"
+    h.advance(61)  # (no answer from b: stalled, and the copy's line says whose answers)
+    [r] = h.core.route_status()
+    [b] = [c for c in r["copies"] if c["peer"] == "b"]
+    assert b["state"] == "stalled", b
+    assert b["stalled_why"] == "route dropped; answers due from b", b  # (a trial: from None)
 
 
 @pytest.mark.parametrize("answer", [None, ERR])
@@ -981,7 +988,7 @@ def test_a_sure_copy_sent_to_a_host_a_reload_took_out_says_whether_it_may_have_b
     [dead] = h.of(DeadLetter)
     assert dead.reason is ReasonCode.NO_ROUTE and dead.message.target == "b"
     assert dead.detail.startswith(f"copy of broadcast queue {Q1:#x} for host b, no longer in "
-                                  ".rqprc; 1 MESSAGE frame(s) sent to it, the last "), dead.detail
+                                  ".rqprc; 1 MESSAGE frame sent to it, the last "), dead.detail
     assert ("it may have been put there all the same" in dead.detail) is (answer is None)
     assert ("the last refused" in dead.detail) is (answer is not None)
 
@@ -1247,7 +1254,7 @@ def test_a_lane_gone_idle_is_taken_back_as_new_for_the_next_message_of_its_key()
     h.core.tick(h.now)  # "a" expires before its retry: dead-lettered, its lane idle
     [dead] = [a for a in h.actions() if isinstance(a, DeadLetter)]
     assert dead.reason == ReasonCode.EXPIRED
-    assert "s ago (expires_at_ms" in dead.detail and "after 2 MESSAGE frame(s) sent, none " \
+    assert "s ago (expires_at_ms" in dead.detail and "after 2 MESSAGE frames sent, none " \
         "confirmed; last error: DELIVERED_ERROR from b" in dead.detail  # (not "before it ...")
     h.now += 1
     h.submit(Q1, SURE_MSG, b"b")

@@ -505,15 +505,21 @@ def _tries_so_far(msg: Outgoing) -> str:
         return ""
     if msg.answer_lost:
         return (f"; {_frames_sent(msg)} to it, the last with no answer: it may have been put "
-                f"there all the same (outcome unknown: look on that host before a replay)")
+                f"there all the same (outcome unknown: look on that host; {_NO_COPY_REPLAY})")
     return f"; {_frames_sent(msg)} to it, the last refused (the receiving MCA's log says why)"
+
+
+#: Why a broadcast copy's dead letter is not put back as it is (rqp.tools.replay).
+_NO_COPY_REPLAY = ("a replay would send it to every host of the broadcast name: forward or "
+                   "discard it")
 
 
 def _frames_sent(msg: Outgoing) -> str:
     """How many frames carried ``msg`` so far, in words: a batch's each time it was sent."""
+    n = msg.attempts
     if msg.members is None:
-        return f"{msg.attempts} MESSAGE frame(s) sent"
-    return f"sent {msg.attempts} time(s): {msg.attempts * msg.count} MESSAGE_EX frames"
+        return f"{n} MESSAGE frame{'' if n == 1 else 's'} sent"
+    return f"sent {n} time{'' if n == 1 else 's'}: {n * msg.count} MESSAGE_EX frames"
 
 
 #: What a DELIVERED_ERROR, which carries no reason (spec 4), leaves to look at.
@@ -783,7 +789,8 @@ class SenderCore:
     def submit(self, message_type: int, queue_key: int, payload: bytes, now: float,
                origin: object = None, key: int = 0, *, mtype: int = 1,
                priority: int = DEFAULT_PRIORITY, expires_at_ms: int = 0,
-               copies=None, members=None, taken_at: float | None = None) -> Outgoing:
+               copies=None, members=None, taken_at: float | None = None,
+               resumed: bool = False) -> Outgoing:
         """A record taken from the transmission queue.
 
         ``key``: the unique key already given to it (a SURE message is given its key when it is
@@ -793,8 +800,9 @@ class SenderCore:
         (journaled with the message; a host by its ``str``); None: one per host, keys given
         here. ``members``: an atomic batch, ``((mtype, data), ...)``, sent with keys ``key``,
         ``key + 1``, ... ``taken_at``: when it was taken, if before ``now`` (a journaled message
-        after a restart: its ``retry_max_age`` goes on counting). Returns the message (a
-        broadcast one: its first copy).
+        after a restart: its ``retry_max_age`` goes on counting). ``resumed``: journaled before
+        a restart (it may have been sent then). Returns the message (a broadcast one: its first
+        copy).
         """
         self._now = now
         self._seq += 1
@@ -816,7 +824,7 @@ class SenderCore:
             self._expire(msg)
             return msg
         if queue_key in self.settings.broadcast:
-            return self._fan_out(msg, copies)
+            return self._fan_out(msg, copies, resumed)
         self._place(msg, None)
         return msg
 
@@ -841,7 +849,7 @@ class SenderCore:
         self._enqueue(lane, msg)
         self._pump(lane)
 
-    def _fan_out(self, msg: Outgoing, copies) -> Outgoing:
+    def _fan_out(self, msg: Outgoing, copies, resumed: bool = False) -> Outgoing:
         """One copy of ``msg`` per host (spec section 6, broadcast names)."""
         by_name = {str(host): host for host in self.settings.hosts}
         if copies is None:
@@ -863,7 +871,11 @@ class SenderCore:
                 self._fire(copy, T.INVALID_MESSAGE)
                 self._dead_letter(copy, ReasonCode.NO_ROUTE,
                                   f"copy for host {copy.target} of broadcast queue "
-                                  f"{copy.queue_key:#x}: the host is no longer in .rqprc")
+                                  f"{copy.queue_key:#x}: the host is no longer in .rqprc" + (
+                                      "; journaled before the sending MCA restarted, it may "
+                                      "have been sent to that host then (the journal does not "
+                                      "record sends): look there; " + _NO_COPY_REPLAY
+                                      if resumed else ""))
         return made[0] if made else msg
 
     def _enqueue(self, lane: _Lane, msg: Outgoing) -> None:
@@ -1056,9 +1068,13 @@ class SenderCore:
                                   f"({_frames_sent(head)}); last error: "
                                   f"{head.last_error or 'none'}" + (
                                       "; that try had no answer: it may have been put all the "
-                                      "same (sent again with its key, a receiving MCA that put "
-                                      "it does not put it twice, within its de-duplication "
-                                      "window)" if head.answer_lost else ""))
+                                      "same (" + (
+                                          "sent again with its key, a receiving MCA that put "
+                                          "it does not put it twice, within its "
+                                          "de-duplication window)" if head.target is None else
+                                          f"a copy for {head.target}: look there; "
+                                          f"{_NO_COPY_REPLAY})")
+                                      if head.answer_lost else ""))
                 continue
             if head.expires_at_ms and self._expired(head):
                 lane.pending.popleft()
@@ -1946,7 +1962,8 @@ class SenderCore:
             state = ("declined" if info.declined and lane is None and route is None
                      else self._lane_state(lane, route, info, now))
             stalled, oldest = self._progress(lane, info, now, taken)
-            why = self._stalled_why(state, route, info, stalled) if stalled is not None else ""
+            why = self._stalled_why(state, host if route is None else route, info,
+                                    stalled) if stalled is not None else ""
             state = "stalled" if stalled is not None else state
             out.append({
                 "stalled_since": stalled, "oldest_taken_at": oldest, "stalled_why": why,

@@ -548,6 +548,21 @@ class ReplayRefused(RQPError):
     """This record cannot be put back (the message says why); it is kept in the archive."""
 
 
+def refuse_broadcast_copy(row: Mapping, queue_key: int, config: SenderConfig | None) -> None:
+    """A dead letter whose queue key is a broadcast name of this host's ``.rqprc`` is one
+    host's copy: put back on that key, the sending MCA sends it to every host of the name,
+    each with a new key, and each that has it puts it again (a trial: once more on each).
+    RQP cannot pin a host; the operator looks on that one, then forwards or discards it."""
+    if config is None or queue_key not in config.broadcast_keys:
+        return
+    host = row.get("destination_host") or "one host"
+    raise ReplayRefused(
+        f"a copy for {host} of broadcast queue {format_key(queue_key)}: put back on that "
+        "queue it would go to every host of the broadcast name with new keys, and each that "
+        f"has it would put it again; look on {host}, then forward it to a queue (a rule's "
+        "to:, --to QUEUE) or discard it")
+
+
 class NotConfirmed(RQPError):
     """The sending MCA did not take the record within the timeout (it may still send it)."""
 
@@ -934,6 +949,7 @@ class Replayer:
                 if not 0 < queue_key <= 0xFFFFFFFF:
                     raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
                                         "System V queue: forward it to a queue instead")
+                refuse_broadcast_copy(row, queue_key, self.config)
                 replay_key = int(row["message_key"], 16)
             elif decision.header:  # a new message: the dead letter, with type 1
                 payload, queue_key, replay_key, mtype = header_payload(row), decision.to, 0, 1
@@ -1201,6 +1217,7 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
                 if not 0 < queue_key <= 0xFFFFFFFF:
                     raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
                                         "System V queue: give --to QUEUE")
+                refuse_broadcast_copy(row, queue_key, config)
                 extras = row_extras(row)
                 send(queue_key, payload, int(row["message_key"], 16),
                      mtype=max(1, extras["mtype"]), priority=min(max(extras["priority"], 0), 9))
