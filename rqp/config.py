@@ -1108,7 +1108,9 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         key, other = ("dead_letter_queue", "transmission_queue")
         if f.data.get(key) is None:
             key, other = other, key
-        f.bad(key, f.data[key], f"expected a key other than {other}'s (0x{xmit:08x})")
+        given = f.data[key]  # (YAML reads 0x47199000 as a number: shown as a key again)
+        f.bad(key, f"0x{given:08x}" if isinstance(given, int) and not isinstance(given, bool)
+              else given, f"expected a key other than {other}'s (0x{xmit:08x})")
 
     backoff_initial = f.get("retry_backoff_initial", parse_duration, DEFAULT_RETRY_BACKOFF_INITIAL)
     backoff_max = f.get("retry_backoff_max", parse_duration, DEFAULT_RETRY_BACKOFF_MAX)
@@ -1162,6 +1164,9 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         f.check_keys(offer, _OFFER_KEYS, prefix="offer.")
         if "allow" in offer:
             allow = f.queue_set("offer.allow", offer["allow"], names)
+            if dead in allow.keys:  # (a trial: accepted, and then never offered, unsaid)
+                f.bad("offer.allow", offer["allow"], f"expected queues other than this receiver's "
+                      f"DEAD.LETTER.Q (0x{dead:08x}): an agent's own queues are never offered")
         if "deny" in offer:
             deny = f.queue_set("offer.deny", offer["deny"], names)
     tls = f.get("tls", lambda v: f.tls("tls", v), None)

@@ -178,6 +178,10 @@ def test_a_peer_that_speaks_text_is_told_apart():
     decoder.receive_data(bytes([9, 0]))
     with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 9 \(0x09\)$"):
         decoder.next_event()
+    decoder = FrameDecoder()  # (a trial's random bytes: one printable octet is no text)
+    decoder.receive_data(bytes([0x29, 0x8F, 0x03, 0xE1, 0x00, 0x41, 0xFF, 0x10]))
+    with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 41 \(0x29\)$"):
+        decoder.next_event()
 
 
 @pytest.mark.parametrize("mtype", [2, 0x80, 0xFF])

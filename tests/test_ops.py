@@ -375,6 +375,26 @@ def test_a_vanished_peer_on_an_idle_connection_is_found_by_the_heartbeat(testbed
     assert receive(b, Q1, 1) == ["after"]
 
 
+@pytest.mark.parametrize("frozen_first", [True, False])
+def test_a_frozen_agent_is_not_also_said_to_be_missing_from_another_place(tmp_path,
+                                                                          frozen_first):
+    """A trial, the sending MCA frozen: 'not answering: ... it runs, but is frozen (SIGSTOP?)
+    or hung; no agent is running here (/run/rqp/sender/control.sock does not exist)', the
+    second of the places a control socket may be. One that took the connection is the answer."""
+    import socket
+
+    from rqp.system.control import ControlNotAnswering
+    from rqp.tools.ctl_agents import ask
+    frozen, missing = tmp_path / "frozen.sock", tmp_path / "missing.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(frozen))
+        server.listen(1)  # (takes the connection, never answers: a frozen agent's socket)
+        with pytest.raises(ControlNotAnswering) as info:
+            ask([frozen, missing] if frozen_first else [missing, frozen], "status", timeout=0.2)
+    said = str(info.value)
+    assert "frozen (SIGSTOP?) or hung" in said and "no agent is running" not in said, said
+
+
 def test_a_frozen_agent_is_not_answering_not_not_running(site):
     """A trial: with the receiving MCA frozen (SIGSTOP), rqpctl said 'not running' (an
     operator might start a second agent beside it). Its socket takes the connection and no

@@ -194,14 +194,14 @@ def test_the_peer_packs_frames_like_the_codec():
 
 def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testbed):
     config = {**BASE_CONFIG, "control_socket": str(testbed.workdir / "a" / "receiver.sock"),
-              "offer": {"allow": [Q1, Q2, MISSING, "DEAD.LETTER.Q"], "deny": [Q2]}}
+              "offer": {"allow": [Q1, Q2, MISSING], "deny": [Q2]}}
     r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660, Q3: 0o660})
     asks = [
         (Q1, QUEUE_YES),           # exists, allowed, writable
         (MISSING, QUEUE_NO),       # allowed but no such queue
         (Q2, QUEUE_NO),            # exists, allowed, but denied
         (Q3, QUEUE_NO),            # exists, not in offer.allow
-        (DLQ, QUEUE_NO),           # DEAD.LETTER.Q itself (even though allowed)
+        (DLQ, QUEUE_NO),           # DEAD.LETTER.Q itself (allowing it: a config error)
         (0, QUEUE_NO),             # IPC_PRIVATE
         (2**32, QUEUE_NO),         # does not fit a key_t
         (2**32 + Q1, QUEUE_NO),    # low 32 bits name Q1: must not be taken for it

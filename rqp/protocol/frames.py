@@ -159,7 +159,9 @@ def _header_error(header: bytes) -> RemoteProtocolError:
     code = header[0]
     if code not in _BY_CODE:
         text = ""
-        if 0x20 <= code <= 0x7E:  # printable: the peer speaks text ('220 ...', 'HTTP/1.1')
+        if len(header) >= 2 and all(0x20 <= b <= 0x7E or b in b"\t\r\n" for b in header):
+            # printable, every octet of it: the peer speaks text ('220 ...', 'HTTP/1.1'); one
+            # printable octet before binary is only noise (a trial's random bytes)
             text = f", {chr(code)!r}: a text protocol (HTTP, SMTP, ...), not an RQP peer"
         return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x}{text})")
     return RemoteProtocolError(
@@ -308,7 +310,7 @@ class FrameDecoder:
         code = buf[pos]
         fixed = _FIXED_SIZE.get(code)
         if fixed is None:
-            raise _header_error(buf[pos:pos + 2])
+            raise _header_error(buf[pos:pos + 8])
         if code not in self.accept:
             raise RemoteProtocolError(
                 f"unexpected {c.MessageCode(code).name} frame: this side only receives "

@@ -85,7 +85,7 @@ def _not_reached(name: str, exc: ControlError) -> str:
 
 def ask(candidates: list[Path], command: str, **args) -> dict:
     """The first candidate socket that answers; ControlError naming them all if none does."""
-    errors, frozen = [], False
+    errors, frozen = [], []
     for path in candidates:
         try:
             return request(path, command, **args)
@@ -93,8 +93,12 @@ def ask(candidates: list[Path], command: str, **args) -> dict:
             raise  # the agent is there, and said no: that is the answer
         except ControlError as exc:
             errors.append(str(exc))
-            frozen = frozen or isinstance(exc, ControlNotAnswering)
-    raise (ControlNotAnswering if frozen else ControlError)("; ".join(dict.fromkeys(errors)))
+            if isinstance(exc, ControlNotAnswering):
+                frozen.append(str(exc))
+    if frozen:  # (only that: a trial's line also said "no agent is running here" of the
+        # other place a socket may be, beside "it runs, but is frozen")
+        raise ControlNotAnswering("; ".join(frozen))
+    raise ControlError("; ".join(dict.fromkeys(errors)))
 
 
 def _targets(args) -> list[tuple[str, list[Path]]]:
