@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -463,7 +464,11 @@ _ARMED: list[int] = []  # (os.register_at_fork has no undo: the hook below acts 
 
 def _signal_at_fork() -> None:
     if _ARMED:
-        os.kill(_ARMED.pop(), signal.SIGTERM)
+        _ARMED.pop()
+        # To this thread, which holds it: sent to the process, the kernel gives it to any
+        # thread that does not, and a Spark session of an earlier test has threads of its own
+        # (the test then failed when run after tests/test_report.py).
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
 
 os.register_at_fork(after_in_parent=_signal_at_fork)
