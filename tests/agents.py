@@ -13,6 +13,31 @@ PORT = 7460
 DLQ = 0x5251DEAD
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes started, directly or not, by ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # (gone meanwhile)
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Is ``pid`` a process that runs (not gone, not a zombie)?"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 #: A command prefix: runs the command holding the signals a program stops or reloads on, as a
 #: process with a signal-waiting thread would start it (a signal mask survives exec).
 HOLDING_SIGNALS = [sys.executable, "-c", r"""

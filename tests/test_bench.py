@@ -22,7 +22,7 @@ from rqp.system import signals
 from rqp.system.queues import kernel_limits
 from rqp.tools import bench, scale
 from rqp.tools.bench import PAYLOAD_HEAD, BenchError, filler
-from tests.agents import held_signals
+from tests.agents import descendants, held_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -210,23 +210,6 @@ def test_scale_passes_interleave_the_cases_and_compare_each_with_the_first_pass_
     assert "2 passes over the cases in turn" in proc.stdout
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes started, directly or not, by ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def test_scale_says_at_once_that_an_agent_died_and_keeps_the_rounds_measured(tmp_path):
     """A trial killed the run's receiving MCA in its second pass: rqp-scale noticed only at
     the round's time-out (300 s), the table's heading counted rounds never run, and --json
@@ -245,7 +228,7 @@ def test_scale_says_at_once_that_an_agent_died_and_keeps_the_rounds_measured(tmp
         deadline = time.monotonic() + 60
 
         def serving() -> int | None:  # the receiving MCA, once a sending MCA connected to it
-            for pid in _descendants(proc.pid):
+            for pid in descendants(proc.pid):
                 try:
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                     if b"rqp_agents.receiver" in argv:

@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agents import HOLDING_SIGNALS
+from tests.agents import HOLDING_SIGNALS, alive
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -46,7 +38,7 @@ def test_a_stopped_demo_stops_its_agents_and_removes_what_it_made(tmp_path, sig)
         out = "".join(lines)
         workdir = Path(re.search(r"== RQP demo in (\S+)", out).group(1))
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
-        assert len(pids) == 2 and all(map(_alive, pids)), out
+        assert len(pids) == 2 and all(map(alive, pids)), out
         proc.send_signal(sig)
         code = proc.wait(60)
         out += proc.stdout.read()
@@ -58,5 +50,5 @@ def test_a_stopped_demo_stops_its_agents_and_removes_what_it_made(tmp_path, sig)
     assert code == 130, (out, err)
     assert "agents stopped, queues removed" in out
     assert f"rqp-demo: interrupted (signal {sig.name})" in err
-    assert not any(map(_alive, pids)), "an agent of the stopped demo still runs"
+    assert not any(map(alive, pids)), "an agent of the stopped demo still runs"
     assert not workdir.exists()

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.agents import alive, descendants
 from tests.report_data import archive_of, generate_archive
+from tests.testbed import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,37 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def archive(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("interrupt")
     return archive_of(root, generate_archive(root / "generated", files=8))
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def _until(condition, seconds: float, what: str) -> None:
-    """Wait for ``condition()`` (polled), failing the test after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def _start(archive: Path, out: Path) -> subprocess.Popen:
@@ -76,9 +47,9 @@ def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
             proc.wait()
     # the JVM ends with the job (it watches its stdin), or the job ends it
     deadline = time.monotonic() + 60
-    while any(map(_alive, seen)) and time.monotonic() < deadline:
+    while any(map(alive, seen)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = sorted(filter(_alive, seen))
+    left = sorted(filter(alive, seen))
     for pid in left:
         os.kill(pid, signal.SIGKILL)  # (started by this test's job)
     err = proc.stderr.read()
@@ -99,7 +70,7 @@ def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive,
             if "started; reading" in line:
                 break
     finally:
-        seen = _descendants(proc.pid)
+        seen = descendants(proc.pid)
         if not lines or "started; reading" not in lines[-1]:
             _interrupt(proc, seen)  # (ended, and what it started gone, before failing)
     assert "started; reading" in lines[-1], "".join(lines)
@@ -119,10 +90,10 @@ def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_p
     seen: set[int] = set()
 
     def starting() -> bool:
-        seen.update(_descendants(proc.pid))
+        seen.update(descendants(proc.pid))
         return bool(seen) or proc.poll() is not None
 
-    _until(starting, 60, "the job started no process (spark-submit)")
+    wait_for(starting, timeout=60, message="the job started no process (spark-submit)")
     code, err = _interrupt(proc, seen)
     assert code == 130, err
     assert "stopping once Spark has started" in err and "interrupted (Ctrl-C)" in err, err
