@@ -1164,9 +1164,6 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
         f.check_keys(offer, _OFFER_KEYS, prefix="offer.")
         if "allow" in offer:
             allow = f.queue_set("offer.allow", offer["allow"], names)
-            if dead in allow.keys:  # (a trial: accepted, and then never offered, unsaid)
-                f.bad("offer.allow", offer["allow"], f"expected queues other than this receiver's "
-                      f"DEAD.LETTER.Q (0x{dead:08x}): an agent's own queues are never offered")
         if "deny" in offer:
             deny = f.queue_set("offer.deny", offer["deny"], names)
     tls = f.get("tls", lambda v: f.tls("tls", v), None)

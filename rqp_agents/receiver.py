@@ -452,6 +452,7 @@ class Receiver(Daemon):
                         "config: no queue is offered (this process could write into every "
                         "queue of the host); list the queues remote senders may use in "
                         "offer.allow")
+        self._warn_unofferable(self.config)
         await self.start_service(self.control_path, self.config.metrics_listen)
         self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
@@ -536,6 +537,16 @@ class Receiver(Daemon):
         log.info("reloaded %s: %s%s", new.source, changes,
                  f" ({', '.join(sorted(self.overrides))} from the command line: the file's "
                  "are not used)" if self.overrides else "")
+        self._warn_unofferable(new)
+
+    @staticmethod
+    def _warn_unofferable(config: ReceiverConfig) -> None:
+        """offer.allow listing the receiver's own DEAD.LETTER.Q: it is never offered, whatever
+        the list says (a trial: accepted without a word)."""
+        if config.offer_allow is not None and config.dead_letter_queue in config.offer_allow.keys:
+            log.warning("offer.allow lists %s, this receiver's DEAD.LETTER.Q: never offered (an "
+                        "agent's own queues never are); take it out of the list",
+                        format_key(config.dead_letter_queue))
 
     async def _expire_dedup(self) -> None:
         while True:

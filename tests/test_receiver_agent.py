@@ -194,14 +194,14 @@ def test_the_peer_packs_frames_like_the_codec():
 
 def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testbed):
     config = {**BASE_CONFIG, "control_socket": str(testbed.workdir / "a" / "receiver.sock"),
-              "offer": {"allow": [Q1, Q2, MISSING], "deny": [Q2]}}
+              "offer": {"allow": [Q1, Q2, MISSING, "DEAD.LETTER.Q"], "deny": [Q2]}}
     r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660, Q3: 0o660})
     asks = [
         (Q1, QUEUE_YES),           # exists, allowed, writable
         (MISSING, QUEUE_NO),       # allowed but no such queue
         (Q2, QUEUE_NO),            # exists, allowed, but denied
         (Q3, QUEUE_NO),            # exists, not in offer.allow
-        (DLQ, QUEUE_NO),           # DEAD.LETTER.Q itself (allowing it: a config error)
+        (DLQ, QUEUE_NO),           # DEAD.LETTER.Q itself (even though allowed: warned at start)
         (0, QUEUE_NO),             # IPC_PRIVATE
         (2**32, QUEUE_NO),         # does not fit a key_t
         (2**32 + Q1, QUEUE_NO),    # low 32 bits name Q1: must not be taken for it
@@ -224,6 +224,8 @@ def test_queue_ask_answers_yes_only_for_an_existing_offered_writable_queue(testb
     assert (rows[f"{Q1:#x}"], rows[f"{Q2:#x}"], rows[f"{DLQ:#x}"]) == (
         "yes", "no: not offered by the config (offer)", "no (an agent's own)"), out
     assert r.qa.depth(Q1) == 0 and r.rx.poll() is None
+    # (a trial: listed in offer.allow without a word that it never will be)
+    assert f"offer.allow lists {DLQ:#x}, this receiver's DEAD.LETTER.Q: never offered" in r.log()
 
 
 def test_transmission_queues_are_never_offered_to_the_network(testbed):
