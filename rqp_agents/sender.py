@@ -583,7 +583,7 @@ class Sender(Daemon):
         msg = act.message
         common = dict(reason=act.reason, agent=AgentKind.SENDER, attempts=msg.attempts,
                       host=self.host, source_host=self.host,
-                      destination_host=str(msg.host or msg.target or ""))
+                      destination_host="" if act.whole else str(msg.host or msg.target or ""))
         record = msg.origin.record
         if msg.members is None:
             detail = act.detail

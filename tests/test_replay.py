@@ -40,12 +40,12 @@ CONFIG = sender_config_from_mapping({"hosts": ["localhost"],
 
 def row(reason=ReasonCode.NO_ROUTE, *, queue_key=Q1, key=0, payload=b"payload", age=0.0,
         mtype=1, host="h1", source="src1", destination="dst1:7460", flags=0, spill="",
-        original_length=None, agent=AgentKind.RECEIVER) -> dict:
+        original_length=None, agent=AgentKind.RECEIVER, detail="") -> dict:
     record = DeadLetterRecord(
         reason=reason, queue_key=queue_key, message_key=key or (0xD00D << 32 | id(payload) % 997),
         payload=payload, timestamp_ns=NOW - int(age * 1e9), message_type=mtype,
         agent=agent, host=host, source_host=source, destination_host=destination,
-        flags=flags, spill_path=spill, original_length=original_length)
+        flags=flags, spill_path=spill, original_length=original_length, detail=detail)
     return record_to_row(record.to_bytes(), archived_by="drainer")
 
 
@@ -371,6 +371,22 @@ def test_a_broadcast_copy_is_not_put_back_on_its_broadcast_queue(tmp_path):
         assert said.startswith("would fail" if dry_run else "failed"), said
         assert "broadcast queue 0x52510aaa" in said.lower() and "look on hostb:7460" in said
     assert list(read_archive(archive)) == [copy]  # kept
+    # a .rqprc without the broadcast name (a trial's): the sending MCA's detail says it;
+    # the message that reached no host (no destination host) goes to every host, as it should
+    said_copy = row(ReasonCode.NO_ROUTE, queue_key=qb, key=0x53, payload=b"said", mtype=SURE_MSG,
+                    agent=AgentKind.SENDER, destination="hostb:7460",
+                    detail=f"copy of broadcast queue {qb:#x} for host hostb:7460, no longer in "
+                    ".rqprc")
+    whole = row(ReasonCode.NO_ROUTE, queue_key=qb, key=0x54, payload=b"whole", mtype=SURE_MSG,
+                agent=AgentKind.SENDER, destination="")
+    other = tmp_path / "other"
+    write_archive(other, [said_copy, whole])
+    send = FakeSend(other)
+    Replayer(other, rules_from_data({"rules": [{"reason": "NO_ROUTE", "action": "retry"}]},
+                                    config=CONFIG), send=send, out=print, config=CONFIG,
+             now_ns=NOW).run()
+    assert [payload for _, payload, _ in send.calls] == [b"whole"]
+    assert [r["message_key"] for r in read_archive(other)] == [said_copy["message_key"]]
     lines, calls = [], []
     counts = resubmit(archive, [copy["id"]], lambda *a, **k: calls.append(a), config=config,
                       out=lines.append)

@@ -101,6 +101,7 @@ def test_no_host_takes_it_one_dead_letter_for_the_message_not_one_per_host():
         h.serve({"a": set(), "b": set(), "c": set()})
         [dead] = h.of(DeadLetter)
         assert dead.reason is ReasonCode.NO_ROUTE and "no host takes broadcast queue" in dead.detail
+        assert dead.whole  # (its record names no destination host: replayed, to every host)
         assert all(f"{host}: QUEUE_NO" in dead.detail for host in "abc")
         assert len(h.of(Declined)) == 2 and len(h.of(FanoutEnded)) == 1
 
@@ -134,6 +135,31 @@ def test_journaled_copies_resume_only_those_not_done_with_their_keys():
     # (a trial: after a kill -9, that host had put it; nothing said it may have been sent)
     assert "it may have been sent to that host then" in dead.detail, dead.detail
     assert len(h.of(FanoutEnded)) == 1
+
+
+class _Host:
+    """A host as .rqprc gives it (an object), where the journal names it by its str."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def test_a_host_the_journal_named_back_in_rqprc_has_one_status_line():
+    """A trial: after a restart whose .rqprc left host b out (its journaled copy was
+    dead-lettered) and a reload that put it back, status and metrics had two lines for b."""
+    a, b = _Host("a:1"), _Host("b:1")
+    h = Harness(hosts=(a,), broadcast=frozenset({BQ}))
+    h.submit(BQ, payload=b"again", copies=((0x78, "b:1"),), resumed=True)
+    assert [d.message.key for d in h.of(DeadLetter)] == [0x78]
+    h.core.update_settings(Settings(hosts=(a, b), broadcast=frozenset({BQ})), h.now)
+    h.submit(BQ, payload=b"later")
+    h.serve({a: {BQ}, b: {BQ}})
+    [row] = h.core.route_status()
+    peers = [(c["peer"], c["delivered"], c["dead_lettered"]) for c in row["copies"]]
+    assert sorted(peers) == [("a:1", 1, 0), ("b:1", 1, 1)], peers
 
 
 def test_a_copy_for_a_host_gone_before_it_was_journaled_says_nothing_of_a_send():

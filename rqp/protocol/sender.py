@@ -292,6 +292,9 @@ class DeadLetter:
     message: Outgoing
     reason: ReasonCode
     detail: str
+    #: A broadcast message that reached no host, dead-lettered once as a whole (its record
+    #: names no destination host: put back on its key, it goes to every host, as it should).
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1291,7 +1294,7 @@ class SenderCore:
             self._fire(msg, T.NO_HOST_TAKES_COPY)
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
                               f"no host takes broadcast queue {msg.queue_key:#x} ("
-                              + "; ".join(fanout.declined) + ")")
+                              + "; ".join(fanout.declined) + ")", whole=True)
             return
         self._fire(msg, T.DECLINED)
         self._copy_info(msg.queue_key, msg.target).declined += 1
@@ -1458,6 +1461,13 @@ class SenderCore:
             if host not in self._links:
                 self._links[host] = _Link(host)
             self._links[host].removed = False  # (added again)
+        by_name = {str(host): host for host in settings.hosts}
+        for queue_key, host in list(self.copies_info):
+            # a copy of a host the journal named (by its str) and .rqprc no longer did, back
+            # in .rqprc: one line and one set of series for it, not two (a trial's status)
+            real = by_name.get(str(host), host)
+            if real is not host and real != host and (queue_key, real) not in self.copies_info:
+                self.copies_info[(queue_key, real)] = self.copies_info.pop((queue_key, host))
         for key, host in list(self.routes.items()):
             if host in removed:
                 self._drop_route(key, host, "host removed from .rqprc")
@@ -1727,11 +1737,12 @@ class SenderCore:
 
     # --- endings ------------------------------------------------------------------------------
 
-    def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str) -> None:
+    def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str,
+                     whole: bool = False) -> None:
         if msg.queue_key in self.info or not queue_key_problem(msg.queue_key):
             self._info(msg.queue_key).dead_lettered += msg.count
         self._finished(msg, f"dead-lettered {reason.name}", detail)
-        self._actions.append(DeadLetter(msg, reason, detail))
+        self._actions.append(DeadLetter(msg, reason, detail, whole))
         self._fire(msg, T.DEAD_LETTERED)
         if msg.fanout is not None:
             self._copy_info(msg.queue_key, msg.target).dead_lettered += 1

@@ -549,13 +549,18 @@ class ReplayRefused(RQPError):
 
 
 def refuse_broadcast_copy(row: Mapping, queue_key: int, config: SenderConfig | None) -> None:
-    """A dead letter whose queue key is a broadcast name of this host's ``.rqprc`` is one
-    host's copy: put back on that key, the sending MCA sends it to every host of the name,
-    each with a new key, and each that has it puts it again (a trial: once more on each).
-    RQP cannot pin a host; the operator looks on that one, then forwards or discards it."""
-    if config is None or queue_key not in config.broadcast_keys:
+    """A dead letter whose queue key is a broadcast name of this host's ``.rqprc`` (or whose
+    sending MCA's detail says so) and that names a destination host is one host's copy: put
+    back on that key, the sending MCA sends it to every host of the name, each with a new
+    key, and each that has it puts it again (a trial: once more on each). RQP cannot pin a
+    host; the operator looks on that one, then forwards or discards it."""
+    host = row.get("destination_host")
+    if not host:  # (a broadcast message that reached no host: to every host, as it should)
         return
-    host = row.get("destination_host") or "one host"
+    named = config is not None and queue_key in config.broadcast_keys
+    if not named and not (row.get("agent") == "sender" and f"broadcast queue {queue_key:#x}"
+                          in (row.get("detail") or "")):  # (a .rqprc without the name)
+        return
     raise ReplayRefused(
         f"a copy for {host} of broadcast queue {format_key(queue_key)}: put back on that "
         "queue it would go to every host of the broadcast name with new keys, and each that "
