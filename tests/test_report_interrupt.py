@@ -78,8 +78,10 @@ def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive,
     code, err = _interrupt(proc, seen)
     err = "".join(lines) + err
     assert code == 130, err
-    assert "rqp-dlq-report: interrupted (Ctrl-C); Spark stopped" in err
+    assert "rqp-dlq-report: interrupted (Ctrl-C); this run's report is not finished" in err
     assert "Traceback" not in err and "py4j" not in err, err
+    # nor what the JVM logs of the work it broke (a trial: up to 470 lines of Java)
+    assert "ERROR" not in err and "Exception" not in err, err
     assert not (out / "summary.json").exists()
 
 
@@ -98,3 +100,21 @@ def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_p
     assert code == 130, err
     assert "stopping once Spark has started" in err and "interrupted (Ctrl-C)" in err, err
     assert "Traceback" not in err, err
+
+
+def test_an_error_raised_while_a_ctrl_c_was_handled_is_the_ctrl_c():
+    """A trial: a call into the JVM in a finally, after Ctrl-C had broken one, failed ('Answer
+    from Java side is empty') and the report said 'Spark failed', exit 1."""
+    from rqp.report.job import _interrupt_behind
+
+    def broken():
+        try:
+            raise KeyboardInterrupt("signal SIGINT")
+        finally:
+            raise RuntimeError("Answer from Java side is empty")
+
+    with pytest.raises(RuntimeError) as info:
+        broken()
+    found = _interrupt_behind(info.value)
+    assert isinstance(found, KeyboardInterrupt) and str(found) == "signal SIGINT"
+    assert _interrupt_behind(RuntimeError("a failure of its own")) is None

@@ -8,6 +8,7 @@ inputs, whether PySpark and Java are installed). See :mod:`rqp.report.job` for t
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -41,7 +42,7 @@ from rqp.report.files import delete, write_text
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",
-           "get_session"]
+           "get_session", "hush", "quiet_interrupts"]
 
 FILE_COLUMN = columnar.FILE_COLUMN
 #: Archive columns the report never looks at (the payload itself is by far the largest: not
@@ -577,8 +578,10 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
     try:
         done.wait()
     except KeyboardInterrupt:
-        print(f"{PROG}: stopping once Spark has started (Ctrl-C again: end it now)",
-              file=sys.stderr, flush=True)
+        again = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (rqp-demo's
+        # own handler takes one stop only, and cleans up after it)
+        print(f"{PROG}: stopping once Spark has started" + (
+            " (Ctrl-C again: end it now)" if again else ""), file=sys.stderr, flush=True)
         try:
             done.wait()
         except KeyboardInterrupt:
@@ -592,9 +595,10 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
         if made and not isinstance(made[0], BaseException):
             made[0].stop()
         raise
-    root = logging.getLogger()
-    if not any(isinstance(f, _Py4JInterrupted) for f in root.filters):
-        root.addFilter(_Py4JInterrupted())
+    for name in _PY4J_LOGGERS:  # (a logger's filters see only what is logged on it)
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Py4JInterrupted) for f in logger.filters):
+            logger.addFilter(_Py4JInterrupted())
     if isinstance(made[0], BaseException):
         raise made[0]
     return made[0]
@@ -620,14 +624,65 @@ def _children_of(pid: int, deep: bool = False) -> set[int]:
     return found
 
 
+#: Where py4j logs: on its module loggers, and on the root logger (``logging.exception``).
+_PY4J_LOGGERS = ("", "py4j.clientserver", "py4j.java_gateway")
+
+
 class _Py4JInterrupted(logging.Filter):
     """py4j logs a call that Ctrl-C broke, with its traceback, on the root logger, and then
     lets the KeyboardInterrupt go on to the caller, which says it once in a line: drop that
-    record (any other py4j record stays)."""
+    record, and once :func:`hush` was called every py4j record (a connection it closes under
+    the broken call fails to shut down: BrokenPipeError)."""
+
+    hushed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt)
-                    and f"{os.sep}py4j{os.sep}" in record.pathname)
+        if f"{os.sep}py4j{os.sep}" not in record.pathname:
+            return True
+        return not (self.hushed or record.exc_info and any(
+            isinstance(e, KeyboardInterrupt) for e in (record.exc_info[1],
+                                                       record.exc_info[1].__context__)))
+
+
+#: How long a Ctrl-C waits for :func:`hush` (a JVM that does not answer: no longer).
+HUSH_WAIT = 2.0
+
+
+@contextlib.contextmanager
+def quiet_interrupts(spark: SparkSession):
+    """While the report runs: a Ctrl-C first turns Spark's logging off, then goes on to the
+    handler there was (KeyboardInterrupt). Off afterwards was too late: the JVM logs the work
+    the broken call leaves (an aborted write, its tasks' InterruptedException) at once, and a
+    trial's interrupted report printed up to 470 lines of it. The main thread is in the middle
+    of a call into the JVM: the level is set from a thread of its own (its own connection),
+    waited for at most HUSH_WAIT."""
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(before):
+        yield  # (ignored, or the default action: nothing of ours to run)
+        return
+
+    def handler(signum, frame):
+        quiet = threading.Thread(target=hush, args=(spark,), name="rqp-hush", daemon=True)
+        quiet.start()
+        quiet.join(HUSH_WAIT)
+        before(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def hush(spark: SparkSession) -> None:
+    """After a Ctrl-C: what Spark and py4j log of the work it broke (aborted jobs, stack
+    traces of interrupted tasks, a connection closed mid-call) is no news to the operator
+    who pressed it: a trial's interrupted report printed up to 470 lines of it."""
+    _Py4JInterrupted.hushed = True
+    try:
+        spark.sparkContext.setLogLevel("OFF")
+    except Exception:  # noqa: BLE001 - a JVM that no longer answers logs nothing more either
+        pass
 
 
 class SparkFailed(RQPError):

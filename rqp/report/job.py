@@ -285,29 +285,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark, created = compute.get_session(args.master)
         print(f"{PROG}: Spark {spark.version} ({spark.sparkContext.master}) started; reading "
               f"{' '.join(args.input)}", file=sys.stderr, flush=True)
+        interrupted = None
         try:
-            if args.reports:
-                run_dated(compute, spark, args)
-            else:
-                compute.run_report(spark, args.input, args.output, traffic=args.traffic,
-                                   store=args.store, previous=args.previous)
+            with compute.quiet_interrupts(spark):
+                if args.reports:
+                    run_dated(compute, spark, args)
+                else:
+                    compute.run_report(spark, args.input, args.output, traffic=args.traffic,
+                                       store=args.store, previous=args.previous)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+            raise
         except Exception as exc:
+            # A call into the JVM after Ctrl-C broke one (a finally's) failed: the Ctrl-C is
+            # what happened (a trial's report said "Spark failed", exit 1).
+            interrupted = _interrupt_behind(exc)
+            if interrupted is not None:
+                raise interrupted from None
             if not compute.is_spark_failure(exc):
                 raise
             failure = compute.explain_failure(spark, exc, args.master)
             print(f"{PROG}: error: {failure}", file=sys.stderr)
             return 1
         finally:
+            if interrupted is not None:
+                compute.hush(spark)  # (what the JVM logs of the work it broke is no news)
             if created:
-                spark.stop()
+                try:
+                    spark.stop()
+                except Exception:  # noqa: BLE001 - after a Ctrl-C: the JVM ends with us
+                    if interrupted is None:
+                        raise
     except (ReportError, ArchiveSchemaError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # (Ctrl-C, or the stop a caller such as rqp-demo took)
-        print(f"{PROG}: interrupted ({str(exc) or 'Ctrl-C'}); Spark stopped; this run's "
-              "report is not finished (its summary.json is written last)", file=sys.stderr)
+        print(f"{PROG}: interrupted ({str(exc) or 'Ctrl-C'}); this run's report is not "
+              "finished (its summary.json is written last)", file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that ``exc`` was raised while handling, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 #: The Spark half's names that callers reach through this module (``job.run_report``).
