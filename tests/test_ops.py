@@ -395,6 +395,17 @@ def test_a_frozen_agent_is_not_also_said_to_be_missing_from_another_place(tmp_pa
     assert "frozen (SIGSTOP?) or hung" in said and "no agent is running" not in said, said
 
 
+def test_no_agent_at_any_of_the_places_is_said_once(tmp_path):
+    """A trial: 'no agent is running here (A does not exist); no agent is running here (B does
+    not exist)'."""
+    from rqp.system.control import ControlError
+    from rqp.tools.ctl_agents import ask
+    with pytest.raises(ControlError) as info:
+        ask([tmp_path / "a.sock", tmp_path / "b.sock"], "status", timeout=0.2)
+    assert str(info.value) == (f"no agent is running here (nothing at {tmp_path / 'a.sock'} "
+                               f"nor {tmp_path / 'b.sock'})")
+
+
 def test_a_frozen_agent_is_not_answering_not_not_running(site):
     """A trial: with the receiving MCA frozen (SIGSTOP), rqpctl said 'not running' (an
     operator might start a second agent beside it). Its socket takes the connection and no

@@ -987,8 +987,9 @@ def test_a_sure_copy_sent_to_a_host_a_reload_took_out_says_whether_it_may_have_b
         h.advance()
     [dead] = h.of(DeadLetter)
     assert dead.reason is ReasonCode.NO_ROUTE and dead.message.target == "b"
-    assert dead.detail.startswith(f"copy of broadcast queue {Q1:#x} for host b, no longer in "
-                                  ".rqprc; 1 MESSAGE frame sent to it, the last "), dead.detail
+    assert dead.detail.startswith(f"copy for host b of broadcast queue {Q1:#x}: the host is no "
+                                  "longer in .rqprc; 1 MESSAGE frame sent to it, the last "), \
+        dead.detail
     assert ("it may have been put there all the same" in dead.detail) is (answer is None)
     assert ("the last refused" in dead.detail) is (answer is not None)
 

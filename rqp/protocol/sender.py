@@ -1277,10 +1277,10 @@ class SenderCore:
             self._asked_for(msg)
             if removed and msg.message_type == SURE_MSG:
                 self._fire(msg, T.NO_HOST_TAKES_COPY)
-                self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy of broadcast queue "
-                                  f"{msg.queue_key:#x} for host {msg.target}, no longer in "
-                                  f".rqprc" + ("" if "no longer in .rqprc" in why else
-                                               f" ({why})") + _tries_so_far(msg))
+                self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy for host {msg.target} of "
+                                  f"broadcast queue {msg.queue_key:#x}: the host is no longer "
+                                  f"in .rqprc" + ("" if "no longer in .rqprc" in why else
+                                                  f" ({why})") + _tries_so_far(msg))
             else:
                 self._declined(msg, why)
         self._forget_if_idle(lane)

@@ -89,6 +89,10 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict]]):
     return server
 
 
+#: How :func:`request` begins to say that no agent listens on a control socket.
+NOT_RUNNING_HERE = "no agent is running here"
+
+
 def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args) -> dict:
     """Ask the agent on ``path``; :class:`ControlError` says why it could not be asked."""
     connected = False
@@ -108,9 +112,9 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
                 f"{timeout:g} s: it runs, but is frozen (SIGSTOP?) or hung") from None
         raise ControlError(f"cannot ask the agent on {path}: connecting timed out") from None
     except FileNotFoundError:
-        raise ControlError(f"no agent is running here ({path} does not exist)") from None
+        raise ControlError(f"{NOT_RUNNING_HERE} ({path} does not exist)") from None
     except ConnectionRefusedError:
-        raise ControlError(f"no agent is running here (nothing answers on {path})") from None
+        raise ControlError(f"{NOT_RUNNING_HERE} (nothing answers on {path})") from None
     except PermissionError:
         raise ControlError(f"no permission to ask the agent on {path} (be in its group)") \
             from None

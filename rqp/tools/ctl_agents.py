@@ -25,7 +25,7 @@ from rqp.config import (
     load_sender_config, parse_host, parse_queue_key,
 )
 from rqp.system.control import (
-    ControlError, ControlNotAnswering, ControlRefused, request,
+    NOT_RUNNING_HERE, ControlError, ControlNotAnswering, ControlRefused, request,
 )
 from rqp.system.queues import QueueEmpty, format_key, list_queues
 from rqp.system.service import is_agent_queue
@@ -98,6 +98,10 @@ def ask(candidates: list[Path], command: str, **args) -> dict:
     if frozen:  # (only that: a trial's line also said "no agent is running here" of the
         # other place a socket may be, beside "it runs, but is frozen")
         raise ControlNotAnswering("; ".join(frozen))
+    missing = [str(path) for path, error in zip(candidates, errors)
+               if error.startswith(NOT_RUNNING_HERE)]
+    if len(missing) == len(errors) > 1:  # (one line, not the same words for each place)
+        raise ControlError(f"{NOT_RUNNING_HERE} (nothing at {' nor '.join(missing)})")
     raise ControlError("; ".join(dict.fromkeys(errors)))
 
 
