@@ -519,6 +519,7 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
     # Python workers (if any are started) run this interpreter, the one with the project's
     # packages, unless the operator chose another.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
     def make() -> SparkSession:  # (every step that may start the JVM)
         builder = (SparkSession.builder.appName(PROG)
                    .config("spark.sql.session.timeZone", "UTC")
