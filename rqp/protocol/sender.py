@@ -75,7 +75,7 @@ __all__ = [
     "MsgState", "Trigger", "TRANSITIONS", "Settings", "Outgoing", "SenderCore",
     "Connect", "Send", "Close", "DeadLetter", "Delivered", "Lost", "Note", "NoteKind",
     "RouteInfo", "ROUTE_STATES", "Declined", "FanoutEnded", "Fanout", "Forgotten",
-    "QUEUE_MEMORY", "ROUTE_CACHE", "WAITING_FOR_ROUTE_MAX",
+    "QUEUE_MEMORY", "ROUTE_CACHE", "WAITING_FOR_ROUTE_MAX", "broadcast_queue",
 ]
 
 
@@ -517,6 +517,12 @@ _NO_COPY_REPLAY = ("a replay would send it to every host of the broadcast name: 
                    "discard it")
 
 
+def broadcast_queue(queue_key: int) -> str:
+    """How the sending MCA names a broadcast queue in what it says of its copies (dead
+    letters, errors): ``rqp.tools.replay`` knows a copy's dead letter by it."""
+    return f"broadcast queue {queue_key:#x}"
+
+
 def _frames_sent(msg: Outgoing) -> str:
     """How many frames carried ``msg`` so far, in words: a batch's each time it was sent."""
     n = msg.attempts
@@ -873,8 +879,9 @@ class SenderCore:
             else:
                 self._fire(copy, T.INVALID_MESSAGE)
                 self._dead_letter(copy, ReasonCode.NO_ROUTE,
-                                  f"copy for host {copy.target} of broadcast queue "
-                                  f"{copy.queue_key:#x}: the host is no longer in .rqprc" + (
+                                  f"copy for host {copy.target} of "
+                                  f"{broadcast_queue(copy.queue_key)}: the host is no longer in "
+                                  ".rqprc" + (
                                       "; journaled before the sending MCA restarted, it may "
                                       "have been sent to that host then (the journal does not "
                                       "record sends): look there; " + _NO_COPY_REPLAY
@@ -1257,7 +1264,7 @@ class SenderCore:
             head.failures += 1
             lane.failed = True
             head.last_error = (_no_host(lane, why) if lane.target is None else
-                               f"no answer for broadcast queue {lane.queue_key:#x} ({why})")
+                               f"no answer for {broadcast_queue(lane.queue_key)} ({why})")
             self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
             if lane.target is not None:
                 info = self._copy_info(lane.queue_key, lane.target)
@@ -1278,7 +1285,7 @@ class SenderCore:
             if removed and msg.message_type == SURE_MSG:
                 self._fire(msg, T.NO_HOST_TAKES_COPY)
                 self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy for host {msg.target} of "
-                                  f"broadcast queue {msg.queue_key:#x}: the host is no longer "
+                                  f"{broadcast_queue(msg.queue_key)}: the host is no longer "
                                   f"in .rqprc" + ("" if "no longer in .rqprc" in why else
                                                   f" ({why})") + _tries_so_far(msg))
             else:
@@ -1293,7 +1300,7 @@ class SenderCore:
         if fanout.remaining == 1 and not fanout.reached:
             self._fire(msg, T.NO_HOST_TAKES_COPY)
             self._dead_letter(msg, ReasonCode.NO_ROUTE,
-                              f"no host takes broadcast queue {msg.queue_key:#x} ("
+                              f"no host takes {broadcast_queue(msg.queue_key)} ("
                               + "; ".join(fanout.declined) + ")", whole=True)
             return
         self._fire(msg, T.DECLINED)
@@ -1466,7 +1473,7 @@ class SenderCore:
             # a copy of a host the journal named (by its str) and .rqprc no longer did, back
             # in .rqprc: one line and one set of series for it, not two (a trial's status)
             real = by_name.get(str(host), host)
-            if real is not host and real != host and (queue_key, real) not in self.copies_info:
+            if real != host and (queue_key, real) not in self.copies_info:
                 self.copies_info[(queue_key, real)] = self.copies_info.pop((queue_key, host))
         for key, host in list(self.routes.items()):
             if host in removed:

@@ -91,6 +91,7 @@ from rqp.protocol import reasons
 from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
+from rqp.protocol.sender import broadcast_queue
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
     iso_utc, lock_file, read_archive_file, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
@@ -558,7 +559,7 @@ def refuse_broadcast_copy(row: Mapping, queue_key: int, config: SenderConfig | N
     if not host:  # (a broadcast message that reached no host: to every host, as it should)
         return
     named = config is not None and queue_key in config.broadcast_keys
-    if not named and not (row.get("agent") == "sender" and f"broadcast queue {queue_key:#x}"
+    if not named and not (row.get("agent") == "sender" and broadcast_queue(queue_key)
                           in (row.get("detail") or "")):  # (a .rqprc without the name)
         return
     raise ReplayRefused(
