@@ -2,7 +2,8 @@
 may use.
 
 A connection is let in when the limits leave room for it (``max_connections`` in all,
-``max_connections_per_source`` from one address); on a TLS port it must then finish a TLS
+``max_connections_per_source`` from one address; when all are taken, the receiving MCA may
+close an idle one for it); on a TLS port it must then finish a TLS
 handshake within ``handshake_timeout``, with a client certificate from the configured CA and
 ALPN ``rqp/1``. What the peer may use is the first ``peers:`` rule matching it
 (:func:`rqp.protocol.access.grant_for`). Every refusal is counted, and logged at most once per
@@ -16,6 +17,7 @@ import collections
 import logging
 import ssl
 import time
+from collections.abc import Callable
 
 from rqp.config import ReceiverConfig
 from rqp.protocol.access import Allowance, DeadLetterBudget, Grant, Peer, grant_for
@@ -40,6 +42,10 @@ COUNTER_LABELS = 256
 #: memory they held is given back to the system TRIM_DELAY seconds later (their transports
 #: closed by then).
 TRIM_AFTER = 64
+#: When every connection slot is taken, a new connection is let in by closing (in order) one
+#: that has waited this long or longer for bytes with nothing in flight: of the address holding
+#: the most connections, the one idle longest. Its sender connects again for its next frame.
+EVICT_IDLE = 1.0
 TRIM_DELAY = 1.0
 
 
@@ -104,15 +110,20 @@ class Gate:
 
     # --- limits ---------------------------------------------------------------------------
 
-    def enter(self, source: str) -> bool:
+    def enter(self, source: str, make_room: Callable[[str], bool] | None = None) -> bool:
         """Count a new connection from ``source`` in, or refuse it (False) when a limit is
-        reached; each one let in must :meth:`leave`."""
+        reached; each one let in must :meth:`leave`. When only ``max_connections`` stands in
+        the way, ``make_room(source)`` may close an idle connection for it (True): the new one
+        is let in at once, the one closed leaves within a turn of the loop."""
         why = None
-        if self.open >= self.config.max_connections:
-            why = f"{self.open} open, max_connections {self.config.max_connections}"
-        elif self.by_source[source] >= self.config.max_connections_per_source:
+        if self.by_source[source] >= self.config.max_connections_per_source:
             why = (f"{self.by_source[source]} open from {source}, max_connections_per_source "
                    f"{self.config.max_connections_per_source}")
+        elif self.open >= self.config.max_connections and (make_room is None or
+                                                            not make_room(source)):
+            why = (f"{self.open} open, max_connections {self.config.max_connections}, none "
+                   f"idle for {EVICT_IDLE:g}s or more to close for it" if make_room else
+                   f"{self.open} open, max_connections {self.config.max_connections}")
         if why:
             self.refused_connections += 1
             self._limit_log.report(f"refusing connections: {why}")

@@ -41,7 +41,7 @@ from rqp.system.service import (
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.delivery import LocalDelivery
-from rqp_agents.gate import Gate
+from rqp_agents.gate import EVICT_IDLE, Gate
 
 log = logging.getLogger("rqp.receiver")
 
@@ -397,7 +397,11 @@ class Receiver(Daemon):
         self.delivery = LocalDelivery(config, limit)
         self._noticed: dict[tuple[str, int], None] = {}
         self._connections: set[asyncio.Task] = set()
-        self._idle: set[asyncio.Task] = set()
+        #: Connections waiting for bytes with nothing in flight, and since when (loop time).
+        self._idle: dict[asyncio.Task, float] = {}
+        self._source: dict[asyncio.Task, str] = {}  # per connection: the peer's address
+        #: Connections being closed to make room for a new one: its address, how long idle.
+        self._evicted: dict[asyncio.Task, tuple[str, float]] = {}
         self._server: asyncio.base_events.Server | None = None
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -426,7 +430,8 @@ class Receiver(Daemon):
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
-                      "timed_out_connections": 0, "protocol_errors": 0}
+                      "timed_out_connections": 0, "evicted_connections": 0,
+                      "protocol_errors": 0}
 
     # --- serving ------------------------------------------------------------------------------
 
@@ -461,7 +466,7 @@ class Receiver(Daemon):
         self._server.close()  # no new connections
         for task in list(self._idle):  # nothing in flight on these
             task.cancel()
-        busy = self._connections - self._idle
+        busy = self._connections - self._idle.keys()
         if busy and not self.failed:  # answer what was already received, then close
             wait = self.delivery.put_budget + 5
             log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
@@ -567,10 +572,11 @@ class Receiver(Daemon):
         task = asyncio.current_task()
         address = writer.get_extra_info("peername")
         peer_host = address[0] if address else "?"
-        if not self.gate.enter(peer_host):
+        if not self.gate.enter(peer_host, self._make_room):
             writer.close()
             return
         self._connections.add(task)
+        self._source[task] = peer_host
         sock = writer.get_extra_info("socket")
         if sock is not None:
             try:
@@ -578,15 +584,17 @@ class Receiver(Daemon):
             except OSError:
                 pass  # (the kernel's default, then)
         try:
-            self._idle.add(task)  # (a handshake has nothing in flight)
-            who = await self.gate.identify(writer, peer_host, _peer(address))
+            self._idle[task] = asyncio.get_running_loop().time()  # (a handshake: nothing
+            who = await self.gate.identify(writer, peer_host, _peer(address))  # in flight)
             if who is not None:
                 await self._converse(reader, writer, who, _peer(address))
-        except asyncio.CancelledError:  # stopping during the handshake
-            pass
+        except asyncio.CancelledError:  # stopping, or making room, during the handshake
+            self._closed_for_room(task, _peer(address), peer_host)
         finally:
             writer.close()
-            self._idle.discard(task)
+            self._idle.pop(task, None)
+            self._source.pop(task, None)
+            self._evicted.pop(task, None)
             self._connections.discard(task)
             self._peers.pop(task, None)
             self._who.pop(task, None)
@@ -616,11 +624,12 @@ class Receiver(Daemon):
         # The first frame is due by then, however its bytes come (a trial kept a connection
         # open for 30 s past a 10 s first_frame_timeout, sending a byte every 3 s); after it,
         # idle_timeout counts from the last bytes.
-        first_due = asyncio.get_running_loop().time() + self.config.first_frame_timeout
+        loop = asyncio.get_running_loop()
+        first_due = loop.time() + self.config.first_frame_timeout
         try:
             while True:
                 await answers.room()  # (raises if a commit failed: close, unanswered)
-                self._idle.add(task)  # waiting for bytes: nothing in flight
+                self._idle[task] = loop.time()  # waiting for bytes: nothing in flight
                 wait = self.config.idle_timeout if framed else self.config.first_frame_timeout
                 try:  # (asyncio.timeout, not wait_for: a task per read, 3x dearer)
                     async with (asyncio.timeout(wait) if framed else
@@ -636,7 +645,7 @@ class Receiver(Daemon):
                                                    address=peer))
                     break
                 finally:
-                    self._idle.discard(task)
+                    self._idle.pop(task, None)
                 conn.receive_data(data)
                 batch, sure, octets = [], False, 0
                 try:
@@ -672,8 +681,9 @@ class Receiver(Daemon):
                     self._goings.report("closing connection from %s: stopping", logging.INFO,
                                         peer)
                     break
-        except asyncio.CancelledError:  # stopping while it waited for bytes
-            self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
+        except asyncio.CancelledError:  # stopping, or making room, while it waited for bytes
+            if not self._closed_for_room(task, peer, who.label):
+                self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
         except DedupError as exc:
@@ -703,6 +713,41 @@ class Receiver(Daemon):
                                     "sent last: %s", logging.WARNING, peer, exc)
             except (ConnectionError, OSError):
                 pass
+
+    def _make_room(self, newcomer: str) -> bool:
+        """Every connection slot is taken and ``newcomer`` asks for one: close one that waits
+        for bytes with nothing in flight since EVICT_IDLE seconds or more, of the address that
+        holds the most connections the one idle longest (False if there is none). A crowd of
+        connections that say nothing then cannot lock the senders out (a trial held all 512
+        slots from eight addresses, each connection having sent one QUEUE_ASK); a sender whose
+        idle connection is closed connects again for its next frame."""
+        now = asyncio.get_running_loop().time()
+        counts = self.gate.by_source
+        victim, best = None, None
+        for task, since in self._idle.items():
+            if now - since < EVICT_IDLE or task in self._evicted:
+                continue
+            rank = (counts[self._source[task]], now - since)
+            if best is None or rank > best:
+                victim, best = task, rank
+        if victim is None:
+            return False
+        self._evicted[victim] = (newcomer, best[1])
+        victim.cancel()
+        return True
+
+    def _closed_for_room(self, task: asyncio.Task, peer: str, label: str) -> bool:
+        """Count and (rate-limited) log a connection closed to make room, if ``task`` was one."""
+        evicted = self._evicted.get(task)
+        if evicted is None:
+            return False
+        newcomer, idle = evicted
+        self.stats["evicted_connections"] += 1
+        self._goings.report("closing connection from %s: idle for %.1fs, its slot given to a "
+                            "new connection from %s (max_connections %d reached)", logging.INFO,
+                            peer, idle, newcomer, self.config.max_connections,
+                            extra=dict(event="connection_evicted", peer=label, address=peer))
+        return True
 
     def _not_reading(self, writer: asyncio.StreamWriter, peer: str, who: Peer,
                      exc: PeerNotReading) -> None:

@@ -280,9 +280,12 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_connections", "gauge", "connections from sending MCAs"),
         ("rqp_receiver_connections_total", "counter", "connections accepted"),
         ("rqp_receiver_connections_refused_total", "counter",
-         "connections closed at once: over max_connections or max_connections_per_source"),
+         "connections closed at once: over max_connections_per_source, or over "
+         "max_connections with no connection idle to close for them"),
         ("rqp_receiver_connections_timed_out_total", "counter",
          "connections closed by first_frame_timeout or idle_timeout"),
+        ("rqp_receiver_connections_evicted_total", "counter",
+         "idle connections closed to let a new one in when max_connections were open"),
         ("rqp_receiver_protocol_errors_total", "counter",
          "connections closed for a protocol error (a frame that breaks the spec)"),
         ("rqp_receiver_tls_handshake_failures_total", "counter",
@@ -328,6 +331,7 @@ def receiver_metrics(agent) -> str:
     m["rqp_receiver_connections_total"].add(agent.stats["connections"])
     m["rqp_receiver_connections_refused_total"].add(agent.gate.refused_connections)
     m["rqp_receiver_connections_timed_out_total"].add(agent.stats["timed_out_connections"])
+    m["rqp_receiver_connections_evicted_total"].add(agent.stats["evicted_connections"])
     m["rqp_receiver_protocol_errors_total"].add(agent.stats["protocol_errors"])
     for reason, count in sorted(agent.gate.handshake_failures.items()):
         m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)

@@ -10,6 +10,7 @@ letters must name b's address as their source. Nothing sleeps to synchronise: ev
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -32,6 +33,7 @@ from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags
 from rqp.storage.dedup import DEDUP_ENTRY_SIZE, DEDUP_HEADER_SIZE
 from rqp.tools.ctl_agents import EXIT_UNHEALTHY
+from rqp_agents.gate import EVICT_IDLE
 from tests.logfiles import written
 from tests.rqp_peer import (
     DELIVERED_ERROR,
@@ -511,8 +513,6 @@ def test_a_connections_counts_are_of_frames_repeats_and_dead_letters_written(tes
     for its connection, while the log had its 3 repeats: a batch counted as one frame, and
     its repeats not at all. A second: a SURE message refused again counted a dead letter
     each time, though it is written once."""
-    import json
-
     from rqp.protocol.constants import BATCH_MORE, EXT_MESSAGE
     from rqp.protocol.events import MessageEx, QueueYes
     sock = testbed.workdir / "a" / "receiver.sock"
@@ -1377,6 +1377,60 @@ def test_connection_limits_and_timeouts(testbed):
                          "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
     assert "rqp_receiver_connections_refused_total 1.0\n" in metrics
     assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
+
+
+def test_when_every_slot_is_taken_a_new_connection_closes_an_idle_one(testbed):
+    """A trial held all 512 slots with connections from eight addresses that sent one
+    QUEUE_ASK each and then nothing: a sending MCA saw only "Connection reset by peer" for 10
+    minutes. Now a new connection closes, in order, the connection idle longest of the address
+    holding the most, once it has been idle EVICT_IDLE seconds; busy ones are never closed."""
+    config = {**BASE_CONFIG, "max_connections": 4, "max_connections_per_source": 3,
+              "put_retry_count": 600, "put_retry_interval": 0.1, "metrics_listen": ":9747",
+              "control_socket": str(testbed.workdir / "a" / "receiver.sock")}
+    r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660})
+    for name in ("b0", "b1", "b2"):  # three from b, one from a: every slot taken, each has
+        connect(r.pb, name, r)  # asked once
+        assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"]
+    connect(r.qa, "a0", r)
+    assert answers(r.qa.exchange("a0", [ask(Q1)])) == ["QUEUE_YES"]
+    time.sleep(EVICT_IDLE + 0.2)  # (the idleness that is tested, not a wait for the receiver)
+    connect(r.qa, "a1", r)  # from a, which holds one: b's longest idle, b0, makes room
+    assert answers(r.qa.exchange("a1", [ask(Q1)])) == ["QUEUE_YES"]
+    got = r.pb.read_to_eof("b0", timeout=10)
+    assert got["eof"] and not got["reset"] and not got["data"], got  # closed in order
+    wait_for(lambda: f"closing connection from {r.b.address}:" in r.log()
+             and f"its slot given to a new connection from {r.a.address} (max_connections 4 "
+                 "reached)" in r.log(), timeout=10, message="no eviction logged")
+    # each of the four left waits to put a message into a full queue: busy, none is closed
+    r.qa.fill(Q2)
+    live = [(r.pb, "b1"), (r.pb, "b2"), (r.qa, "a0"), (r.qa, "a1")]
+    for n, (peer, name) in enumerate(live):
+        peer.send(name, [msg(Q2, b"waits %d" % n, key=0x800 + n, type=SURE)])
+
+    def all_waiting() -> bool:
+        st = json.loads(r.rqpctl("status", "--json").stdout)["receiver"]
+        return sorted(c["frames"] for c in st["connections"]) == [2, 2, 2, 2]
+    wait_for(all_waiting, timeout=20, message="the four messages did not all arrive")
+    connect(r.pb, "late", r)
+    got = r.pb.read_to_eof("late", timeout=10)
+    assert got["eof"] and not got["data"], got  # refused: no idle connection to close
+    wait_for(lambda: "4 open, max_connections 4, none idle for 1s or more to close for it"
+             in r.log(), timeout=10, message="no refusal logged")
+    bodies = []
+
+    def all_put() -> bool:  # (the filler drained, the four go in)
+        bodies.extend(body for _, body in r.qa.drain(Q2) if body.startswith(b"waits"))
+        return len(bodies) == 4
+    wait_for(all_put, timeout=30, message="the four messages were not put")
+    for peer, name in live:
+        assert peer.recv(name, 2, timeout=30)["data"] == DELIVERED_YES, name
+    metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
+                         "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    assert "rqp_receiver_connections_evicted_total 1.0\n" in metrics, metrics
+    assert "rqp_receiver_connections_refused_total 1.0\n" in metrics, metrics
+    status = r.rqpctl("status")
+    assert "1 connection(s) refused by limits (1 idle one(s) closed to let new ones in)" in \
+        status.stdout, status.stdout + status.stderr
 
 
 def test_a_first_frame_trickled_a_byte_at_a_time_is_due_within_first_frame_timeout(testbed):
