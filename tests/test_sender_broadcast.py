@@ -124,6 +124,27 @@ def test_a_failed_copy_is_retried_to_its_own_host_only_with_the_same_key():
     assert delivered(h) == [("a", b"x"), ("b", b"x"), ("c", b"x")]
 
 
+def test_every_dead_letter_of_a_copy_names_its_host_and_broadcast_queue():
+    """A copy dead-lettered for its retry budget or its expiry said neither its host nor its
+    broadcast queue: a replay tool whose .rqprc lacks the name took it for an ordinary
+    message, and put it back for every host (those that had their copy got it twice)."""
+    h = cast(max_attempts=1)
+    h.submit(BQ, payload=b"spent")
+    h.submit(BQ, payload=b"late", expires_at_ms=h.wall + 5_000)
+    h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+    h.wall += 10_000
+    for _ in range(5):
+        h.advance()
+        h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"b"})
+    dead = {d.message.payload: d for d in h.of(DeadLetter)}
+    assert {p: d.reason for p, d in dead.items()} == {
+        b"spent": ReasonCode.RETRY_BUDGET_EXHAUSTED, b"late": ReasonCode.EXPIRED}
+    for d in dead.values():
+        assert d.detail.startswith(f"copy for host b of broadcast queue {BQ:#x}: "), d.detail
+        assert not d.whole and d.message.target == "b"
+    assert delivered(h) == sorted((host, p) for host in "ac" for p in (b"spent", b"late"))
+
+
 def test_journaled_copies_resume_only_those_not_done_with_their_keys():
     h = cast()
     h.submit(BQ, payload=b"again", copies=((0x77, "c"), (0x78, "gone:1")), resumed=True)

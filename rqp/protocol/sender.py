@@ -879,9 +879,7 @@ class SenderCore:
             else:
                 self._fire(copy, T.INVALID_MESSAGE)
                 self._dead_letter(copy, ReasonCode.NO_ROUTE,
-                                  f"copy for host {copy.target} of "
-                                  f"{broadcast_queue(copy.queue_key)}: the host is no longer in "
-                                  ".rqprc" + (
+                                  "the host is no longer in .rqprc" + (
                                       "; journaled before the sending MCA restarted, it may "
                                       "have been sent to that host then (the journal does not "
                                       "record sends): look there; " + _NO_COPY_REPLAY
@@ -1082,8 +1080,7 @@ class SenderCore:
                                           "sent again with its key, a receiving MCA that put "
                                           "it does not put it twice, within its "
                                           "de-duplication window)" if head.target is None else
-                                          f"a copy for {head.target}: look there; "
-                                          f"{_NO_COPY_REPLAY})")
+                                          f"look on host {head.target}; {_NO_COPY_REPLAY})")
                                       if head.answer_lost else ""))
                 continue
             if head.expires_at_ms and self._expired(head):
@@ -1284,10 +1281,9 @@ class SenderCore:
             self._asked_for(msg)
             if removed and msg.message_type == SURE_MSG:
                 self._fire(msg, T.NO_HOST_TAKES_COPY)
-                self._dead_letter(msg, ReasonCode.NO_ROUTE, f"copy for host {msg.target} of "
-                                  f"{broadcast_queue(msg.queue_key)}: the host is no longer "
-                                  f"in .rqprc" + ("" if "no longer in .rqprc" in why else
-                                                  f" ({why})") + _tries_so_far(msg))
+                self._dead_letter(msg, ReasonCode.NO_ROUTE, "the host is no longer in .rqprc"
+                                  + ("" if "no longer in .rqprc" in why else f" ({why})")
+                                  + _tries_so_far(msg))
             else:
                 self._declined(msg, why)
         self._forget_if_idle(lane)
@@ -1746,6 +1742,11 @@ class SenderCore:
 
     def _dead_letter(self, msg: Outgoing, reason: ReasonCode, detail: str,
                      whole: bool = False) -> None:
+        """``whole``: a broadcast message dead-lettered once for all its hosts (none took it);
+        any other copy's dead letter names its host and its broadcast queue, by which the
+        replay tools know it for one host's copy (not to be sent to every host again)."""
+        if msg.fanout is not None and not whole:
+            detail = f"copy for host {msg.target} of {broadcast_queue(msg.queue_key)}: {detail}"
         if msg.queue_key in self.info or not queue_key_problem(msg.queue_key):
             self._info(msg.queue_key).dead_lettered += msg.count
         self._finished(msg, f"dead-lettered {reason.name}", detail)
