@@ -275,13 +275,16 @@ def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rqp.tools.ctl", "dlq", "replay", "--archive",
                           str(archive), "--rules", str(rules), "--rqprc", str(rqprc),
                           "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # (the header-only row would fail: as the run)
     lines = out.stdout.splitlines()
     assert [line.split()[:2] for line in lines[:5]] == [
         ["would", "retry"], ["would", "forward"], ["would", "discard"], ["would", "keep"],
         ["would", "fail"]]
     assert lines[5] == ("dry run, nothing changed: would have replayed 1, forwarded 1, "
                         "discarded 1, kept 1, failed 1")
+    shorter = subprocess.run([*out.args, "--limit", "3"], capture_output=True, text=True,
+                             timeout=60)  # (up to the row that would fail: 0)
+    assert shorter.returncode == 0 and "failed 0" in shorter.stdout, shorter.stdout
     after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in archive.rglob("*")
              if p.is_file()}
     assert after == before and not (archive / ".state").exists()
