@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -603,6 +604,35 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
     if isinstance(made[0], BaseException):
         raise made[0]
     return made[0]
+
+
+#: How long :func:`end_jvm` waits for the JVM to end before it kills it.
+JVM_END_WAIT = 30.0
+
+
+def end_jvm() -> None:
+    """End the Spark JVM this process started, if one runs, and wait for it: after this,
+    nothing it was doing writes any more. It ends by itself only once it sees its stdin
+    closed, when this process has exited: a demo stopped during its report removed its
+    directory while its JVM still ran for 0.3 s, and a trial found Spark's ``_temporary``
+    made again there. Its own shutdown (SparkContext stopped) runs; after JVM_END_WAIT, it is
+    killed. A session made afterwards in this process starts a new JVM."""
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is None:  # (none started here, or one this process was given)
+        return
+    with SparkContext._lock:
+        SparkContext._gateway = SparkContext._jvm = None
+        SparkContext._active_spark_context = None
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass  # (gone already)
+    try:
+        proc.wait(JVM_END_WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _children_of(pid: int, deep: bool = False) -> set[int]:

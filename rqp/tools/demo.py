@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--- {path.name}\n{path.read_text(errors='replace')}", file=sys.stderr)
         return 1
     finally:
+        if "pyspark" in sys.modules:  # (the report's JVM, which may still write in workdir)
+            from rqp.report import compute
+            compute.end_jvm()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
