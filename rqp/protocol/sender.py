@@ -1493,7 +1493,7 @@ class SenderCore:
                            info.started_at or lane.created_at) >= self.settings.stall_after:
             info.resumed_at = self._now  # a stall ends: 'running' counts from here
         info.last_confirmed_at = self._now
-        self._finished(msg, "confirmed", str(link.host))
+        self._finished(msg, "confirmed", link.host)  # (made a str by trace: not per message)
         self._actions.append(Delivered(msg, link.host))
         if msg.fanout is not None:
             copy_info = self._copy_info(msg.queue_key, msg.target)
@@ -1756,7 +1756,7 @@ class SenderCore:
             self._copy_info(msg.queue_key, msg.target).dead_lettered += 1
             self._copy_ended(msg, reached=True)
 
-    def _finished(self, msg: Outgoing, outcome: str, where: str) -> None:
+    def _finished(self, msg: Outgoing, outcome: str, where: object) -> None:
         """Remember how ``msg`` ended, by its key(s), for :meth:`trace`."""
         if not msg.key:
             return  # never sent, no key given: nothing to look it up by
@@ -1844,7 +1844,7 @@ class SenderCore:
         ended = self.finished.get(key)
         if ended is not None:
             outcome, at, queue_key, where = ended
-            return {"state": outcome, "queue_key": queue_key, "at": at, "detail": where}
+            return {"state": outcome, "queue_key": queue_key, "at": at, "detail": str(where)}
         return None
 
     def _forget_if_idle(self, lane: _Lane) -> None:
