@@ -42,11 +42,11 @@ COUNTER_LABELS = 256
 #: memory they held is given back to the system TRIM_DELAY seconds later (their transports
 #: closed by then).
 TRIM_AFTER = 64
+TRIM_DELAY = 1.0
 #: When every connection slot is taken, a new connection is let in by closing (in order) one
 #: that has waited this long or longer for bytes with nothing in flight: of the address holding
 #: the most connections, the one idle longest. Its sender connects again for its next frame.
 EVICT_IDLE = 1.0
-TRIM_DELAY = 1.0
 
 
 def _count(counter: collections.Counter, label: str) -> None:

@@ -400,6 +400,7 @@ class Receiver(Daemon):
         #: Connections waiting for bytes with nothing in flight, and since when (loop time).
         self._idle: dict[asyncio.Task, float] = {}
         self._source: dict[asyncio.Task, str] = {}  # per connection: the peer's address
+        self._protocol: dict[asyncio.Task, ReceiverConnection] = {}  # per connection, framed
         #: Connections being closed to make room for a new one: its address, how long idle.
         self._evicted: dict[asyncio.Task, tuple[str, float]] = {}
         self._server: asyncio.base_events.Server | None = None
@@ -594,6 +595,7 @@ class Receiver(Daemon):
             writer.close()
             self._idle.pop(task, None)
             self._source.pop(task, None)
+            self._protocol.pop(task, None)
             self._evicted.pop(task, None)
             self._connections.discard(task)
             self._peers.pop(task, None)
@@ -619,6 +621,7 @@ class Receiver(Daemon):
                                     "address": peer, "identity": who.identity or ""})
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
+        self._protocol[task] = conn
         answers = _Answers(writer, self.commits, self.config.idle_timeout)
         framed = False  # a complete frame has come
         # The first frame is due by then, however its bytes come (a trial kept a connection
@@ -720,19 +723,25 @@ class Receiver(Daemon):
         holds the most connections the one idle longest (False if there is none). A crowd of
         connections that say nothing then cannot lock the senders out (a trial held all 512
         slots from eight addresses, each connection having sent one QUEUE_ASK); a sender whose
-        idle connection is closed connects again for its next frame."""
+        idle connection is closed connects again for its next frame. One with part of a
+        request come (a big frame from a slow peer) goes only when no other can: closed, its
+        request is lost (SURE: sent again); kept out of reach, one could hold a slot for
+        idle_timeout by sending the first octets of a frame."""
         now = asyncio.get_running_loop().time()
         counts = self.gate.by_source
+        protocol = self._protocol
         victim, best = None, None
         for task, since in self._idle.items():
             if now - since < EVICT_IDLE or task in self._evicted:
                 continue
-            rank = (counts[self._source[task]], now - since)
+            conn = protocol.get(task)
+            rank = (conn is None or not conn.mid_request, counts[self._source[task]],
+                    now - since)
             if best is None or rank > best:
                 victim, best = task, rank
         if victim is None:
             return False
-        self._evicted[victim] = (newcomer, best[1])
+        self._evicted[victim] = (newcomer, best[2])
         victim.cancel()
         return True
 

@@ -1383,33 +1383,39 @@ def test_when_every_slot_is_taken_a_new_connection_closes_an_idle_one(testbed):
     """A trial held all 512 slots with connections from eight addresses that sent one
     QUEUE_ASK each and then nothing: a sending MCA saw only "Connection reset by peer" for 10
     minutes. Now a new connection closes, in order, the connection idle longest of the address
-    holding the most, once it has been idle EVICT_IDLE seconds; busy ones are never closed."""
+    holding the most, once it has been idle EVICT_IDLE seconds; one with part of a frame come
+    only if no other can go; busy ones never."""
     config = {**BASE_CONFIG, "max_connections": 4, "max_connections_per_source": 3,
               "put_retry_count": 600, "put_retry_interval": 0.1, "metrics_listen": ":9747",
               "control_socket": str(testbed.workdir / "a" / "receiver.sock")}
     r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660})
+    half = pack_ask(Q1)[:3]
     for name in ("b0", "b1", "b2"):  # three from b, one from a: every slot taken, each has
-        connect(r.pb, name, r)  # asked once
-        assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"]
+        connect(r.pb, name, r)  # asked once; b0, idle longest, has sent half a frame more
+        sent = [ask(Q1)] + ([raw(half)] if name == "b0" else [])
+        r.pb.send(name, sent)
+        assert answers(r.pb.recv(name, 2)["data"]) == ["QUEUE_YES"], name
     connect(r.qa, "a0", r)
     assert answers(r.qa.exchange("a0", [ask(Q1)])) == ["QUEUE_YES"]
     time.sleep(EVICT_IDLE + 0.2)  # (the idleness that is tested, not a wait for the receiver)
-    connect(r.qa, "a1", r)  # from a, which holds one: b's longest idle, b0, makes room
+    connect(r.qa, "a1", r)  # from a, which holds one: b's longest idle, b1, makes room
     assert answers(r.qa.exchange("a1", [ask(Q1)])) == ["QUEUE_YES"]
-    got = r.pb.read_to_eof("b0", timeout=10)
+    got = r.pb.read_to_eof("b1", timeout=10)
     assert got["eof"] and not got["reset"] and not got["data"], got  # closed in order
     wait_for(lambda: f"closing connection from {r.b.address}:" in r.log()
              and f"its slot given to a new connection from {r.a.address} (max_connections 4 "
                  "reached)" in r.log(), timeout=10, message="no eviction logged")
+    r.pb.send("b0", [raw(pack_ask(Q1)[3:])])  # b0's frame, kept: its end comes, answered
+    assert answers(r.pb.recv("b0", 2)["data"]) == ["QUEUE_YES"]
     # each of the four left waits to put a message into a full queue: busy, none is closed
     r.qa.fill(Q2)
-    live = [(r.pb, "b1"), (r.pb, "b2"), (r.qa, "a0"), (r.qa, "a1")]
+    live = [(r.pb, "b0"), (r.pb, "b2"), (r.qa, "a0"), (r.qa, "a1")]
     for n, (peer, name) in enumerate(live):
         peer.send(name, [msg(Q2, b"waits %d" % n, key=0x800 + n, type=SURE)])
 
     def all_waiting() -> bool:
         st = json.loads(r.rqpctl("status", "--json").stdout)["receiver"]
-        return sorted(c["frames"] for c in st["connections"]) == [2, 2, 2, 2]
+        return sorted(c["frames"] for c in st["connections"]) == [2, 2, 2, 3]  # (b0: 3)
     wait_for(all_waiting, timeout=20, message="the four messages did not all arrive")
     connect(r.pb, "late", r)
     got = r.pb.read_to_eof("late", timeout=10)

@@ -161,6 +161,12 @@ class ReceiverConnection:
     def receive_data(self, data: bytes) -> None:
         self.decoder.receive_data(data)
 
+    @property
+    def mid_request(self) -> bool:
+        """Whether part of a request has come and not the rest: a frame's first octets, an
+        oversized message's body still to be skipped, an atomic batch's first frames."""
+        return bool(self.decoder.buffered or self.decoder.skipping or self._batch)
+
     def next_request(self):
         """The next :class:`Ask`, :class:`Put` or :class:`Refuse`; or NEED_DATA / CLOSED.
 
