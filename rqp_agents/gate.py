@@ -3,7 +3,7 @@ may use.
 
 A connection is let in when the limits leave room for it (``max_connections`` in all,
 ``max_connections_per_source`` from one address; when all are taken, the receiving MCA may
-close an idle one for it); on a TLS port it must then finish a TLS
+close an idle one for it, first of an address holding more); on a TLS port it must then finish a TLS
 handshake within ``handshake_timeout``, with a client certificate from the configured CA and
 ALPN ``rqp/1``. What the peer may use is the first ``peers:`` rule matching it
 (:func:`rqp.protocol.access.grant_for`). Every refusal is counted, and logged at most once per
@@ -44,8 +44,9 @@ COUNTER_LABELS = 256
 TRIM_AFTER = 64
 TRIM_DELAY = 1.0
 #: When every connection slot is taken, a new connection is let in by closing (in order) one
-#: that has waited this long or longer for bytes with nothing in flight: of the address holding
-#: the most connections, the one idle longest. Its sender connects again for its next frame.
+#: that waits for bytes with nothing in flight: from an address holding more connections than
+#: the newcomer's would, or else one that has waited this long or longer (the receiving MCA's
+#: ``_make_room``). Its sender connects again for its next frame.
 EVICT_IDLE = 1.0
 
 
@@ -121,9 +122,13 @@ class Gate:
                    f"{self.config.max_connections_per_source}")
         elif self.open >= self.config.max_connections and (make_room is None or
                                                             not make_room(source)):
-            why = (f"{self.open} open, max_connections {self.config.max_connections}, none "
-                   f"idle for {EVICT_IDLE:g}s or more to close for it" if make_room else
-                   f"{self.open} open, max_connections {self.config.max_connections}")
+            most = self.config.max_connections
+            why = (f"{most} open" + (f" ({self.open - most} more closing)"
+                                     if self.open > most else "")
+                   + f", max_connections {most}" + (
+                       f"; none to close for it (each busy, or from an address holding no "
+                       f"more than {source}'s would, and idle less than {EVICT_IDLE:g}s)"
+                       if make_room else ""))
         if why:
             self.refused_connections += 1
             self._limit_log.report(f"refusing connections: {why}")

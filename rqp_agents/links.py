@@ -10,6 +10,7 @@ in words (:func:`rqp.system.tls.handshake_problem`), never as an errno.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import ssl
@@ -150,8 +151,17 @@ def _failure(exc: BaseException) -> str:
         return "timed out"
     if isinstance(exc, socket.gaierror):  # (its errno is getaddrinfo's: os.strerror says
         return f"cannot resolve the host name: {exc.strerror or exc}"  # "Unknown error -3")
-    # (asyncio's own text, "Connect call failed (addr)", hides the reason)
-    return os.strerror(exc.errno) if getattr(exc, "errno", None) else str(exc)
+    # (asyncio's own text, "Connect call failed (addr)", hides the reason; asyncio's TLS
+    # raises ConnectionResetError() with no errno and no text: a trial's log said "cannot
+    # connect: " and nothing more)
+    code = getattr(exc, "errno", None) or _ERRNO_OF.get(type(exc))
+    return os.strerror(code) if code else str(exc) or type(exc).__name__
+
+
+#: The errno that each of these means when raised without one.
+_ERRNO_OF = {ConnectionResetError: errno.ECONNRESET, BrokenPipeError: errno.EPIPE,
+             ConnectionAbortedError: errno.ECONNABORTED,
+             ConnectionRefusedError: errno.ECONNREFUSED}
 
 
 #: TCP keepalive on every connection to a receiving MCA: after 60 s without traffic the kernel

@@ -718,30 +718,36 @@ class Receiver(Daemon):
                 pass
 
     def _make_room(self, newcomer: str) -> bool:
-        """Every connection slot is taken and ``newcomer`` asks for one: close one that waits
-        for bytes with nothing in flight since EVICT_IDLE seconds or more, of the address that
-        holds the most connections the one idle longest (False if there is none). A crowd of
-        connections that say nothing then cannot lock the senders out (a trial held all 512
-        slots from eight addresses, each connection having sent one QUEUE_ASK); a sender whose
-        idle connection is closed connects again for its next frame. One with part of a
-        request come (a big frame from a slow peer) goes only when no other can: closed, its
-        request is lost (SURE: sent again); kept out of reach, one could hold a slot for
-        idle_timeout by sending the first octets of a frame."""
+        """Every connection slot is taken and ``newcomer`` asks for one: close, in order, one
+        that waits for bytes with nothing in flight (False if none may go).
+
+        An address that holds more connections than the newcomer's would then gives one up,
+        however short its wait (a crowd from a few addresses cannot keep a sending MCA out:
+        a trial's eight addresses, holding every slot with connections that sent one
+        QUEUE_ASK, did for idle_timeout; a second trial's, opening new ones every second,
+        took every slot idle a second); of those, the address that holds the most, and its
+        connection idle longest. Otherwise, a connection idle for EVICT_IDLE seconds or more.
+        One with part of a request come (a big frame from a slow peer: lost if closed, a SURE
+        one sent again) goes last; kept out of reach, a peer could hold a slot for
+        idle_timeout by sending the first octets of a frame. A sender whose idle connection is
+        closed connects again for its next frame."""
         now = asyncio.get_running_loop().time()
         counts = self.gate.by_source
+        mine = counts[newcomer] + 1  # (what the newcomer's address would hold)
         protocol = self._protocol
         victim, best = None, None
         for task, since in self._idle.items():
-            if now - since < EVICT_IDLE or task in self._evicted:
+            holds = counts[self._source[task]]
+            over = holds > mine
+            if (not over and now - since < EVICT_IDLE) or task in self._evicted:
                 continue
             conn = protocol.get(task)
-            rank = (conn is None or not conn.mid_request, counts[self._source[task]],
-                    now - since)
+            rank = (over, conn is None or not conn.mid_request, holds, now - since)
             if best is None or rank > best:
                 victim, best = task, rank
         if victim is None:
             return False
-        self._evicted[victim] = (newcomer, best[2])
+        self._evicted[victim] = (newcomer, best[3])
         victim.cancel()
         return True
 

@@ -274,11 +274,14 @@ def test_unsure_then_sure_to_a_host_refusing_connections_keeps_retrying(testbed)
     assert sender.poll() is None
 
 
-def test_a_host_name_that_does_not_resolve_is_said_in_words():
+def test_why_a_connection_failed_is_said_in_words():
     # A trial: `rqpctl status` showed "down (cannot connect: Unknown error -3)" (os.strerror
     # of getaddrinfo's EAI_AGAIN) where `rqpctl ping` said what it was.
     from rqp_agents.links import _failure
     assert _failure(socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
                     ) == "cannot resolve the host name: Temporary failure in name resolution"
     assert _failure(ConnectionRefusedError(111, "Connect call failed")) == "Connection refused"
+    # a second: "cannot connect: " and nothing, for asyncio's TLS ConnectionResetError()
+    assert _failure(ConnectionResetError()) == "Connection reset by peer"
+    assert _failure(EOFError()) == "EOFError"
 

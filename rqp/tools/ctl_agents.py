@@ -270,10 +270,10 @@ def _print_receiver(st: dict) -> None:
           + f", {st['stats'].get('messages', 0)} message(s) put")
     stats = st["stats"]
     print(f"  {'TLS (mutual)' if st.get('tls') else 'plaintext RQP/1'}; "
-          f"{stats.get('refused_connections', 0)} connection(s) refused by limits"
-          + (f" ({evicted} idle one(s) closed to let new ones in)"
-             if (evicted := stats.get('evicted_connections', 0)) else "") + ", "
-          f"{stats.get('handshake_failures', 0)} failed handshake(s), "
+          f"{stats.get('refused_connections', 0)} connection(s) refused by limits, "
+          + (f"{evicted} idle one(s) closed to let new ones in, "
+             if (evicted := stats.get('evicted_connections', 0)) else "")
+          + f"{stats.get('handshake_failures', 0)} failed handshake(s), "
           f"{stats.get('denied', 0)} request(s) denied by peers rules, "
           f"{stats.get('protocol_errors', 0)} connection(s) closed for protocol errors")
     limited = [(stats.get(k, 0), what) for k, what in (
