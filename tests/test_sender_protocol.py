@@ -335,9 +335,10 @@ def test_overdue_answer_ends_the_connection():
     h = Harness(hosts=("b",), confirm_timeout=5)
     h.submit(Q1, SURE_MSG)
     h.submit(Q2, UNSURE_MSG)
-    h.sent()
-    h.answer("b", YES, YES)
-    h.sent()
+    h.serve({"b": {Q1, Q2}})  # both routes found, the connection has answered
+    h.submit(Q1, SURE_MSG, b"late")
+    h.submit(Q2, UNSURE_MSG, b"late")
+    assert [type(e).__name__ for _, e in h.sent()] == ["Message", "Message"]
     h.advance(4.9)
     assert not h.of(Close)
     h.advance(0.2)
@@ -349,7 +350,7 @@ def test_overdue_answer_ends_the_connection():
     h.advance()
     frames = h.serve({"b": {Q1}})
     assert [type(ev) for _, ev in frames] == [QueueAsk, Message]
-    assert [d.message.queue_key for d in h.of(Delivered)] == [Q1]
+    assert [d.message.payload for d in h.of(Delivered)] == [b"x", b"x", b"late"]
 
 
 def test_late_answer_is_never_matched_to_a_later_frame():
@@ -1109,8 +1110,31 @@ def test_an_idle_connection_closed_by_the_receiver_is_no_failure():
     notes = [n.kind for n in h.of(Note)]
     assert NoteKind.CONNECTION_CLOSED in notes and NoteKind.CONNECTION_FAILED not in notes
     h.submit(Q1, UNSURE_MSG, b"next")
-    assert [type(e).__name__ for _, e in h.sent()] == ["Message"]  # reconnected at once
+    assert h.sent() == [("b", Ask(Q1))]  # reconnected at once; it answers before a message
+    h.answer("b", YES)
+    assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
     assert h.core.link_state("b").value == "up"
+
+
+def test_a_new_connection_carries_no_message_before_its_first_answer():
+    """A trial: a receiving MCA at max_connections takes a connection and closes it at once;
+    a sending MCA that had just connected again sent UNSURE messages on it, lost (2 of 35).
+    A new connection now carries a QUEUE_ASK first, and messages once it has answered."""
+    h = Harness(hosts=("b",))
+    h.submit(Q1, UNSURE_MSG, b"first")
+    h.serve({"b": {Q1}})  # the route, over a connection that answered
+    h.core.data_received("b", b"", h.now)  # closed while idle (to make room for another)
+    for n in range(3):
+        h.submit(Q1, UNSURE_MSG, b"after %d" % n)
+    assert h.sent() == [("b", Ask(Q1))]  # connected again at once: the ask alone
+    h.core.data_received("b", b"", h.now)  # taken and closed at once: over the limit
+    assert h.of(Lost) == [] and [type(e).__name__ for _, e in h.sent()] == []
+    h.advance()  # (its reconnect back-off)
+    frames = h.serve({"b": {Q1}})
+    assert [type(e).__name__ for _, e in frames] == ["QueueAsk"] + ["Message"] * 3
+    assert [d.message.payload for d in h.of(Delivered)] == [
+        b"first", b"after 0", b"after 1", b"after 2"]
+    assert h.of(Lost) == []
 
 
 def test_a_quiet_connection_with_a_route_is_probed_and_a_silent_peer_is_found():
@@ -1448,6 +1472,8 @@ def test_an_idle_route_whose_receiver_closed_the_connection_is_idle_not_connecti
     [r] = h.core.route_status()
     assert r["state"] == "idle" and h.core.next_deadline() is None
     h.submit(Q1, SURE_MSG, b"again")  # a message connects it again, on the same route
+    assert h.sent() == [("b", Ask(Q1))]  # (a new connection answers before a message)
+    h.answer("b", YES)
     assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
     h.answer("b", OK)
     h.now += 30

@@ -1099,13 +1099,20 @@ class SenderCore:
             if link.state is not LinkState.UP or len(link.outstanding) >= self.settings.window:
                 self._wait_for(link, lane)
                 return
-            if head.needs_ex and not (link.agreed or 0) & EXT_MESSAGE:
-                # Not on this connection: a plain RQP/1 peer, or one not asked since it
-                # connected. Ask (again), for a host that takes MESSAGE_EX (spec section 6).
-                self._drop_route(lane.id, host,
-                                 f"{head.why_ex} needs MESSAGE_EX and this connection "
-                                 + ("is plain RQP/1" if link.agreed is not None
-                                    else "has not said whether it takes it yet"))
+            if link.agreed is None:
+                # A new connection carries no message before it has answered a QUEUE_ASK: a
+                # receiving MCA at max_connections takes a connection and closes it, and an
+                # UNSURE message sent on it was lost (a trial: 2 of 35). The answer also says
+                # which extensions it takes (spec section 6).
+                if not link.outstanding:  # (a lane's QUEUE_ASK in flight does as well)
+                    self._heartbeat(link, lane.queue_key)
+                self._wait_for(link, lane)
+                return
+            if head.needs_ex and not link.agreed & EXT_MESSAGE:
+                # Not on this connection: a plain RQP/1 peer. Ask again, for a host that
+                # takes MESSAGE_EX (spec section 6).
+                self._drop_route(lane.id, host, f"{head.why_ex} needs MESSAGE_EX and this "
+                                 "connection is plain RQP/1")
                 continue
             lane.pending.popleft()
             self._fire(head, T.NEW_MESSAGE_ROUTED if head.state is S.WAITING_FOR_MESSAGE
@@ -1143,7 +1150,7 @@ class SenderCore:
         if msg.members is not None:
             self._send_batch(link, lane, msg)
             return
-        if msg.wants_ex and (link.agreed or 0) & EXT_MESSAGE:
+        if msg.wants_ex and link.agreed & EXT_MESSAGE:
             data = encode_message_ex(msg.message_type, msg.key, msg.queue_key, msg.payload,
                                      msg.mtype, msg.priority, 0, msg.expires_at_ms)
         else:
@@ -1611,8 +1618,13 @@ class SenderCore:
         them. Every path that frees room wakes them at once; this is the net under those (a
         trial saw 128 lanes wait 30 s, until a heartbeat's answer woke them, after restarts
         of the sending MCA with 3,000 queues waiting for a route; not reproduced since)."""
-        return bool(link.waiting) and link.state is LinkState.UP and \
-            len(link.outstanding) < self.settings.window
+        return bool(link.waiting) and link.state is LinkState.UP and self._room(link)
+
+    def _room(self, link: _Link) -> bool:
+        """Whether ``link`` (up) may carry one more frame now: within the window, and on a new
+        connection nothing before its first answer (:meth:`_pump`)."""
+        return len(link.outstanding) < self.settings.window and (
+            link.agreed is not None or not link.outstanding)
 
     def _wait_for(self, link: _Link, lane: _Lane) -> None:
         link.waiting[lane] = None
@@ -1629,7 +1641,7 @@ class SenderCore:
             return
         if link.state is not LinkState.UP:
             return
-        while link.waiting and len(link.outstanding) < self.settings.window:
+        while link.waiting and self._room(link):
             lane = next(iter(link.waiting))
             del link.waiting[lane]
             if not lane.pending:  # taken out meanwhile (a graceful stop)
@@ -1661,8 +1673,11 @@ class SenderCore:
             return link.retry_at
         return None
 
-    def _heartbeat(self, link: _Link) -> None:
-        key = self._routed_key(link)
+    def _heartbeat(self, link: _Link, key: int | None = None) -> None:
+        """A QUEUE_ASK for ``key`` (or a key routed to ``link``'s host) that nothing rides on:
+        proof that the peer lives and still offers it."""
+        if key is None:
+            key = self._routed_key(link)
         link.heartbeats += 1
         self._push(link, _Frame(None, None, self.settings.ask_timeout, 0.0, probe=key),
                    encode(QueueAsk(queue_key=key, data=self.settings.extensions)))
