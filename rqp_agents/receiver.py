@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import queue
 import socket
@@ -261,6 +262,8 @@ class _Answers:
         self._commits = commits
         self._patience = patience  # seconds the peer may leave the socket's buffer full
         self._stuck = False  # it did: nothing more is waited for
+        #: Since when (loop time) it waits for the peer to read its answers; None: it does not.
+        self.blocked_since: float | None = None
         #: (the commit it waits for or None, the answers, how many), in order
         self._waiting: collections.deque[tuple[asyncio.Future | None, bytes, int]] = \
             collections.deque()
@@ -345,6 +348,8 @@ class _Answers:
 
     async def _drain(self) -> None:
         """The socket's buffer drained, within ``patience``."""
+        self.blocked_since = asyncio.get_running_loop().time()  # (seen by others only if
+        # it waits: a socket's buffer drained returns at once)
         try:
             async with asyncio.timeout(self._patience):
                 await self._writer.drain()
@@ -352,6 +357,12 @@ class _Answers:
             self._stuck = True
             raise PeerNotReading(f"it left its answers unread for {self._patience:g}s "
                                  "(idle_timeout)") from None
+        finally:
+            self.blocked_since = None
+
+    def abandon(self) -> None:
+        """The connection is closed under it: nothing more is written or waited for."""
+        self._stuck = True
 
 
 class Receiver(Daemon):
@@ -401,8 +412,10 @@ class Receiver(Daemon):
         self._idle: dict[asyncio.Task, float] = {}
         self._source: dict[asyncio.Task, str] = {}  # per connection: the peer's address
         self._protocol: dict[asyncio.Task, ReceiverConnection] = {}  # per connection, framed
-        #: Connections being closed to make room for a new one: its address, how long idle.
-        self._evicted: dict[asyncio.Task, tuple[str, float]] = {}
+        self._answers: dict[asyncio.Task, _Answers] = {}  # per connection, framed
+        #: Connections being closed to make room for a new one: its address, how long the
+        #: connection waited, and whether for its answers to be read (else for bytes).
+        self._evicted: dict[asyncio.Task, tuple[str, float, bool]] = {}
         self._server: asyncio.base_events.Server | None = None
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -590,12 +603,13 @@ class Receiver(Daemon):
             if who is not None:
                 await self._converse(reader, writer, who, _peer(address))
         except asyncio.CancelledError:  # stopping, or making room, during the handshake
-            self._closed_for_room(task, _peer(address), peer_host)
+            self._closed_for_room(task, writer, _peer(address), peer_host)
         finally:
             writer.close()
             self._idle.pop(task, None)
             self._source.pop(task, None)
             self._protocol.pop(task, None)
+            self._answers.pop(task, None)
             self._evicted.pop(task, None)
             self._connections.discard(task)
             self._peers.pop(task, None)
@@ -622,7 +636,7 @@ class Receiver(Daemon):
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
         self._protocol[task] = conn
-        answers = _Answers(writer, self.commits, self.config.idle_timeout)
+        answers = self._answers[task] = _Answers(writer, self.commits, self.config.idle_timeout)
         framed = False  # a complete frame has come
         # The first frame is due by then, however its bytes come (a trial kept a connection
         # open for 30 s past a 10 s first_frame_timeout, sending a byte every 3 s); after it,
@@ -685,7 +699,7 @@ class Receiver(Daemon):
                                         peer)
                     break
         except asyncio.CancelledError:  # stopping, or making room, while it waited for bytes
-            if not self._closed_for_room(task, peer, who.label):
+            if not self._closed_for_room(task, writer, peer, who.label):  # (or to be read)
                 self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
@@ -718,49 +732,62 @@ class Receiver(Daemon):
                 pass
 
     def _make_room(self, newcomer: str) -> bool:
-        """Every connection slot is taken and ``newcomer`` asks for one: close, in order, one
-        that waits for bytes with nothing in flight (False if none may go).
+        """Every connection slot is taken and ``newcomer`` asks for one: close one that waits
+        for its peer, for bytes (nothing in flight) or to have its answers read (False if none
+        may go).
 
         An address that holds more connections than the newcomer's would then gives one up,
         however short its wait (a crowd from a few addresses cannot keep a sending MCA out:
         a trial's eight addresses, holding every slot with connections that sent one
         QUEUE_ASK, did for idle_timeout; a second trial's, opening new ones every second,
-        took every slot idle a second); of those, the address that holds the most, and its
-        connection idle longest. Otherwise, a connection idle for EVICT_IDLE seconds or more.
-        One with part of a request come (a big frame from a slow peer: lost if closed, a SURE
-        one sent again) goes last; kept out of reach, a peer could hold a slot for
-        idle_timeout by sending the first octets of a frame. A sender whose idle connection is
-        closed connects again for its next frame."""
+        took every slot idle a second; a third's read none of their answers); of those, the
+        address that holds the most. Otherwise, one that has waited EVICT_IDLE seconds or
+        more. Of these, one idle goes first, its peer's connection waiting longest; one with
+        part of a request come (a big frame from a slow peer: lost if closed, a SURE one sent
+        again) or whose answers are unread (they are dropped) only after. A sender whose
+        idle connection is closed connects again for its next frame."""
         now = asyncio.get_running_loop().time()
         counts = self.gate.by_source
         mine = counts[newcomer] + 1  # (what the newcomer's address would hold)
-        protocol = self._protocol
+        source, protocol = self._source, self._protocol
+        blocked = [(task, answers.blocked_since) for task, answers in self._answers.items()
+                   if answers.blocked_since is not None]
         victim, best = None, None
-        for task, since in self._idle.items():
-            holds = counts[self._source[task]]
+        for task, since in itertools.chain(self._idle.items(), blocked):
+            holds = counts[source[task]]
             over = holds > mine
             if (not over and now - since < EVICT_IDLE) or task in self._evicted:
                 continue
             conn = protocol.get(task)
-            rank = (over, conn is None or not conn.mid_request, holds, now - since)
+            cheap = task in self._idle and (conn is None or not conn.mid_request)
+            rank = (over, cheap, holds, now - since)
             if best is None or rank > best:
                 victim, best = task, rank
         if victim is None:
             return False
-        self._evicted[victim] = (newcomer, best[3])
+        self._evicted[victim] = (newcomer, best[3], victim not in self._idle)
         victim.cancel()
         return True
 
-    def _closed_for_room(self, task: asyncio.Task, peer: str, label: str) -> bool:
-        """Count and (rate-limited) log a connection closed to make room, if ``task`` was one."""
+    def _closed_for_room(self, task: asyncio.Task, writer: asyncio.StreamWriter, peer: str,
+                         label: str) -> bool:
+        """If ``task`` was closed to make room: count and (rate-limited) log it, and if its
+        peer left its answers unread, drop them and the connection at once (a close would wait
+        for the peer to read them)."""
         evicted = self._evicted.get(task)
         if evicted is None:
             return False
-        newcomer, idle = evicted
+        newcomer, waited, unread = evicted
+        if unread:
+            answers = self._answers.get(task)
+            if answers is not None:
+                answers.abandon()
+            writer.transport.abort()
         self.stats["evicted_connections"] += 1
-        self._goings.report("closing connection from %s: idle for %.1fs, its slot given to a "
+        self._goings.report("closing connection from %s: %s for %.1fs, its slot given to a "
                             "new connection from %s (max_connections %d reached)", logging.INFO,
-                            peer, idle, newcomer, self.config.max_connections,
+                            peer, "its answers unread" if unread else "idle", waited, newcomer,
+                            self.config.max_connections,
                             extra=dict(event="connection_evicted", peer=label, address=peer))
         return True
 

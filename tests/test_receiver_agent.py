@@ -1458,6 +1458,60 @@ def test_among_addresses_holding_as_many_a_connection_idle_a_second_makes_room(t
     assert answers(r.pb.recv("b0", 2)["data"]) == ["QUEUE_YES"]
 
 
+#: Runs on host b: ARGV[2] connections to the receiver on ARGV[1], each with a small receive
+#: buffer, sending QUEUE_ASKs and reading no answer until its own writes block (the receiver
+#: then waits for it to read); prints "stuck N", then how each ends: "reset N" / "eof N".
+NOT_READING_ASKS = r"""
+import select, socket, sys, time
+from tests.rqp_peer import pack_ask
+host, n = sys.argv[1], int(sys.argv[2])
+asks = pack_ask(0x52510001) * 10_000
+conns = []
+for i in range(n):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, 7460))
+    s.settimeout(2)
+    try:
+        while True:
+            s.sendall(asks)
+    except socket.timeout:
+        pass
+    conns.append(s)
+print("stuck", len(conns), flush=True)
+poll = select.poll()
+for s in conns:
+    poll.register(s, select.POLLERR | select.POLLHUP | select.POLLRDHUP)
+ended, deadline = set(), time.monotonic() + 60
+while len(ended) < 1 and time.monotonic() < deadline:
+    for fd, ev in poll.poll(100):
+        if fd not in ended:
+            ended.add(fd)
+            print("reset" if ev & select.POLLERR else "eof", len(ended), flush=True)
+"""
+
+
+def test_connections_whose_peer_reads_no_answer_give_up_a_slot_too(testbed):
+    """A trial: two addresses, four connections each that sent QUEUE_ASKs and read none of
+    the answers, held every slot for idle_timeout (10 min): waiting for their peer to read,
+    they were 'busy', never closed for a newcomer. Now such a one goes as an idle one would,
+    at once, its unread answers dropped."""
+    config = {**BASE_CONFIG, "max_connections": 2, "max_connections_per_source": 2,
+              "idle_timeout": "60s"}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    crowd = r.b.popen([sys.executable, "-c", NOT_READING_ASKS, r.a.address, "2"])
+    wait_for(lambda: "stuck 2" in r.b.output(crowd), timeout=60,
+             message="the crowd's connections did not get stuck")
+    connect(r.qa, "newcomer", r)  # a holds none, b two: one of b's goes
+    assert answers(r.qa.exchange("newcomer", [ask(Q1)])) == ["QUEUE_YES"]
+    wait_for(lambda: "reset 1" in r.b.output(crowd), timeout=20,
+             message=f"no connection of the crowd was closed: {r.b.output(crowd)}")
+    wait_for(lambda: "its answers unread for" in r.log() and "its slot given to a new "
+             f"connection from {r.a.address}" in r.log(), timeout=10,
+             message="the closing is not logged")
+    crowd.wait(70)
+
+
 def test_a_first_frame_trickled_a_byte_at_a_time_is_due_within_first_frame_timeout(testbed):
     """A trial: a byte every 3 s kept a connection open past a 10 s first_frame_timeout (the
     time-out began again with every read) and its QUEUE_ASK was answered after 30 s."""
