@@ -80,8 +80,9 @@ class Links:
             self.on_failed(host, _failure(exc))
             return
         link.tls = context is not None
-        if link.ended:  # e.g. the receiver refused this host's certificate (TLS 1.3)
-            self.on_failed(host, _ending(link))
+        if link.ended:  # e.g. the receiver refused this host's certificate (TLS 1.3), or was
+            # at its max_connections (a trial's log said "cannot connect: closed")
+            self.on_failed(host, _failure(link.end) if link.end else _CLOSED_AT_ONCE)
             return
         if context is not None and not link.transport.is_closing():
             ssl_object = link.transport.get_extra_info("ssl_object")
@@ -128,6 +129,9 @@ class Links:
             del self._links[link.host]
             self.on_lost(link.host, _ending(link), exc is None)
 
+
+_CLOSED_AT_ONCE = ("the receiving MCA closed the connection at once (at its max_connections, or "
+                   "refusing this host: its log says why)")
 
 #: Over TLS 1.3 the receiver checks this host's certificate after the handshake is done on
 #: this side, and a receiver that refuses it closes the connection (its alert may not arrive).
