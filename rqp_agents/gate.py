@@ -3,7 +3,7 @@ may use.
 
 A connection is let in when the limits leave room for it (``max_connections`` in all,
 ``max_connections_per_source`` from one address; when all are taken, the receiving MCA may
-close an idle one for it, first of an address holding more); on a TLS port it must then finish a TLS
+close one that waits for its peer, first of an address holding more); on a TLS port it must then finish a TLS
 handshake within ``handshake_timeout``, with a client certificate from the configured CA and
 ALPN ``rqp/1``. What the peer may use is the first ``peers:`` rule matching it
 (:func:`rqp.protocol.access.grant_for`). Every refusal is counted, and logged at most once per
@@ -43,10 +43,10 @@ COUNTER_LABELS = 256
 #: closed by then).
 TRIM_AFTER = 64
 TRIM_DELAY = 1.0
-#: When every connection slot is taken, a new connection is let in by closing (in order) one
-#: that waits for bytes with nothing in flight: from an address holding more connections than
-#: the newcomer's would, or else one that has waited this long or longer (the receiving MCA's
-#: ``_make_room``). Its sender connects again for its next frame.
+#: When every connection slot is taken, a new connection is let in by closing one that waits
+#: for its peer (for bytes with nothing in flight, or for its answers to be read): from an
+#: address holding more connections than the newcomer's would, or else one that has waited
+#: this long or longer (the receiving MCA's ``_make_room``).
 EVICT_IDLE = 1.0
 
 
