@@ -1379,7 +1379,7 @@ def test_connection_limits_and_timeouts(testbed):
     assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
 
 
-def _evicted_total(r: Rig) -> str:
+def _metrics(r: Rig) -> str:
     return r.a.python("import urllib.request; print(urllib.request.urlopen("
                       "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
 
@@ -1429,7 +1429,7 @@ def test_when_every_slot_is_taken_an_address_holding_more_gives_one_up(testbed):
     wait_for(all_put, timeout=30, message="the four messages were not put")
     for peer, name in live:
         assert peer.recv(name, 2, timeout=30)["data"] == DELIVERED_YES, name
-    metrics = _evicted_total(r)
+    metrics = _metrics(r)
     assert "rqp_receiver_connections_evicted_total 2.0\n" in metrics, metrics
     assert "rqp_receiver_connections_refused_total 1.0\n" in metrics, metrics
     status = r.rqpctl("status")
@@ -1460,7 +1460,8 @@ def test_among_addresses_holding_as_many_a_connection_idle_a_second_makes_room(t
 
 #: Runs on host b: ARGV[2] connections to the receiver on ARGV[1], each with a small receive
 #: buffer, sending QUEUE_ASKs and reading no answer until its own writes block (the receiver
-#: then waits for it to read); prints "stuck N", then how each ends: "reset N" / "eof N".
+#: then waits for it to read); prints "stuck N", then how the first to end ended: "reset 1" or
+#: "eof 1" (within 60 s).
 NOT_READING_ASKS = r"""
 import select, socket, sys, time
 from tests.rqp_peer import pack_ask
