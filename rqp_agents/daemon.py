@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 import signal
+import ssl
 import threading
 import time
 import weakref
@@ -24,6 +25,9 @@ from rqp.system.service import EVENT_LOOP_VARIABLE, notify, tune_collector, watc
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
 #: ``Restart=on-failure`` starts it again, and a sending MCA sends its journal first.
 EXIT_UNEXPECTED = 70
+#: Errors that a peer's connection ends with (reset, aborted, a failed TLS handshake): the
+#: network's doing, never a bug of the agent's.
+PEER_FAILURES = (ConnectionError, ssl.SSLError, EOFError)
 #: Running out of file descriptors is logged at most once per this many seconds.
 DESCRIPTOR_LOG_INTERVAL = 10.0
 
@@ -248,6 +252,16 @@ class Daemon:
             return
         if exc is None:
             loop.default_exception_handler(context)
+            return
+        if message.startswith("Future exception was never retrieved") and \
+                isinstance(exc, PEER_FAILURES):
+            # asyncio's streams set a connection's failure on futures of their own too (a TLS
+            # handshake the peer reset: its stream's close waiter), and report one collected
+            # unread; the connection's code had the same error, and dealt with it. A trial's
+            # 500 handshakes reset at once stopped a receiving MCA (exit 70) with it: a peer
+            # must not be able to. (Our own futures' errors, and every task's, stay fatal.)
+            self.log.debug("%s: %s (a peer's connection failed; already dealt with)", message,
+                           exc)
             return
         self.fatal(f"the event loop ({message or 'a callback'})", exc)
 

@@ -219,3 +219,31 @@ def test_a_transmission_queue_it_cannot_read_shows_in_the_status(hosts):
     out = a.run(status, check=False)
     assert out.returncode == 0 and "CANNOT READ" not in out.stdout, out.stdout
     assert len(log_lines(a, sender, "cannot read the transmission queue")) == 1  # said once
+
+
+@pytest.mark.parametrize("error, fatal", [(ConnectionResetError(), False),
+                                          (RuntimeError("a bug"), True)],
+                         ids=["a-peer-reset", "a-bug"])
+def test_a_future_collected_unread_stops_the_agent_only_for_a_bug(error, fatal):
+    """A fresh machine's run: 500 TLS handshakes reset at once stopped a receiving MCA (exit
+    70) with "Future exception was never retrieved": asyncio's streams had set the reset on a
+    future of their own, collected unread. The connection's code had already dealt with it; a
+    peer must not be able to stop an agent so. An error of the agent's own stays fatal."""
+    import asyncio
+    import gc
+    import logging
+
+    from rqp_agents.daemon import Daemon
+
+    agent = Daemon(logging.getLogger("test.daemon"))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(agent._on_loop_error)
+        future = loop.create_future()
+        future.set_exception(error)
+        del future
+        gc.collect()  # (asyncio reports it as the future is collected)
+
+    asyncio.run(main())
+    assert agent.failed is fatal
