@@ -365,6 +365,16 @@ class _Answers:
         self._stuck = True
 
 
+@dataclasses.dataclass(slots=True)
+class _Open:
+    """One open connection: its peer's address; once its handshake is done, its protocol
+    state and its answers."""
+
+    source: str
+    protocol: ReceiverConnection | None = None
+    answers: _Answers | None = None
+
+
 class Receiver(Daemon):
     """The receiving MCA: one asyncio server, one task per connection."""
 
@@ -410,9 +420,7 @@ class Receiver(Daemon):
         self._connections: set[asyncio.Task] = set()
         #: Connections waiting for bytes with nothing in flight, and since when (loop time).
         self._idle: dict[asyncio.Task, float] = {}
-        self._source: dict[asyncio.Task, str] = {}  # per connection: the peer's address
-        self._protocol: dict[asyncio.Task, ReceiverConnection] = {}  # per connection, framed
-        self._answers: dict[asyncio.Task, _Answers] = {}  # per connection, framed
+        self._open: dict[asyncio.Task, _Open] = {}  # per connection: what _make_room weighs
         #: Connections being closed to make room for a new one: its address, how long the
         #: connection waited, and whether for its answers to be read (else for bytes).
         self._evicted: dict[asyncio.Task, tuple[str, float, bool]] = {}
@@ -590,7 +598,7 @@ class Receiver(Daemon):
             writer.close()
             return
         self._connections.add(task)
-        self._source[task] = peer_host
+        self._open[task] = _Open(peer_host)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             try:
@@ -607,9 +615,7 @@ class Receiver(Daemon):
         finally:
             writer.close()
             self._idle.pop(task, None)
-            self._source.pop(task, None)
-            self._protocol.pop(task, None)
-            self._answers.pop(task, None)
+            self._open.pop(task, None)
             self._evicted.pop(task, None)
             self._connections.discard(task)
             self._peers.pop(task, None)
@@ -635,8 +641,9 @@ class Receiver(Daemon):
                                     "address": peer, "identity": who.identity or ""})
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
-        self._protocol[task] = conn
-        answers = self._answers[task] = _Answers(writer, self.commits, self.config.idle_timeout)
+        answers = _Answers(writer, self.commits, self.config.idle_timeout)
+        opened = self._open[task]
+        opened.protocol, opened.answers = conn, answers
         framed = False  # a complete frame has come
         # The first frame is due by then, however its bytes come (a trial kept a connection
         # open for 30 s past a 10 s first_frame_timeout, sending a byte every 3 s); after it,
@@ -749,17 +756,17 @@ class Receiver(Daemon):
         now = asyncio.get_running_loop().time()
         counts = self.gate.by_source
         mine = counts[newcomer] + 1  # (what the newcomer's address would hold)
-        source, protocol = self._source, self._protocol
-        blocked = [(task, answers.blocked_since) for task, answers in self._answers.items()
-                   if answers.blocked_since is not None]
+        opened = self._open
+        blocked = [(task, o.answers.blocked_since) for task, o in opened.items()
+                   if o.answers is not None and o.answers.blocked_since is not None]
         victim, best = None, None
         for task, since in itertools.chain(self._idle.items(), blocked):
-            holds = counts[source[task]]
+            o = opened[task]
+            holds = counts[o.source]
             over = holds > mine
             if (not over and now - since < EVICT_IDLE) or task in self._evicted:
                 continue
-            conn = protocol.get(task)
-            cheap = task in self._idle and (conn is None or not conn.mid_request)
+            cheap = task in self._idle and (o.protocol is None or not o.protocol.mid_request)
             rank = (over, cheap, holds, now - since)
             if best is None or rank > best:
                 victim, best = task, rank
@@ -779,9 +786,7 @@ class Receiver(Daemon):
             return False
         newcomer, waited, unread = evicted
         if unread:
-            answers = self._answers.get(task)
-            if answers is not None:
-                answers.abandon()
+            self._open[task].answers.abandon()  # (only a framed connection has answers unread)
             writer.transport.abort()
         self.stats["evicted_connections"] += 1
         self._goings.report("closing connection from %s: %s for %.1fs, its slot given to a "

@@ -149,6 +149,12 @@ def connect(peer: Peer, name: str, r: Rig, port: int = PORT) -> None:
     assert got["connected"], f"cannot connect to the receiver: {got}"
 
 
+def _metrics(r: Rig) -> str:
+    """The receiver's metrics (its config has metrics_listen ":9747")."""
+    return r.a.python("import urllib.request; print(urllib.request.urlopen("
+                      "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+
+
 def vm_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -1373,15 +1379,9 @@ def test_connection_limits_and_timeouts(testbed):
     assert log.count("first_frame_timeout") == 2 and log.count("(idle_timeout)") == 1
     connect(r.pb, "later", r)  # room again
     assert answers(r.pb.exchange("later", [ask(Q1)])) == ["QUEUE_YES"]
-    metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
-                         "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    metrics = _metrics(r)
     assert "rqp_receiver_connections_refused_total 1.0\n" in metrics
     assert "rqp_receiver_connections_timed_out_total 3.0\n" in metrics
-
-
-def _metrics(r: Rig) -> str:
-    return r.a.python("import urllib.request; print(urllib.request.urlopen("
-                      "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
 
 
 def test_when_every_slot_is_taken_an_address_holding_more_gives_one_up(testbed):
@@ -1612,8 +1612,7 @@ def test_protocol_errors_and_every_dead_letter_are_counted_in_the_metrics(testbe
                               msg(MISSING, b"not here", key=3, type=UNSURE)])
     assert answers(got) == ["QUEUE_YES"] + ["DELIVERED_ERROR"] * 3
     assert len(r.qa.dead_letters()) == 3
-    metrics = r.a.python("import urllib.request; print(urllib.request.urlopen("
-                         "'http://127.0.0.1:9747/metrics', timeout=5).read().decode())")
+    metrics = _metrics(r)
     assert "rqp_receiver_protocol_errors_total 1.0\n" in metrics, metrics
     for queue in ("0x52510001", "0x00000000", "0x52510099"):
         assert (f'rqp_receiver_messages_total{{outcome="dead_lettered",queue="{queue}"}} 1.0\n'
