@@ -642,8 +642,9 @@ class Receiver(Daemon):
         conn = ReceiverConnection(max_message_size=self.max_message_size,
                                   extensions=KNOWN_EXTENSIONS, clock_ms=wall_ms)
         answers = _Answers(writer, self.commits, self.config.idle_timeout)
-        opened = self._open[task]
-        opened.protocol, opened.answers = conn, answers
+        opened = self._open.get(task)  # (None: called without _serve, as tests do)
+        if opened is not None:
+            opened.protocol, opened.answers = conn, answers
         framed = False  # a complete frame has come
         # The first frame is due by then, however its bytes come (a trial kept a connection
         # open for 30 s past a 10 s first_frame_timeout, sending a byte every 3 s); after it,
