@@ -624,6 +624,10 @@ def end_jvm() -> None:
     with SparkContext._lock:
         SparkContext._gateway = SparkContext._jvm = None
         SparkContext._active_spark_context = None
+    # py4j's side first: its finalizer thread tells the JVM of every object collected here,
+    # and one told after the JVM ended logged its failure with a traceback (a fresh machine's
+    # demo, once in three); shut down, it tells nothing more
+    gateway.shutdown()
     try:
         proc.stdin.close()
     except OSError:
