@@ -64,6 +64,11 @@ ANSWER_BATCH = 128
 UNCOMMITTED_MAX = 2 * ANSWER_BATCH
 #: Seconds a stop waits for connections to end once they were cancelled.
 STOP_GRACE = 2.0
+#: Seconds a plaintext connection this side closes in order (idle_timeout, closed to make
+#: room, a stop) waits for its peer's end after its own: a frame the peer sent before it saw
+#: the close is still read and taken (Receiver._linger). A sending MCA ends its side as soon
+#: as it reads the close, a round trip later.
+LINGER = 1.0
 #: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
 #: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
 #: leaves in this host's memory (the kernel's autotuning let it grow to 4 MiB: a trial had 2
@@ -424,6 +429,8 @@ class Receiver(Daemon):
         #: Connections being closed to make room for a new one: its address, how long the
         #: connection waited, and whether for its answers to be read (else for bytes).
         self._evicted: dict[asyncio.Task, tuple[str, float, bool]] = {}
+        #: Connections a stop closes while they wait for bytes (they linger, see _linger).
+        self._stop_idle: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -452,7 +459,7 @@ class Receiver(Daemon):
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
         self.stats = {"connections": 0, "messages": 0, "asks": 0, "repeats": 0, "batches": 0,
-                      "timed_out_connections": 0, "evicted_connections": 0,
+                      "timed_out_connections": 0, "evicted_connections": 0, "late_frames": 0,
                       "protocol_errors": 0}
 
     # --- serving ------------------------------------------------------------------------------
@@ -486,9 +493,10 @@ class Receiver(Daemon):
         window_retry = asyncio.create_task(self._retry_window())
         await self.wait_for_stop()
         self._server.close()  # no new connections
-        for task in list(self._idle):  # nothing in flight on these
+        self._stop_idle.update(self._idle)
+        for task in self._stop_idle:  # nothing in flight on these: closed (each lingers)
             task.cancel()
-        busy = self._connections - self._idle.keys()
+        busy = self._connections - self._stop_idle
         if busy and not self.failed:  # answer what was already received, then close
             wait = self.delivery.put_budget + 5
             log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
@@ -499,6 +507,10 @@ class Receiver(Daemon):
                 log.warning("stopping: %d connection(s) still busy after %gs, closed now: what "
                             "they had sent and not had answered stays with their senders "
                             "(SURE, sent again) or is lost (UNSURE)", len(still), wait)
+        if not self.failed:  # (the idle ones closed: their peers' frames on the way come in)
+            lingering = [task for task in self._connections if task in self._stop_idle]
+            if lingering:
+                await asyncio.wait(lingering, timeout=LINGER)
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -617,6 +629,7 @@ class Receiver(Daemon):
             self._idle.pop(task, None)
             self._open.pop(task, None)
             self._evicted.pop(task, None)
+            self._stop_idle.discard(task)
             self._connections.discard(task)
             self._peers.pop(task, None)
             self._who.pop(task, None)
@@ -651,6 +664,7 @@ class Receiver(Daemon):
         # idle_timeout counts from the last bytes.
         loop = asyncio.get_running_loop()
         first_due = loop.time() + self.config.first_frame_timeout
+        linger = False  # closed in order by this side: wait a moment for the peer's end
         try:
             while True:
                 await answers.room()  # (raises if a commit failed: close, unanswered)
@@ -668,6 +682,7 @@ class Receiver(Daemon):
                                         "(first_frame_timeout)",
                                         extra=dict(event="connection_timed_out", peer=who.label,
                                                    address=peer))
+                    linger = framed
                     break
                 finally:
                     self._idle.pop(task, None)
@@ -705,10 +720,16 @@ class Receiver(Daemon):
                 if self._stopping.is_set():  # what was in flight is answered: done
                     self._goings.report("closing connection from %s: stopping", logging.INFO,
                                         peer)
+                    linger = True
                     break
         except asyncio.CancelledError:  # stopping, or making room, while it waited for bytes
-            if not self._closed_for_room(task, writer, peer, who.label):  # (or to be read)
+            if self._closed_for_room(task, writer, peer, who.label):  # (or to be read)
+                linger = not self._evicted[task][2]  # (else aborted: its answers unread)
+            else:
                 self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
+                linger = task in self._stop_idle  # (not the last cancel of a busy one)
+            if linger:
+                task.uncancel()  # (and a second cancel ends the lingering)
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
         except DedupError as exc:
@@ -731,13 +752,69 @@ class Receiver(Daemon):
                 await answers.flush()
             except DedupError as exc:
                 self._unrecorded(peer, exc, who.label)
+                linger = False
             except PeerNotReading as exc:  # (first found here: after a bad frame, a stop)
                 self._not_reading(writer, peer, who, exc)
+                linger = False
             except RQPError as exc:
                 self._errors.report("closing connection from %s without answering what it "
                                     "sent last: %s", logging.WARNING, peer, exc)
+                linger = False
             except (ConnectionError, OSError):
-                pass
+                linger = False
+            if linger:
+                await self._linger(reader, writer, conn, who, info, peer)
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn: ReceiverConnection, who: Peer, info: dict, peer: str) -> None:
+        """Close a connection in order in two steps, once its answers are out: this side's
+        end first, then, at the peer's end or after LINGER seconds, the rest.
+
+        A frame the peer sent before it read this side's end crosses it; a close at once
+        would have the kernel answer it with a reset, unread (a trial under a crowd: one SURE
+        message in about 180 sent again; an UNSURE one is lost). Here it is still read and
+        taken: its message put (or dead-lettered), but not answered, this side being ended.
+        The sender counts it unanswered: a SURE one it sends again is answered as a repeat;
+        an UNSURE one it reports not confirmed, though it arrived. Plaintext only: asyncio's
+        TLS cannot end one side alone (its close is at once, as before)."""
+        if not writer.can_write_eof() or writer.transport.is_closing():
+            return
+        late = sure = 0
+        try:
+            writer.write_eof()
+            async with asyncio.timeout(LINGER):
+                while data := await reader.read(READ_SIZE):
+                    conn.receive_data(data)
+                    while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
+                        late += 1
+                        info["frames"] += 1
+                        sure += _answers_sure(request)
+                        if self._handle_at_once(conn, request, who, info) is None:
+                            await self._handle(conn, request, who, info)
+        except (TimeoutError, asyncio.CancelledError):
+            pass  # (not ended by its peer within LINGER, or a stop's last cancel)
+        except DedupError as exc:
+            self._unrecorded(peer, exc, who.label)
+        except RQPError as exc:  # a bad frame: nothing after it can be read
+            self.stats["protocol_errors"] += 1
+            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
+                                extra=dict(event="connection_refused", peer=who.label,
+                                           address=peer))
+        except (ConnectionError, OSError):
+            pass
+        if sure:  # (recorded in the window: durable now, not at the next connection's commit)
+            try:
+                durable = self.commits.durable()
+            except DedupError:
+                durable = None
+            if durable is not None:
+                durable.add_done_callback(_retrieved)
+        if late:
+            self.stats["late_frames"] += late
+            self._goings.report("%d frame(s) from %s came after this side closed the "
+                                "connection: taken, unanswered (a SURE message is answered "
+                                "when sent again)", logging.INFO, late, peer,
+                                extra=dict(event="late_frames", peer=who.label, address=peer))
 
     def _make_room(self, newcomer: str) -> bool:
         """Every connection slot is taken and ``newcomer`` asks for one: close one that waits

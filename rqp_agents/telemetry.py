@@ -286,6 +286,9 @@ def receiver_metrics(agent) -> str:
          "connections closed by first_frame_timeout or idle_timeout"),
         ("rqp_receiver_connections_evicted_total", "counter",
          "idle connections closed to let a new one in when max_connections were open"),
+        ("rqp_receiver_late_frames_total", "counter",
+         "frames that came after this side closed a connection in order (idle_timeout, room "
+         "for a new one, a stop): taken, but unanswered"),
         ("rqp_receiver_protocol_errors_total", "counter",
          "connections closed for a protocol error (a frame that breaks the spec)"),
         ("rqp_receiver_tls_handshake_failures_total", "counter",
@@ -332,6 +335,7 @@ def receiver_metrics(agent) -> str:
     m["rqp_receiver_connections_refused_total"].add(agent.gate.refused_connections)
     m["rqp_receiver_connections_timed_out_total"].add(agent.stats["timed_out_connections"])
     m["rqp_receiver_connections_evicted_total"].add(agent.stats["evicted_connections"])
+    m["rqp_receiver_late_frames_total"].add(agent.stats["late_frames"])
     m["rqp_receiver_protocol_errors_total"].add(agent.stats["protocol_errors"])
     for reason, count in sorted(agent.gate.handshake_failures.items()):
         m["rqp_receiver_tls_handshake_failures_total"].add(count, reason=reason)

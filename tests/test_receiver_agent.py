@@ -1513,6 +1513,53 @@ def test_connections_whose_peer_reads_no_answer_give_up_a_slot_too(testbed):
     crowd.wait(70)
 
 
+@pytest.mark.parametrize("closing", ["idle_timeout", "room", "stop"])
+def test_frames_that_cross_the_close_of_an_idle_connection_are_still_taken(testbed, closing):
+    """A trial under a crowd: once in about 180 messages, a frame on its way when its idle
+    connection was closed for room met a reset, unread (a SURE message sent again; an UNSURE
+    one would be lost). The receiving MCA now ends its side first and reads on until the
+    peer's end. Here the peer sends two messages only after it has read that end: both are
+    put, and the SURE one, sent again, is answered as a repeat."""
+    config = {**BASE_CONFIG, "metrics_listen": ":9747"}
+    if closing == "idle_timeout":
+        config["idle_timeout"] = "300ms"
+    if closing == "room":
+        config |= {"max_connections": 2, "max_connections_per_source": 2}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    for name in ("late", "other"):
+        connect(r.pb, name, r)
+        assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"]
+    if closing == "room":  # b holds two, a's newcomer would hold one: b's idlest goes
+        connect(r.qa, "newcomer", r)
+        assert answers(r.qa.exchange("newcomer", [ask(Q1)])) == ["QUEUE_YES"]
+    if closing == "stop":
+        r.rx.send_signal(signal.SIGTERM)
+    got = r.pb.read_to_eof("late", timeout=10)
+    assert got == {"data": b"", "eof": True, "reset": False, "timeout": False}, got
+    crossed = [msg(Q1, b"crossed unsure", key=0x901, type=UNSURE),
+               msg(Q1, b"crossed sure", key=0x902, type=SURE)]
+    r.pb.send("late", crossed)  # (as a sender's frames cross the close)
+    r.pb.shutdown("late")
+    if closing == "stop":
+        assert r.rx.wait(timeout=10) == 0
+    bodies = []
+
+    def both_put() -> bool:
+        bodies.extend(body for _, body in r.qa.drain(Q1))
+        return len(bodies) >= 2
+    wait_for(both_put, timeout=10, message="the frames sent after the close were not put")
+    assert bodies == [b"crossed unsure", b"crossed sure"]
+    wait_for(lambda: f"2 frame(s) from {r.b.address}:" in r.log(), timeout=10,
+             message="the frames taken after the close are not logged")  # (at the peer's end)
+    if closing == "stop":
+        return
+    if closing == "idle_timeout":
+        connect(r.pb, "other", r)  # (the first one timed out meanwhile, or will)
+    assert r.pb.exchange("other", crossed[1:]) == DELIVERED_YES  # the sender's next try
+    assert r.qa.depth(Q1) == 0  # a repeat: not put twice
+    assert "rqp_receiver_late_frames_total 2.0\n" in _metrics(r)
+
+
 def test_a_first_frame_trickled_a_byte_at_a_time_is_due_within_first_frame_timeout(testbed):
     """A trial: a byte every 3 s kept a connection open past a 10 s first_frame_timeout (the
     time-out began again with every read) and its QUEUE_ASK was answered after 30 s."""
