@@ -90,7 +90,8 @@ offset  size  field              meaning
 11      8     queue_key          the original queue key exactly as received (may be > 2**32-1)
 19      8     message_key        RQP unique message key (0 if none yet)
 27      8     timestamp_ns       unix time in nanoseconds when it was dead-lettered
-35      4     attempts           delivery attempts made
+35      4     attempts           times it was sent (MESSAGE frames that carried it; a try
+                                 that found no route or no connection sends none)
 39      8     original_length    length in bytes of the original payload
 47      8     mtype              (version 2) signed: the System V type the message was to be
                                  put with (1 or more), so that a replay keeps it
