@@ -832,9 +832,12 @@ class Receiver(Daemon):
         again) or whose answers are unread (they are dropped) only after. A sender whose
         idle connection is closed connects again for its next frame."""
         now = asyncio.get_running_loop().time()
-        counts = self.gate.by_source
-        mine = counts[newcomer] + 1  # (what the newcomer's address would hold)
         opened = self._open
+        # what each address holds, those already closing (lingering up to LINGER) left out:
+        # else one address's closing ones would make it give up more than its share
+        counts = self.gate.by_source.copy()
+        counts.subtract(opened[task].source for task in self._evicted)
+        mine = counts[newcomer] + 1  # (what the newcomer's address would hold)
         blocked = [(task, o.answers.blocked_since) for task, o in opened.items()
                    if o.answers is not None and o.answers.blocked_since is not None]
         victim, best = None, None

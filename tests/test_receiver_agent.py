@@ -1403,6 +1403,7 @@ def test_when_every_slot_is_taken_an_address_holding_more_gives_one_up(testbed):
         assert answers(r.qa.exchange(f"a{n}", [ask(Q1)])) == ["QUEUE_YES"]
         got = r.pb.read_to_eof(closed, timeout=10)
         assert got["eof"] and not got["reset"] and not got["data"], got  # closed in order
+        r.pb.close(closed)  # (as a sending MCA does: that ends it at once on the other side)
     wait_for(lambda: r.log().count("its slot given to a new connection from "
                                    f"{r.a.address} (max_connections 4 reached)") == 2,
              timeout=10, message="the two closings not logged")
@@ -1435,6 +1436,28 @@ def test_when_every_slot_is_taken_an_address_holding_more_gives_one_up(testbed):
     status = r.rqpctl("status")
     assert "1 connection(s) refused by limits, 2 idle one(s) closed to let new ones in" in \
         status.stdout, status.stdout + status.stderr
+
+
+def test_connections_still_closing_do_not_count_against_their_address(testbed):
+    """A connection closed for room ends its side first and reads on until its peer's end
+    (LINGER): counted as held by its address meanwhile, it made that address give up more
+    than its share to the next newcomer from another."""
+    config = {**BASE_CONFIG, "max_connections": 4, "max_connections_per_source": 4}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    for n in range(4):
+        connect(r.pb, f"b{n}", r)
+        assert answers(r.pb.exchange(f"b{n}", [ask(Q1)])) == ["QUEUE_YES"]
+    for n in range(2):  # a holds 0, then 1; b 4, then 3: b gives one up each time ...
+        connect(r.qa, f"a{n}", r)
+        assert answers(r.qa.exchange(f"a{n}", [ask(Q1)])) == ["QUEUE_YES"]
+        assert r.pb.read_to_eof(f"b{n}", timeout=10)["eof"]  # (its peer does not end it)
+    connect(r.qa, "a2", r)  # ... but not a third: two each now, those closing not counted
+    got = r.qa.read_to_eof("a2", timeout=10)
+    assert got["eof"] and not got["data"], got
+    wait_for(lambda: "refusing connections: 4 open (2 more closing), max_connections 4; "
+             "none to close for it" in r.log(), timeout=10, message="no refusal logged")
+    for name in ("b2", "b3"):
+        assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"], name
 
 
 def test_among_addresses_holding_as_many_a_connection_idle_a_second_makes_room(testbed):
