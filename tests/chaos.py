@@ -21,7 +21,8 @@ from tests.agents import dead_letters, make_queue, start_receiver, start_sender,
 from tests.testbed import wait_for
 
 Q1 = 0x52510001
-SCENARIOS = ("kill-sender", "kill-receiver", "cut-link", "fill-queue", "remove-queue")
+SCENARIOS = ("kill-sender", "kill-receiver", "stop-receiver", "cut-link", "fill-queue",
+             "remove-queue")
 
 PRODUCER = r"""
 import random, sys, rqp
@@ -77,6 +78,7 @@ class Report:
     unsure_lost: int = 0
     unsure_duplicated: int = 0
     unsure_out_of_order: int = 0
+    unsure_unseen: int = 0  # lost with no dead letter for it either, on either host
     dead_letters: dict = field(default_factory=dict)
     wrong_mtype: int = 0  # messages that arrived with another System V type than sent
     faults: list = field(default_factory=list)
@@ -84,14 +86,15 @@ class Report:
 
     HEADER = (f"{'scenario':15} {'seed':>5} | {'SURE sent':>9} {'deliv':>6} {'lost':>5} "
               f"{'dup':>4} {'order':>5} | {'UNSURE sent':>11} {'deliv':>6} {'lost':>5} "
-              f"{'dup':>4} | {'faults':>6} {'secs':>5}  dead letters")
+              f"{'unseen':>6} {'dup':>4} | {'faults':>6} {'secs':>5}  dead letters")
 
     def row(self) -> str:
         dls = ", ".join(f"{k} {v}" for k, v in sorted(self.dead_letters.items())) or "-"
         return (f"{self.scenario:15} {self.seed:>5} | {self.sure_sent:>9} "
                 f"{self.sure_delivered:>6} {self.sure_lost:>5} {self.sure_duplicated:>4} "
                 f"{self.sure_out_of_order:>5} | {self.unsure_sent:>11} {self.unsure_delivered:>6} "
-                f"{self.unsure_lost:>5} {self.unsure_duplicated:>4} | {len(self.faults):>6} "
+                f"{self.unsure_lost:>5} {self.unsure_unseen:>6} {self.unsure_duplicated:>4} | "
+                f"{len(self.faults):>6} "
                 f"{self.seconds:>5.1f}  {dls}")
 
 
@@ -112,6 +115,12 @@ def _count(report: Report, received: list[str]) -> None:
         setattr(report, f"{prefix}_lost", sent - len(distinct))
         setattr(report, f"{prefix}_duplicated", len(seqs) - len(seen))
         setattr(report, f"{prefix}_out_of_order", out_of_order)
+
+
+#: Faults after which every UNSURE message is delivered or dead-lettered, none lost unseen: a
+#: graceful stop of the receiving MCA reads what crosses its close (Receiver._linger; before,
+#: 8 stops lost 886 to 976 UNSURE messages without a trace, seeds 1 to 3).
+NOTHING_UNSEEN = ("stop-receiver",)
 
 
 def duplicate_bound(scenario: str, faults: int, window: int = DEFAULT_WINDOW) -> int:
@@ -172,6 +181,11 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
             b.kill(receiver)
             time.sleep(rng.uniform(0, 0.5))
             receiver = start_receiver(b, config=config, log_level="INFO")
+        elif scenario == "stop-receiver":  # a restart: SIGTERM, as systemd stops it
+            status = b.stop(receiver, timeout=30)
+            assert status == 0, f"the receiving MCA's stop ended with status {status}"
+            time.sleep(rng.uniform(0, 0.5))
+            receiver = start_receiver(b, config=config, log_level="INFO")
         elif scenario == "cut-link":
             a.link_down()
             time.sleep(rng.uniform(1, 3))
@@ -196,9 +210,13 @@ def run(bed, scenario: str, seed: int, *, sure: int = 10_000, unsure: int = 2_00
     report.wrong_mtype = sum(1 for t, _ in typed if int(t) != mtype)
     received = [m for _, m in typed if m != "END"]
     _count(report, received)
+    unseen = set(range(unsure)) - {int(m[1:]) for m in received if m.startswith("U")}
     for host in (a, b):
         for dl in dead_letters(host):
             report.dead_letters[dl["reason"]] = report.dead_letters.get(dl["reason"], 0) + 1
+            if dl["payload"].startswith("U"):
+                unseen.discard(int(dl["payload"][1:]))
+    report.unsure_unseen = len(unseen)
     for proc, host in ((sender, a), (receiver, b)):
         host.stop(proc)
     report.seconds = time.monotonic() - started
@@ -234,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             print(report.row(), flush=True)
             bound = duplicate_bound(scenario, len(report.faults), args.window or DEFAULT_WINDOW)
             if (report.sure_lost or report.sure_out_of_order or report.unsure_duplicated
-                    or report.sure_duplicated > bound):
+                    or report.sure_duplicated > bound
+                    or (scenario in NOTHING_UNSEEN and report.unsure_unseen)):
                 bad += 1
     print(f"{bad} run(s) broke a promise" if bad else "every SURE promise held")
     return 1 if bad else 0
