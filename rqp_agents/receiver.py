@@ -64,7 +64,7 @@ ANSWER_BATCH = 128
 UNCOMMITTED_MAX = 2 * ANSWER_BATCH
 #: Seconds a stop waits for connections to end once they were cancelled.
 STOP_GRACE = 2.0
-#: Seconds a plaintext connection this side closes in order (idle_timeout, closed to make
+#: Seconds a connection this side closes in order (idle_timeout, closed to make
 #: room, a stop) waits for its peer's end after its own: a frame the peer sent before it saw
 #: the close is still read and taken (Receiver._linger). A sending MCA ends its side as soon
 #: as it reads the close, a round trip later.
@@ -775,13 +775,11 @@ class Receiver(Daemon):
         message in about 180 sent again; an UNSURE one is lost). Here it is still read and
         taken: its message put (or dead-lettered), but not answered, this side being ended.
         The sender counts it unanswered: a SURE one it sends again is answered as a repeat;
-        an UNSURE one it reports not confirmed, though it arrived. Plaintext only: asyncio's
-        TLS cannot end one side alone (its close is at once, as before)."""
-        if not writer.can_write_eof() or writer.transport.is_closing():
+        an UNSURE one it reports not confirmed, though it arrived."""
+        if writer.transport.is_closing() or not _end_writing(writer):
             return
         late = sure = 0
         try:
-            writer.write_eof()
             async with asyncio.timeout(LINGER):
                 while data := await reader.read(READ_SIZE):
                     conn.receive_data(data)
@@ -1191,6 +1189,31 @@ class Receiver(Daemon):
                    "queue_key": format_key(message.queue_key),
                    "message_key": f"{message.key:#018x}"})
         return True
+
+
+def _end_writing(writer: asyncio.StreamWriter) -> bool:
+    """End this side of the connection, once what was written has left: TCP's FIN, the
+    other side still open. False if it cannot be done: the connection is then closed at once.
+
+    asyncio's TLS cannot end one side alone (its close sends close_notify and reads nothing
+    more), so over TLS the TCP stream under it is ended, without close_notify: a sending MCA
+    takes that end as any other (frames are self-delimiting: an end cut short by a third
+    party costs no more than its reset would). Only when nothing waits in the TLS layer or
+    under it, else what waits would never leave (its private transport looked up with care:
+    when it cannot be found, a close at once, as before)."""
+    if writer.can_write_eof():
+        writer.write_eof()
+        return True
+    tcp = getattr(getattr(writer.transport, "_ssl_protocol", None), "_transport", None)
+    sock = writer.get_extra_info("socket")
+    if (tcp is None or sock is None or writer.transport.get_write_buffer_size()
+            or tcp.get_write_buffer_size()):
+        return False
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return False
+    return True
 
 
 def _answers_sure(request) -> bool:

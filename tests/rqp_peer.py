@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import socket
 import ssl
 import struct
@@ -202,6 +203,14 @@ class PeerProcess:
 
     def op_shutdown(self, name: str) -> None:
         self.conns[name].shutdown(socket.SHUT_WR)
+
+    def op_hung_up(self, name: str, timeout: float = 5.0) -> bool:
+        """Whether the other side ended its stream (its FIN came) within ``timeout``,
+        reading nothing: over TLS, what this side sends afterwards still goes (once an
+        SSLSocket has read that end it writes no more)."""
+        poll = select.poll()
+        poll.register(self.conns[name], select.POLLRDHUP)
+        return bool(poll.poll(timeout * 1000))
 
     def op_close(self, name: str) -> None:
         self.conns.pop(name).close()
@@ -416,6 +425,9 @@ class Peer:
 
     def shutdown(self, name: str) -> None:
         self.call("shutdown", name=name)
+
+    def hung_up(self, name: str, timeout: float = 5.0) -> bool:
+        return self.call("hung_up", name=name, timeout=timeout, deadline=timeout + 10)
 
     def close(self, name: str) -> None:
         self.call("close", name=name)

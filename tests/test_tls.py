@@ -294,6 +294,40 @@ def test_handshake_deadline_and_limits_leave_room_for_a_good_peer(site):
     assert [c["identity"] for c in st["connections"]] == ["a.rqp.test"]
 
 
+@pytest.mark.parametrize("closing", ["idle_timeout", "stop"])
+def test_frames_that_cross_the_close_of_a_tls_connection_are_still_taken(site, closing):
+    """asyncio's TLS cannot end one side alone: its close was at once, and frames in flight
+    met a reset (a stop under a stream of UNSURE messages lost every one in flight). Now the
+    TCP stream under it is ended first, and what still comes is put."""
+    b, c = site.b, site.c
+    extra = "idle_timeout: 300ms\n" if closing == "idle_timeout" else ""
+    rx = start_receiver(b, config=site.receiver_config(
+        site.cert("b.rqp.test", ips=[b.address]), extra))
+    peer = Peer.start(c)
+    tls = site.client_tls("a.rqp.test")
+    for name in ("late", "silent"):  # (silent never ends its side: closed after LINGER)
+        assert peer.connect(name, b.address, PORT, tls=tls)["connected"]
+        assert answers(peer.exchange(name, [ask(Q1)])) == ["QUEUE_YES"]
+    if closing == "stop":
+        rx.send_signal(signal.SIGTERM)
+    assert peer.hung_up("late", timeout=10)  # (read, and this SSLSocket would send no more)
+    crossed = [msg(Q1, b"crossed unsure", key=0x901, type=UNSURE),
+               msg(Q1, b"crossed sure", key=0x902, type=SURE)]
+    peer.send("late", crossed)
+    peer.shutdown("late")
+    assert receive(b, Q1, 2) == ["crossed unsure", "crossed sure"]
+    if closing == "stop":
+        assert rx.wait(timeout=10) == 0
+    log = b.output(rx, "stderr")
+    assert "Traceback" not in log and " ERROR " not in log, log
+    if closing == "stop":
+        return
+    assert peer.connect("again", b.address, PORT, tls=tls)["connected"]
+    assert answers(peer.exchange("again", crossed[1:])) == ["DELIVERED_YES"]  # a repeat:
+    assert receive(b, Q1, 1, timeout=1) == []  # not put twice
+    assert "came after this side closed the connection" in b.output(rx, "stderr")
+
+
 HOLD = r"""
 import socket, sys
 socks = [socket.create_connection((sys.argv[1], int(sys.argv[2]))) for _ in range(int(sys.argv[3]))]
