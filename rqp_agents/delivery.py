@@ -133,8 +133,9 @@ class LocalDelivery:
             now = time.monotonic()
             if deadline is None:
                 deadline = now + budget
-                self._full_log.report("%s full: retrying for up to %gs", logging.INFO, what,
-                                      budget)
+                if budget > 0:
+                    self._full_log.report("%s full: retrying for up to %gs", logging.INFO,
+                                          what, budget)
             if now >= deadline:
                 raise QueueFull(f"{what} is full")
             await asyncio.sleep(min(wait, deadline - now))
@@ -177,8 +178,9 @@ class LocalDelivery:
             return False  # full, gone, ...: put() tries again and says what to do
         return True
 
-    async def put(self, message) -> tuple[ReasonCode | None, str]:
-        """Put the message in its queue; (None, "") or why not."""
+    async def put(self, message, wait: bool = True) -> tuple[ReasonCode | None, str]:
+        """Put the message in its queue; (None, "") or why not. Without ``wait``, a full
+        queue is not waited for: QUEUE_FULL at once."""
         if self.put_at_once(message):
             return None, ""
         key = message.queue_key
@@ -189,7 +191,8 @@ class LocalDelivery:
             try:
                 await self.retrying(_putter(self._queue(key), message.message,
                                             getattr(message, "mtype", DEFAULT_MTYPE)),
-                                    self.put_budget, f"{name} (key={message.key:#018x})")
+                                    self.put_budget if wait else 0.0,
+                                    f"{name} (key={message.key:#018x})")
                 return None, ""
             except QueueNotFound as exc:
                 self._queues.pop(key, None)
@@ -198,7 +201,10 @@ class LocalDelivery:
             except QueueFull as exc:
                 return exc.reason, (
                     f"{name} still full after {self.put_budget:g}s "
-                    f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)")
+                    f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)"
+                    if wait else f"{name} full (not waited for: the message came after the "
+                    "receiving MCA had closed the connection, and could not wait for room "
+                    "without coming after later ones)")
             except (QueueError, MessageTooBig) as exc:  # each error carries its reason
                 if isinstance(exc, QueueError):
                     self._queues.pop(key, None)

@@ -69,6 +69,10 @@ STOP_GRACE = 2.0
 #: the close is still read and taken (Receiver._linger). A sending MCA ends its side as soon
 #: as it reads the close, a round trip later.
 LINGER = 1.0
+#: Of the connections closed to make room for new ones, at most one in this many of
+#: max_connections lingers at once (each holds a socket beyond max_connections meanwhile):
+#: more are closed at once.
+ROOM_LINGERING = 8
 #: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
 #: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
 #: leaves in this host's memory (the kernel's autotuning let it grow to 4 MiB: a trial had 2
@@ -431,6 +435,8 @@ class Receiver(Daemon):
         self._evicted: dict[asyncio.Task, tuple[str, float, bool]] = {}
         #: Connections a stop closes while they wait for bytes (they linger, see _linger).
         self._stop_idle: set[asyncio.Task] = set()
+        #: Connections that ended their side and wait for their peer's end (_linger).
+        self._lingering: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -443,6 +449,7 @@ class Receiver(Daemon):
         self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
         self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
         self._repeats = RateLimitedLog(log, *limit, what="repeats")
+        self._late_log = RateLimitedLog(log, *limit, what="frames come after a close")
         self._repeated_dead_letters = RateLimitedLog(log, *limit,
                                                      what="repeated dead letters")
         self._dead_letters_log = RateLimitedLog(log, *limit, what="dead letters")
@@ -496,7 +503,7 @@ class Receiver(Daemon):
         self._stop_idle.update(self._idle)
         for task in self._stop_idle:  # nothing in flight on these: closed (each lingers)
             task.cancel()
-        busy = self._connections - self._stop_idle
+        busy = self._connections - self._stop_idle - self._lingering
         if busy and not self.failed:  # answer what was already received, then close
             wait = self.delivery.put_budget + 5
             log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
@@ -508,9 +515,11 @@ class Receiver(Daemon):
                             "they had sent and not had answered stays with their senders "
                             "(SURE, sent again) or is lost (UNSURE)", len(still), wait)
         if not self.failed:  # (the idle ones closed: their peers' frames on the way come in)
-            lingering = [task for task in self._connections if task in self._stop_idle]
+            lingering = [task for task in self._connections
+                         if task in self._stop_idle or task in self._lingering]
             if lingering:
-                await asyncio.wait(lingering, timeout=LINGER)
+                await asyncio.wait(lingering, timeout=LINGER + 1.0)  # (each ends by LINGER,
+                # but a refusal's dead letter may wait for room a second more)
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -723,9 +732,8 @@ class Receiver(Daemon):
                     linger = True
                     break
         except asyncio.CancelledError:  # stopping, or making room, while it waited for bytes
-            if self._closed_for_room(task, writer, peer, who.label):  # (or to be read)
-                linger = not self._evicted[task][2]  # (else aborted: its answers unread)
-            else:
+            linger = self._closed_for_room(task, writer, peer, who.label)  # (or to be read)
+            if linger is None:
                 self._goings.report("closing connection from %s: stopping", logging.INFO, peer)
                 linger = task in self._stop_idle  # (not the last cancel of a busy one)
             if linger:
@@ -768,31 +776,62 @@ class Receiver(Daemon):
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       conn: ReceiverConnection, who: Peer, info: dict, peer: str) -> None:
         """Close a connection in order in two steps, once its answers are out: this side's
-        end first, then, at the peer's end or after LINGER seconds, the rest.
+        end first, then, at the peer's end or after LINGER seconds without it, the rest.
 
         A frame the peer sent before it read this side's end crosses it; a close at once
         would have the kernel answer it with a reset, unread (a trial under a crowd: one SURE
         message in about 180 sent again; an UNSURE one is lost). Here it is still read and
         taken: its message put (or dead-lettered), but not answered, this side being ended.
         The sender counts it unanswered: a SURE one it sends again is answered as a repeat;
-        an UNSURE one it reports not confirmed, though it arrived."""
+        an UNSURE one it reports not confirmed, though it arrived.
+
+        Nothing waits for room, in order: put later, a message could come after the sender's
+        next one, sent on a new connection meanwhile (a trial: an UNSURE message that waited
+        for room here was put after the one sent after it, or, no room coming within LINGER,
+        dropped). One for a full queue is dead-lettered QUEUE_FULL at once (a SURE one's
+        notice: it is sent again); an atomic batch, whose room would be waited for, is left
+        unread with what comes after it, as a close at once would leave them. So is a SURE
+        message beyond UNCOMMITTED_MAX: each read's keys are committed as answers' are, and
+        no more of them wait for it than of answers (a receiving MCA killed meanwhile puts
+        those again when they are sent again; a sending MCA has no more in flight than its
+        window, 256 by default)."""
         if writer.transport.is_closing() or not _end_writing(writer):
             return
+        task = asyncio.current_task()
+        self._lingering.add(task)
         late = sure = 0
+        left = None  # the first frame not taken: it would have had to wait
+        due = asyncio.get_running_loop().time() + LINGER
         try:
-            async with asyncio.timeout(LINGER):
-                while data := await reader.read(READ_SIZE):
-                    conn.receive_data(data)
-                    while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
-                        late += 1
-                        info["frames"] += 1
-                        sure += _answers_sure(request)
-                        if self._handle_at_once(conn, request, who, info) is None:
-                            await self._handle(conn, request, who, info)
-        except (TimeoutError, asyncio.CancelledError):
-            pass  # (not ended by its peer within LINGER, or a stop's last cancel)
+            while left is None:
+                try:  # (the time limit is on the peer's end: what is taken is done)
+                    async with asyncio.timeout_at(due):
+                        data = await reader.read(READ_SIZE)
+                except TimeoutError:
+                    break
+                if not data:
+                    break
+                conn.receive_data(data)
+                read_sure = 0
+                while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
+                    if isinstance(request, Batch) or (
+                            sure + read_sure >= UNCOMMITTED_MAX and _answers_sure(request)):
+                        left = request
+                        break
+                    if self._handle_at_once(conn, request, who, info) is None:
+                        await self._handle(conn, request, who, info, wait=False)
+                    late += 1
+                    info["frames"] += 1
+                    read_sure += _answers_sure(request)
+                if read_sure:  # (recorded in the window: durable now, as answered ones are)
+                    self._commit()
+                    sure += read_sure
+        except asyncio.CancelledError:
+            pass  # (a stop's last cancel)
         except DedupError as exc:
             self._unrecorded(peer, exc, who.label)
+        except LocalProtocolError as exc:  # this agent misused its own core: a bug
+            self.fatal(f"the connection from {peer}", exc)
         except RQPError as exc:  # a bad frame: nothing after it can be read
             self.stats["protocol_errors"] += 1
             self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
@@ -800,19 +839,27 @@ class Receiver(Daemon):
                                            address=peer))
         except (ConnectionError, OSError):
             pass
-        if sure:  # (recorded in the window: durable now, not at the next connection's commit)
-            try:
-                durable = self.commits.durable()
-            except DedupError:
-                durable = None
-            if durable is not None:
-                durable.add_done_callback(_retrieved)
-        if late:
+        finally:
+            self._lingering.discard(task)
+        if late or left is not None:
             self.stats["late_frames"] += late
-            self._goings.report("%d frame(s) from %s came after this side closed the "
-                                "connection: taken, unanswered (a SURE message is answered "
-                                "when sent again)", logging.INFO, late, peer,
-                                extra=dict(event="late_frames", peer=who.label, address=peer))
+            self._late_log.report(
+                "%d frame(s) from %s came after this side closed the connection: taken, "
+                "unanswered (a SURE message is answered when sent again)%s", logging.INFO,
+                late, peer, "" if left is None else
+                f"; the next one was not taken: {_not_taken(left, sure)}",
+                extra=dict(event="late_frames", peer=who.label, address=peer))
+
+    def _commit(self) -> asyncio.Future | None:
+        """Start making every recorded key durable: the future of that commit, None if there
+        is none to make or none can be made (its failure is dealt with where it is seen)."""
+        try:
+            durable = self.commits.durable()
+        except DedupError:
+            return None
+        if durable is not None:
+            durable.add_done_callback(_retrieved)
+        return durable
 
     def _make_room(self, newcomer: str) -> bool:
         """Every connection slot is taken and ``newcomer`` asks for one: close one that waits
@@ -856,13 +903,14 @@ class Receiver(Daemon):
         return True
 
     def _closed_for_room(self, task: asyncio.Task, writer: asyncio.StreamWriter, peer: str,
-                         label: str) -> bool:
-        """If ``task`` was closed to make room: count and (rate-limited) log it, and if its
-        peer left its answers unread, drop them and the connection at once (a close would wait
-        for the peer to read them)."""
+                         label: str) -> bool | None:
+        """If ``task`` was closed to make room (else None): count and (rate-limited) log it,
+        and if its peer left its answers unread, drop them and the connection at once (a close
+        would wait for the peer to read them). Whether it may linger (see _linger): not
+        then, nor beyond one in ROOM_LINGERING of max_connections."""
         evicted = self._evicted.get(task)
         if evicted is None:
-            return False
+            return None
         newcomer, waited, unread = evicted
         if unread:
             self._open[task].answers.abandon()  # (only a framed connection has answers unread)
@@ -873,7 +921,10 @@ class Receiver(Daemon):
                             peer, "its answers unread" if unread else "idle", waited, newcomer,
                             self.config.max_connections,
                             extra=dict(event="connection_evicted", peer=label, address=peer))
-        return True
+        # (one lingering holds a socket beyond max_connections: a trial's crowd had the
+        # default 512 take all 1,024 descriptors of the process)
+        return not unread and \
+            len(self._evicted) <= max(1, self.config.max_connections // ROOM_LINGERING)
 
     def _not_reading(self, writer: asyncio.StreamWriter, peer: str, who: Peer,
                      exc: PeerNotReading) -> None:
@@ -906,7 +957,10 @@ class Receiver(Daemon):
             return conn.answer_put(request, True)
         return self._delivered(conn, request, info)
 
-    async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
+    async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict,
+                      wait: bool = True) -> bytes:
+        """Do what ``request`` asks and answer it; without ``wait``, a put does not wait
+        for room in a full queue (see :meth:`_put`)."""
         peer = who.label
         if isinstance(request, Ask):
             self.stats["asks"] += 1
@@ -940,7 +994,7 @@ class Receiver(Daemon):
                 self._count_dead_letter(request.message, await self._dead_letter(
                     request.message, request.reason, request.detail, who), info)
             return conn.answer_put(request, False)
-        reason, detail, repeat = await self._put(request.message, peer)
+        reason, detail, repeat = await self._put(request.message, peer, wait)
         if repeat:
             info["repeats"] += 1
             return conn.answer_put(request, True)
@@ -1065,14 +1119,16 @@ class Receiver(Daemon):
                                     "queue_key": format_key(message.queue_key),
                                     "message_key": f"{message.key:#018x}"})
 
-    async def _put(self, message, peer: str) -> tuple[ReasonCode | None, str, bool]:
+    async def _put(self, message, peer: str,
+                   wait: bool = True) -> tuple[ReasonCode | None, str, bool]:
         """Put one message: (None, "", False), or why not; a SURE one once per key: a repeat
-        is not put again, (None, "", True)."""
+        is not put again, (None, "", True). Without ``wait``, a full queue is not waited for
+        (QUEUE_FULL at once)."""
         done = self._put_at_once(message, peer)
         if done is not None:
             return None, "", done is _REPEAT
         if message.message_type != SURE_MSG:
-            reason, detail = await self.delivery.put(message)
+            reason, detail = await self.delivery.put(message, wait)
         else:
             key = scoped_key(peer, message.key)
             while key in self._putting:  # the same message on another connection, just now
@@ -1085,10 +1141,10 @@ class Receiver(Daemon):
                 return None, "", True
             await self._window_writable()
             if key in self._putting or self.dedup.seen(key):  # (meanwhile, from another)
-                return await self._put(message, peer)
+                return await self._put(message, peer, wait)
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
-                reason, detail = await self.delivery.put(message)
+                reason, detail = await self.delivery.put(message, wait)
                 if reason is None:
                     self.dedup.record(key)  # made durable before the answer is written
             finally:
@@ -1214,6 +1270,15 @@ def _end_writing(writer: asyncio.StreamWriter) -> bool:
     except OSError:
         return False
     return True
+
+
+def _not_taken(request, sure: int) -> str:
+    """Why ``request``, come after this side closed its connection, was not taken."""
+    if isinstance(request, Batch):
+        return ("an atomic batch (its room would be waited for), left with those after it, so "
+                "that none is put after a later message")
+    return (f"{sure} SURE messages taken already (no more wait for their commit, as for "
+            "answers: UNCOMMITTED_MAX), left with those after it")
 
 
 def _answers_sure(request) -> bool:

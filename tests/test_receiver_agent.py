@@ -1442,22 +1442,22 @@ def test_connections_still_closing_do_not_count_against_their_address(testbed):
     """A connection closed for room ends its side first and reads on until its peer's end
     (LINGER): counted as held by its address meanwhile, it made that address give up more
     than its share to the next newcomer from another."""
-    config = {**BASE_CONFIG, "max_connections": 4, "max_connections_per_source": 4}
+    config = {**BASE_CONFIG, "max_connections": 16, "max_connections_per_source": 16}
     r = rig(testbed, config, queues={Q1: 0o660})
-    for n in range(4):
+    for n in range(16):
         connect(r.pb, f"b{n}", r)
         assert answers(r.pb.exchange(f"b{n}", [ask(Q1)])) == ["QUEUE_YES"]
-    for n in range(2):  # a holds 0, then 1; b 4, then 3: b gives one up each time ...
-        connect(r.qa, f"a{n}", r)
+    for n in range(8):  # a holds n, b 16 - n: b gives one up each time (the first two
+        connect(r.qa, f"a{n}", r)  # linger, their peers not ending them)
         assert answers(r.qa.exchange(f"a{n}", [ask(Q1)])) == ["QUEUE_YES"]
-        assert r.pb.read_to_eof(f"b{n}", timeout=10)["eof"]  # (its peer does not end it)
-    connect(r.qa, "a2", r)  # ... but not a third: two each now, those closing not counted
-    got = r.qa.read_to_eof("a2", timeout=10)
+        assert r.pb.hung_up(f"b{n}", timeout=10)
+    connect(r.qa, "a8", r)  # ... but not now: a would hold 9, b holds 8 and two closing
+    got = r.qa.read_to_eof("a8", timeout=10)
     assert got["eof"] and not got["data"], got
-    wait_for(lambda: "refusing connections: 4 open (2 more closing), max_connections 4; "
+    wait_for(lambda: "refusing connections: 16 open (2 more closing), max_connections 16; "
              "none to close for it" in r.log(), timeout=10, message="no refusal logged")
-    for name in ("b2", "b3"):
-        assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"], name
+    for n in range(8, 16):
+        assert answers(r.pb.exchange(f"b{n}", [ask(Q1)])) == ["QUEUE_YES"], n
 
 
 def test_among_addresses_holding_as_many_a_connection_idle_a_second_makes_room(testbed):
@@ -1581,6 +1581,82 @@ def test_frames_that_cross_the_close_of_an_idle_connection_are_still_taken(testb
     assert r.pb.exchange("other", crossed[1:]) == DELIVERED_YES  # the sender's next try
     assert r.qa.depth(Q1) == 0  # a repeat: not put twice
     assert "rqp_receiver_late_frames_total 2.0\n" in _metrics(r)
+
+
+def test_after_the_close_no_more_sure_messages_are_taken_than_answers_may_leave_uncommitted(
+        testbed):
+    """Messages taken after this side's end have no answer to wait for their commit: a
+    receiving MCA killed meanwhile puts them again when they are sent again (a trial: every
+    late one put twice after a kill). As for answers, no more than UNCOMMITTED_MAX of them
+    may wait for it: the rest are left, and sent again."""
+    from rqp_agents.receiver import UNCOMMITTED_MAX
+    config = {**BASE_CONFIG, "idle_timeout": "300ms"}
+    r = rig(testbed, config, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 20})
+    connect(r.pb, "late", r)
+    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
+    assert r.pb.hung_up("late", timeout=10)
+    n = UNCOMMITTED_MAX + 44
+    sure = [msg(Q1, b"s%d" % i, key=0x1000 + i, type=SURE) for i in range(n)]
+    r.pb.send("late", sure)
+    wait_for(lambda: f"{UNCOMMITTED_MAX} frame(s) from {r.b.address}:" in r.log(), timeout=10,
+             message="the late frames taken are not logged")
+    assert f"the next one was not taken: {UNCOMMITTED_MAX} SURE messages taken already" in \
+        r.log()
+    assert [body for _, body in r.qa.drain(Q1)] == [b"s%d" % i for i in range(UNCOMMITTED_MAX)]
+    connect(r.pb, "again", r)  # the sender's next try: every one answered, none put twice
+    assert answers(r.pb.exchange("again", sure, timeout=30)) == ["DELIVERED_YES"] * n
+    assert [body for _, body in r.qa.drain(Q1)] == [b"s%d" % i
+                                                    for i in range(UNCOMMITTED_MAX, n)]
+
+
+def test_of_the_connections_closed_for_room_only_an_eighth_of_the_slots_linger(testbed):
+    """A connection closed for room lingers in a socket beyond max_connections (its slot is
+    the newcomer's at once): a trial's crowd of new connections had a receiving MCA with the
+    default 512 take all 1,024 descriptors of its process. Now at most one in ROOM_LINGERING
+    of max_connections lingers at once; the others are closed at once, as before."""
+    from rqp_agents.receiver import ROOM_LINGERING
+    config = {**BASE_CONFIG, "max_connections": ROOM_LINGERING,
+              "max_connections_per_source": ROOM_LINGERING}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    for n in range(ROOM_LINGERING):
+        connect(r.pb, f"b{n}", r)
+        assert answers(r.pb.exchange(f"b{n}", [ask(Q1)])) == ["QUEUE_YES"]
+    for n in range(2):  # b's two idlest give way, their peers not ending them
+        connect(r.qa, f"a{n}", r)
+        assert answers(r.qa.exchange(f"a{n}", [ask(Q1)])) == ["QUEUE_YES"]
+        assert r.pb.hung_up(f"b{n}", timeout=10)
+    r.pb.send("b1", [msg(Q1, b"b1", key=0x901, type=UNSURE)])  # (b1: closed, unread)
+    r.pb.send("b0", [msg(Q1, b"b0", key=0x900, type=UNSURE)])
+    r.pb.shutdown("b0")
+    wait_for(lambda: "1 frame(s) from" in r.log(), timeout=10, message="b0's frame not taken")
+    assert r.log().count("frame(s) from") == 1
+    assert r.qa.drain(Q1) == [(1, b"b0")]
+
+
+def test_after_the_close_a_message_for_a_full_queue_is_dead_lettered_at_once(testbed):
+    """A trial: an UNSURE message that came after the close waited here for room in a full
+    queue, and was put after the next message its sender sent, on a new connection (or, the
+    room not coming within LINGER, was dropped, logged as taken). Now it waits for nothing:
+    dead-lettered QUEUE_FULL at once."""
+    config = {**BASE_CONFIG, "idle_timeout": "300ms"}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    connect(r.pb, "late", r)
+    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
+    filled = r.qa.fill(Q1)["messages"]
+    assert r.pb.hung_up("late", timeout=10)
+    r.pb.send("late", [ask(Q1), msg(Q1, b"u1", key=0x901, type=UNSURE),
+                       msg(Q1, b"u2", key=0x902, type=UNSURE)])
+    wait_for(lambda: f"3 frame(s) from {r.b.address}:" in r.log(), timeout=10,
+             message="the late frames are not logged")
+    assert "full: retrying" not in r.log()
+    letters = r.qa.dead_letters()
+    assert [(d["reason"], d["payload"]) for d in letters] == [
+        (ReasonCode.QUEUE_FULL, b"u1"), (ReasonCode.QUEUE_FULL, b"u2")], letters
+    assert "not waited for" in letters[0]["detail"], letters[0]
+    assert len(r.qa.drain(Q1)) == filled  # room now: nothing of the late ones comes
+    connect(r.pb, "next", r)
+    assert r.pb.exchange("next", [msg(Q1, b"u3", key=0x903, type=UNSURE)]) == DELIVERED_YES
+    assert r.qa.drain(Q1) == [(1, b"u3")]
 
 
 def test_a_first_frame_trickled_a_byte_at_a_time_is_due_within_first_frame_timeout(testbed):
