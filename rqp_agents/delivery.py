@@ -6,6 +6,7 @@ carries its dead-letter reason."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,17 @@ from rqp.system.queues import (
 from rqp.system.service import is_agent_queue
 from rqp_agents.daemon import RateLimitedLog
 
-__all__ = ["LocalDelivery"]
+__all__ = ["LocalDelivery", "NO_WAITING"]
+
+#: True in a task whose requests may not wait for room (Receiver._linger: what came after
+#: the receiving MCA ended its side of a connection, which must not be put after what its
+#: sender sent next): a full queue is QUEUE_FULL at once, for a put, a batch's room and a
+#: dead letter alike (every wait for room is :meth:`LocalDelivery.retrying`).
+NO_WAITING: contextvars.ContextVar[bool] = contextvars.ContextVar("rqp_no_waiting",
+                                                                  default=False)
+#: Why, in a dead letter's detail.
+NOT_WAITED = ("not waited for: it came after the receiving MCA had closed the connection, and "
+              "could not wait for room without coming after later messages")
 
 #: Queue keys whose decision (offered or not) is remembered, for a second each; beyond, all
 #: are forgotten. With 4,096, messages spread over 5,000 keys were decided again each one
@@ -126,7 +137,10 @@ class LocalDelivery:
     async def retrying(self, attempt: Callable[[], bool], budget: float, what: str) -> None:
         """Put without blocking the loop: ``attempt()`` puts without waiting and says whether it
         did; while the queue is full, try again (waits doubling from 5 ms up to
-        ``put_retry_interval``) until ``budget`` seconds have passed, then raise QueueFull."""
+        ``put_retry_interval``) until ``budget`` seconds have passed, then raise QueueFull
+        (at once under NO_WAITING)."""
+        if NO_WAITING.get():
+            budget = 0.0
         deadline = None
         wait = 0.005
         while not attempt():
@@ -157,7 +171,8 @@ class LocalDelivery:
                                     f"{name} (room for a batch of {need} bytes)")
             except QueueFull:
                 return (ReasonCode.QUEUE_FULL, f"{name} had no room for the batch's {need} "
-                        f"bytes within {self.put_budget:g}s", key)
+                        + (f"bytes ({NOT_WAITED})" if NO_WAITING.get() else
+                           f"bytes within {self.put_budget:g}s"), key)
             except (QueueError, MessageTooBig) as exc:
                 self._queues.pop(key, None)
                 return exc.reason, str(exc), key
@@ -178,9 +193,8 @@ class LocalDelivery:
             return False  # full, gone, ...: put() tries again and says what to do
         return True
 
-    async def put(self, message, wait: bool = True) -> tuple[ReasonCode | None, str]:
-        """Put the message in its queue; (None, "") or why not. Without ``wait``, a full
-        queue is not waited for: QUEUE_FULL at once."""
+    async def put(self, message) -> tuple[ReasonCode | None, str]:
+        """Put the message in its queue; (None, "") or why not."""
         if self.put_at_once(message):
             return None, ""
         key = message.queue_key
@@ -191,8 +205,7 @@ class LocalDelivery:
             try:
                 await self.retrying(_putter(self._queue(key), message.message,
                                             getattr(message, "mtype", DEFAULT_MTYPE)),
-                                    self.put_budget if wait else 0.0,
-                                    f"{name} (key={message.key:#018x})")
+                                    self.put_budget, f"{name} (key={message.key:#018x})")
                 return None, ""
             except QueueNotFound as exc:
                 self._queues.pop(key, None)
@@ -202,9 +215,7 @@ class LocalDelivery:
                 return exc.reason, (
                     f"{name} still full after {self.put_budget:g}s "
                     f"({self.config.put_retry_count} x {self.config.put_retry_interval:g}s)"
-                    if wait else f"{name} full (not waited for: the message came after the "
-                    "receiving MCA had closed the connection, and could not wait for room "
-                    "without coming after later ones)")
+                    if not NO_WAITING.get() else f"{name} full ({NOT_WAITED})")
             except (QueueError, MessageTooBig) as exc:  # each error carries its reason
                 if isinstance(exc, QueueError):
                     self._queues.pop(key, None)

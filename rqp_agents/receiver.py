@@ -41,7 +41,7 @@ from rqp.system.service import (
 )
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
-from rqp_agents.delivery import LocalDelivery
+from rqp_agents.delivery import NO_WAITING, LocalDelivery
 from rqp_agents.gate import EVICT_IDLE, Gate
 
 log = logging.getLogger("rqp.receiver")
@@ -435,8 +435,9 @@ class Receiver(Daemon):
         self._evicted: dict[asyncio.Task, tuple[str, float, bool]] = {}
         #: Connections a stop closes while they wait for bytes (they linger, see _linger).
         self._stop_idle: set[asyncio.Task] = set()
-        #: Connections that ended their side and wait for their peer's end (_linger).
-        self._lingering: set[asyncio.Task] = set()
+        #: Connections that ended their side and wait for their peer's end (_linger), and
+        #: their peers' addresses.
+        self._lingering: dict[asyncio.Task, str] = {}
         self._server: asyncio.base_events.Server | None = None
         self.started = time.time()
         self.control_path = Path(config.control_socket) if config.control_socket else \
@@ -503,7 +504,7 @@ class Receiver(Daemon):
         self._stop_idle.update(self._idle)
         for task in self._stop_idle:  # nothing in flight on these: closed (each lingers)
             task.cancel()
-        busy = self._connections - self._stop_idle - self._lingering
+        busy = self._connections - self._stop_idle - self._lingering.keys()
         if busy and not self.failed:  # answer what was already received, then close
             wait = self.delivery.put_budget + 5
             log.info("stopping: waiting up to %gs for %d connection(s) to answer what they "
@@ -672,9 +673,13 @@ class Receiver(Daemon):
         # open for 30 s past a 10 s first_frame_timeout, sending a byte every 3 s); after it,
         # idle_timeout counts from the last bytes.
         loop = asyncio.get_running_loop()
-        first_due = loop.time() + self.config.first_frame_timeout
         linger = False  # closed in order by this side: wait a moment for the peer's end
         try:
+            before = [other for other, address in self._lingering.items()
+                      if address == who.address]
+            if before:  # (what its sender sent there before it saw the close is taken first:
+                await asyncio.wait(before)  # else a frame of it could come after this one's)
+            first_due = loop.time() + self.config.first_frame_timeout
             while True:
                 await answers.room()  # (raises if a commit failed: close, unanswered)
                 self._idle[task] = loop.time()  # waiting for bytes: nothing in flight
@@ -785,22 +790,24 @@ class Receiver(Daemon):
         The sender counts it unanswered: a SURE one it sends again is answered as a repeat;
         an UNSURE one it reports not confirmed, though it arrived.
 
-        Nothing waits for room, in order: put later, a message could come after the sender's
-        next one, sent on a new connection meanwhile (a trial: an UNSURE message that waited
-        for room here was put after the one sent after it, or, no room coming within LINGER,
-        dropped). One for a full queue is dead-lettered QUEUE_FULL at once (a SURE one's
-        notice: it is sent again); an atomic batch, whose room would be waited for, is left
-        unread with what comes after it, as a close at once would leave them. So is a SURE
-        message beyond UNCOMMITTED_MAX: each read's keys are committed as answers' are, and
+        In order with what its sender sends next: a new connection from the same address
+        waits until this one ended (:meth:`_converse`), and nothing here waits (NO_WAITING;
+        trials: a message that waited for room, for the same SURE message being put from
+        another connection, or for room in DEAD.LETTER.Q held the lingering past LINGER and
+        was put after the one sent after it). A message for a full queue, or a batch without
+        room, is dead-lettered QUEUE_FULL at once (a SURE one's notice: it is sent again).
+        A SURE message beyond UNCOMMITTED_MAX is left unread with what comes after it, as a
+        close at once would leave them: each read's keys are committed as answers' are, and
         no more of them wait for it than of answers (a receiving MCA killed meanwhile puts
         those again when they are sent again; a sending MCA has no more in flight than its
         window, 256 by default)."""
         if writer.transport.is_closing() or not _end_writing(writer):
             return
         task = asyncio.current_task()
-        self._lingering.add(task)
+        self._lingering[task] = who.address
+        no_waiting = NO_WAITING.set(True)
         late = sure = 0
-        left = None  # the first frame not taken: it would have had to wait
+        left = None  # the first frame not taken
         due = asyncio.get_running_loop().time() + LINGER
         try:
             while left is None:
@@ -814,12 +821,11 @@ class Receiver(Daemon):
                 conn.receive_data(data)
                 read_sure = 0
                 while (request := conn.next_request()) not in (NEED_DATA, CLOSED):
-                    if isinstance(request, Batch) or (
-                            sure + read_sure >= UNCOMMITTED_MAX and _answers_sure(request)):
+                    if sure + read_sure >= UNCOMMITTED_MAX and _answers_sure(request):
                         left = request
                         break
                     if self._handle_at_once(conn, request, who, info) is None:
-                        await self._handle(conn, request, who, info, wait=False)
+                        await self._handle(conn, request, who, info)  # (NO_WAITING)
                     late += 1
                     info["frames"] += 1
                     read_sure += _answers_sure(request)
@@ -840,14 +846,18 @@ class Receiver(Daemon):
         except (ConnectionError, OSError):
             pass
         finally:
-            self._lingering.discard(task)
+            NO_WAITING.reset(no_waiting)
+            del self._lingering[task]
         if late or left is not None:
             self.stats["late_frames"] += late
             self._late_log.report(
-                "%d frame(s) from %s came after this side closed the connection: taken, "
-                "unanswered (a SURE message is answered when sent again)%s", logging.INFO,
+                "%d frame(s) from %s came after this side closed the connection: taken (put "
+                "or dead-lettered), unanswered (a SURE message is answered when sent again)%s",
+                logging.INFO,
                 late, peer, "" if left is None else
-                f"; the next one was not taken: {_not_taken(left, sure)}",
+                f"; the next one was not taken: {sure} SURE messages taken already (no more "
+                "wait for their commit, as for answers: UNCOMMITTED_MAX), left with those "
+                "after it",
                 extra=dict(event="late_frames", peer=who.label, address=peer))
 
     def _commit(self) -> asyncio.Future | None:
@@ -957,10 +967,7 @@ class Receiver(Daemon):
             return conn.answer_put(request, True)
         return self._delivered(conn, request, info)
 
-    async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict,
-                      wait: bool = True) -> bytes:
-        """Do what ``request`` asks and answer it; without ``wait``, a put does not wait
-        for room in a full queue (see :meth:`_put`)."""
+    async def _handle(self, conn: ReceiverConnection, request, who: Peer, info: dict) -> bytes:
         peer = who.label
         if isinstance(request, Ask):
             self.stats["asks"] += 1
@@ -994,7 +1001,7 @@ class Receiver(Daemon):
                 self._count_dead_letter(request.message, await self._dead_letter(
                     request.message, request.reason, request.detail, who), info)
             return conn.answer_put(request, False)
-        reason, detail, repeat = await self._put(request.message, peer, wait)
+        reason, detail, repeat = await self._put(request.message, peer)
         if repeat:
             info["repeats"] += 1
             return conn.answer_put(request, True)
@@ -1099,6 +1106,9 @@ class Receiver(Daemon):
         (:meth:`_retry_window` also tries every second)."""
         if not self.dedup.unwritten:
             return
+        if NO_WAITING.get():
+            raise DedupError(f"the de-duplication window {self.dedup.path} cannot be written: "
+                             "no new SURE message is put until it can be")
         try:
             waiting = self.commits.durable()
             if waiting is not None:
@@ -1119,18 +1129,20 @@ class Receiver(Daemon):
                                     "queue_key": format_key(message.queue_key),
                                     "message_key": f"{message.key:#018x}"})
 
-    async def _put(self, message, peer: str,
-                   wait: bool = True) -> tuple[ReasonCode | None, str, bool]:
+    async def _put(self, message, peer: str) -> tuple[ReasonCode | None, str, bool]:
         """Put one message: (None, "", False), or why not; a SURE one once per key: a repeat
-        is not put again, (None, "", True). Without ``wait``, a full queue is not waited for
-        (QUEUE_FULL at once)."""
+        is not put again, (None, "", True). Under NO_WAITING, nothing is waited for: a
+        full queue is QUEUE_FULL at once, and the same message being put from another
+        connection just now is taken for a repeat (that put decides)."""
         done = self._put_at_once(message, peer)
         if done is not None:
             return None, "", done is _REPEAT
         if message.message_type != SURE_MSG:
-            reason, detail = await self.delivery.put(message, wait)
+            reason, detail = await self.delivery.put(message)
         else:
             key = scoped_key(peer, message.key)
+            if key in self._putting and NO_WAITING.get():
+                return None, "", True
             while key in self._putting:  # the same message on another connection, just now
                 busy = self._putting[key]
                 if busy is None:
@@ -1141,10 +1153,10 @@ class Receiver(Daemon):
                 return None, "", True
             await self._window_writable()
             if key in self._putting or self.dedup.seen(key):  # (meanwhile, from another)
-                return await self._put(message, peer, wait)
+                return await self._put(message, peer)
             self._putting[key] = None  # (an Event only if another connection waits for it)
             try:
-                reason, detail = await self.delivery.put(message, wait)
+                reason, detail = await self.delivery.put(message)
                 if reason is None:
                     self.dedup.record(key)  # made durable before the answer is written
             finally:
@@ -1272,13 +1284,6 @@ def _end_writing(writer: asyncio.StreamWriter) -> bool:
     return True
 
 
-def _not_taken(request, sure: int) -> str:
-    """Why ``request``, come after this side closed its connection, was not taken."""
-    if isinstance(request, Batch):
-        return ("an atomic batch (its room would be waited for), left with those after it, so "
-                "that none is put after a later message")
-    return (f"{sure} SURE messages taken already (no more wait for their commit, as for "
-            "answers: UNCOMMITTED_MAX), left with those after it")
 
 
 def _answers_sure(request) -> bool:

@@ -1633,6 +1633,52 @@ def test_of_the_connections_closed_for_room_only_an_eighth_of_the_slots_linger(t
     assert r.qa.drain(Q1) == [(1, b"b0")]
 
 
+def test_what_crosses_the_close_comes_before_what_its_sender_sends_next(testbed):
+    """A trial: a window of 4 KiB frames sent as the close came, then at once a message on
+    a new connection: the lingering connection read 64 KiB a turn, the new one was served
+    in between, and 21 to 151 of the late frames were put after it. Now a new connection
+    from the same address waits until the lingering one ended."""
+    config = {**BASE_CONFIG, "idle_timeout": "300ms"}
+    r = rig(testbed, config, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 4 << 20})
+    connect(r.pb, "late", r)
+    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
+    assert r.pb.hung_up("late", timeout=10)
+    late = [msg(Q1, b"%04d" % i + b"x" * 4092, key=0x1000 + i, type=UNSURE) for i in range(256)]
+    r.pb.send("late", late)  # (and no end of its own: it lingers until LINGER)
+    connect(r.pb, "next", r)
+    assert r.pb.exchange("next", [msg(Q1, b"next", key=0x2000, type=UNSURE)],
+                         timeout=10) == DELIVERED_YES
+    bodies = [body[:4] for _, body in r.qa.drain(Q1)]
+    assert bodies == [b"%04d" % i for i in range(256)] + [b"next"], bodies[-5:]
+
+
+def test_after_the_close_the_same_sure_message_being_put_elsewhere_is_not_waited_for(
+        testbed):
+    """A trial: a SURE message that came after the close while the same one (sent again)
+    was being put on another connection, into a full queue, held the lingering connection
+    for that put's retries (4.5 s, LINGER being 1 s), and what came after it waited too.
+    Now that put decides: the late one is taken for a repeat."""
+    config = {**BASE_CONFIG, "idle_timeout": "300ms", "put_retry_count": 600,
+              "put_retry_interval": 0.1}
+    r = rig(testbed, config, queues={Q1: 0o660, Q2: 0o660})
+    connect(r.pb, "late", r)
+    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
+    connect(r.pb, "busy", r)
+    filled = r.qa.fill(Q1)["messages"]
+    r.pb.send("busy", [msg(Q1, b"k", key=0x4B, type=SURE)])  # waits for room in Q1
+    wait_for(lambda: "full: retrying" in r.log(), timeout=10, message="the put never started")
+    assert r.pb.hung_up("late", timeout=10)
+    r.pb.send("late", [msg(Q1, b"k", key=0x4B, type=SURE), msg(Q2, b"m", key=0x4C, type=UNSURE)])
+    r.pb.shutdown("late")
+    wait_for(lambda: f"2 frame(s) from {r.b.address}:" in r.log(), timeout=10,
+             message="the lingering connection waited for the other's put")
+    assert r.qa.drain(Q2) == [(1, b"m")]
+    assert r.pb.recv("busy", 2, timeout=0.2)["data"] == b""  # (its put still waits)
+    assert len(r.qa.drain(Q1)) == filled  # room: that put goes in, once
+    assert r.pb.recv("busy", 2, timeout=10)["data"] == DELIVERED_YES
+    assert r.qa.drain(Q1) == [(1, b"k")]
+
+
 def test_after_the_close_a_message_for_a_full_queue_is_dead_lettered_at_once(testbed):
     """A trial: an UNSURE message that came after the close waited here for room in a full
     queue, and was put after the next message its sender sent, on a new connection (or, the
