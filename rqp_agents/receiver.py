@@ -1284,8 +1284,6 @@ def _end_writing(writer: asyncio.StreamWriter) -> bool:
     return True
 
 
-
-
 def _answers_sure(request) -> bool:
     """Whether answering ``request`` confirms a SURE message (whose key must be durable
     first): a put or batch with a SURE message in it."""
