@@ -678,7 +678,11 @@ class Receiver(Daemon):
             before = [other for other, address in self._lingering.items()
                       if address == who.address]
             if before:  # (what its sender sent there before it saw the close is taken first:
-                await asyncio.wait(before)  # else a frame of it could come after this one's)
+                # else a frame of it could come after this one's; not idle meanwhile, so
+                # neither a stop nor a newcomer closes it before: a trial's did, and it
+                # lingered, taking its frames at once)
+                self._idle.pop(task, None)
+                await asyncio.wait(before)
             first_due = loop.time() + self.config.first_frame_timeout
             while True:
                 await answers.room()  # (raises if a commit failed: close, unanswered)
@@ -808,10 +812,11 @@ class Receiver(Daemon):
         no_waiting = NO_WAITING.set(True)
         late = sure = 0
         left = None  # the first frame not taken
-        due = asyncio.get_running_loop().time() + LINGER
+        loop = asyncio.get_running_loop()
+        due = loop.time() + LINGER
         try:
-            while left is None:
-                try:  # (the time limit is on the peer's end: what is taken is done)
+            while left is None and loop.time() < due:  # (a read with data waiting does not
+                try:  # wait, so it would not time out: a trial's flood went on past LINGER)
                     async with asyncio.timeout_at(due):
                         data = await reader.read(READ_SIZE)
                 except TimeoutError:

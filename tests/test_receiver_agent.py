@@ -1652,6 +1652,27 @@ def test_what_crosses_the_close_comes_before_what_its_sender_sends_next(testbed)
     assert bodies == [b"%04d" % i for i in range(256)] + [b"next"], bodies[-5:]
 
 
+def test_a_stop_keeps_the_order_of_what_crossed_the_close_and_what_came_next(testbed):
+    """A trial: the new connection waiting for its address's lingering one counted as idle,
+    so a stop closed it; it lingered in turn and took its own frames at once, before those
+    still coming on the first. Now it is not idle while it waits: the stop answers it after
+    the first one ended."""
+    config = {**BASE_CONFIG, "idle_timeout": "300ms"}
+    r = rig(testbed, config, queues={Q1: 0o660})
+    connect(r.pb, "first", r)
+    assert answers(r.pb.exchange("first", [ask(Q1)])) == ["QUEUE_YES"]
+    assert r.pb.hung_up("first", timeout=10)  # (it lingers: its peer has not ended it)
+    connect(r.pb, "next", r)
+    r.pb.send("next", [msg(Q1, b"second", key=2, type=UNSURE)])  # waits for "first"
+    r.rx.send_signal(signal.SIGTERM)
+    wait_for(lambda: "no new connections" in r.log(), timeout=10, message="SIGTERM not seen")
+    r.pb.send("first", [msg(Q1, b"first", key=1, type=UNSURE)])  # (a late segment)
+    r.pb.shutdown("first")
+    assert r.pb.recv("next", 2, timeout=10)["data"] == DELIVERED_YES
+    assert r.rx.wait(timeout=10) == 0
+    assert r.qa.drain(Q1) == [(1, b"first"), (1, b"second")]
+
+
 def test_after_the_close_the_same_sure_message_being_put_elsewhere_is_not_waited_for(
         testbed):
     """A trial: a SURE message that came after the close while the same one (sent again)
