@@ -754,10 +754,7 @@ class Receiver(Daemon):
         except PeerNotReading as exc:
             self._not_reading(writer, peer, who, exc)
         except RQPError as exc:  # a protocol error (a bad frame): this connection ends
-            self.stats["protocol_errors"] += 1
-            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
-                                extra=dict(event="connection_refused", peer=who.label,
-                                           address=peer))
+            self._protocol_error(peer, who, exc)
         except (ConnectionError, OSError) as exc:
             self._goings.report("connection from %s lost: %s", logging.INFO, peer, exc,
                                 extra=dict(event="connection_lost", peer=who.label,
@@ -844,10 +841,7 @@ class Receiver(Daemon):
         except LocalProtocolError as exc:  # this agent misused its own core: a bug
             self.fatal(f"the connection from {peer}", exc)
         except RQPError as exc:  # a bad frame: nothing after it can be read
-            self.stats["protocol_errors"] += 1
-            self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
-                                extra=dict(event="connection_refused", peer=who.label,
-                                           address=peer))
+            self._protocol_error(peer, who, exc)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -865,16 +859,22 @@ class Receiver(Daemon):
                 "after it",
                 extra=dict(event="late_frames", peer=who.label, address=peer))
 
-    def _commit(self) -> asyncio.Future | None:
-        """Start making every recorded key durable: the future of that commit, None if there
-        is none to make or none can be made (its failure is dealt with where it is seen)."""
+    def _commit(self) -> None:
+        """Start making every recorded key durable, not waiting for it (a failure is dealt
+        with where it is seen: the next answer's commit, or the writer thread's)."""
         try:
             durable = self.commits.durable()
         except DedupError:
-            return None
+            return
         if durable is not None:
             durable.add_done_callback(_retrieved)
-        return durable
+
+    def _protocol_error(self, peer: str, who: Peer, exc: RQPError) -> None:
+        """A bad frame ends the connection: counted and (rate-limited) logged."""
+        self.stats["protocol_errors"] += 1
+        self._errors.report("closing connection from %s: %s", logging.WARNING, peer, exc,
+                            extra=dict(event="connection_refused", peer=who.label,
+                                       address=peer))
 
     def _make_room(self, newcomer: str) -> bool:
         """Every connection slot is taken and ``newcomer`` asks for one: close one that waits

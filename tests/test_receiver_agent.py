@@ -149,6 +149,14 @@ def connect(peer: Peer, name: str, r: Rig, port: int = PORT) -> None:
     assert got["connected"], f"cannot connect to the receiver: {got}"
 
 
+def lingering(r: Rig, name: str) -> None:
+    """Connect ``name`` from b, use it once, and wait until the receiver's idle_timeout
+    ended its side; its peer does not end its own, so it lingers (reading nothing here)."""
+    connect(r.pb, name, r)
+    assert answers(r.pb.exchange(name, [ask(Q1)])) == ["QUEUE_YES"]
+    assert r.pb.hung_up(name, timeout=10)
+
+
 def _metrics(r: Rig) -> str:
     """The receiver's metrics (its config has metrics_listen ":9747")."""
     return r.a.python("import urllib.request; print(urllib.request.urlopen("
@@ -1592,9 +1600,7 @@ def test_after_the_close_no_more_sure_messages_are_taken_than_answers_may_leave_
     from rqp_agents.receiver import UNCOMMITTED_MAX
     config = {**BASE_CONFIG, "idle_timeout": "300ms"}
     r = rig(testbed, config, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 20})
-    connect(r.pb, "late", r)
-    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
-    assert r.pb.hung_up("late", timeout=10)
+    lingering(r, "late")
     n = UNCOMMITTED_MAX + 44
     sure = [msg(Q1, b"s%d" % i, key=0x1000 + i, type=SURE) for i in range(n)]
     r.pb.send("late", sure)
@@ -1640,9 +1646,7 @@ def test_what_crosses_the_close_comes_before_what_its_sender_sends_next(testbed)
     from the same address waits until the lingering one ended."""
     config = {**BASE_CONFIG, "idle_timeout": "300ms"}
     r = rig(testbed, config, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 4 << 20})
-    connect(r.pb, "late", r)
-    assert answers(r.pb.exchange("late", [ask(Q1)])) == ["QUEUE_YES"]
-    assert r.pb.hung_up("late", timeout=10)
+    lingering(r, "late")
     late = [msg(Q1, b"%04d" % i + b"x" * 4092, key=0x1000 + i, type=UNSURE) for i in range(256)]
     r.pb.send("late", late)  # (and no end of its own: it lingers until LINGER)
     connect(r.pb, "next", r)
@@ -1659,9 +1663,7 @@ def test_a_stop_keeps_the_order_of_what_crossed_the_close_and_what_came_next(tes
     the first one ended."""
     config = {**BASE_CONFIG, "idle_timeout": "300ms"}
     r = rig(testbed, config, queues={Q1: 0o660})
-    connect(r.pb, "first", r)
-    assert answers(r.pb.exchange("first", [ask(Q1)])) == ["QUEUE_YES"]
-    assert r.pb.hung_up("first", timeout=10)  # (it lingers: its peer has not ended it)
+    lingering(r, "first")
     connect(r.pb, "next", r)
     r.pb.send("next", [msg(Q1, b"second", key=2, type=UNSURE)])  # waits for "first"
     r.rx.send_signal(signal.SIGTERM)
