@@ -118,3 +118,31 @@ def test_an_error_raised_while_a_ctrl_c_was_handled_is_the_ctrl_c():
     found = _interrupt_behind(info.value)
     assert isinstance(found, KeyboardInterrupt) and str(found) == "signal SIGINT"
     assert _interrupt_behind(RuntimeError("a failure of its own")) is None
+
+
+_HUSHED = """
+import sys
+from rqp.report import compute
+spark, _ = compute.get_session("local[1]")
+compute.hush(spark)
+jvm = spark.sparkContext._jvm
+for name in ("org.apache.spark.scheduler.DAGScheduler", "org.sparkproject.jetty.server.Server",
+             "org.sparkproject.jetty.util.component.AbstractLifeCycle", "rqp.any.other"):
+    logger = jvm.org.slf4j.LoggerFactory.getLogger(name)
+    logger.warn("hushed-but-logged warn on " + name)
+    logger.error("hushed-but-logged error on " + name)
+print("after-hush", file=sys.stderr, flush=True)
+spark.stop()
+"""
+
+
+def test_after_a_ctrl_c_no_logger_of_the_jvm_writes(tmp_path):
+    """CI (stop 44): a Ctrl-C while the session built its SQL tab printed a screen of Jetty's
+    WARN, py4j in its stack: the level set after a Ctrl-C was the root logger's, and Spark's
+    defaults give Jetty's loggers levels of their own."""
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _HUSHED], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "after-hush" in done.stderr, done.stderr  # (it ran to the end)
+    assert "hushed-but-logged" not in done.stderr, done.stderr

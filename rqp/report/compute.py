@@ -529,7 +529,10 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
             builder = builder.master(master)
         elif not existing and not _master_configured():
             builder = builder.master("local[*]")
-        return builder.getOrCreate()
+        session = builder.getOrCreate()
+        session.conf.get("spark.sql.session.timeZone")  # (the session's SQL state, made on
+        # first use, and with it its UI tab: here, where a Ctrl-C waits for it)
+        return session
 
     try:
         return _made_aside(make), not existing
@@ -715,7 +718,12 @@ def hush(spark: SparkSession) -> None:
     who pressed it: a trial's interrupted report printed up to 470 lines of it."""
     _Py4JInterrupted.hushed = True
     try:
-        spark.sparkContext.setLogLevel("OFF")
+        spark.sparkContext.setLogLevel("OFF")  # (the root logger, and spark-shell's threshold)
+        # every logger with a level of its own too: Spark's defaults give Jetty's two, and a
+        # Ctrl-C while the session built its UI tab printed a screen of Jetty's WARN (CI)
+        log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+        log4j.core.config.Configurator.setAllLevels(log4j.LogManager.ROOT_LOGGER_NAME,
+                                                    log4j.Level.OFF)
     except Exception:  # noqa: BLE001 - a JVM that no longer answers logs nothing more either
         pass
 
