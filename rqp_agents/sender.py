@@ -464,7 +464,7 @@ class Sender(Daemon):
                            f"connecting to {act.host}")
             elif kind is Close:
                 out.pop(act.host, None)  # frames for a connection being given up
-                log.log(logging.DEBUG if act.idle else logging.WARNING,
+                log.log(logging.DEBUG if act.orderly else logging.WARNING,
                         "closing connection to %s: %s", act.host, act.reason,
                         extra={"event": "connection_closing", "peer": str(act.host),
                                "reason": act.reason})

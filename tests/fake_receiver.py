@@ -19,9 +19,14 @@ It prints {"confirmed": BODY} for each MESSAGE it answers with DELIVERED_YES.
     hold N    answers an ask at once; otherwise answers nothing until N frames are outstanding,
               then answers them all (yes);
               prints {"outstanding": N} so a test can see how big the sender's window was
+    close-once  at the next MESSAGE, ends its side of that connection in order (shutdown) and
+              reads on, answering nothing, until the sender's end, as a receiving MCA closing
+              at its idle time-out does (the frame and those after it print with "late");
+              the mode becomes "yes" for every later frame
 """
 
 import json
+import os
 import socket
 import struct
 import sys
@@ -48,9 +53,15 @@ def read_exact(conn, n):
     return buf
 
 
+def set_mode(path, how):
+    with open(path + ".tmp", "w") as f:
+        f.write(how)
+    os.replace(path + ".tmp", path)
+
+
 def serve(conn, mode_path, lock):
     pending = []
-    early = False
+    early = closing = False
     try:
         while True:
             code = read_exact(conn, 1)[0]
@@ -71,6 +82,14 @@ def serve(conn, mode_path, lock):
             with lock:
                 print(json.dumps(frame), flush=True)
             how = mode(mode_path)
+            if how[0] == "close-once" and code == 1 and not closing:
+                set_mode(mode_path, "yes")
+                conn.shutdown(socket.SHUT_WR)
+                closing = True
+            if closing:
+                with lock:
+                    print(json.dumps({"late": frame}), flush=True)
+                continue
             if how[0] == "silent" or early:
                 continue
             if how[0] == "early" and code == 4:

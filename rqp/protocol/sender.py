@@ -113,6 +113,7 @@ class Trigger(StateEnum):
     DELIVERED = "Delivered"
     ERROR_OR_TIMEOUT_UNSURE = "Delivered error or timeout, UNSURE"
     ERROR_OR_TIMEOUT_SURE = "Delivered error or timeout, SURE"
+    CLOSED_IN_ORDER_UNSURE = "Connection closed in order before the answer, UNSURE"
     COUNTED = "error counted"
     DEAD_LETTERED = "dead-lettered"
     RETRY_BUDGET_SPENT = "SURE retry budget spent"
@@ -145,6 +146,8 @@ TRANSITIONS: dict[MsgState, dict[Trigger, MsgState]] = {
         T.DELIVERED: S.DELIVERED,
         T.ERROR_OR_TIMEOUT_UNSURE: S.INCREASE_ERROR_COUNTER,
         T.ERROR_OR_TIMEOUT_SURE: S.WAITING_FOR_MESSAGE,
+        # (not in the seed: no error of the route, see SenderCore._closed_mid_send)
+        T.CLOSED_IN_ORDER_UNSURE: S.LOST,
     },
     S.INCREASE_ERROR_COUNTER: {T.COUNTED: S.LOST},
     S.PUT_TO_DEAD_LETTER_Q: {T.DEAD_LETTERED: S.DEAD_LETTERED},
@@ -283,8 +286,8 @@ class Send:
 class Close:
     host: object
     reason: str
-    #: An orderly end with nothing riding on it (already noted as CONNECTION_CLOSED).
-    idle: bool = False
+    #: An orderly end, no failure (already noted as CONNECTION_CLOSED).
+    orderly: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +339,7 @@ class NoteKind(enum.Enum):
     NO_ROUTE = "no route for the queue"
     RETRY_SCHEDULED = "SURE message will be retried"
     CONNECTION_FAILED = "connection failed"
-    CONNECTION_CLOSED = "connection closed while idle"
+    CONNECTION_CLOSED = "connection closed in order"
     CONNECTED = "connected"
     COPIES_WAIT = "a broadcast host does not answer: its SURE copies wait"
     WOKEN_LATE = "queues waiting for a connection with room woken late (a bug: please report)"
@@ -455,6 +458,8 @@ class _Link:
     up_at: float = 0.0  # when it last connected (or answered again after a lost heartbeat)
     #: A reload took its host out of .rqprc: closed once nothing rides on it.
     removed: bool = False
+    #: When its peer last closed it in order with frames in flight, taken for no failure.
+    closed_mid_send_at: float = float("-inf")
 
 
 @dataclass(eq=False, slots=True)
@@ -747,7 +752,7 @@ class SenderCore:
                 return "not connected (no message has needed it yet)"
             if link.last_error and link.failed_at >= link.up_at:
                 return f"down ({link.last_error})"
-            return "not connected (closed while idle)"
+            return "not connected (closed in order)"
         if link.state is LinkState.UP and link.heartbeat_failed_at is not None \
                 and link.answered_at < link.heartbeat_failed_at:
             return "up, no answer since a lost heartbeat"
@@ -992,15 +997,51 @@ class SenderCore:
     def _peer_closed(self, link: _Link, why: str) -> None:
         """The receiver closed the connection in order. With nothing riding on it (its idle
         time-out) that is no failure: the next frame for that host connects again at once.
-        Otherwise every frame it carried is unanswered."""
-        if link.outstanding or link.waiting:
+        With frames in flight on a connection that has answered, neither, once per back-off
+        step (:meth:`_closed_mid_send`). Otherwise every frame it carried is unanswered: a
+        failure (a receiving MCA at max_connections takes a connection and closes it; a host
+        a reload took out of .rqprc is not connected to again)."""
+        if not (link.outstanding or link.waiting):
+            self._close_idle(link, why)
+        elif link.agreed is not None and not link.removed and (
+                self._now - link.closed_mid_send_at >= self.settings.reconnect_delay(1)):
+            self._closed_mid_send(link, why)
+        else:
             self._drop_link(link, why)
-            return
-        self._close_idle(link, why)
+
+    def _closed_mid_send(self, link: _Link, why: str) -> None:
+        """The peer ended a connection that worked, in order, as frames were on their way:
+        at its idle time-out, to make room for another connection, at its stop. A trial (a
+        300 ms idle_timeout and bursts) counted each such frame as a failure: routes dropped
+        and connections in back-off, during which UNSURE messages found no host (370 of
+        9,000 dead-lettered NO_ROUTE from a receiver that worked throughout). It is no
+        failure: no error of the route, no failed try, no back-off; a receiving MCA reads
+        what crosses its close and takes it unanswered. An UNSURE message in flight is lost
+        (not confirmed: it may have been put), a SURE one sent again with its key, an ask
+        asked again of this host, over a new connection made at once. A peer that does it
+        again within the first back-off step fails instead (it is not hammered)."""
+        frames, link.outstanding = link.outstanding, deque()
+        link.closed_mid_send_at = self._now
+        self._actions.append(Close(link.host, why, orderly=True))
+        self._go(link, LinkEvent.LOST)
+        link.decoder = None
+        link.retry_at = self._now
+        unanswered = sum(frame.lane is not None for frame in frames)
+        self._note(NoteKind.CONNECTION_CLOSED, None, link.host,
+                   f"{why}, {unanswered} frame(s) in flight unanswered; connecting again")
+        why = "closed the connection in order before answering (it may have put it)"
+        for frame in frames:
+            if frame.lane is None:
+                continue  # a heartbeat: nothing rides on it
+            if frame.msg is not None:
+                self._settled(link, frame.lane, frame.msg, False, why, counted=False)
+            elif frame.lane.asking == link.host:
+                self._wait_for(link, frame.lane)  # asked again once connected
+        self._wake(link)
 
     def _close_idle(self, link: _Link, why: str) -> None:
         """An orderly end of a connection with nothing riding on it: no failure."""
-        self._actions.append(Close(link.host, why, idle=True))
+        self._actions.append(Close(link.host, why, orderly=True))
         self._go(link, LinkEvent.LOST)
         link.decoder = None
         self._note(NoteKind.CONNECTION_CLOSED, None, link.host, why)
@@ -1400,8 +1441,10 @@ class SenderCore:
                           "DELIVERED_ERROR")
         self._wake(link)
 
-    def _settled(self, link: _Link, lane: _Lane, msg: Outgoing, ok: bool, why: str) -> None:
-        """A MESSAGE frame answered (or never to be): a batch is settled by its last frame."""
+    def _settled(self, link: _Link, lane: _Lane, msg: Outgoing, ok: bool, why: str,
+                 counted: bool = True) -> None:
+        """A MESSAGE frame answered (or never to be): a batch is settled by its last frame.
+        ``counted``: a failure of the route (False: see :meth:`_closed_mid_send`)."""
         if msg.members is not None:
             msg.unanswered -= 1
             if not ok and not msg.batch_error:
@@ -1412,7 +1455,7 @@ class SenderCore:
         if ok:
             self._confirmed(link, lane, msg)
         else:
-            self._not_confirmed(link, lane, msg, why)
+            self._not_confirmed(link, lane, msg, why, counted)
 
     @staticmethod
     def _check_answer(frame: _Frame, event) -> None:
@@ -1512,15 +1555,17 @@ class SenderCore:
         elif not lane.inflight:  # (with many keys, most answers idle their lane)
             self._forget_if_idle(lane)
 
-    def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str) -> None:
+    def _not_confirmed(self, link: _Link, lane: _Lane, msg: Outgoing, why: str,
+                       counted: bool = True) -> None:
         lane.inflight -= 1
-        msg.last_error = f"{why} from {link.host}" + (
-            _REFUSED_WHY if why == "DELIVERED_ERROR" else "")
+        msg.last_error = (f"{why} from {link.host}" + (
+            _REFUSED_WHY if why == "DELIVERED_ERROR" else "") if counted else
+            f"{link.host} {why}")
         key = lane.id
         # A DELIVERED_ERROR after the route was dropped by an earlier one is the receiver
         # holding the later messages back to keep the order: no failed try of this one's own
         # (a trial's status said 176 errors for a handful of messages).
-        tried = why != "DELIVERED_ERROR" or self.routes.get(key) == link.host
+        tried = counted and (why != "DELIVERED_ERROR" or self.routes.get(key) == link.host)
         info = self._error(lane.queue_key, msg.last_error)
         info.errors += tried
         copy_info = None if msg.target is None else self._copy_info(msg.queue_key, msg.target)
@@ -1531,16 +1576,19 @@ class SenderCore:
             info.lost += msg.count
             if copy_info is not None:
                 copy_info.lost += msg.count
-            self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
-            if self.routes.get(key) == link.host:  # (a route dropped already counts no more)
-                count = self.errors.get((link.host, key), 0) + 1
-                self.errors[(link.host, key)] = count
-                self._note(NoteKind.ERROR_COUNTED, key, link.host,
-                           f"{count} of {self.settings.error_limit}: {why}", msg.key)
-                if count > self.settings.error_limit:
-                    self._drop_route(key, link.host, f"error counter {count} over the limit "
-                                     f"{self.settings.error_limit}")
-            self._fire(msg, T.COUNTED)
+            if not counted:
+                self._fire(msg, T.CLOSED_IN_ORDER_UNSURE)
+            else:
+                self._fire(msg, T.ERROR_OR_TIMEOUT_UNSURE)
+                if self.routes.get(key) == link.host:  # (a dropped route counts no more)
+                    count = self.errors.get((link.host, key), 0) + 1
+                    self.errors[(link.host, key)] = count
+                    self._note(NoteKind.ERROR_COUNTED, key, link.host,
+                               f"{count} of {self.settings.error_limit}: {why}", msg.key)
+                    if count > self.settings.error_limit:
+                        self._drop_route(key, link.host, f"error counter {count} over the "
+                                         f"limit {self.settings.error_limit}")
+                self._fire(msg, T.COUNTED)
             self._finished(msg, "lost (UNSURE, not confirmed)", msg.last_error)
             self._actions.append(Lost(msg, link.host, msg.last_error))
             if msg.fanout is not None:
@@ -1551,8 +1599,9 @@ class SenderCore:
             if tried:  # (held back: a trial saw them use up their retry budgets)
                 msg.failures += 1
                 lane.probing = lane.failed = True
-            self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not confirmed: "
-                             f"{why}")
+            if counted:
+                self._drop_route(key, link.host, f"SURE message key={msg.key:#018x} not "
+                                 f"confirmed: {why}")
             self._requeue(lane, msg)
             if tried:  # (held back: the retry its round's first refusal set stands)
                 self._retry_later(lane, msg)
