@@ -61,6 +61,7 @@ from rqp.protocol.constants import (
     HARD_MESSAGE_CAP,
     IPC_PRIVATE,
     KEY_T_MAX,
+    MIN_CONNECTION_TIMEOUT,
     TRANSMISSION_QUEUE_NAME,
 )
 from rqp.protocol.access import PATTERN_CHARS, PeerRule, QueueSet, identity_pattern_problem
@@ -528,9 +529,9 @@ _parse_stall_after = _duration_at_least(1.0, "less would call every route stalle
                                               "two answers")
 _parse_heartbeat = _duration_at_least(1.0, "less would flood each receiver with QUEUE_ASKs")
 # (A trial's 1ms, meant as 1m perhaps, had every sending MCA reconnect between its frames.)
-_parse_connection_timeout = _duration_at_least(0.1, "less would close the connections of "
-                                                    "working peers: 1m is a minute, 1ms a "
-                                                    "millisecond")
+_parse_connection_timeout = _duration_at_least(
+    MIN_CONNECTION_TIMEOUT, "less would close the connections of working peers: 1m is a "
+    "minute, 1ms a millisecond")
 _parse_retry_count = _int_parser(0, None, "a number of retries")
 _parse_attempts = _int_parser(1, None, "a number of attempts")
 _parse_key_count = _int_parser(0, None, "a number of message keys")

@@ -472,9 +472,10 @@ class Sender(Daemon):
             elif kind is Lost:
                 self.stats["lost"] += act.message.count
                 finished += act.message.fanout is None
-                log.warning("UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
-                            act.message.key, format_key(act.message.queue_key), act.host,
-                            act.detail)
+                log.log(logging.INFO if act.likely_put else logging.WARNING,
+                        "UNSURE message key=%#018x for queue %s not confirmed by %s: %s",
+                        act.message.key, format_key(act.message.queue_key), act.host,
+                        act.detail)
             elif kind is DeadLetter:
                 self._dead_letter(act)
                 finished += act.message.fanout is None

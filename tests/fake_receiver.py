@@ -23,6 +23,8 @@ It prints {"confirmed": BODY} for each MESSAGE it answers with DELIVERED_YES.
               reads on, answering nothing, until the sender's end, as a receiving MCA closing
               at its idle time-out does (the frame and those after it print with "late");
               the mode becomes "yes" for every later frame
+    close-each D  so at every connection's first MESSAGE, for ever; answers asks with
+              QUEUE_YES after D seconds
 """
 
 import json
@@ -31,6 +33,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 HEADER = struct.Struct(">BBQQQ")  # code, type, key, queue_key, length
 
@@ -82,8 +85,9 @@ def serve(conn, mode_path, lock):
             with lock:
                 print(json.dumps(frame), flush=True)
             how = mode(mode_path)
-            if how[0] == "close-once" and code == 1 and not closing:
-                set_mode(mode_path, "yes")
+            if how[0] in ("close-once", "close-each") and code == 1 and not closing:
+                if how[0] == "close-once":
+                    set_mode(mode_path, "yes")
                 conn.shutdown(socket.SHUT_WR)
                 closing = True
             if closing:
@@ -108,6 +112,8 @@ def serve(conn, mode_path, lock):
                 conn.sendall(b"".join(b"\x05\x00" if c == 4 else b"\x02\x00" for c in pending))
                 pending.clear()
                 continue
+            if code == 4 and how[0] == "close-each":
+                time.sleep(float(how[1]))  # (a slow peer: the delay is the behaviour tested)
             if code == 4:
                 conn.sendall(b"\x06\x00" if how[0] == "no" else b"\x05\x00")
             elif how[0] == "mute":

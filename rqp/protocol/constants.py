@@ -99,6 +99,12 @@ DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0  # from accept to a finished TLS handshake
 DEFAULT_FIRST_FRAME_TIMEOUT = 10.0  # from accept to the first complete frame
 DEFAULT_IDLE_TIMEOUT = 600.0  # no frame and nothing in flight for this long: closed
+#: The least idle_timeout a receiving MCA takes (less closed connections between frames).
+MIN_CONNECTION_TIMEOUT = 0.1
+#: A sending MCA takes a receiver's orderly close for its idle time-out, no failure, only if
+#: the frames it cut off were sent after the connection had had nothing in flight this long
+#: (half the least idle_timeout: the rest for the answer's way back).
+QUIET_BEFORE_IDLE_CLOSE = MIN_CONNECTION_TIMEOUT / 2
 #: Spill files (full payloads of dead letters too big for one message) kept at most, per agent.
 DEFAULT_SPILL_LIMIT = 1 << 30
 #: Dead letters a receiving MCA writes for one peer: this many per second on average, this many
