@@ -146,3 +146,45 @@ def test_after_a_ctrl_c_no_logger_of_the_jvm_writes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "after-hush" in done.stderr, done.stderr  # (it ran to the end)
     assert "hushed-but-logged" not in done.stderr, done.stderr
+
+
+_SWALLOWED = """
+import os, signal, weakref
+from rqp.report import compute
+spark, _ = compute.get_session("local[1]")
+
+
+class Collected:
+    pass
+
+
+def finalizer(_):  # as py4j's, when Python lets go of a JVM object
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10 ** 6):
+        pass  # (the handler runs here: what it raises, Python only prints)
+
+
+try:
+    with compute.quiet_interrupts(spark):
+        obj = Collected()
+        ref = weakref.ref(obj, finalizer)
+        del obj
+        print("went on", flush=True)
+    print("not interrupted", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+finally:
+    spark.stop()
+"""
+
+
+def test_a_ctrl_c_that_a_finalizer_swallowed_still_interrupts_the_report(tmp_path):
+    """A demo stopped during its report exited 0, its report finished (twice in nine runs):
+    the Ctrl-C's KeyboardInterrupt was raised while a py4j finalizer ran, and Python only
+    printed it ('Exception ignored in')."""
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _SWALLOWED], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored in" in done.stderr, done.stderr  # (the case it is about)
+    assert done.stdout.split() == ["went", "on", "interrupted"], done.stdout + done.stderr
