@@ -1243,20 +1243,55 @@ def test_a_peer_that_closes_at_every_message_leaves_them_to_the_next_host():
 def test_each_idle_close_that_meets_frames_is_free_however_often():
     """A hostile trial found a time ration wrong the other way too: a receiver whose
     idle_timeout (300 ms) is shorter than retry_backoff_initial closed the connection made
-    again at once as the next burst came, a failure then, and UNSURE messages went NO_ROUTE."""
+    again at once as the next burst came, a failure then, and UNSURE messages went NO_ROUTE.
+    A receiver that answers what comes after a shorter quiet spell may do it for ever."""
     h = Harness(hosts=("b",))
     _closed_in_order_mid_send(h, unsure=3, sure=1)
     h.serve({"b": {Q1}})  # the SURE one again, at once
-    for _ in range(3):
+    for _ in range(5):
         h.advance(0.3)
         h.submit(Q1, UNSURE_MSG, b"burst")
         assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
-        h.core.data_received("b", b"", h.now)
+        h.core.data_received("b", b"", h.now)  # its idle time-out met it
         h.submit(Q1, SURE_MSG, b"s")
+        h.serve({"b": {Q1}})
+        h.advance(0.1)  # a shorter quiet spell: answered
+        h.submit(Q1, UNSURE_MSG, b"answered")
         h.serve({"b": {Q1}})
     kinds = [n.kind for n in h.of(Note)]
     assert NoteKind.CONNECTION_FAILED not in kinds and NoteKind.ERROR_COUNTED not in kinds
-    assert h.of(DeadLetter) == [] and len(h.of(Lost)) == 6
+    assert h.of(DeadLetter) == [] and len(h.of(Lost)) == 8
+
+
+def test_a_peer_that_closes_what_comes_after_a_quiet_spell_gets_error_limit_free_closes():
+    """A second hostile trial: a peer that answered every frame but the first after a quiet
+    spell of 60 ms, closing the connection in order there, got a free close for every
+    message (one every 0.2 s), kept the route and starved the working host listed after it
+    (50 SURE messages: 0 reached it; UNSURE ones of a key it singled out lost, 39 of 40, with
+    no error counted). error_limit (3) such closes in a row, then one is a failure."""
+    h = Harness(hosts=("b", "c"))
+    h.submit(Q1, SURE_MSG, b"first")
+    h.serve({"b": {Q1}})
+    answered_at = h.now  # b's last answer
+    for i in range(6):
+        h.advance(0.2)
+        h.submit(Q1, SURE_MSG, b"s%d" % i)
+        for frames in h.rounds(10, until=lambda: h.core.held == 0):
+            for host, ev in frames:
+                if host == "b" and isinstance(ev, Message) and h.now - answered_at >= 0.06:
+                    h.core.data_received(host, b"", h.now)  # the first after a quiet spell
+                    continue
+                h.answer(host, YES if isinstance(ev, QueueAsk) else OK)
+                if host == "b":
+                    answered_at = h.now
+    notes = [n for n in h.of(Note) if n.kind in (NoteKind.CONNECTION_CLOSED,
+                                                     NoteKind.CONNECTION_FAILED)]
+    assert [n.kind for n in notes][:4] == [NoteKind.CONNECTION_CLOSED] * 3 + [
+        NoteKind.CONNECTION_FAILED]
+    assert "no failure: 3 of 3 in a row" in notes[2].detail
+    delivered = [(d.host, d.message.payload) for d in h.of(Delivered)]
+    assert [p for _, p in delivered] == [b"first"] + [b"s%d" % i for i in range(6)]
+    assert delivered[-1][0] == "c"  # b's back-off sent the asks on
 
 
 def test_a_new_connection_carries_no_message_before_its_first_answer():

@@ -460,6 +460,9 @@ class _Link:
     up_at: float = 0.0  # when it last connected (or answered again after a lost heartbeat)
     #: A reload took its host out of .rqprc: closed once nothing rides on it.
     removed: bool = False
+    #: Closes taken for the peer's idle time-out (SenderCore._closed_mid_send) since it last
+    #: answered a frame sent after a quiet spell: at error_limit, the next one is a failure.
+    free_closes: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -1004,8 +1007,9 @@ class SenderCore:
         not connected to again)."""
         if not (link.outstanding or link.waiting):
             self._close_idle(link, why)
-        elif link.outstanding and link.agreed is not None and not link.removed and (
-                link.outstanding[0].sent_at - link.answered_at >= QUIET_BEFORE_IDLE_CLOSE):
+        elif (link.outstanding and link.agreed is not None and not link.removed
+              and link.free_closes < self.settings.error_limit
+              and link.outstanding[0].sent_at - link.answered_at >= QUIET_BEFORE_IDLE_CLOSE):
             # (answers come in order: none came since the first frame in flight was sent, so
             # answered_at is when the connection last had nothing in flight)
             self._closed_mid_send(link, why)
@@ -1025,15 +1029,17 @@ class SenderCore:
         after its first answer, never after a quiet spell: a peer that closes it so fails
         (a hostile trial's peer, closing every connection at its first message, had been
         connected to 1.7 times a second for ever, and kept the messages from a working host
-        listed after it, while a free close was only rationed in time)."""
+        listed after it, while a free close was only rationed in time). A peer that closes
+        every frame sent after a quiet spell, and answers the others, gets error_limit such
+        closes until it answers one (a second trial: one a message, for ever, before)."""
         frames, link.outstanding = link.outstanding, deque()
+        link.free_closes += 1
         self._actions.append(Close(link.host, why, orderly=True))
         self._go(link, LinkEvent.LOST)
         link.decoder = None
         link.retry_at = self._now
-        unanswered = sum(frame.lane is not None for frame in frames)
-        self._note(NoteKind.CONNECTION_CLOSED, None, link.host,
-                   f"{why}, {unanswered} frame(s) in flight unanswered; connecting again")
+        note = (f"{why}: its idle time-out, taken to have met {len(frames)} frame(s) on their "
+                f"way (no failure: {link.free_closes} of {self.settings.error_limit} in a row)")
         why = "closed the connection in order before answering (it may have put it)"
         for frame in frames:
             if frame.lane is None:
@@ -1043,6 +1049,8 @@ class SenderCore:
             elif frame.lane.asking == link.host:
                 self._wait_for(link, frame.lane)  # asked again once connected
         self._wake(link)
+        self._note(NoteKind.CONNECTION_CLOSED, None, link.host, note + (
+            "; connecting again" if link.state is not LinkState.DOWN else ""))
 
     def _close_idle(self, link: _Link, why: str) -> None:
         """An orderly end of a connection with nothing riding on it: no failure."""
@@ -1413,6 +1421,9 @@ class SenderCore:
                 or (s.max_age is not None and self._now >= msg.taken_at + s.max_age))
 
     def _answer(self, link: _Link, frame: _Frame, event) -> None:
+        if link.free_closes and link.agreed is not None \
+                and frame.sent_at - link.answered_at >= QUIET_BEFORE_IDLE_CLOSE:
+            link.free_closes = 0  # (it answers what comes after a quiet spell: see _peer_closed)
         if link.heartbeat_failed_at is not None and link.answered_at < link.heartbeat_failed_at:
             link.up_at = self._now  # alive again after a lost heartbeat: 'running' from here
         link.heard_at = link.answered_at = self._now
