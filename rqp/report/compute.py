@@ -724,7 +724,12 @@ def quiet_interrupts(spark: SparkSession):
             _swallowed.append(exc)  # (gone its way, or to be raised again)
             raise
 
+    def unraisable(info) -> None:
+        if not any(info.exc_value is exc for exc in _swallowed):
+            hook(info)  # (what Python prints of the one it swallowed: a traceback, no news)
+
     _swallowed.clear()
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
     signal.signal(signal.SIGINT, handler)
     try:
         yield
@@ -733,6 +738,7 @@ def quiet_interrupts(spark: SparkSession):
         raise
     finally:
         signal.signal(signal.SIGINT, before)
+        sys.unraisablehook = hook
     _raise_swallowed()
 
 
