@@ -1263,6 +1263,30 @@ def test_each_idle_close_that_meets_frames_is_free_however_often():
     assert h.of(DeadLetter) == [] and len(h.of(Lost)) == 8
 
 
+def test_idle_closes_between_closes_that_meet_frames_make_them_no_row():
+    """A third trial: gaps always a little longer than the receiver's idle_timeout, so each
+    quiet spell ends in its close (nothing in flight) and each burst goes on a new connection;
+    now and then the close meets a burst. Those were counted 'in a row' across the idle
+    closes between them, and the fourth was a failure (a SURE retry, the route dropped)."""
+    h = Harness(hosts=("b",))
+    _closed_in_order_mid_send(h, unsure=3, sure=1)  # the first such close
+    h.serve({"b": {Q1}})  # the SURE one again, at once: the connection is up
+    for n in range(5):
+        h.advance(0.32)
+        h.core.data_received("b", b"", h.now)  # its idle time-out, nothing in flight
+        h.submit(Q1, SURE_MSG, b"s%d" % n)
+        h.serve({"b": {Q1}})  # on a new connection, right after its first answer
+        h.advance(0.3)
+        h.submit(Q1, UNSURE_MSG, b"burst")
+        assert [type(e).__name__ for _, e in h.sent()] == ["Message"]
+        h.core.data_received("b", b"", h.now)  # this time its idle time-out met the burst
+        h.submit(Q1, SURE_MSG, b"t%d" % n)
+        h.serve({"b": {Q1}})  # a new connection again
+    kinds = [n.kind for n in h.of(Note)]
+    assert NoteKind.CONNECTION_FAILED not in kinds and NoteKind.ERROR_COUNTED not in kinds
+    assert h.of(DeadLetter) == [] and len(h.of(Lost)) == 8
+
+
 def test_a_peer_that_closes_what_comes_after_a_quiet_spell_gets_error_limit_free_closes():
     """A second hostile trial: a peer that answered every frame but the first after a quiet
     spell of 60 ms, closing the connection in order there, got a free close for every

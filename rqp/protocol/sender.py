@@ -461,7 +461,8 @@ class _Link:
     #: A reload took its host out of .rqprc: closed once nothing rides on it.
     removed: bool = False
     #: Closes taken for the peer's idle time-out (SenderCore._closed_mid_send) since it last
-    #: answered a frame sent after a quiet spell: at error_limit, the next one is a failure.
+    #: answered a frame sent after a quiet spell, or closed the connection with nothing in
+    #: flight: at error_limit, the next one is a failure.
     free_closes: int = 0
 
 
@@ -1006,6 +1007,8 @@ class SenderCore:
         closes it; a peer that closes as frames come; a host a reload took out of .rqprc is
         not connected to again)."""
         if not (link.outstanding or link.waiting):
+            link.free_closes = 0  # (an idle time-out as it should be: a third trial saw closes
+            # 6 s apart, with 16 of these between, counted 'in a row', the fourth a failure)
             self._close_idle(link, why)
         elif (link.outstanding and link.agreed is not None and not link.removed
               and link.free_closes < self.settings.error_limit
@@ -1031,7 +1034,8 @@ class SenderCore:
         connected to 1.7 times a second for ever, and kept the messages from a working host
         listed after it, while a free close was only rationed in time). A peer that closes
         every frame sent after a quiet spell, and answers the others, gets error_limit such
-        closes until it answers one (a second trial: one a message, for ever, before)."""
+        closes until it answers one, or closes a connection with nothing in flight (a second
+        trial: one a message, for ever, before)."""
         frames, link.outstanding = link.outstanding, deque()
         link.free_closes += 1
         self._actions.append(Close(link.host, why, orderly=True))
