@@ -286,12 +286,11 @@ def test_why_a_connection_failed_is_said_in_words():
     assert _failure(EOFError()) == "EOFError"
 
 
-
 def test_a_receiver_closing_in_order_as_messages_come_is_no_failure_of_the_route(pair):
     """A trial (a receiving MCA with a 300 ms idle_timeout, bursts of messages): each close
     that met messages on their way counted them as errors of the route, dropped it, and put
     the connection in its back-off, in which the UNSURE messages that came found no host:
-    370 of 9,000 dead-lettered NO_ROUTE, from a receiver that worked throughout. The sender
+    270 of 9,000 dead-lettered NO_ROUTE, from a receiver that worked throughout. The sender
     now takes such a close for what it is and connects again at once."""
     a, fake = pair
     # a back-off that no wait below outlasts: a close taken for a failure shows at once
