@@ -32,6 +32,7 @@ from rqp.report import analysis, columnar
 from rqp.report import html as report_html
 from rqp.report import rules, trends
 from rqp.protocol.errors import RQPError
+from rqp.system.signals import STOP_SIGNALS
 from rqp.report.common import PROG, ReportError
 from rqp.report.schema import (
     ARCHIVE_FIELDS, ARCHIVE_FILE_GLOB, ARCHIVE_SCHEMA_VERSION, CORRUPT_RECORD_COLUMN, READ_SCHEMA,
@@ -572,6 +573,11 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
     #                            takes the thread for ended, and a second join returns at once)
 
     def run() -> None:
+        # The stop signals held in this thread, and so in the child PySpark forks for the JVM
+        # (with a preexec_fn: Python runs there before exec, and a Ctrl-C in that moment
+        # raised in its at-fork hook, a traceback on the terminal; CI). The main thread takes
+        # them; the JVM lets them through itself (and ignores SIGINT: PySpark's preexec_fn).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             made.append(make())
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
