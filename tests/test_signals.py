@@ -97,6 +97,71 @@ def test_the_first_stop_raises_once_and_the_clean_up_is_not_broken_into():
         "burst noted: ['SIGTERM', 'SIGINT', 'SIGHUP', 'SIGTERM']", "quiet: ['SIGINT']"]
 
 
+SWALLOWED = r"""
+import os, signal, sys
+from rqp.system import signals
+
+
+class Dropped:
+    def __del__(self):  # a finalizer: what the handler raises in it, Python only prints
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10 ** 5):
+            pass
+
+
+def swallowed():
+    Dropped()  # (dropped at once)
+    print("went on", flush=True)
+
+
+signals.take_stops()
+swallowed()
+try:
+    signals.raise_if_stopped()
+except KeyboardInterrupt as exc:
+    print("raised again:", exc, flush=True)
+signals.quiet_stops()
+signals.raise_if_stopped()  # (gone its way: the clean-up has begun)
+for end in ("ends", "fails"):
+    signals.take_stops()
+    try:
+        with signals.raised_for_sure():
+            swallowed()
+            if end == "fails":
+                raise OSError("a failure that the stop caused")
+        print("not stopped", flush=True)
+    except KeyboardInterrupt as exc:
+        print(f"{end}: {exc}; context {exc.__context__!r}", flush=True)
+    signals.quiet_stops()
+signals.take_stops()
+try:
+    with signals.raised_for_sure():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10 ** 5):
+            pass
+except KeyboardInterrupt as exc:
+    print("raised at once:", exc, flush=True)
+signals.raise_if_stopped()  # (it went its way through the block: nothing more)
+print("done", flush=True)
+"""
+
+
+def test_a_stop_that_a_finalizer_swallowed_is_raised_again_and_not_printed():
+    """What a stop's handler raises while a finalizer runs, Python only prints, and the run
+    goes on (a tool ran on after its SIGTERM; a demo stopped during its report exited 0):
+    raise_if_stopped() raises it again, and a raised_for_sure() block ends with it, also one
+    that another exception (the stop's doing) ends. Python's print of it is dropped."""
+    out = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "went on", "raised again: signal SIGTERM",
+        "went on", "ends: signal SIGTERM; context None",
+        "went on", "fails: signal SIGTERM; context OSError('a failure that the stop caused')",
+        "raised at once: signal SIGTERM", "done"]
+    assert out.stderr == ""  # (no "Exception ignored in", no traceback)
+
+
 POOL = r"""
 import signal, sys
 from pathlib import Path

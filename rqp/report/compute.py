@@ -32,6 +32,7 @@ from rqp.report import analysis, columnar
 from rqp.report import html as report_html
 from rqp.report import rules, trends
 from rqp.protocol.errors import RQPError
+from rqp.system import signals
 from rqp.system.signals import STOP_SIGNALS
 from rqp.report.common import PROG, ReportError
 from rqp.report.schema import (
@@ -288,7 +289,7 @@ class _Phases:
         now = time.monotonic()
         self.seconds[name] = round(now - self._last, 3)
         self._last = now
-        _raise_swallowed()  # (before the next phase: the last one writes summary.json)
+        signals.raise_if_stopped()  # (a swallowed stop: before the next phase, summary.json)
 
 
 def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
@@ -692,21 +693,6 @@ class _Py4JInterrupted(logging.Filter):
 #: How long a Ctrl-C waits for :func:`hush` (a JVM that does not answer: no longer).
 HUSH_WAIT = 2.0
 
-#: What :func:`quiet_interrupts`' handler raised (KeyboardInterrupt), until it has gone its
-#: way. Raised while a finalizer runs (py4j's, as Python lets go of JVM objects), Python only
-#: prints it ("Exception ignored in") and the run goes on: a demo's Ctrl-C during its report
-#: was lost so, the report finished and the demo exited 0 (twice in nine runs). Raised again
-#: at the end of the phase it came in, and as quiet_interrupts ends.
-_swallowed: list[BaseException] = []
-
-
-def _raise_swallowed() -> None:
-    if _swallowed:
-        args = _swallowed[0].args
-        _swallowed.clear()
-        raise KeyboardInterrupt(*args)
-
-
 @contextlib.contextmanager
 def quiet_interrupts(spark: SparkSession):
     """While the report runs: a Ctrl-C first turns Spark's logging off, then goes on to the
@@ -726,26 +712,15 @@ def quiet_interrupts(spark: SparkSession):
         quiet.join(HUSH_WAIT)
         try:
             before(signum, frame)
-        except BaseException as exc:
-            _swallowed.append(exc)  # (gone its way, or to be raised again)
-            raise
+        except KeyboardInterrupt as exc:  # (raised in a py4j finalizer, Python only prints it:
+            raise signals.raising(exc)  # a demo's report ran on to its end, twice in nine runs)
 
-    def unraisable(info) -> None:
-        if not any(info.exc_value is exc for exc in _swallowed):
-            hook(info)  # (what Python prints of the one it swallowed: a traceback, no news)
-
-    _swallowed.clear()
-    hook, sys.unraisablehook = sys.unraisablehook, unraisable
     signal.signal(signal.SIGINT, handler)
     try:
-        yield
-    except BaseException:
-        _swallowed.clear()  # (it went its way)
-        raise
+        with signals.raised_for_sure():
+            yield
     finally:
         signal.signal(signal.SIGINT, before)
-        sys.unraisablehook = hook
-    _raise_swallowed()
 
 
 def hush(spark: SparkSession) -> None:

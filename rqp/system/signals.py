@@ -11,15 +11,25 @@ asked.
 The tools that make things (agents, queues, directories: the benchmarks, the demo) take the
 stop signals (:data:`STOP_SIGNALS`) as Ctrl-C: the first raises KeyboardInterrupt, the run
 cleans up and exits 130; later ones are noted and change nothing (:func:`take_stops`).
+
+What a signal handler raises while a finalizer (``__del__``, a weakref callback: py4j's, as
+Python lets go of JVM objects) or an at-fork hook runs, Python only prints ("Exception ignored
+in") and the run goes on: a tool ran on after its SIGTERM (CI), a demo stopped during its
+report exited 0 (twice in nine runs). So a stop's KeyboardInterrupt is noted as it is raised
+(:func:`raising`) until it has gone its way; :func:`raise_if_stopped` raises it again, and
+Python's print of it, no news, is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 from collections.abc import Callable, Iterable
 
 __all__ = ["STOP_SIGNALS", "end_on_sigterm", "handle", "hold_none", "let_stops_through",
-           "let_through", "quiet_stops", "raise_if_stopped", "restore", "stopped", "take_stops"]
+           "let_through", "quiet_stops", "raise_if_stopped", "raised_for_sure", "raising",
+           "restore", "stopped", "take_stops"]
 
 #: What stops a run as Ctrl-C does.
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -71,6 +81,52 @@ def hold_none() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
+# --- a stop's KeyboardInterrupt, raised for sure ----------------------------------------------
+
+#: The KeyboardInterrupts that stops raised, until they have gone their way (see the top).
+_raised: list[BaseException] = []
+_unraisable_before: Callable | None = None  # (sys.unraisablehook before ours)
+
+
+def raising(exc: BaseException) -> BaseException:
+    """Note ``exc``, which a stop's handler raises (or has just raised): if a finalizer
+    swallows it, :func:`raise_if_stopped` raises it again, and Python does not print it."""
+    global _unraisable_before
+    if not any(exc is each for each in _raised):
+        _raised.append(exc)
+    if sys.unraisablehook is not _unraisable:  # (installed when first needed: a test runner
+        _unraisable_before, sys.unraisablehook = sys.unraisablehook, _unraisable  # has its own)
+    return exc
+
+
+def _unraisable(info) -> None:
+    if not any(info.exc_value is each for each in _raised):
+        (_unraisable_before or sys.__unraisablehook__)(info)
+
+
+def raise_if_stopped() -> None:
+    """Raise again the stop that a finalizer swallowed, if one did (see the top): the tools'
+    waits call it, and the report between its phases."""
+    if _raised:
+        raise KeyboardInterrupt(*_raised[0].args)
+
+
+@contextlib.contextmanager
+def raised_for_sure():
+    """Within: a stop whose KeyboardInterrupt a finalizer swallowed ends the block all the same
+    (raised again as it ends, if not before by :func:`raise_if_stopped`). Another exception that
+    ends it meanwhile becomes the stop's context: the stop is what happened."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _raised.clear()  # (it went its way)
+        raise
+    except BaseException:
+        raise_if_stopped()
+        raise
+    raise_if_stopped()
+
+
 # --- stops that clean up ----------------------------------------------------------------------
 
 _quiet = False  # (the clean-up has begun: stops are noted, not raised)
@@ -79,12 +135,10 @@ _quiet = False  # (the clean-up has begun: stops are noted, not raised)
 def _raise_on_stop(signum, _frame):
     """The first stop raises KeyboardInterrupt (the run cleans up); later ones, and any once
     the clean-up has begun, are only noted: a burst of signals must not break into the
-    clean-up. Noted first, because what a handler raises while a finalizer (``__del__``, a
-    weakref callback) or an at-fork hook runs, Python only prints: :func:`raise_if_stopped`
-    raises it again."""
+    clean-up."""
     stopped.append(signum)
     if len(stopped) == 1 and not _quiet:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        raise raising(KeyboardInterrupt(f"signal {signal.Signals(signum).name}"))
 
 
 def take_stops() -> dict[int, Callable | int]:
@@ -92,14 +146,9 @@ def take_stops() -> dict[int, Callable | int]:
     Raises KeyboardInterrupt at once if a stop came while the program's starter held it."""
     global _quiet
     stopped.clear()
+    _raised.clear()
     _quiet = False
     return handle(_raise_on_stop, STOP_SIGNALS)
-
-
-def raise_if_stopped() -> None:
-    """Raise the stop that a handler's exception, swallowed, did not (see _raise_on_stop)."""
-    if stopped and not _quiet:
-        raise KeyboardInterrupt(f"signal {signal.Signals(stopped[0]).name}")
 
 
 def quiet_stops() -> None:
@@ -108,6 +157,7 @@ def quiet_stops() -> None:
     signals a library took meanwhile are taken back: PySpark takes SIGINT.)"""
     global _quiet
     _quiet = True
+    _raised.clear()  # (the stop has gone its way: it is what the clean-up is for)
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) not in (signal.SIG_IGN, _raise_on_stop):
             signal.signal(sig, _raise_on_stop)
