@@ -470,7 +470,8 @@ class Sender(Daemon):
                                "reason": act.reason})
                 self.links.close(act.host)
             elif kind is Lost:
-                self.stats["lost"] += act.message.count
+                self.stats["unconfirmed_at_close" if act.likely_put else "lost"] += \
+                    act.message.count
                 finished += act.message.fanout is None
                 log.log(logging.INFO if act.likely_put else logging.WARNING,
                         "UNSURE message key=%#018x for queue %s not confirmed by %s: %s",

@@ -122,13 +122,20 @@ def _host_status(agent, host, to_wall: float) -> dict:
             "connection_text": agent.core.connection_text(host), **beats}
 
 
+#: How a message ends, as route_status counts it (a broadcast copy may also be declined).
+OUTCOMES = ("delivered", "lost", "unconfirmed_at_close", "dead_lettered")
+
+
 def sender_metrics(agent) -> str:
     now = agent.loop.time()
     routes = agent.core.route_status(now)
     m = {name: Metric(name, kind, text) for name, kind, text in (
         ("rqp_sender_messages_total", "counter", "MESSAGE frames sent, by queue"),
         ("rqp_sender_bytes_total", "counter", "payload bytes sent, by queue"),
-        ("rqp_sender_outcomes_total", "counter", "messages finished, by queue and outcome"),
+        ("rqp_sender_outcomes_total", "counter",
+         "messages finished, by queue and outcome (unconfirmed_at_close: UNSURE ones a "
+         "receiver's close in order cut off, most likely put; lost: UNSURE ones not confirmed "
+         "after a failure)"),
         ("rqp_sender_errors_total", "counter",
          "failed tries (a MESSAGE not confirmed, or no host offered the queue), by queue"),
         ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
@@ -171,7 +178,7 @@ def sender_metrics(agent) -> str:
             r["queue_key"]) or "", "peer": r["peer"] or ""}
         m["rqp_sender_messages_total"].add(r["sent"], **q)
         m["rqp_sender_bytes_total"].add(r["sent_bytes"], **q)
-        for outcome in ("delivered", "lost", "dead_lettered"):
+        for outcome in OUTCOMES:
             m["rqp_sender_outcomes_total"].add(r[outcome], outcome=outcome, **q)
         m["rqp_sender_errors_total"].add(r["errors"], **q)
         m["rqp_sender_route_changes_total"].add(r["route_changes"], **q)
@@ -185,14 +192,14 @@ def sender_metrics(agent) -> str:
             m["rqp_sender_route_state"].add(int(r["state"] == state), state=state, **q)
         for c in r.get("copies", ()):
             h = {**q, "peer": c["peer"]}
-            for outcome in ("delivered", "declined", "lost", "dead_lettered"):
+            for outcome in ("declined", *OUTCOMES):
                 m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
             m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
     gone = agent.core.forgotten  # (their figures under queue="forgotten": the sums stay whole)
     q = {"queue": "forgotten", "name": "", "peer": ""}
     m["rqp_sender_messages_total"].add(gone.sent, **q)
     m["rqp_sender_bytes_total"].add(gone.sent_bytes, **q)
-    for outcome in ("delivered", "lost", "dead_lettered"):
+    for outcome in OUTCOMES:
         m["rqp_sender_outcomes_total"].add(getattr(gone, outcome), outcome=outcome, **q)
     m["rqp_sender_errors_total"].add(gone.errors, **q)
     m["rqp_sender_route_changes_total"].add(gone.route_changes, **q)

@@ -64,8 +64,8 @@ def test_status_of_healthy_agents(site):
     assert 0 < route["rtt_p50_ms"] <= route["rtt_p99_ms"] and route["retry_in"] is None
     assert st["journal_depth"] == 0 and st["dead_letter_queue_depth"] == 0
     assert st["forgotten"] == {"queues": 0, "routes": 0, "sent": 0, "sent_bytes": 0,
-                               "delivered": 0, "lost": 0, "dead_lettered": 0, "errors": 0,
-                               "route_changes": 0}
+                               "delivered": 0, "lost": 0, "unconfirmed_at_close": 0,
+                               "dead_lettered": 0, "errors": 0, "route_changes": 0}
     assert (st["queue_memory"], st["route_cache"]) == (QUEUE_MEMORY, ROUTE_CACHE)
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout
     assert "PROD_THE_SCHED_COMMON" in text and "running" in text and "forgotten" not in text

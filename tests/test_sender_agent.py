@@ -319,6 +319,18 @@ def test_a_receiver_closing_in_order_as_messages_come_is_no_failure_of_the_route
     # what was on its way is not confirmed (an UNSURE message is never sent twice)
     assert len(log_lines(a, sender, "closed the connection in order")) == len(late), log
     assert len(fake.events("connected")) == 2
+    # counted apart from the lost ones, in the status and the metrics (not an alarm)
+    from tests.test_ops import rqpctl
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+    st = next(iter(json.loads(out.stdout).values()))
+    [route] = st["routes"]
+    assert (route["lost"], route["unconfirmed_at_close"]) == (0, len(late)), route
+    assert (st["stats"].get("lost", 0), st["stats"]["unconfirmed_at_close"]) == (0, len(late))
+    metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    outcomes = {line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("rqp_sender_outcomes_total{") and route["queue"] in line}
+    assert outcomes["unconfirmed_at_close"] == len(late) and outcomes["lost"] == 0, outcomes
 
 
 def test_a_peer_closing_in_order_at_every_message_fails_and_a_working_host_gets_them(testbed):

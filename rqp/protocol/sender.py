@@ -367,6 +367,9 @@ class RouteInfo:
     sent_bytes: int = 0
     delivered: int = 0
     lost: int = 0
+    #: UNSURE messages a receiver's close in order cut off (SenderCore._closed_mid_send): not
+    #: confirmed, and most likely put (a receiving MCA puts what crosses its close); not lost
+    unconfirmed_at_close: int = 0
     dead_lettered: int = 0
     declined: int = 0  # broadcast copies the host did not take
     errors: int = 0  # unconfirmed attempts, all time
@@ -644,6 +647,7 @@ class Forgotten:
     sent_bytes: int = 0
     delivered: int = 0
     lost: int = 0
+    unconfirmed_at_close: int = 0
     dead_lettered: int = 0
     errors: int = 0
     route_changes: int = 0
@@ -654,6 +658,7 @@ class Forgotten:
         self.sent_bytes += info.sent_bytes
         self.delivered += info.delivered
         self.lost += info.lost
+        self.unconfirmed_at_close += info.unconfirmed_at_close
         self.dead_lettered += info.dead_lettered
         self.errors += info.errors
         self.route_changes += info.route_changes
@@ -1593,9 +1598,11 @@ class SenderCore:
             copy_info.errors += tried
             copy_info.last_error, copy_info.last_error_at = msg.last_error, self._now
         if msg.message_type == UNSURE_MSG:
-            info.lost += msg.count
-            if copy_info is not None:
-                copy_info.lost += msg.count
+            for each in (info, copy_info) if copy_info is not None else (info,):
+                if counted:
+                    each.lost += msg.count
+                else:
+                    each.unconfirmed_at_close += msg.count
             if not counted:
                 self._fire(msg, T.CLOSED_IN_ORDER_UNSURE)
             else:
@@ -1609,7 +1616,9 @@ class SenderCore:
                         self._drop_route(key, link.host, f"error counter {count} over the "
                                          f"limit {self.settings.error_limit}")
                 self._fire(msg, T.COUNTED)
-            self._finished(msg, "lost (UNSURE, not confirmed)", msg.last_error)
+            self._finished(msg, "lost (UNSURE, not confirmed)" if counted else
+                           "not confirmed: the receiver closed the connection in order with it "
+                           "in flight (UNSURE; most likely put)", msg.last_error)
             self._actions.append(Lost(msg, link.host, msg.last_error, likely_put=not counted))
             if msg.fanout is not None:
                 self._copy_ended(msg, reached=True)
@@ -2072,6 +2081,7 @@ class SenderCore:
                 "stalled_since": stalled, "oldest_taken_at": oldest, "stalled_why": why,
                 "peer": str(host), "peer_host": host, "state": state, "sent": info.sent,
                 "delivered": info.delivered, "declined": info.declined, "lost": info.lost,
+                "unconfirmed_at_close": info.unconfirmed_at_close,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "in_flight": lane.inflight if lane is not None else 0,
                 "waiting": len(lane.pending) if lane is not None else 0,
@@ -2141,6 +2151,7 @@ class SenderCore:
                 "queue_key": key, "peer": None if host is None else str(host), "state": state,
                 "since": since, "sent": info.sent, "sent_bytes": info.sent_bytes,
                 "delivered": info.delivered, "lost": info.lost,
+                "unconfirmed_at_close": info.unconfirmed_at_close,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
                 "error_counter": self.errors.get((host, key), 0) if host is not None else 0,
                 "in_flight": in_flight, "waiting": waiting,
