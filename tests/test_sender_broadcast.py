@@ -255,3 +255,22 @@ def test_a_stopped_broadcast_queue_shows_stopped_while_its_copies_wait():
     h.core.start_route(BQ, h.now)
     h.serve({"a": {BQ}})
     assert delivered(h) == [("a", b"x")] and h.core.route_status()[0]["state"] != "stopped"
+
+
+def test_an_unsure_copy_whose_host_refuses_the_connection_is_a_failed_try_of_that_copy():
+    """The route's error counter counted the refused connection of a routed UNSURE copy, and
+    the log said so, while the status's errors (route and copy line) stayed 0."""
+    h = cast(hosts=("a", "b"))
+    h.submit(BQ, UNSURE_MSG, b"first")
+    h.serve({"a": {BQ}, "b": {BQ}})
+    h.core.connection_lost("b", "reset by peer", h.now)
+    h.submit(BQ, UNSURE_MSG, b"second")
+    h.sent()  # (a's copy goes; b's waits for its reconnect back-off)
+    h.advance()
+    h.sent(connect=False)
+    h.core.connect_failed("b", "Connection refused", h.now)
+    assert h.core.error_count("b", (BQ, "b")) == 1
+    [row] = h.core.route_status(h.now)
+    copies = {c["peer"]: c for c in row["copies"]}
+    assert copies["b"]["errors"] == 1 and "Connection refused" in copies["b"]["last_error"]
+    assert copies["a"]["errors"] == 0 and row["errors"] == 1

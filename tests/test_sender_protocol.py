@@ -422,6 +422,8 @@ def test_route_unreachable_sure_reasks_at_once_unsure_counts():
     # SURE: route to b dropped at once and asked again (b is in back-off, so c)
     assert h.sent() == [("c", Ask(Q2))]
     assert h.core.routes.get(Q1) == "b" and h.core.error_count("b", Q1) == 1
+    route = next(r for r in h.core.route_status(h.now) if r["queue_key"] == Q1)
+    assert (route["errors"], route["error_counter"]) == (1, 1), route  # the status says it too
     h.answer("c", NO)
     h.advance()
     h.sent(connect=False)

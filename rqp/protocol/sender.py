@@ -1814,11 +1814,17 @@ class SenderCore:
         head = lane.pending[0]
         key = lane.id
         head.last_error = f"{link.host}: {why}"
-        self._error(lane.queue_key, head.last_error)
+        info = self._error(lane.queue_key, head.last_error)
         if head.message_type == SURE_MSG:
             lane.failed = True  # (asked again from here: retrying, not a route being found)
             self._drop_route(key, link.host, f"SURE message waiting and {why}")
         else:
+            info.errors += 1  # (a failed try as the error counter counts it: the status says
+            # both; a trial's log said "error counter increased" where the status said 0)
+            if lane.target is not None:  # (a broadcast copy: its host's line says it too)
+                copy_info = self._copy_info(lane.queue_key, lane.target)
+                copy_info.errors += 1
+                copy_info.last_error, copy_info.last_error_at = head.last_error, self._now
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
             self._note(NoteKind.ERROR_COUNTED, key, link.host,
