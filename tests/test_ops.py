@@ -72,6 +72,9 @@ def test_status_of_healthy_agents(site):
     # a sending-only host: no receiver is no fault (a trial saw exit 3 here)
     out = rqpctl(a, "status", "--rqprc", str(rqprc))
     assert out.returncode == 0 and "receiver: none runs here" in out.stdout, out.stdout
+    # (and where it looked, and how to name one run with a config elsewhere)
+    assert "none at /etc/rqp/receiver.yaml, none answers at " in out.stdout, out.stdout
+    assert "--receiver-config FILE" in out.stdout, out.stdout
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"), "--json")
     st = next(iter(json.loads(out.stdout).values()))

@@ -376,7 +376,10 @@ def _status_once(args) -> int:
             if name == "receiver" and receiver_optional:
                 answers[name]["configured"] = False
                 if not args.json:
-                    print("receiver: none runs here (no receiver config on this host)")
+                    print("receiver: none runs here (no receiver config on this host: none "
+                          f"at {SYSTEM_RECEIVER_CONFIG}, none answers at "
+                          f"{', '.join(map(str, candidates))}; one run with a config of its "
+                          "own: --receiver-config FILE)")
                 continue
             code = EXIT_NOT_RUNNING  # (it wins over an unhealthy route)
             answers[name]["answering"] = False
