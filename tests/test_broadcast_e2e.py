@@ -112,3 +112,35 @@ def test_sure_copies_for_a_host_that_is_down_do_not_stop_the_other_queues(testbe
     st = wait_for(lambda: (st := sender_status(a, rqprc))["waiting_for_route"] == count and st,
                   timeout=30, message="the broadcast messages did not all wait for d")
     assert copies(st)[d.address]["waiting"] == count and st["journal_depth"] == count
+
+
+def test_a_host_that_fails_an_unsure_copy_does_not_stop_the_sending_mca(testbed):
+    """A hostile trial: one host of a broadcast name answering DELIVERED_ERROR to an UNSURE
+    copy, or refusing the connection for one, stopped the whole sending MCA (exit 70): the
+    error counter's log line was given the copy's lane, (key, host), for a queue key. The
+    other host gets every copy; the failing host's counts say what happened."""
+    a, b, c = (testbed.add_host(n) for n in "abc")
+    for host in (b, c):
+        make_queue(host, BQ)
+    start_receiver(b, config="max_message_size: 100\n")  # (a longer message: DELIVERED_ERROR)
+    receiver_c = start_receiver(c)
+    rqprc = write_rqprc(a, [b, c], queues={"PROD_ALL_BA": BQ})
+    sender = start_sender(a, rqprc)
+    send(a, rqprc, BQ, ["short"], UNSURE_MSG)
+    for host in (b, c):
+        assert receive(host, BQ, 1) == ["short"]
+    send(a, rqprc, BQ, ["L" * 200], UNSURE_MSG)  # b refuses its copy
+    assert receive(c, BQ, 1) == ["L" * 200]
+    wait_for(lambda: log_lines(a, sender, "error counter increased") or sender.poll() is not None,
+             timeout=20, message="b's DELIVERED_ERROR was not counted")
+    assert sender.poll() is None, a.output(sender, "stderr")[-3000:]  # (it stopped here: 70)
+    c.stop(receiver_c)  # c refuses connections now
+    send(a, rqprc, BQ, ["after"], UNSURE_MSG)
+    assert receive(b, BQ, 1) == ["after"]
+    wait_for(lambda: len(log_lines(a, sender, "error counter increased")) >= 2, timeout=20,
+             message="c's refused connection was not counted")
+    assert sender.poll() is None, a.output(sender, "stderr")[-3000:]
+    per_host = copies(sender_status(a, rqprc))  # (c's copy is tried again meanwhile: 1 or more)
+    assert per_host[b.address]["errors"] == 1 and per_host[c.address]["errors"] >= 1, per_host
+    assert "Connection refused" in per_host[c.address]["last_error"]
+    assert "Traceback" not in a.output(sender, "stderr")

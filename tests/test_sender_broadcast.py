@@ -7,7 +7,7 @@ from rqp import SURE_MSG, UNSURE_MSG
 from rqp.protocol.events import Message, QueueAsk
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.sender import (
-    DeadLetter, Declined, Delivered, FanoutEnded, Lost, MsgState, Settings,
+    DeadLetter, Declined, Delivered, FanoutEnded, Lost, MsgState, Note, NoteKind, Settings,
 )
 from tests.test_sender_protocol import OK, Q1, Q2, YES, Harness
 
@@ -269,6 +269,9 @@ def test_an_unsure_copy_whose_host_refuses_the_connection_is_a_failed_try_of_tha
     h.advance()
     h.sent(connect=False)
     h.core.connect_failed("b", "Connection refused", h.now)
+    [counted] = [n for n in h.actions() if isinstance(n, Note)
+                 and n.kind is NoteKind.ERROR_COUNTED]  # (the harness checks its queue_key)
+    assert (counted.queue_key, counted.host) == (BQ, "b")
     assert h.core.error_count("b", (BQ, "b")) == 1
     [row] = h.core.route_status(h.now)
     copies = {c["peer"]: c for c in row["copies"]}

@@ -44,6 +44,11 @@ class Harness:
 
     def actions(self) -> list:
         acts = self.core.take_actions()
+        # A note names a queue by its key (the agent logs it so), never by a lane's id: a
+        # broadcast copy's (key, host) stopped a trial's sending MCA with a TypeError.
+        bad = [a for a in acts if isinstance(a, Note) and not (
+            a.queue_key is None or type(a.queue_key) is int)]
+        assert not bad, bad
         self.log += acts
         return acts
 

@@ -1610,7 +1610,7 @@ class SenderCore:
                 if self.routes.get(key) == link.host:  # (a dropped route counts no more)
                     count = self.errors.get((link.host, key), 0) + 1
                     self.errors[(link.host, key)] = count
-                    self._note(NoteKind.ERROR_COUNTED, key, link.host,
+                    self._note(NoteKind.ERROR_COUNTED, lane.queue_key, link.host,
                                f"{count} of {self.settings.error_limit}: {why}", msg.key)
                     if count > self.settings.error_limit:
                         self._drop_route(key, link.host, f"error counter {count} over the "
@@ -1827,7 +1827,7 @@ class SenderCore:
                 copy_info.last_error, copy_info.last_error_at = head.last_error, self._now
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
-            self._note(NoteKind.ERROR_COUNTED, key, link.host,
+            self._note(NoteKind.ERROR_COUNTED, lane.queue_key, link.host,
                        f"{count} of {self.settings.error_limit}: {why}")
             if count > self.settings.error_limit:
                 self._drop_route(key, link.host, f"error counter {count} over the limit "
@@ -1960,7 +1960,10 @@ class SenderCore:
             for link in self._links.values():
                 link.waiting.pop(lane, None)
 
-    def _note(self, kind: NoteKind, queue_key, host, detail: str = "", key=None) -> None:
+    def _note(self, kind: NoteKind, queue_key: int | None, host, detail: str = "",
+              key=None) -> None:
+        """``queue_key``: the queue's key, never a lane's id (a broadcast copy's lane is
+        (key, host): given that, the agent's log line raised TypeError and it stopped)."""
         self._actions.append(Note(kind, queue_key, host, detail, key))
         if queue_key is not None and kind is not NoteKind.ERROR_COUNTED:
             info = self._info(queue_key)
