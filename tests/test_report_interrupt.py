@@ -102,6 +102,39 @@ def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_p
     assert "Traceback" not in err, err
 
 
+def test_a_second_ctrl_c_while_spark_starts_ends_it_at_once_and_leaves_nothing(archive,
+                                                                            tmp_path):
+    """A trial: two Ctrl-Cs while Spark started exited 130 at once, but left PySpark's
+    connection directory (a temporary one, with the gateway's secret) behind, 3 times of 4:
+    the thread making the session was abandoned before its clean-up ran."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rqp.report.job", "--master", "local[2]", "--input",
+         str(archive), "--output", str(tmp_path / "out")], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    seen: set[int] = set()
+    try:
+        def starting() -> bool:
+            seen.update(descendants(proc.pid))
+            return bool(seen) or proc.poll() is not None
+
+        wait_for(starting, timeout=60, message="the job started no process (spark-submit)")
+        os.killpg(proc.pid, signal.SIGINT)
+        for line in proc.stderr:  # (what it says at the first: it waits for Spark)
+            if "stopping once Spark has started" in line:
+                break
+        assert "Ctrl-C again: end it now" in line, line
+    except BaseException:
+        _interrupt(proc, seen | set(descendants(proc.pid)))
+        raise
+    code, err = _interrupt(proc, seen | set(descendants(proc.pid)))  # the second Ctrl-C
+    assert code == 130, err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in temp.iterdir()) == [], err
+
+
 def test_an_error_raised_while_a_ctrl_c_was_handled_is_the_ctrl_c():
     """A trial: a call into the JVM in a finally, after Ctrl-C had broken one, failed ('Answer
     from Java side is empty') and the report said 'Spark failed', exit 1."""

@@ -604,6 +604,10 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
                         os.kill(each, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
+            try:  # the making ends with them: its clean-up runs (PySpark's connection
+                done.wait(ABANDON_WAIT)  # directory was left in /tmp: a trial, 3 of 4)
+            except KeyboardInterrupt:
+                pass
             raise
         if made and not isinstance(made[0], BaseException):
             made[0].stop()
@@ -616,6 +620,10 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
         raise made[0]
     return made[0]
 
+
+#: How long a second Ctrl-C while Spark starts waits for the making to end, once it has
+#: ended the processes it started (its own clean-up: PySpark's temporary directory).
+ABANDON_WAIT = 2.0
 
 #: How long :func:`end_jvm` waits for the JVM to end before it kills it.
 JVM_END_WAIT = 30.0
