@@ -591,23 +591,30 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
     try:
         done.wait()
     except KeyboardInterrupt:
-        again = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (rqp-demo's
-        # own handler takes one stop only, and cleans up after it)
-        print(f"{PROG}: stopping once Spark has started" + (
-            " (Ctrl-C again: end it now)" if again else ""), file=sys.stderr, flush=True)
-        try:
+        try:  # (the line said first inside: a second Ctrl-C as it was written, the moment an
+            # operator who reads it presses it, went by the clean-up below; a trial's test)
+            again = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (rqp-demo
+            # takes one stop only, and cleans up after it)
+            print(f"{PROG}: stopping once Spark has started" + (
+                " (Ctrl-C again: end it now)" if again else ""), file=sys.stderr, flush=True)
             done.wait()
         except KeyboardInterrupt:
-            for pid in _children_of(os.getpid()) - before:
-                for each in (pid, *_children_of(pid, deep=True)):
-                    try:
-                        os.kill(each, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            try:  # the making ends with them: its clean-up runs (PySpark's connection
-                done.wait(ABANDON_WAIT)  # directory was left in /tmp: a trial, 3 of 4)
-            except KeyboardInterrupt:
-                pass
+            # The making ends with the processes it started, and its clean-up runs (PySpark's
+            # connection directory was left in /tmp: a trial, 3 times of 4). Those that a
+            # SIGTERM does not end soon, or that started as it was sent, are killed: a JVM
+            # half-started outlives us for good.
+            for sig, wait in ((signal.SIGTERM, ABANDON_WAIT), (signal.SIGKILL, ABANDON_WAIT)):
+                for pid in _children_of(os.getpid()) - before:
+                    for each in (pid, *_children_of(pid, deep=True)):
+                        try:
+                            os.kill(each, sig)
+                        except ProcessLookupError:
+                            pass
+                try:
+                    if done.wait(wait):
+                        break
+                except KeyboardInterrupt:
+                    break
             raise
         if made and not isinstance(made[0], BaseException):
             made[0].stop()
@@ -622,7 +629,7 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
 
 
 #: How long a second Ctrl-C while Spark starts waits for the making to end, once it has
-#: ended the processes it started (its own clean-up: PySpark's temporary directory).
+#: sent SIGTERM to the processes it started, and again after a SIGKILL.
 ABANDON_WAIT = 2.0
 
 #: How long :func:`end_jvm` waits for the JVM to end before it kills it.
