@@ -5,6 +5,7 @@ killed meanwhile): each host gets every copy once, in order, d when it is back."
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 from rqp import SURE_MSG, UNSURE_MSG
@@ -60,6 +61,9 @@ def test_broadcast_to_three_hosts_one_down_and_back_across_a_sender_kill(testbed
     text = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
     assert text.returncode == 4, text.stdout  # a broadcast with a host behind is not healthy
     assert f"copies to {d.address}" in text.stdout and "(broadcast)" in text.stdout
+    [line] = [x for x in text.stdout.splitlines() if f"copies to {d.address}" in x]
+    errors = re.search(r" (\d+) errors  ", line)  # d's failed tries (more by now, maybe)
+    assert errors and int(errors[1]) >= max(1, per_host[d.address]["errors"]), line
     # the sender is killed: the copies done (b, c) stay done, d's stay owed
     a.kill(sender, signal.SIGKILL)
     sender = start_sender(a, rqprc)

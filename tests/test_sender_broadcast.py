@@ -65,6 +65,7 @@ def test_sure_copy_for_a_host_that_is_down_waits_with_backoff_and_goes_when_it_i
     status = {c["peer"]: c for c in h.core.route_status()[0]["copies"]}
     assert status["b"]["waiting"] == 3 and status["b"]["state"] == "retrying"
     assert "Connection refused" in status["b"]["last_error"]
+    assert status["b"]["errors"] == 1 and status["a"]["errors"] == 0  # (a trial: b's was 0)
     assert status["a"]["delivered"] == 3 and status["a"]["waiting"] == 0
     assert h.core.waiting_for_route() == 3  # (messages, each held for its copy to b)
     for _ in range(3):  # b stays down a while: asked again with back-off, nothing lost

@@ -1333,8 +1333,9 @@ class SenderCore:
             head.last_error = (_no_host(lane, why) if lane.target is None else
                                f"no answer for {broadcast_queue(lane.queue_key)} ({why})")
             self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
-            if lane.target is not None:
+            if lane.target is not None:  # (and of the copy: its host's line says it too)
                 info = self._copy_info(lane.queue_key, lane.target)
+                info.errors += 1
                 info.last_error, info.last_error_at = head.last_error, self._now
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
