@@ -71,10 +71,10 @@ def test_status_of_healthy_agents(site):
     assert "PROD_THE_SCHED_COMMON" in text and "running" in text and "forgotten" not in text
     # a sending-only host: no receiver is no fault (a trial saw exit 3 here)
     out = rqpctl(a, "status", "--rqprc", str(rqprc))
-    assert out.returncode == 0 and "receiver: none runs here" in out.stdout, out.stdout
+    assert out.returncode == 0 and "receiver: none answers here" in out.stdout, out.stdout
     # (and where it looked, and how to name one run with a config elsewhere)
-    assert "none at /etc/rqp/receiver.yaml, none answers at " in out.stdout, out.stdout
-    assert "--receiver-config FILE" in out.stdout, out.stdout
+    assert "no receiver config at /etc/rqp/receiver.yaml, and no receiving MCA at " in \
+        out.stdout and "--receiver-config FILE, or --socket PATH" in out.stdout, out.stdout
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"), "--json")
     st = next(iter(json.loads(out.stdout).values()))
@@ -89,6 +89,29 @@ def test_status_of_healthy_agents(site):
                   str(b.workdir / "receiver.yaml")).stdout
     assert "de-duplication window: 2 of 1,000,000 keys, the oldest " in text, text
     assert "(kept 1d00h)" in text and "FULL" not in text, text
+
+
+def test_a_frozen_receiver_on_a_sending_host_is_not_taken_for_none(site, monkeypatch,
+                                                                   capsys):
+    """A trial: on a sending host with no receiver config, a receiving MCA that runs on the
+    default socket but is frozen (SIGSTOP) was reported as 'none runs here', exit 0; the
+    README says a not-answering agent means exit 3 (do not start a second one)."""
+    from rqp.system.control import ControlNotAnswering
+    from rqp.tools import ctl, ctl_agents
+
+    a, _b, rqprc, _sender, _receiver = site
+    real_ask = ctl_agents.ask
+
+    def ask(candidates, command):  # (the default receiver sockets: a frozen one answers none)
+        if any("receiver" in str(path) for path in candidates):
+            raise ControlNotAnswering(f"{candidates[0]} took the connection but gave no "
+                                      "answer within 5 s: it runs, but is frozen")
+        return real_ask(candidates, command)
+    monkeypatch.setattr(ctl_agents, "ask", ask)
+    code = ctl.main(["status", "--rqprc", str(rqprc)])
+    out = capsys.readouterr().out
+    assert code == 3 and "receiver: not answering" in out, out
+    assert "none answers here" not in out, out
 
 
 def test_a_full_dedup_window_shows_how_long_it_keeps_a_key(testbed):

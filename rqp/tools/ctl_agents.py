@@ -374,13 +374,15 @@ def _status_once(args) -> int:
         except ControlError as exc:
             answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
                              "error": str(exc)}
-            if name == "receiver" and receiver_optional:
-                answers[name]["configured"] = False
+            if name == "receiver" and receiver_optional and \
+                    not isinstance(exc, ControlNotAnswering):  # (one that runs, frozen, is no
+                answers[name]["configured"] = False              # sending-only host: a trial)
                 if not args.json:
-                    print("receiver: none runs here (no receiver config on this host: none "
-                          f"at {SYSTEM_RECEIVER_CONFIG}, none answers at "
-                          f"{', '.join(map(str, candidates))}; one run with a config of its "
-                          "own: --receiver-config FILE)")
+                    print(f"receiver: none answers here (no receiver config at "
+                          f"{SYSTEM_RECEIVER_CONFIG}, and no receiving MCA at "
+                          f"{', '.join(map(str, candidates))}: a sending-only host; one run "
+                          "with a config of its own: --receiver-config FILE, or --socket "
+                          "PATH)")
                 continue
             code = EXIT_NOT_RUNNING  # (it wins over an unhealthy route)
             answers[name]["answering"] = False
