@@ -39,7 +39,10 @@ def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
     """Ctrl-C to the job's group; its exit status and stderr. Fails if a process it started
     (``seen``) outlives it by a minute (ended first: it holds the job's stderr open)."""
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass  # (its group has ended already)
         code = proc.wait(120)
     finally:
         if proc.poll() is None:
@@ -102,11 +105,13 @@ def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_p
     assert "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("presses", [2, 3])
 def test_a_second_ctrl_c_while_spark_starts_ends_it_at_once_and_leaves_nothing(archive,
-                                                                            tmp_path):
+                                                                            tmp_path, presses):
     """A trial: two Ctrl-Cs while Spark started exited 130 at once, but left PySpark's
     connection directory (a temporary one, with the gateway's secret) behind, 3 times of 4:
-    the thread making the session was abandoned before its clean-up ran."""
+    the thread making the session was abandoned before its clean-up ran. Another: so did a
+    third Ctrl-C 40-200 ms after the second (8 times of 8)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
@@ -129,8 +134,16 @@ def test_a_second_ctrl_c_while_spark_starts_ends_it_at_once_and_leaves_nothing(a
     except BaseException:
         _interrupt(proc, seen | set(descendants(proc.pid)))
         raise
-    code, err = _interrupt(proc, seen | set(descendants(proc.pid)))  # the second Ctrl-C
-    assert code == 130, err
+    seen |= set(descendants(proc.pid))
+    if presses == 3:  # the second, and a third as its clean-up runs (an impatient operator)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(0.1)
+        except subprocess.TimeoutExpired:
+            pass
+    code, err = _interrupt(proc, seen)  # the last Ctrl-C
+    # (a third that comes as the job exits ends it by the signal: a shell says 130 as well)
+    assert code == 130 or (presses == 3 and code == -signal.SIGINT), err
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
     assert sorted(p.name for p in temp.iterdir()) == [], err
 

@@ -603,17 +603,20 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
             # connection directory was left in /tmp: a trial, 3 times of 4). Those that a
             # SIGTERM does not end soon, or that started as it was sent, are killed: a JVM
             # half-started outlives us for good.
-            for sig, wait in ((signal.SIGTERM, ABANDON_WAIT), (signal.SIGKILL, ABANDON_WAIT)):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
                 for pid in _children_of(os.getpid()) - before:
                     for each in (pid, *_children_of(pid, deep=True)):
                         try:
                             os.kill(each, sig)
                         except ProcessLookupError:
                             pass
-                try:
-                    if done.wait(wait):
-                        break
-                except KeyboardInterrupt:
+                deadline = time.monotonic() + ABANDON_WAIT
+                while not done.is_set() and time.monotonic() < deadline:
+                    try:  # (a third Ctrl-C changes nothing: it left the directory, a trial)
+                        done.wait(max(0.0, deadline - time.monotonic()))
+                    except KeyboardInterrupt:
+                        pass
+                if done.is_set():
                     break
             raise
         if made and not isinstance(made[0], BaseException):
