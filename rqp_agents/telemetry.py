@@ -195,6 +195,7 @@ def sender_metrics(agent) -> str:
             for outcome in ("declined", *OUTCOMES):
                 m["rqp_sender_copies_total"].add(c[outcome], outcome=outcome, **h)
             m["rqp_sender_copies_waiting"].add(c["waiting"], **h)
+            m["rqp_sender_unsure_errors_in_a_row"].add(c["error_counter"], **h)
     gone = agent.core.forgotten  # (their figures under queue="forgotten": the sums stay whole)
     q = {"queue": "forgotten", "name": "", "peer": ""}
     m["rqp_sender_messages_total"].add(gone.sent, **q)

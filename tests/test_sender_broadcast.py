@@ -278,3 +278,5 @@ def test_an_unsure_copy_whose_host_refuses_the_connection_is_a_failed_try_of_tha
     copies = {c["peer"]: c for c in row["copies"]}
     assert copies["b"]["errors"] == 1 and "Connection refused" in copies["b"]["last_error"]
     assert copies["a"]["errors"] == 0 and row["errors"] == 1
+    # and how near b's route is to its drop (a trial: the log said "1 of 3", the status 0)
+    assert (copies["b"]["error_counter"], copies["a"]["error_counter"]) == (1, 0)

@@ -2093,6 +2093,8 @@ class SenderCore:
                 "delivered": info.delivered, "declined": info.declined, "lost": info.lost,
                 "unconfirmed_at_close": info.unconfirmed_at_close,
                 "dead_lettered": info.dead_lettered, "errors": info.errors,
+                # (its UNSURE error counter: ERROR_LIMIT of them drop that host's route)
+                "error_counter": self.errors.get((host, (key, host)), 0),
                 "in_flight": lane.inflight if lane is not None else 0,
                 "waiting": len(lane.pending) if lane is not None else 0,
                 "last_error": info.last_error, "last_error_at": info.last_error_at,

@@ -207,8 +207,9 @@ def _print_sender(st: dict) -> None:
                   f"{c['in_flight']:>4} in flight {c['lost']:>4} lost "
                   + (f"{c['unconfirmed_at_close']:>4} unconfirmed at a close "
                      if c.get("unconfirmed_at_close") else "")
-                  + f"{c['dead_lettered']:>4} dead {c['errors']:>4} errors  "
-                  f"{c['last_error'] or '-'}")
+                  + f"{c['dead_lettered']:>4} dead {c['errors']:>4} errors"
+                  + (f" (counter {c['error_counter']})" if c.get("error_counter") else "")
+                  + f"  {c['last_error'] or '-'}")
     gone = st.get("forgotten") or {}
     if gone.get("queues"):
         print(f"  and idle queues let go (beyond the {st.get('queue_memory')} most recently "
