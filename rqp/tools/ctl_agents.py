@@ -375,9 +375,10 @@ def _status_once(args) -> int:
         except ControlError as exc:
             answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
                              "error": str(exc)}
+            # (a receiver that runs, frozen, is no sending-only host: a trial was told "none")
             if name == "receiver" and receiver_optional and \
-                    not isinstance(exc, ControlNotAnswering):  # (one that runs, frozen, is no
-                answers[name]["configured"] = False              # sending-only host: a trial)
+                    not isinstance(exc, ControlNotAnswering):
+                answers[name]["configured"] = False
                 if not args.json:
                     print(f"receiver: none answers here (no receiver config at "
                           f"{SYSTEM_RECEIVER_CONFIG}, and no receiving MCA at "
