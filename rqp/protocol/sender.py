@@ -1332,11 +1332,7 @@ class SenderCore:
             lane.failed = True
             head.last_error = (_no_host(lane, why) if lane.target is None else
                                f"no answer for {broadcast_queue(lane.queue_key)} ({why})")
-            self._error(lane.queue_key, head.last_error).errors += 1  # a failed try too
-            if lane.target is not None:  # (and of the copy: its host's line says it too)
-                info = self._copy_info(lane.queue_key, lane.target)
-                info.errors += 1
-                info.last_error, info.last_error_at = head.last_error, self._now
+            self._failed_try(lane.queue_key, lane.target, head.last_error)  # a failed try too
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
         else:
@@ -1592,12 +1588,7 @@ class SenderCore:
         # holding the later messages back to keep the order: no failed try of this one's own
         # (a trial's status said 176 errors for a handful of messages).
         tried = counted and (why != "DELIVERED_ERROR" or self.routes.get(key) == link.host)
-        info = self._error(lane.queue_key, msg.last_error)
-        info.errors += tried
-        copy_info = None if msg.target is None else self._copy_info(msg.queue_key, msg.target)
-        if copy_info is not None:
-            copy_info.errors += tried
-            copy_info.last_error, copy_info.last_error_at = msg.last_error, self._now
+        info, copy_info = self._failed_try(lane.queue_key, msg.target, msg.last_error, tried)
         if msg.message_type == UNSURE_MSG:
             for each in (info, copy_info) if copy_info is not None else (info,):
                 if counted:
@@ -1815,17 +1806,14 @@ class SenderCore:
         head = lane.pending[0]
         key = lane.id
         head.last_error = f"{link.host}: {why}"
-        info = self._error(lane.queue_key, head.last_error)
         if head.message_type == SURE_MSG:
+            self._error(lane.queue_key, head.last_error)
             lane.failed = True  # (asked again from here: retrying, not a route being found)
             self._drop_route(key, link.host, f"SURE message waiting and {why}")
         else:
-            info.errors += 1  # (a failed try as the error counter counts it: the status says
-            # both; a trial's log said "error counter increased" where the status said 0)
-            if lane.target is not None:  # (a broadcast copy: its host's line says it too)
-                copy_info = self._copy_info(lane.queue_key, lane.target)
-                copy_info.errors += 1
-                copy_info.last_error, copy_info.last_error_at = head.last_error, self._now
+            # a failed try as the error counter counts it: the status says both (a trial's log
+            # said "error counter increased" where the status said 0)
+            self._failed_try(lane.queue_key, lane.target, head.last_error)
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
             self._note(NoteKind.ERROR_COUNTED, lane.queue_key, link.host,
@@ -1978,6 +1966,20 @@ class SenderCore:
         info = self._info(queue_key)
         info.last_error, info.last_error_at = text, self._now
         return info
+
+    def _failed_try(self, queue_key: int, target, text: str,
+                    tried: int = 1) -> tuple[RouteInfo, RouteInfo | None]:
+        """A try that failed with ``text`` (``tried`` 0: one that is not counted), in the
+        queue's figures and, for a broadcast copy (``target``: its host), in that host's line.
+        Returns both (the copy's None for an ordinary queue)."""
+        info = self._error(queue_key, text)
+        info.errors += tried
+        if target is None:
+            return info, None
+        copy_info = self._copy_info(queue_key, target)
+        copy_info.errors += tried
+        copy_info.last_error, copy_info.last_error_at = text, self._now
+        return info, copy_info
 
     def _copy_info(self, queue_key: int, host) -> RouteInfo:
         info = self.copies_info.get((queue_key, host))
