@@ -26,8 +26,8 @@ def archive(tmp_path_factory) -> Path:
     return archive_of(root, generate_archive(root / "generated", files=8))
 
 
-def _start(archive: Path, out: Path) -> subprocess.Popen:
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT))
+def _start(archive: Path, out: Path, **env: str) -> subprocess.Popen:
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), **env)
     return subprocess.Popen(
         [sys.executable, "-m", "rqp.report.job", "--master", "local[2]", "--input",
          str(archive), "--output", str(out)], cwd=ROOT, env=env, text=True,
@@ -114,11 +114,7 @@ def test_a_second_ctrl_c_while_spark_starts_ends_it_at_once_and_leaves_nothing(a
     third Ctrl-C 40-200 ms after the second (8 times of 8)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rqp.report.job", "--master", "local[2]", "--input",
-         str(archive), "--output", str(tmp_path / "out")], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = _start(archive, tmp_path / "out", TMPDIR=str(temp))
     seen: set[int] = set()
     try:
         def starting() -> bool:
