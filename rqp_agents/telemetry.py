@@ -137,7 +137,8 @@ def sender_metrics(agent) -> str:
          "receiver's close in order cut off, most likely put; lost: UNSURE ones not confirmed "
          "after a failure)"),
         ("rqp_sender_errors_total", "counter",
-         "failed tries (a MESSAGE not confirmed, or no host offered the queue), by queue"),
+         "failed tries (a MESSAGE not confirmed, or no host offered the queue), by queue "
+         "(peer: the host of its route now; rqp_sender_host_errors_total: where they failed)"),
         ("rqp_sender_route_changes_total", "counter", "routes found or dropped, by queue"),
         ("rqp_sender_unsure_errors_in_a_row", "gauge",
          "UNSURE errors in a row on the route (error_limit of them drops it)"),
@@ -159,6 +160,9 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_heartbeats_total", "counter", "heartbeat QUEUE_ASKs sent, by host"),
         ("rqp_sender_heartbeat_failures_total", "counter",
          "heartbeats not answered in time (the connection was closed), by host"),
+        ("rqp_sender_host_errors_total", "counter",
+         "failed tries of messages sent to a host (not confirmed, or it could not be reached "
+         "for an UNSURE one), by host"),
         ("rqp_dead_letters_total", "counter", "dead letters written here, by reason"),
         ("rqp_journal_depth", "gauge", "SURE messages in the journal (an atomic batch once)"),
         ("rqp_sender_journal_full", "gauge",
@@ -210,6 +214,7 @@ def sender_metrics(agent) -> str:
         beats = agent.core.heartbeat_status(host)
         m["rqp_sender_heartbeats_total"].add(beats["heartbeats"], peer=str(host))
         m["rqp_sender_heartbeat_failures_total"].add(beats["heartbeat_failures"], peer=str(host))
+        m["rqp_sender_host_errors_total"].add(beats["failed_tries"], peer=str(host))
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rqp import SURE_MSG
+from rqp import SURE_MSG, UNSURE_MSG
 from rqp.protocol.sender import (
     QUEUE_MEMORY, ROUTE_CACHE, ROUTE_STATES, WAITING_FOR_ROUTE_MAX, budget_size,
 )
@@ -147,11 +147,19 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     send(a, rqprc, Q1, ["before"])
     assert receive(b, Q1, 1) == ["before"]
     b.kill(receiver)
+    send(a, rqprc, Q1, ["refused"], UNSURE_MSG)  # tried at b, refused: a failed try there
     send(a, rqprc, Q1, ["stuck"])  # SURE: waits for a route
+    def status():
+        return next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                            str(rqprc), "--json").stdout).values()))
     def state():
-        st = next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
-                                          str(rqprc), "--json").stdout).values()))
-        return st["routes"][0]
+        return status()["routes"][0]
+    # each host counts the failed tries of what was sent to it (the queue's figures, and its
+    # metrics' peer label, follow the route wherever it goes next)
+    [peer] = wait_for(lambda: [h["host"] for h in status()["hosts"] if h["failed_tries"]],
+                      timeout=20, message="no host counted the refused message's failed try")
+    assert re.search(rf"{re.escape(peer)} .*\(\d+ failed tr(y|ies)\)",
+                     rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout)
     route = wait_for(lambda: (r := state())["state"] in ("retrying", "no route") and r,
                      timeout=20, message="the broken route never showed")
     assert route["last_error"] and route["waiting"] == 1
@@ -169,6 +177,8 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     assert 'state="running"' not in now and 'state="idle"' not in now, now
     assert any(l.startswith("rqp_journal_depth ") and float(l.split()[1]) == 1 for l in lines)
     assert "# TYPE rqp_sender_messages_total counter" in lines
+    assert any(l.startswith(f'rqp_sender_host_errors_total{{peer="{peer}"}} ') and
+               float(l.split()[-1]) >= 1 for l in lines), metrics
     assert 'rqp_sender_forgotten_total{what="queues"} 0.0' in lines
     # the receiver is not running: a clear message and exit 3
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",

@@ -203,6 +203,34 @@ def test_errors_of_a_route_already_dropped_are_not_counted():
     assert len(h.of(Lost)) == 5
 
 
+def test_failed_tries_are_counted_at_the_host_they_failed_at_after_the_route_moves_on():
+    """The queue's figures (and its metrics' peer label) follow the route: after it moved from
+    a failing host to a healthy one, the queue's errors showed under the healthy host. Each
+    host counts the failed tries of messages sent to it; a try with no one host (none offered
+    the queue) counts at none."""
+    h = Harness(hosts=("b", "c"), error_limit=1)
+    for _ in range(3):
+        h.submit(message_type=UNSURE_MSG)
+    h.serve({"b": {Q1}, "c": {Q1}}, deliver=lambda host, msg: host != "b")
+    assert h.core.routes == {}  # b's two errors passed error_limit 1: dropped
+    for _ in range(2):
+        h.submit(message_type=UNSURE_MSG)
+    h.serve({"c": {Q1}})  # b no longer offers it: c does, and puts them
+    assert h.core.routes == {Q1: "c"}
+    route = next(r for r in h.core.route_status(h.now) if r["queue_key"] == Q1)
+    assert (route["peer"], route["errors"], route["lost"], route["delivered"]) == ("c", 2, 3, 2)
+    assert [h.core.heartbeat_status(x)["failed_tries"] for x in ("b", "c")] == [2, 0]
+    h.core.connection_lost("c", "reset by peer", h.now)
+    h.submit(message_type=UNSURE_MSG)
+    h.advance()
+    h.sent(down=("c",))  # c cannot be reached: a failed try at c (the error counter's)
+    assert [h.core.heartbeat_status(x)["failed_tries"] for x in ("b", "c")] == [2, 1]
+    h2 = Harness(hosts=("b",))
+    h2.submit()
+    h2.serve({})  # no host offers it: the queue's failed try, no host's
+    assert h2.core.info[Q1].errors >= 1 and h2.core.heartbeat_status("b")["failed_tries"] == 0
+
+
 def test_unsure_success_resets_the_counter():
     h = Harness()
     for _ in range(3):

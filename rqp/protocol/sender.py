@@ -458,6 +458,9 @@ class _Link:
     heartbeats: int = 0  # sent on this link, all time
     heartbeat_failures: int = 0
     heartbeat_failed_at: float | None = None
+    #: Failed tries of messages sent here (SenderCore._failed_try), all time: which host a
+    #: queue's errors happened at, after its route has moved on.
+    failed_tries: int = 0
     failed_at: float = 0.0  # when it last went down
     answered_at: float = 0.0  # when an answer last came
     up_at: float = 0.0  # when it last connected (or answered again after a lost heartbeat)
@@ -768,11 +771,13 @@ class SenderCore:
         return link.state.value
 
     def heartbeat_status(self, host) -> dict:
-        """Heartbeats sent to ``host`` and those that went unanswered (all time)."""
+        """Heartbeats sent to ``host`` and those that went unanswered, and the failed tries of
+        messages sent to it (all time)."""
         link = self._links.get(host)
         return {"heartbeats": link.heartbeats if link else 0,
                 "heartbeat_failures": link.heartbeat_failures if link else 0,
-                "heartbeat_failed_at": link.heartbeat_failed_at if link else None}
+                "heartbeat_failed_at": link.heartbeat_failed_at if link else None,
+                "failed_tries": link.failed_tries if link else 0}
 
     def error_count(self, host, queue_key: int) -> int:
         return self.errors.get((host, queue_key), 0)
@@ -1588,7 +1593,8 @@ class SenderCore:
         # holding the later messages back to keep the order: no failed try of this one's own
         # (a trial's status said 176 errors for a handful of messages).
         tried = counted and (why != "DELIVERED_ERROR" or self.routes.get(key) == link.host)
-        info, copy_info = self._failed_try(lane.queue_key, msg.target, msg.last_error, tried)
+        info, copy_info = self._failed_try(lane.queue_key, msg.target, msg.last_error, tried,
+                                           link)
         if msg.message_type == UNSURE_MSG:
             for each in (info, copy_info) if copy_info is not None else (info,):
                 if counted:
@@ -1813,7 +1819,7 @@ class SenderCore:
         else:
             # a failed try as the error counter counts it: the status says both (a trial's log
             # said "error counter increased" where the status said 0)
-            self._failed_try(lane.queue_key, lane.target, head.last_error)
+            self._failed_try(lane.queue_key, lane.target, head.last_error, link=link)
             count = self.errors.get((link.host, key), 0) + 1
             self.errors[(link.host, key)] = count
             self._note(NoteKind.ERROR_COUNTED, lane.queue_key, link.host,
@@ -1967,13 +1973,16 @@ class SenderCore:
         info.last_error, info.last_error_at = text, self._now
         return info
 
-    def _failed_try(self, queue_key: int, target, text: str,
-                    tried: int = 1) -> tuple[RouteInfo, RouteInfo | None]:
+    def _failed_try(self, queue_key: int, target, text: str, tried: int = 1,
+                    link: _Link | None = None) -> tuple[RouteInfo, RouteInfo | None]:
         """A try that failed with ``text`` (``tried`` 0: one that is not counted), in the
-        queue's figures and, for a broadcast copy (``target``: its host), in that host's line.
-        Returns both (the copy's None for an ordinary queue)."""
+        queue's figures, in those of the host it failed at (``link``; None: no one host, as
+        when none offered the queue) and, for a broadcast copy (``target``: its host), in that
+        host's line. Returns the queue's and the copy's (None for an ordinary queue)."""
         info = self._error(queue_key, text)
         info.errors += tried
+        if link is not None:
+            link.failed_tries += tried
         if target is None:
             return info, None
         copy_info = self._copy_info(queue_key, target)

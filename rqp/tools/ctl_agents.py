@@ -150,6 +150,17 @@ def _trouble(st: dict) -> str:
     return f"; CANNOT READ IT: {trouble}" if trouble else ""
 
 
+def _host_line(h: dict, now: float) -> str:
+    """A host of the sending MCA's status: its connection, then what failed there."""
+    failed = [f"{h['failed_tries']} failed tr{'y' if h['failed_tries'] == 1 else 'ies'}"
+              ] if h.get("failed_tries") else []
+    if h.get("heartbeat_failures"):
+        failed.append(f"{h['heartbeat_failures']} heartbeat(s) unanswered, the last "
+                      f"{_ago(h.get('heartbeat_failed_at'), now)} ago")
+    return f"{h['host']} {h.get('connection_text', h['connection'])}" + (
+        f" ({'; '.join(failed)})" if failed else "")
+
+
 def _print_sender(st: dict) -> None:
     now = st["now"]
     print(f"sender   pid {st['pid']} on {st['host']}, up {_ago(st['started_at'], now)}; "
@@ -164,11 +175,7 @@ def _print_sender(st: dict) -> None:
           + f"), in flight {st['in_flight']}"
           + (f", {st['waiting_for_route']} waiting for a route" if st.get("waiting_for_route")
              else ""))
-    print("  hosts: " + ", ".join(
-        f"{h['host']} {h.get('connection_text', h['connection'])}" + (
-            f" ({h['heartbeat_failures']} heartbeat(s) unanswered, the last "
-            f"{_ago(h.get('heartbeat_failed_at'), now)} ago)" if h.get("heartbeat_failures")
-            else "") for h in st["hosts"]))
+    print("  hosts: " + ", ".join(_host_line(h, now) for h in st["hosts"]))
     if st.get("start_reserve_missing"):
         print(f"  START RESERVE MISSING: {st['start_reserve']} cannot be made "
               f"({st['start_reserve_missing']}): no SURE record is journaled until it is; make "
