@@ -108,7 +108,9 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
 
 
 def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None = None):
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT))
+    temp = out.with_name(f"{out.name}-tmp")  # (a job killed -9 leaves its JVM's directory)
+    temp.mkdir()
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
     env.pop("RQP_REPORT_CRASH_AFTER", None)
     if crash_after:
         env["RQP_REPORT_CRASH_AFTER"] = crash_after

@@ -64,8 +64,9 @@ def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
 def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive, tmp_path):
     """A trial: two screens of py4j tracebacks and exit -2 (PySpark's own SIGINT handler
     called into the JVM over the connection the job was in the middle of a call on)."""
-    out = tmp_path / "out"
-    proc = _start(archive, out)
+    out, temp = tmp_path / "out", tmp_path / "tmp"
+    temp.mkdir()
+    proc = _start(archive, out, TMPDIR=str(temp))
     lines = []
     try:
         for line in proc.stderr:  # up to the line that says Spark is up and the job reads
@@ -78,8 +79,15 @@ def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive,
             _interrupt(proc, seen)  # (ended, and what it started gone, before failing)
     assert "started; reading" in lines[-1], "".join(lines)
     assert seen, "the JVM was expected to run by now"
+    # the JVM keeps its temporary files in a directory of the run's own under TMPDIR (it
+    # ignores TMPDIR: a JVM killed by a second Ctrl-C left them in /tmp), gone at the end
+    jvm_temps = [(p.name, sorted(q.name.split("-")[0] for q in p.iterdir()))
+                 for p in temp.iterdir()]
     code, err = _interrupt(proc, seen)
     err = "".join(lines) + err
+    assert [(n.startswith("rqp-dlq-report-jvm-"), "spark" in q) for n, q in jvm_temps] == [
+        (True, True)], (jvm_temps, err)
+    assert sorted(temp.iterdir()) == [], err
     assert code == 130, err
     assert "rqp-dlq-report: interrupted (Ctrl-C); this run's report is not finished" in err
     assert "Traceback" not in err and "py4j" not in err, err

@@ -13,9 +13,11 @@ import datetime as _dt
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +47,7 @@ from rqp.report.files import delete, write_text
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",
-           "get_session", "hush", "quiet_interrupts"]
+           "get_session", "hush", "quiet_interrupts", "jvm_temp"]
 
 FILE_COLUMN = columnar.FILE_COLUMN
 #: Archive columns the report never looks at (the payload itself is by far the largest: not
@@ -666,6 +668,35 @@ def end_jvm() -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def jvm_temp():
+    """While a report runs: the Spark JVM it starts keeps its temporary files (Spark's scratch
+    space, ``spark.local.dir`` unless the operator sets it, and its other ``spark-*`` and
+    ``artifacts-*`` directories) in a directory of the run's own under ``TMPDIR``, removed when
+    the run ends, the JVM ended first (:func:`end_jvm`). The JVM ignores ``TMPDIR`` and wrote
+    them in /tmp, where a JVM a second Ctrl-C killed, or a ``kill -9``, left them for good. A
+    JVM already running (a caller's session) is left alone, and an operator's own
+    ``-Djava.io.tmpdir`` (``spark.driver.extraJavaOptions``, ``SPARK_SUBMIT_OPTS``) comes after
+    this one, and so wins. Yields the directory (None: a JVM already runs)."""
+    if SparkContext._gateway is not None:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix=f"{PROG}-jvm-")
+    before = os.environ.get("SPARK_SUBMIT_OPTS")
+    os.environ["SPARK_SUBMIT_OPTS"] = f"-Djava.io.tmpdir={path} {before or ''}".rstrip()
+    try:
+        yield path
+    finally:
+        try:
+            end_jvm()  # (nothing of it writes there any more)
+        finally:
+            if before is None:
+                os.environ.pop("SPARK_SUBMIT_OPTS", None)
+            else:
+                os.environ["SPARK_SUBMIT_OPTS"] = before
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _children_of(pid: int, deep: bool = False) -> set[int]:

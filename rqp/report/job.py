@@ -282,40 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.store is not None:
             check_local_output(args.store, "--store")
         compute = load_compute()
-        spark, created = compute.get_session(args.master)
-        print(f"{PROG}: Spark {spark.version} ({spark.sparkContext.master}) started; reading "
-              f"{' '.join(args.input)}", file=sys.stderr, flush=True)
-        interrupted = None
-        try:
-            with compute.quiet_interrupts(spark):
-                if args.reports:
-                    run_dated(compute, spark, args)
-                else:
-                    compute.run_report(spark, args.input, args.output, traffic=args.traffic,
-                                       store=args.store, previous=args.previous)
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-            raise
-        except Exception as exc:
-            # A call into the JVM after Ctrl-C broke one (a finally's) failed: the Ctrl-C is
-            # what happened (a trial's report said "Spark failed", exit 1).
-            interrupted = _interrupt_behind(exc)
-            if interrupted is not None:
-                raise interrupted from None
-            if not compute.is_spark_failure(exc):
-                raise
-            failure = compute.explain_failure(spark, exc, args.master)
-            print(f"{PROG}: error: {failure}", file=sys.stderr)
-            return 1
-        finally:
-            if interrupted is not None:
-                compute.hush(spark)  # (what the JVM logs of the work it broke is no news)
-            if created:
-                try:
-                    spark.stop()
-                except Exception:  # noqa: BLE001 - after a Ctrl-C: the JVM ends with us
-                    if interrupted is None:
-                        raise
+        with compute.jvm_temp():
+            return _report(compute, args)
     except (ReportError, ArchiveSchemaError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -323,6 +291,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted ({str(exc) or 'Ctrl-C'}); this run's report is not "
               "finished (its summary.json is written last)", file=sys.stderr)
         return 130
+
+
+def _report(compute, args) -> int:
+    """The report in Spark, once the inputs are checked: 0, or 1 when Spark failed."""
+    spark, created = compute.get_session(args.master)
+    print(f"{PROG}: Spark {spark.version} ({spark.sparkContext.master}) started; reading "
+          f"{' '.join(args.input)}", file=sys.stderr, flush=True)
+    interrupted = None
+    try:
+        with compute.quiet_interrupts(spark):
+            if args.reports:
+                run_dated(compute, spark, args)
+            else:
+                compute.run_report(spark, args.input, args.output, traffic=args.traffic,
+                                   store=args.store, previous=args.previous)
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+        raise
+    except Exception as exc:
+        # A call into the JVM after Ctrl-C broke one (a finally's) failed: the Ctrl-C is
+        # what happened (a trial's report said "Spark failed", exit 1).
+        interrupted = _interrupt_behind(exc)
+        if interrupted is not None:
+            raise interrupted from None
+        if not compute.is_spark_failure(exc):
+            raise
+        failure = compute.explain_failure(spark, exc, args.master)
+        print(f"{PROG}: error: {failure}", file=sys.stderr)
+        return 1
+    finally:
+        if interrupted is not None:
+            compute.hush(spark)  # (what the JVM logs of the work it broke is no news)
+        if created:
+            try:
+                spark.stop()
+            except Exception:  # noqa: BLE001 - after a Ctrl-C: the JVM ends with us
+                if interrupted is None:
+                    raise
     return 0
 
 
