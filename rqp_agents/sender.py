@@ -181,11 +181,7 @@ class Sender(Daemon):
                  format_key(self.config.dead_letter_queue),
                  ", ".join(map(str, self.config.hosts)), self.config.window,
                  self.keys.incarnation)
-        plain = [str(h) for h in self.config.hosts
-                 if self.config.tls_for(h) is None and not is_loopback(h.host)]
-        if plain:
-            log.info("plaintext RQP/1 to %s (no tls: block for them in %s)", ", ".join(plain),
-                     self.config.source)
+        self._say_plaintext(self.config.hosts)
         self.ready("serving")
         reserve = asyncio.create_task(self._keep_reserve())
         await self.wait_for_stop()
@@ -323,6 +319,15 @@ class Sender(Daemon):
         new = load_sender_config(self.config.source)
         new = self.refuse_fixed(new, ("transmission_queue", "dead_letter_queue", "state_dir",
                                       "control_socket", "metrics_listen"), "sending MCA")
+        # A host's transport is fixed at start, as a receiver's port is: a trial's reload that
+        # took the tls: block out was taken, and every new connection went out in plaintext.
+        turned = [f"{h} {'TLS' if was else 'plaintext'} -> {'TLS' if now else 'plaintext'}"
+                  for h in new.hosts if h in self.config.hosts
+                  for was, now in [(self.config.tls_for(h) is not None,
+                                    new.tls_for(h) is not None)] if was != now]
+        if turned:
+            raise RQPError(f"tls turned on or off for {', '.join(turned)}: cannot change while "
+                           "running, restart the sending MCA for that")
         try:
             tls = _tls_contexts(new)  # new connections use the new certificates
         except TLSFileError as exc:
@@ -332,10 +337,20 @@ class Sender(Daemon):
         self.intake.fanout = (new.broadcast_keys, new.hosts)
         self.intake.budget.resize(budget_size(new.window, len(new.hosts)))
         changes = config_changes(self.config, new)
+        added = [h for h in new.hosts if h not in self.config.hosts]
         self.config = new
         log.info("reloaded %s: %s; hosts %s", new.source, changes,
                  ", ".join(map(str, new.hosts)))
+        self._say_plaintext(added)
         self._run_actions()
+
+    def _say_plaintext(self, hosts) -> None:
+        """Log the hosts among ``hosts`` that RQP goes to in plaintext over a network."""
+        plain = [str(h) for h in hosts
+                 if self.config.tls_for(h) is None and not is_loopback(h.host)]
+        if plain:
+            log.info("plaintext RQP/1 to %s (no tls: block for them in %s)", ", ".join(plain),
+                     self.config.source)
 
     async def _stop(self) -> None:
         await self.intake.stop()

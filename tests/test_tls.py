@@ -243,6 +243,21 @@ def test_the_receiver_refusing_the_senders_certificate_is_a_route_error_until_ro
     tool.issue("a.rqp.test", site.ca, site.root / "sender-tls", force=True)
     sender.send_signal(signal.SIGHUP)
     assert receive(b, Q1, 1, timeout=30) == ["kept"]
+    # A reload that would turn TLS off (the tls: block taken out) is refused whole, as a
+    # receiver's is: a trial's was taken, and new connections went out in plaintext.
+    tls_block = next(l for l in rqprc.read_text().splitlines() if l.startswith("tls:"))
+    rqprc.write_text(rqprc.read_text().replace(tls_block + "\n", "")
+                     .replace('confirm_timeout: "3s"', 'confirm_timeout: "4s"'))
+    sender.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_lines(a, sender, "reload refused"), timeout=10,
+             message="a reload that turns TLS off was not refused")
+    refused = log_lines(a, sender, "reload refused")[0]
+    assert f"tls turned on or off for {b.address}:{PORT} TLS -> plaintext: cannot change " \
+        "while running, restart the sending MCA" in refused, refused
+    assert not log_lines(a, sender, "plaintext RQP/1")
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
+                timeout=60)  # (a new connection, as the agent makes them: still over TLS)
+    assert out.returncode == 0 and "(TLS)" in out.stdout, out.stdout + out.stderr
 
 
 def test_bad_files_stop_the_agents_at_start_naming_the_file(site):
