@@ -494,7 +494,7 @@ class Receiver(Daemon):
                         "config: no queue is offered (this process could write into every "
                         "queue of the host); list the queues remote senders may use in "
                         "offer.allow")
-        self._warn_unofferable(self.config)
+        self._warn_of(self.config)
         await self.start_service(self.control_path, self.config.metrics_listen)
         self.ready("listening")
         expiry = asyncio.create_task(self._expire_dedup())
@@ -586,12 +586,17 @@ class Receiver(Daemon):
         log.info("reloaded %s: %s%s", new.source, changes,
                  f" ({', '.join(sorted(self.overrides))} from the command line: the file's "
                  "are not used)" if self.overrides else "")
-        self._warn_unofferable(new)
+        self._warn_of(new)
 
     @staticmethod
-    def _warn_unofferable(config: ReceiverConfig) -> None:
-        """offer.allow listing the receiver's own DEAD.LETTER.Q: it is never offered, whatever
-        the list says (a trial: accepted without a word)."""
+    def _warn_of(config: ReceiverConfig) -> None:
+        """What of ``config`` an operator most likely did not mean (at a start and a reload):
+        offer.allow listing the receiver's own DEAD.LETTER.Q, never offered whatever the list
+        says (a trial: accepted without a word); peers: [], which lets no peer use anything."""
+        if config.peers == ():
+            log.warning("peers lists no rule: no peer may use any queue (every QUEUE_ASK is "
+                        "answered QUEUE_NO, every MESSAGE DELIVERED_ERROR); leave peers out "
+                        "for every peer to use every offered queue, or list rules")
         if config.offer_allow is not None and config.dead_letter_queue in config.offer_allow.keys:
             log.warning("offer.allow lists %s, this receiver's DEAD.LETTER.Q: never offered (an "
                         "agent's own queues never are); take it out of the list",

@@ -261,7 +261,8 @@ def receiver_status(agent) -> dict:
              for task, info in agent._peers.items()), key=lambda p: p["since"]),
         "queues": offered_queues(agent),
         "tls": agent.config.tls is not None,
-        "peers_rules": [rule.describe() for rule in agent.config.peers or ()],
+        "peers_rules": None if agent.config.peers is None else [  # (None: every peer may
+            rule.describe() for rule in agent.config.peers],  # use every offered queue)
         "stats": {**agent.stats, "dead_letters": agent.dead_letters.written,
                   "refused_connections": agent.gate.refused_connections,
                   "handshake_failures": sum(agent.gate.handshake_failures.values()),

@@ -64,8 +64,11 @@ def test_first_match_wins_and_no_match_grants_nothing():
     assert grant_for(rules, b).allows(2, ["PROD_X"]) and not grant_for(rules, b).allows(1)
     assert not grant_for(rules, stranger).allows(1)
     assert "no peers rule matches" in grant_for(rules, stranger).describe()
-    # no rules at all: the transport is the trust
-    assert grant_for(None, stranger) is EVERYTHING and grant_for((), stranger).allows(99)
+    # no rules at all (peers unset): the transport is the trust; an empty list of rules
+    # matches no one (a trial's peers: [] let every peer use every queue)
+    assert grant_for(None, stranger) is EVERYTHING
+    assert not grant_for((), stranger).allows(99)
+    assert "no peers rule matches" in grant_for((), stranger).describe()
 
 
 def test_a_peer_with_several_names_matches_by_any():
@@ -101,6 +104,7 @@ def test_peers_rules_from_the_config():
     assert second.queues.keys == {0x201, 0x999} and second.where == "peers[1]"
     assert cfg.tls.cert == "/etc/rqp/host.crt"  # relative to the config's directory
     assert cfg.tls.name("key") == "/etc/rqp/receiver.yaml: tls.key /etc/rqp/host.key"
+    assert receiver(peers=[]).peers == () and receiver().peers is None
 
 
 @pytest.mark.parametrize("data, key, expected", [

@@ -128,6 +128,20 @@ def test_sure_and_unsure_over_tls_and_a_queue_the_sender_may_not_use(site):
     assert conn["may_use"].startswith("peers[0] (identity a.rqp.test)") and \
         "TEST_*" in conn["may_use"], conn
     assert receive(b, Q2, 1, timeout=30) == ["not for a"]  # (its retry, now allowed)
+    # An empty list of rules lets no one use anything, and says so (a trial: peers: [] let
+    # every peer use every queue, as an unset peers does, without a word)
+    config = site.receiver_config(tls)
+    (b.workdir / "receiver.yaml").write_text(config[:config.index("peers:")] + "peers: []\n")
+    rx.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(log_lines(b, rx, "reloaded")) == 2, timeout=10, message="no reload")
+    assert log_lines(b, rx, "peers lists no rule: no peer may use any queue")
+    conn, = site.receiver_status()["connections"]
+    assert conn["may_use"] == "nothing: no peers rule matches", conn
+    send(a, rqprc, Q1, ["nobody may"], SURE)
+    wait_for(lambda: (r := route(site.sender_status(rqprc), Q1))["waiting"] == 1 and
+             "QUEUE_NO" in (r["last_error"] or ""), timeout=20,
+             message="peers: [] let the sender use a queue")
+    assert receive(b, Q1, 1, timeout=1) == [] and site.receiver_status()["peers_rules"] == []
 
 
 def test_strangers_are_refused_and_nothing_of_theirs_is_put(site):

@@ -146,10 +146,11 @@ _NOTHING = Grant(None)
 
 
 def grant_for(rules: tuple[PeerRule, ...] | None, peer: Peer) -> Grant:
-    """The first rule matching ``peer`` (first match wins). With no rules configured (None or
-    empty), every peer the transport let in may use every offered queue: over TLS the CA is
-    the trust."""
-    if not rules:
+    """The first rule matching ``peer`` (first match wins), or nothing. With no rules
+    configured (None: ``peers`` unset), every peer the transport let in may use every offered
+    queue: over TLS the CA is the trust. An empty list is rules none of which matches: nothing
+    (a trial's ``peers: []`` let every peer use every queue)."""
+    if rules is None:
         return EVERYTHING
     for rule in rules:
         if rule.matches(peer):
