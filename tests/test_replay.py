@@ -24,6 +24,7 @@ from rqp.storage.archive import (
     row_raw_bytes, row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
+from rqp.report.schema import row_problem
 from rqp.tools.replay import (
     Follower, NotConfirmed, Replayer, RetryLedger, TokenBucket, decide, load_rules, resubmit,
     rules_from_data,
@@ -192,7 +193,7 @@ class FakeSend:
     def archive_has(self, payload: bytes) -> bool:
         return any(base64.b64decode(r["payload_b64"]) in (payload, payload[:4])
                    or r["reason"] != "MALFORMED" and row_raw_bytes(r) == payload  # header yes
-                   for r in read_archive(self.archive))
+                   for r in read_archive(self.archive) if row_problem(r) is None)
 
 
 def write_archive(directory: Path, *files: list[dict]) -> list[Path]:
@@ -260,6 +261,38 @@ def test_rows_leave_the_archive_only_when_confirmed_or_discarded(tmp_path):
     assert any(line.startswith("forwarded") and "-> 0x52510002 (PROD_THE_SPARE_COMMON)" in line
                for line in lines)
     assert list((archive / ".incoming").iterdir()) == []
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path, follow):
+    """A trial: a row with "queue_key": "0x52510009" (a string), or "reason": null, stopped
+    rqpctl dlq replay with a traceback, --follow (the rqp-dlq-handler service) too, and
+    every good row after it was never handled."""
+    archive = tmp_path / "archive"
+    good = row(key=0x71, payload=b"good one")
+    bad = [dict(row(key=0x72), queue_key="0x52510009"), dict(row(key=0x73), reason=None),
+           {"schema": 2, "id": "x"}, dict(row(key=0x74), id=["not", "an", "id"]),
+           dict(row(key=0x75), attempts=True)]
+    write_archive(archive, bad, [good])
+    send = FakeSend(archive)
+    rules = rules_from_data({"rules": [{"action": "retry"}]})
+    lines: list[str] = []
+    replayer = Replayer(archive, rules, send=send, out=lines.append, config=CONFIG,
+                        now_ns=NOW, follow=follow)
+    with replayer.locked():
+        replayer.run_round()
+        if follow:  # the next round says nothing new of the rows it failed
+            replayer.run_round()
+    assert send.calls == [(Q1, b"good one", 0x71)]
+    failed = [line for line in lines if line.startswith("failed")]
+    assert len(failed) == 5, lines
+    for line, why in zip(failed, ["queue_key '0x52510009' is not a number", "no reason",
+                                  "no reason, queue_key, message_key, message_type",
+                                  "id ['not', 'an', 'id'] is not a string",
+                                  "attempts True is not a number"]):
+        assert f"is no dead-letter archive line: {why}; kept in the archive" in line, line
+    assert "row 1 " in failed[0] and "row 5 " in failed[4]
+    assert len(list(read_archive(archive))) == 5  # the bad rows stay, the good one is gone
 
 
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):

@@ -80,6 +80,28 @@ _FIELDS: tuple[tuple[str, str], ...] = (
 
 ARCHIVE_FIELDS: tuple[str, ...] = tuple(name for name, _ in _FIELDS)
 
+#: What every archive line has, whatever its schema: what a tool that acts on one reads.
+REQUIRED_FIELDS = ("schema", "id", "reason", "queue_key", "message_key", "message_type")
+
+_JSON_TYPES = {"integer": (int,), "long": (int,), "string": (str,), "boolean": (bool,)}
+
+
+def row_problem(row) -> str | None:
+    """Why one archive line (a JSON object) does not fit the declared format, in words, or
+    None: a required field missing, or a field of another JSON type than declared (null is
+    no value; true and false are no number). A trial's line with ``"queue_key": "0x52510009"``
+    stopped ``rqpctl dlq replay`` with a traceback, and with it every line after."""
+    missing = [name for name in REQUIRED_FIELDS if row.get(name) is None]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for name, kind in _FIELDS:
+        value = row.get(name)
+        if value is not None and (not isinstance(value, _JSON_TYPES[kind]) or
+                                  kind != "boolean" and isinstance(value, bool)):
+            return f"{name} {value!r:.40} is not a " \
+                   f"{'number' if kind in ('integer', 'long') else kind}"
+    return None
+
 
 def _spark_schemas() -> dict:
     from pyspark.sql.types import (

@@ -92,6 +92,7 @@ from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.protocol.sender import broadcast_queue
+from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
     iso_utc, lock_file, read_archive_file, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
@@ -793,11 +794,19 @@ class Replayer:
             else None
         return format_key(key) + (f" ({name})" if name else "")
 
-    def _say(self, verb: str, row: Mapping, decision: Decision, note: str = "") -> None:
+    def _say(self, verb: str, row: Mapping, decision: Decision | None, note: str = "",
+             told: str | None = None) -> None:
+        """One line of what was done with ``row`` (``decision`` None: it fits no rule's
+        reading, being no archive line, and says so in ``note``); ``told``: what names it
+        between rounds (else its id)."""
         if self.follow:
-            if self._told.get(row.get("id")) == verb:
+            told = told or row.get("id")
+            if self._told.get(told) == verb:
                 return  # said in an earlier round
-            self._told[row.get("id")] = verb
+            self._told[told] = verb
+        if decision is None:
+            self.out(f"{verb:<14} {row.get('id')!s:.40} {note}")
+            return
         rule = decision.rule.name if decision.rule else "no rule matched"
         to = f" -> {self._queue(decision.to)}" if decision.to is not None else ""
         self.out(f"{verb:<14} {row.get('id')} {row.get('reason', '?'):<22} queue "
@@ -903,6 +912,15 @@ class Replayer:
         return decision, ""
 
     def _one(self, current: _File, index: int, row: dict, held: bool) -> None:
+        problem = row_problem(row)
+        if problem is not None:  # (no rule can be read against it: kept, the others go on)
+            where = f"\0{current.path.name}:{index}"  # (its id may be none, or no string)
+            self._seen[where] = False
+            self.counts["failed"] += 1
+            self._say("would fail" if self.dry_run else "failed", row, None,
+                      f"{current.path}: row {index + 1} is no dead-letter archive line: "
+                      f"{problem}; kept in the archive", told=where)
+            return
         decision = decide(self.rules, row, self.now_ns)
         row_id = row.get("id")
         if row_id in self._seen:  # the same dead letter archived twice: one outcome for both
