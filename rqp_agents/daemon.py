@@ -20,6 +20,7 @@ from rqp import RQPError
 from rqp.system import signals
 from rqp.system.control import serve_control, serve_metrics
 from rqp.system.queues import format_key
+from rqp.system.tls import file_digests
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, tune_collector, watchdog_interval
 
 #: Exit status of an agent stopped by an unexpected error (sysexits' EX_SOFTWARE). The units'
@@ -159,6 +160,15 @@ class Daemon:
         #: Accepts refused for want of file descriptors (logged once per interval).
         self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
                                                  what="accepts failed for want of descriptors")
+
+    def files_replaced(self, blocks) -> str:
+        """Which files of the ``tls:`` blocks (certificates, keys, CAs) were replaced since
+        the last call (the start's), in words for a reload's log line ("" for none)."""
+        digests = file_digests(blocks)
+        before, self._tls_digests = getattr(self, "_tls_digests", digests), digests
+        replaced = [path for path, digest in digests.items()
+                    if path in before and before[path] != digest]
+        return f"replaced: {', '.join(replaced)}" if replaced else ""
 
     def refuse_fixed(self, new, names: tuple[str, ...], agent: str):
         """``new`` (a config read again), or :class:`RQPError` (the reload refused, the running

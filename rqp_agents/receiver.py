@@ -398,6 +398,7 @@ class Receiver(Daemon):
         #: Settings given on the command line, which a reload of the file keeps.
         self.overrides = overrides
         self.gate = Gate(config)
+        self.files_replaced((config.tls,))
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
         self.max_message_size = config.max_message_size or self.msgmax
@@ -579,7 +580,7 @@ class Receiver(Daemon):
             self.dedup.resize(new.dedup_window_keys, new.dedup_window_age)
         except ValueError as exc:
             raise RQPError(f"dedup_window_keys/dedup_window_age: {exc}") from None
-        changes = config_changes(self.config, new)
+        changes = config_changes(self.config, new, replaced=self.files_replaced((new.tls,)))
         self.config = self.delivery.config = new
         self.max_message_size = new.max_message_size or self.msgmax
         self.dead_letters.spill_limit = new.spill_limit

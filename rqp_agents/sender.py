@@ -109,6 +109,7 @@ class Sender(Daemon):
         super().__init__(log)
         self.config = config
         self.tls = _tls_contexts(config)  # before anything is created: bad files stop here
+        self.files_replaced(self.tls)
         self.host = host_name()
         self.state_dir = Path(config.state_dir)
         make_state_dir(self.state_dir)
@@ -336,7 +337,7 @@ class Sender(Daemon):
         self.core.update_settings(Settings.from_config(new), self.loop.time())
         self.intake.fanout = (new.broadcast_keys, new.hosts)
         self.intake.budget.resize(budget_size(new.window, len(new.hosts)))
-        changes = config_changes(self.config, new)
+        changes = config_changes(self.config, new, replaced=self.files_replaced(tls))
         added = [h for h in new.hosts if h not in self.config.hosts]
         self.config = new
         log.info("reloaded %s: %s; hosts %s", new.source, changes,

@@ -225,7 +225,9 @@ def test_a_failed_handshake_is_a_route_error_and_rotation_by_sighup_heals_it(sit
     # Rotation: new files in place, SIGHUP.
     tool.issue("b.rqp.test", site.ca, certs, ips=(b.address,), force=True)
     rx.send_signal(signal.SIGHUP)
-    wait_for(lambda: log_lines(b, rx, "reloaded"), timeout=10, message="no reload")
+    [reloaded] = wait_for(lambda: log_lines(b, rx, "reloaded"), timeout=10, message="no reload")
+    # the files' contents changed, no setting did (a trial's log said "nothing changed")
+    assert f".yaml: replaced: {wrong['cert']}, {wrong['key']} (" in reloaded, reloaded
     assert receive(b, Q1, 1) == ["waits for the right certificate"]
     assert answers(peer.exchange("held", [msg(Q2, b"after rotation", key=1)])) == \
         ["DELIVERED_YES"]
@@ -257,6 +259,8 @@ def test_the_receiver_refusing_the_senders_certificate_is_a_route_error_until_ro
     tool.issue("a.rqp.test", site.ca, site.root / "sender-tls", force=True)
     sender.send_signal(signal.SIGHUP)
     assert receive(b, Q1, 1, timeout=30) == ["kept"]
+    [reloaded] = log_lines(a, sender, "reloaded")
+    assert f": replaced: {mine['cert']}, {mine['key']}; hosts " in reloaded, reloaded
     # A reload that would turn TLS off (the tls: block taken out) is refused whole, as a
     # receiver's is: a trial's was taken, and new connections went out in plaintext.
     tls_block = next(l for l in rqprc.read_text().splitlines() if l.startswith("tls:"))

@@ -253,9 +253,10 @@ def sender_serving(transmission_queue: int) -> bool:
     return sems is not None and sems.value(SERVING) > 0
 
 
-def config_changes(old, new, skip: tuple[str, ...] = ("source",)) -> str:
+def config_changes(old, new, skip: tuple[str, ...] = ("source",), replaced: str = "") -> str:
     """What a reload changed, in words: ``window 128 -> 256, hosts`` (long values by name
-    only), or ``nothing changed``."""
+    only), with ``replaced`` (files whose contents changed, in words), or ``nothing
+    changed``."""
     changed = []
     for f in dataclasses.fields(old):
         before, after = getattr(old, f.name), getattr(new, f.name)
@@ -265,7 +266,7 @@ def config_changes(old, new, skip: tuple[str, ...] = ("source",)) -> str:
                     for v in (before, after))
         shown = ["unset" if v is None else v for v in (before, after)]
         changed.append(f"{f.name} {shown[0]} -> {shown[1]}" if short else f.name)
-    return ", ".join(changed) or "nothing changed"
+    return ", ".join(changed + [replaced] * bool(replaced)) or "nothing changed"
 
 
 def counts(stats: dict) -> str:

@@ -11,6 +11,7 @@ are :class:`rqp.config.TLSFiles`.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import ssl
 import stat
@@ -20,7 +21,7 @@ from rqp.protocol.errors import RQPError
 
 __all__ = ["ALPN", "TLSFileError", "check_files", "server_context",
            "client_context", "peer_names", "handshake_problem", "EXPIRY_WARNING",
-           "READ_BUFFER", "bound_read_buffers"]
+           "READ_BUFFER", "bound_read_buffers", "file_digests"]
 
 ALPN = "rqp/1"
 #: A certificate this close to its end is warned about at start-up and on reload.
@@ -136,6 +137,20 @@ def check_files(files, now: datetime.datetime | None = None) -> list[str]:
         warnings.append(f"{files.name('cert')} is not signed by a CA in {files.ca}: peers that "
                         f"trust only that CA will refuse this host")
     return warnings
+
+
+def file_digests(blocks) -> dict[str, str]:
+    """The SHA-256 of every file of the ``tls:`` blocks (None ones skipped), by path: a
+    rotation replaces files and changes no setting, so a reload compares these to say so (a
+    trial's reload after one said "nothing changed")."""
+    digests = {}
+    for files in blocks:
+        for path in () if files is None else (files.cert, files.key, files.ca):
+            try:
+                digests[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            except OSError:
+                digests[path] = ""  # (checked, and named, where it is loaded)
+    return digests
 
 
 def _context(files, purpose: ssl.Purpose) -> ssl.SSLContext:
