@@ -166,21 +166,22 @@ def run_as():
 def spark():
     from pyspark.sql import SparkSession
 
-    from rqp.report.compute import jvm_temp
+    from rqp.report.compute import jvm_temp, launching
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # local mode stays on loopback
     with jvm_temp():  # (its temporary files in a directory of its own, removed at the end)
-        session = (
-            SparkSession.builder.master("local[2]")
-            .appName("rqp-report-tests")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.default.parallelism", "2")
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.session.timeZone", "UTC")
-            .config("spark.driver.memory", "1g")
-            .getOrCreate()
-        )
+        with launching():
+            session = (
+                SparkSession.builder.master("local[2]")
+                .appName("rqp-report-tests")
+                .config("spark.sql.shuffle.partitions", "2")
+                .config("spark.default.parallelism", "2")
+                .config("spark.ui.enabled", "false")
+                .config("spark.ui.showConsoleProgress", "false")
+                .config("spark.sql.session.timeZone", "UTC")
+                .config("spark.driver.memory", "1g")
+                .getOrCreate()
+            )
         session.sparkContext.setLogLevel("ERROR")
         yield session
         session.stop()

@@ -61,6 +61,14 @@ def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
     return code, err
 
 
+def test_a_jvm_s_temporary_directory_is_its_own_and_not_passed_on(spark):
+    """The JVM's java.io.tmpdir is given for its launch only: a test session's was passed on
+    to every job the tests started (SPARK_SUBMIT_OPTS), and their JVMs wrote there."""
+    tmpdir = spark.sparkContext._jvm.java.lang.System.getProperty("java.io.tmpdir")
+    assert Path(tmpdir).name.startswith("rqp-dlq-report-jvm-") and Path(tmpdir).is_dir()
+    assert tmpdir not in os.environ.get("SPARK_SUBMIT_OPTS", "")
+
+
 def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive, tmp_path):
     """A trial: two screens of py4j tracebacks and exit -2 (PySpark's own SIGINT handler
     called into the JVM over the connection the job was in the middle of a call on)."""

@@ -47,7 +47,7 @@ from rqp.report.files import delete, write_text
 
 __all__ = ["TABLES", "Table", "ArchiveCheck", "read_archives", "prepare", "check_archives",
            "read_traffic", "write_text", "write_table", "run_report", "format_reason_table",
-           "get_session", "hush", "quiet_interrupts", "jvm_temp"]
+           "get_session", "hush", "quiet_interrupts", "jvm_temp", "launching"]
 
 FILE_COLUMN = columnar.FILE_COLUMN
 #: Archive columns the report never looks at (the payload itself is by far the largest: not
@@ -540,7 +540,8 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
         return session
 
     try:
-        return _made_aside(make), not existing
+        with launching():
+            return _made_aside(make), not existing
     except PySparkRuntimeError as exc:  # the JVM did not start (no Java, a Java too old, ...)
         text = _first_line(exc)
         hint = ("PySpark needs a Java 17 or later runtime" if "JAVA_GATEWAY" in text
@@ -670,6 +671,10 @@ def end_jvm() -> None:
         proc.wait()
 
 
+#: The directory :func:`jvm_temp` made for the JVM about to start (None: none).
+_jvm_tmpdir: str | None = None
+
+
 @contextlib.contextmanager
 def jvm_temp():
     """While a report runs: the Spark JVM it starts keeps its temporary files (Spark's scratch
@@ -677,26 +682,42 @@ def jvm_temp():
     ``artifacts-*`` directories) in a directory of the run's own under ``TMPDIR``, removed when
     the run ends, the JVM ended first (:func:`end_jvm`). The JVM ignores ``TMPDIR`` and wrote
     them in /tmp, where a JVM a second Ctrl-C killed, or a ``kill -9``, left them for good. A
-    JVM already running (a caller's session) is left alone, and an operator's own
-    ``-Djava.io.tmpdir`` (``spark.driver.extraJavaOptions``, ``SPARK_SUBMIT_OPTS``) comes after
-    this one, and so wins. Yields the directory (None: a JVM already runs)."""
+    JVM already running (a caller's session) is left alone. The JVM is started in
+    :func:`launching`. Yields the directory (None: a JVM already runs)."""
+    global _jvm_tmpdir
     if SparkContext._gateway is not None:
         yield None
         return
-    path = tempfile.mkdtemp(prefix=f"{PROG}-jvm-")
-    before = os.environ.get("SPARK_SUBMIT_OPTS")
-    os.environ["SPARK_SUBMIT_OPTS"] = f"-Djava.io.tmpdir={path} {before or ''}".rstrip()
+    path = _jvm_tmpdir = tempfile.mkdtemp(prefix=f"{PROG}-jvm-")
     try:
         yield path
     finally:
+        _jvm_tmpdir = None
         try:
             end_jvm()  # (nothing of it writes there any more)
         finally:
-            if before is None:
-                os.environ.pop("SPARK_SUBMIT_OPTS", None)
-            else:
-                os.environ["SPARK_SUBMIT_OPTS"] = before
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def launching():
+    """Around what may start the JVM, inside :func:`jvm_temp`: its ``java.io.tmpdir`` is that
+    directory (``SPARK_SUBMIT_OPTS``, for this launch only: the processes a caller starts
+    later must not inherit it, a test's job wrote into its test session's). An operator's own
+    ``-Djava.io.tmpdir`` (``spark.driver.extraJavaOptions``, ``SPARK_SUBMIT_OPTS``) comes
+    after it, and so wins."""
+    if _jvm_tmpdir is None or SparkContext._gateway is not None:
+        yield
+        return
+    before = os.environ.get("SPARK_SUBMIT_OPTS")
+    os.environ["SPARK_SUBMIT_OPTS"] = f"-Djava.io.tmpdir={_jvm_tmpdir} {before or ''}".rstrip()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARK_SUBMIT_OPTS", None)
+        else:
+            os.environ["SPARK_SUBMIT_OPTS"] = before
 
 
 def _children_of(pid: int, deep: bool = False) -> set[int]:
