@@ -16,7 +16,7 @@ import socket
 import ssl
 from collections.abc import Callable
 
-from rqp.system.tls import ALPN, handshake_problem
+from rqp.system.tls import ALPN, CLOSED_IN_HANDSHAKE, handshake_problem
 
 __all__ = ["Links"]
 
@@ -77,7 +77,11 @@ class Links:
                 loop.create_connection(lambda: _Link(self, host), host.host, host.port, **tls),
                 timeout)
         except (OSError, asyncio.TimeoutError) as exc:
-            self.on_failed(host, _failure(exc))
+            why = _failure(exc)
+            if context is not None and isinstance(exc, ConnectionError) and not isinstance(
+                    exc, ConnectionRefusedError):  # (connected: cut off in the handshake; a
+                why = f"TLS handshake failed: {why}{CLOSED_IN_HANDSHAKE}"  # trial's said only
+            self.on_failed(host, why)  # "cannot connect: Connection reset by peer")
             return
         link.tls = context is not None
         if link.ended:  # e.g. the receiver refused this host's certificate (TLS 1.3), or was
@@ -120,7 +124,7 @@ class Links:
         if not data and link.tls and not link.heard:  # refused after the handshake: say so
             del self._links[link.host]
             link.transport.abort()
-            self.on_lost(link.host, _REFUSED_AFTER_HANDSHAKE, False)
+            self.on_lost(link.host, REFUSED_AFTER_HANDSHAKE, False)
             return
         self.on_data(link.host, data)
 
@@ -135,7 +139,7 @@ _CLOSED_AT_ONCE = ("the receiving MCA closed the connection at once (at its max_
 
 #: Over TLS 1.3 the receiver checks this host's certificate after the handshake is done on
 #: this side, and a receiver that refuses it closes the connection (its alert may not arrive).
-_REFUSED_AFTER_HANDSHAKE = (
+REFUSED_AFTER_HANDSHAKE = (
     "TLS: the receiver closed the connection before answering anything -- does it trust this "
     "host's certificate (its CA) and is the identity allowed? The receiver's log says why")
 
@@ -143,7 +147,7 @@ _REFUSED_AFTER_HANDSHAKE = (
 def _ending(link: _Link) -> str:
     """Why ``link`` ended, in words."""
     if link.tls and not link.heard and not isinstance(link.end, ssl.SSLError):
-        return _REFUSED_AFTER_HANDSHAKE
+        return REFUSED_AFTER_HANDSHAKE
     return _failure(link.end) if link.end else "closed"
 
 

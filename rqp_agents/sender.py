@@ -42,13 +42,15 @@ from rqp.system.service import (
     KeySource, ServingLock, config_changes, counts, host_name, make_state_dir,
     mark_dead_letter_queue, setup_logging, wall_ms,
 )
-from rqp.system.tls import TLSFileError, check_files, client_context, handshake_problem
+from rqp.system.tls import (
+    CLOSED_IN_HANDSHAKE, TLSFileError, check_files, client_context, handshake_problem,
+)
 from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
 from rqp_agents.intake import (
     NO_ROOM_WAIT, Intake, Taken, budget_size, messages_in, start_reserve_size,
 )
-from rqp_agents.links import Links
+from rqp_agents.links import REFUSED_AFTER_HANDSHAKE, Links
 
 log = logging.getLogger("rqp.sender")
 #: At most NOTE_BURST lines of each kind of note that every retry repeats, per NOTE_INTERVAL
@@ -89,8 +91,7 @@ def _ping_problem(exc: BaseException, handshaking: bool) -> str:
     if handshaking and isinstance(exc, (ssl.SSLError, ConnectionError)):
         why = handshake_problem(exc)
         if not isinstance(exc, ssl.SSLError):
-            why += (" (the receiver closed the connection during the handshake: at its "
-                    "max_connections or max_connections_per_source, or no TLS there?)")
+            why += CLOSED_IN_HANDSHAKE
         return why
     if isinstance(exc, ssl.SSLError):
         return f"TLS: {exc.reason or exc}"
@@ -287,8 +288,9 @@ class Sender(Daemon):
                     f"{self.config.ask_timeout:g}s (ask_timeout; not an RQP receiver?)"
                     if writer is not None else f"cannot connect within "
                     f"{self.config.connect_timeout:g}s (connect_timeout)"}
-        except asyncio.IncompleteReadError:
-            return {**out, "problem": "the connection was closed before an answer (refused "
+        except asyncio.IncompleteReadError as exc:
+            return {**out, "problem": REFUSED_AFTER_HANDSHAKE if context is not None and not
+                    exc.partial else "the connection was closed before an answer (refused "
                     "by the receiver's rules or limits, or not an RQP receiver?)"}
         except ConnectionRefusedError:
             return {**out, "problem": "connection refused (no receiving MCA listens there)"}

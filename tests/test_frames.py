@@ -178,6 +178,22 @@ def test_a_peer_that_speaks_text_is_told_apart():
     decoder.receive_data(bytes([9, 0]))
     with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 9 \(0x09\)$"):
         decoder.next_event()
+
+
+def test_a_peer_that_speaks_tls_to_a_plaintext_port_is_told_apart():
+    """A trial: a sending MCA with a tls: block for a plaintext receiver; the receiver said
+    only 'unknown message_code 22 (0x16)'. A real ClientHello, from Python's ssl."""
+    import ssl
+
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname="b")
+    with pytest.raises(ssl.SSLWantReadError):
+        hello.do_handshake()
+    decoder = FrameDecoder()
+    decoder.receive_data(outgoing.read())
+    with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 22 \(0x16: TLS, "
+                       r"a handshake -- the peer speaks TLS to a plaintext port"):
+        decoder.next_event()
     decoder = FrameDecoder()  # (a trial's random bytes: one printable octet is no text)
     decoder.receive_data(bytes([0x29, 0x8F, 0x03, 0xE1, 0x00, 0x41, 0xFF, 0x10]))
     with pytest.raises(rqp.RemoteProtocolError, match=r"unknown message_code 41 \(0x29\)$"):

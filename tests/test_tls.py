@@ -255,6 +255,10 @@ def test_the_receiver_refusing_the_senders_certificate_is_a_route_error_until_ro
     error = route(site.sender_status(rqprc), Q1)["last_error"]
     assert "does it trust this host's certificate" in error, error
     assert site.receiver_status()["stats"]["handshake_failures"] >= 1
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
+                timeout=60)  # (says the same: a trial's said "refused by the rules or limits")
+    assert out.returncode == 1 and "does it trust this host's certificate" in out.stdout, \
+        out.stdout + out.stderr
     # The sender's certificate renewed from the right CA, SIGHUP: delivered, nothing lost.
     tool.issue("a.rqp.test", site.ca, site.root / "sender-tls", force=True)
     sender.send_signal(signal.SIGHUP)
@@ -276,6 +280,25 @@ def test_the_receiver_refusing_the_senders_certificate_is_a_route_error_until_ro
     out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
                 timeout=60)  # (a new connection, as the agent makes them: still over TLS)
     assert out.returncode == 0 and "(TLS)" in out.stdout, out.stdout + out.stderr
+
+
+def test_tls_to_a_plaintext_receiver_is_named_on_both_sides(site, testbed):
+    """A trial: a sending MCA with a tls: block for a plaintext receiver; its route said
+    "cannot connect: Connection reset by peer", the receiver "unknown message_code 22"."""
+    a, b = site.a, site.b
+    rx = start_receiver(b)  # (plaintext)
+    make_queue(b, Q1)
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    send(a, rqprc, Q1, ["waits"], SURE)
+    wait_for(lambda: "handshake" in (route(site.sender_status(rqprc), Q1)["last_error"] or ""),
+             timeout=20, message="the failed handshake does not show on the route")
+    error = route(site.sender_status(rqprc), Q1)["last_error"]
+    assert "the receiver closed the connection during the handshake" in error and \
+        "no TLS there?" in error, error
+    wait_for(lambda: log_lines(b, rx, "the peer speaks TLS to a plaintext port"), timeout=20,
+             message="the receiver did not say the peer speaks TLS")
+    assert receive(b, Q1, 1, timeout=1) == [] and site.sender_status(rqprc)["journal_depth"] == 1
 
 
 def test_bad_files_stop_the_agents_at_start_naming_the_file(site):

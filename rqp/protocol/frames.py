@@ -163,6 +163,9 @@ def _header_error(header: bytes) -> RemoteProtocolError:
             # printable, every octet of it: the peer speaks text ('220 ...', 'HTTP/1.1'); one
             # printable octet before binary is only noise (a trial's random bytes)
             text = f", {chr(code)!r}: a text protocol (HTTP, SMTP, ...), not an RQP peer"
+        elif header[:2] == b"\x16\x03":  # a TLS record of the handshake: a ClientHello
+            text = (": TLS, a handshake -- the peer speaks TLS to a plaintext port (its tls: "
+                    "for this host, or this receiver without its tls: block?)")
         return RemoteProtocolError(f"unknown message_code {code} (0x{code:02x}{text})")
     return RemoteProtocolError(
         f"{c.MessageCode(code).name} with message_type {header[1]}: only SURE_MSG (0) and "

@@ -21,7 +21,7 @@ from rqp.protocol.errors import RQPError
 
 __all__ = ["ALPN", "TLSFileError", "check_files", "server_context",
            "client_context", "peer_names", "handshake_problem", "EXPIRY_WARNING",
-           "READ_BUFFER", "bound_read_buffers", "file_digests"]
+           "READ_BUFFER", "bound_read_buffers", "file_digests", "CLOSED_IN_HANDSHAKE"]
 
 ALPN = "rqp/1"
 #: A certificate this close to its end is warned about at start-up and on reload.
@@ -207,6 +207,11 @@ def peer_names(ssl_object) -> tuple[str, ...]:
         return names
     return tuple(value for rdn in cert.get("subject", ()) for key, value in rdn
                  if key == "commonName")[:1]
+
+
+#: What a connection the receiver closed during a handshake this host began most likely means.
+CLOSED_IN_HANDSHAKE = (" (the receiver closed the connection during the handshake: at its "
+                       "max_connections or max_connections_per_source, or no TLS there?)")
 
 
 def handshake_problem(exc: BaseException) -> str:
