@@ -34,6 +34,15 @@ def test_a_bad_listen_address_is_refused_as_an_argument(tmp_path):
     assert "argument --listen: bad value '127.0.0.1:99999'" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("days", ["0", "-3", "soon"])
+def test_rqpctl_tls_days_says_what_it_takes(tmp_path, days):
+    """A trial: --days 0 said "invalid _days value: '0'" (a function's name)."""
+    out = run("rqp.tools.ctl", "tls", "issue", "h.test", "--ca", str(tmp_path), "--days", days,
+              cwd=tmp_path)
+    assert out.returncode == 2 and "argument --days: expected a whole number of days >= 1, " \
+        f"got '{days}'" in out.stderr, out.stderr
+
+
 def test_rqpctl_receive_tells_a_bad_key_from_a_name(tmp_path):
     out = run("rqp.tools.ctl", "receive", "0x1234567890", cwd=tmp_path)
     assert out.returncode == 2 and "argument queue:" in out.stderr, out.stderr

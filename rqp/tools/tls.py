@@ -18,6 +18,7 @@ import ipaddress
 import os
 from pathlib import Path
 
+from rqp.cli import number
 from rqp.protocol.access import identity_pattern_problem
 from rqp.protocol.errors import RQPError
 
@@ -187,14 +188,8 @@ def show(path: Path) -> str:
     ])
 
 
-def _days(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(text)
-    return value
+#: --days: a trial's "--days 0" was told "invalid _days value".
+_days = number(int, minimum=1, what="a whole number of days")
 
 
 def _date(text: str) -> datetime.datetime:
