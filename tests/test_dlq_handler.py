@@ -317,11 +317,13 @@ def test_show_and_resubmit_with_an_edit(testbed):
             assert re.search(rf"^{name} +{re.escape(str(typo[name]))}$", shown, re.M), name
     assert "payload            10 byte(s) kept of 10" in shown
     assert "  00000000  68 65 6c 6f 20 77 6f 72  6c 64" in shown and "|helo world|" in shown
-    for bad, message in (("123456", "no dead letter with id 123456"),
-                         ("xyz", "'xyz' is not a dead letter's id"),
-                         (typo["id"][:3], "6 to 32 hex digits")):
-        done = ctl("show", bad)
-        assert done.returncode == 1 and message in done.stderr, done.stderr
+    # (an id that no row has: 1; one that is no id: a usage error, 2, as for resubmit)
+    for bad, message, code in (("123456", "no dead letter with id 123456", 1),
+                               ("xyz", "'xyz' is not a dead letter's id", 2),
+                               (typo["id"][:3], "6 to 32 hex digits", 2)):
+        for command in ("show", "resubmit"):
+            done = ctl(command, bad, *(("--rqprc", str(rqprc)) if command == "resubmit" else ()))
+            assert done.returncode == code and message in done.stderr, (command, done.stderr)
     # refused edits leave the row where it is
     send = ("resubmit", "--rqprc", str(rqprc))
     unchanged = ctl(*send, typo["id"], "--edit", editor="true")

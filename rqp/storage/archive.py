@@ -511,6 +511,14 @@ def archived_ids(path_or_files) -> set[str]:
 MIN_ID_PREFIX = 6
 
 
+def id_problem(given: str) -> str | None:
+    """Why ``given`` cannot name a dead letter (an id in full, or its first digits), or None."""
+    if re.fullmatch(f"[0-9a-f]{{{MIN_ID_PREFIX},32}}", given.strip().lower()):
+        return None
+    return (f"{given!r} is not a dead letter's id: {MIN_ID_PREFIX} to 32 hex digits (rqpctl dlq "
+            "list shows them)")
+
+
 def find_rows(archive_dir: str | os.PathLike,
               ids: Iterable[str]) -> dict[str, list[tuple[Path, int, dict]]]:
     """Where the rows of these ids are: each id (in full, or its first :data:`MIN_ID_PREFIX`
@@ -519,11 +527,10 @@ def find_rows(archive_dir: str | os.PathLike,
     no row has, or a prefix that several ids share."""
     wanted = {}
     for given in ids:
-        text = given.strip().lower()
-        if not re.fullmatch(f"[0-9a-f]{{{MIN_ID_PREFIX},32}}", text):
-            raise ArchiveError(f"{given!r} is not a dead letter's id: {MIN_ID_PREFIX} to 32 hex "
-                               "digits (rqpctl dlq list shows them)")
-        wanted[given] = text
+        problem = id_problem(given)
+        if problem:
+            raise ArchiveError(problem)
+        wanted[given] = given.strip().lower()
     found: dict[str, list[tuple[Path, int, dict]]] = {given: [] for given in wanted}
     for path in archive_files(archive_dir):
         for index, row in enumerate(read_archive_file(path)):

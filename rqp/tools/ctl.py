@@ -38,8 +38,8 @@ from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import load_optional_rqprc
 from rqp.storage.archive import (
-    ROW_KEYS, ArchiveError, archive_files, archived_spill, find_rows, iso_utc, read_archive_file,
-    row_payload,
+    ROW_KEYS, ArchiveError, archive_files, archived_spill, find_rows, id_problem, iso_utc,
+    read_archive_file, row_payload,
 )
 from rqp.system import signals
 from rqp.system.control import ControlError
@@ -184,6 +184,15 @@ def _replay(args) -> int:
     _say(replayer.summary())
     return 1 if replayer.counts["failed"] else 0  # (a dry run: the status the run would
     # have, so that a script can try it first; a trial found 0 there, and 1 for the run)
+
+
+def _dead_letter_id(text: str) -> str:
+    """An argparse type: a dead letter's id, or its first digits (a trial's "dlq show 7"
+    exited 1, where every other usage error exits 2)."""
+    problem = id_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _hexdump(data: bytes) -> list[str]:
@@ -371,7 +380,8 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="one archived dead letter in full",
                                description="Every field of one archived dead letter, where it "
                                "is, what replays did to its message, and its payload.")
-    show.add_argument("id", metavar="ID", help="its id (rqpctl dlq list), or its first 6+ "
+    show.add_argument("id", metavar="ID", type=_dead_letter_id,
+                      help="its id (rqpctl dlq list), or its first 6+ "
                       "digits")
     show.add_argument("--archive", metavar="DIR", required=True)
     show.add_argument("--bytes", metavar="N", type=count, default=256,
@@ -382,7 +392,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Put these dead letters back as retry does (SURE, confirmed, with their "
         "original keys), on their queue or --to QUEUE; each leaves the archive once "
         "confirmed.")
-    again.add_argument("ids", metavar="ID", nargs="+", help="ids (rqpctl dlq list), or their "
+    again.add_argument("ids", metavar="ID", nargs="+", type=_dead_letter_id,
+                       help="ids (rqpctl dlq list), or their "
                        "first 6+ digits")
     again.add_argument("--archive", metavar="DIR", required=True)
     again.add_argument("--to", metavar="QUEUE", help="this queue (key or .rqprc name) instead "
