@@ -295,6 +295,18 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
     assert len(list(read_archive(archive))) == 5  # the bad rows stay, the good one is gone
 
 
+def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, capsys):
+    """A trial: one file that is not gzip in the archive and rqpctl dlq list printed nothing
+    but the error, where replay skips that file and goes on."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x81, payload=b"listed")])
+    (archive / "dlq-broken-20260101T000000.000000Z-1-000001.jsonl.gz").write_bytes(b"no gzip")
+    assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 1
+    out, err = capsys.readouterr()
+    assert "listed" in out and "1 dead letter(s) in 1 file(s)" in out, out
+    assert "dlq-broken-" in err and "(its rows are not listed)" in err, err
+
+
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
     archive = tmp_path / "archive"
     write_archive(archive, [row(key=0x11), row(ReasonCode.QUEUE_FULL),

@@ -316,11 +316,16 @@ def _list(args) -> int:
         raise ConfigError(f"{archive}: no such directory (--archive)")
     header = ("ID", "TIMESTAMP", "REASON", "QUEUE", "TYPE", "MTYPE", "PRIO", "MESSAGE KEY", "HOST",
               "BYTES", "PREVIEW")
-    table = []
+    table, unreadable = [], []
     total = files = 0
     for path in archive_files(archive):
         files += 1
-        for row in read_archive_file(path):
+        try:  # (one bad file hid every row of the others: a trial)
+            rows = list(read_archive_file(path))
+        except ArchiveError as exc:
+            unreadable.append(str(exc))
+            continue
+        for row in rows:
             total += 1
             if args.limit and len(table) >= args.limit:
                 continue
@@ -341,8 +346,10 @@ def _list(args) -> int:
     for line in [header, *table]:
         _say("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
     more = f"; showing the first {len(table)} (--limit 0 shows all)" if len(table) < total else ""
-    _say(f"{total} dead letter(s) in {files} file(s){more}")
-    return 0
+    _say(f"{total} dead letter(s) in {files - len(unreadable)} file(s){more}")
+    for problem in unreadable:
+        print(f"rqpctl: error: {problem} (its rows are not listed)", file=sys.stderr)
+    return 1 if unreadable else 0
 
 
 def _parser() -> argparse.ArgumentParser:
