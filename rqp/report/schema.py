@@ -94,6 +94,9 @@ def row_problem(row) -> str | None:
     missing = [name for name in REQUIRED_FIELDS if row.get(name) is None]
     if missing:
         return f"no {', '.join(missing)}"
+    if row["schema"] not in READABLE_SCHEMAS:  # (what a later one means is not known here)
+        return (f"schema {row['schema']!r:.20}: this rqp reads archive schemas "
+                f"{', '.join(map(str, READABLE_SCHEMAS))} (a newer one wrote it?)")
     for name, kind in _FIELDS:
         value = row.get(name)
         if value is not None and (not isinstance(value, _JSON_TYPES[kind]) or
