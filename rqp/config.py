@@ -151,6 +151,7 @@ SENDER_KEYS: tuple[str, ...] = (
     "control_socket",
     "metrics_listen",
     "tls",
+    "plaintext",
 )
 RECEIVER_KEYS: tuple[str, ...] = (
     "listen",
@@ -652,11 +653,28 @@ class SenderConfig:
     #: Hosts whose entry in ``hosts`` has its own ``tls`` (a block, or None for plaintext).
     host_tls: Mapping[HostAddress, TLSFiles | None] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}), hash=False)
+    #: Plaintext RQP/1 to the hosts without TLS on purpose (another host needs it said).
+    plaintext: bool = False
     source: str | None = None
 
     def tls_for(self, host: HostAddress) -> TLSFiles | None:
         """The ``tls:`` files to dial ``host`` with, None for plaintext."""
         return self.host_tls.get(host, self.tls)
+
+    def transport_problem(self) -> str | None:
+        """Why a sending MCA must not dial as configured, or None: plaintext RQP/1 to another
+        host needs saying so (spec section 7), by ``plaintext: true`` or by ``tls: false`` on
+        that host's entry. Without it, a .rqprc with no tls: block went out in plaintext."""
+        plain = [str(h) for h in self.hosts if not self.plaintext and h not in self.host_tls
+                 and self.tls is None and not is_loopback(h.host)]
+        if not plain:
+            return None
+        return (f"plaintext RQP/1 to {', '.join(plain)} without saying so: anyone on the way "
+                f"could read or change the messages, and whatever answers at that address "
+                f"would take them. Give {self.source or '.rqprc'} a 'tls:' block (cert, key, "
+                f"ca; 'rqpctl tls --help' makes them), or set 'plaintext: true' there (or "
+                f"'tls: false' on a host's entry) to send plaintext RQP/1 over the network on "
+                f"purpose")
 
     @property
     def builtin_queues(self) -> Mapping[str, int]:
@@ -1103,6 +1121,12 @@ def _build_sender(fields: _Fields) -> SenderConfig:
             f.bad(path, entry, f"expected each host once, but {address} is {first} too")
         hosts.append(address)
 
+    plaintext = f.get("plaintext", _parse_bool, False)
+    if tls is not None and plaintext:
+        f.fail("plaintext", "with a 'tls:' block every host is dialled over TLS: remove "
+                            "'plaintext: true', and give a host's entry 'tls: false' for "
+                            "plaintext to it")
+
     xmit = f.get("transmission_queue", parse_queue_key, DEFAULT_TRANSMISSION_QUEUE)
     dead = f.get("dead_letter_queue", parse_queue_key, DEFAULT_DEAD_LETTER_QUEUE)
     if dead == xmit:  # blame the one given explicitly
@@ -1145,6 +1169,7 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         metrics_listen=f.get("metrics_listen", _parse_metrics_listen, None),
         tls=tls,
         host_tls=types.MappingProxyType(host_tls),
+        plaintext=plaintext,
         source=f.file,
     )
 

@@ -108,6 +108,9 @@ class Sender(Daemon):
 
     def __init__(self, config: SenderConfig) -> None:
         super().__init__(log)
+        problem = config.transport_problem()
+        if problem:
+            raise RQPError(problem)
         self.config = config
         self.tls = _tls_contexts(config)  # before anything is created: bad files stop here
         self.files_replaced(self.tls)
@@ -331,6 +334,9 @@ class Sender(Daemon):
         if turned:
             raise RQPError(f"tls turned on or off for {', '.join(turned)}: cannot change while "
                            "running, restart the sending MCA for that")
+        problem = new.transport_problem()  # (a host added in plaintext without saying so)
+        if problem:
+            raise RQPError(problem)
         try:
             tls = _tls_contexts(new)  # new connections use the new certificates
         except TLSFileError as exc:

@@ -85,7 +85,8 @@ def start_receiver(host, *, config: str | None = None, log_level: str = "DEBUG",
 def write_rqprc(host, receivers, **settings) -> Path:
     values = {"ask_timeout": "1s", "confirm_timeout": "3s", "retry_backoff_initial": "0.1s",
               "retry_backoff_max": "1s", "state_dir": str(host.workdir / "sender-state"),
-              **settings}
+              # (to another host without TLS: plaintext on purpose, as .rqprc must say)
+              **({} if "tls" in settings else {"plaintext": True}), **settings}
     lines = ["hosts:"] + [f"  - {r.address}:{PORT}" for r in receivers]
     lines += [f"{k}: {json.dumps(v) if isinstance(v, (str, dict)) else v}"
               for k, v in values.items()]

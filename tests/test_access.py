@@ -176,6 +176,31 @@ def test_sender_tls_per_host():
         sender_config_from_mapping({"hosts": [{"host": "a", "tls": True}]})
 
 
+@pytest.mark.parametrize("data, plain", [
+    ({"hosts": ["b.example.org"]}, ["b.example.org:7460"]),  # (before: plaintext, unsaid)
+    ({"hosts": ["b.example.org", "127.0.0.1", "localhost:7461"]}, ["b.example.org:7460"]),
+    ({"hosts": ["b.example.org"], "plaintext": True}, []),
+    ({"hosts": [{"host": "b.example.org", "tls": False}, "c"]}, ["c:7460"]),
+    ({"hosts": [{"host": "b.example.org", "tls": False}]}, []),
+    ({"hosts": ["b.example.org"], "tls": TLS}, []),
+    ({"hosts": ["127.0.0.1", "::1"]}, []),
+])
+def test_a_sender_dials_another_host_in_plaintext_only_when_told(data, plain):
+    """Spec section 7: plaintext RQP/1 only where the configuration says so explicitly."""
+    problem = sender_config_from_mapping(data, "/etc/rqp/rqprc").transport_problem()
+    if not plain:
+        assert problem is None
+        return
+    assert problem.startswith(f"plaintext RQP/1 to {', '.join(plain)} without saying so")
+    assert "Give /etc/rqp/rqprc a 'tls:' block" in problem and "'plaintext: true'" in problem
+
+
+def test_plaintext_and_a_tls_block_in_one_rqprc_is_an_error():
+    with pytest.raises(ConfigError, match=r"plaintext.*with a 'tls:' block every host is "
+                       r"dialled over TLS"):
+        sender_config_from_mapping({"hosts": ["b"], "tls": TLS, "plaintext": True})
+
+
 def test_dead_letter_budget_per_peer():
     budget = DeadLetterBudget(rate=2.0, burst=3)
     flood = [budget.take("p", 0.0) for _ in range(10)]

@@ -280,7 +280,8 @@ def test_a_local_sending_mcas_dead_letter_queue_is_never_offered(testbed):
     def start_a_sending_mca(qa):
         rqprc = qa.host.workdir / "local.rqprc"
         rqprc.write_text(f"hosts: [192.0.2.1]\ntransmission_queue: 0x7e520000\n"
-                         f"dead_letter_queue: {dlq:#x}\nstate_dir: {qa.host.workdir}/local\n")
+                         f"dead_letter_queue: {dlq:#x}\nstate_dir: {qa.host.workdir}/local\n"
+                         "plaintext: true\n")
         sender = qa.host.popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc",
                                 str(rqprc)])
         wait_for(lambda: "serving transmission queue" in qa.host.output(sender, "stderr"),

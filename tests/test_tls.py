@@ -324,6 +324,19 @@ def test_bad_files_stop_the_agents_at_start_naming_the_file(site):
                  "--state-dir", str(b.workdir / "state")], check=False, timeout=60)
     assert out.returncode == 1 and "without TLS" in out.stderr and "plaintext: true" in \
         out.stderr, out.stderr
+    # and a sending MCA to another host (before: plaintext with an INFO line); said, it runs
+    unsaid = write_rqprc(a, [b], plaintext=False)
+    out = a.run([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(unsaid)],
+                check=False, timeout=60)
+    assert out.returncode == 1 and f"plaintext RQP/1 to {b.address}:{PORT} without saying " \
+        "so" in out.stderr and "'plaintext: true'" in out.stderr, out.stderr
+    rqprc = write_rqprc(a, [b])
+    sender = start_sender(a, rqprc)
+    rqprc.write_text(unsaid.read_text())  # a reload that takes it back is refused
+    sender.send_signal(signal.SIGHUP)
+    [refused] = wait_for(lambda: log_lines(a, sender, "reload refused"), timeout=10,
+                         message="a reload to plaintext unsaid was not refused")
+    assert "without saying so" in refused and sender.poll() is None, refused
 
 
 def test_handshake_deadline_and_limits_leave_room_for_a_good_peer(site):

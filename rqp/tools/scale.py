@@ -379,7 +379,8 @@ class Scale:
         dlq = f"dead_letter_queue: {self.dlq:#x}\n" if host is None else ""
         rqprc.write_text(f"hosts: [{self.receiver_address}]\ntransmission_queue: {xmit:#x}\n"
                          f"{dlq}state_dir: {state}\nask_timeout: 2s\nconfirm_timeout: 15s\n"
-                         f"{window}" + self._tls(f"scale-sender-{number}"))
+                         f"{window}" + (self._tls(f"scale-sender-{number}")
+                                        or "plaintext: true\n"))  # (to another host: said)
         log = state / "sender.log"
         proc = self._popen([sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)],
                            log, host)
