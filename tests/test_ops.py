@@ -700,6 +700,16 @@ def test_queues_send_and_receive(site):
                  "--count", "2"], check=False)  # (one of two: a failure, and it says so)
     assert out.returncode == 1 and out.stdout == "7\ttyped seven\nno message within 2s (1 " \
         "of 2 taken)\n", out.stdout
+    # System V's mtype is a long: one beyond a C int (a trial's stopped the receiving MCA,
+    # and again at each start, as its sender sent it again)
+    big = 2**31 + 5
+    out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "typed big", "--mtype", str(big),
+                 "--sync", "--rqprc", str(rqprc))
+    assert out.returncode == 0, out.stderr
+    out = b.run([*RQPCTL, "receive", "0x52510001", "--mtype", str(big), "--with-type",
+                 "--timeout", "20"], check=False)
+    assert out.returncode == 0 and out.stdout == f"{big}\ttyped big\n", out.stdout + out.stderr
+    assert receiver.poll() is None
     out = rqpctl(a, "send", "PROD_THE_SCHED_COMMON", "x", "--priority", "10", "--rqprc",
                  str(rqprc))
     assert out.returncode == 2 and "--priority" in out.stderr

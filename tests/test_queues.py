@@ -12,7 +12,7 @@ import time
 import pytest
 import sysv_ipc
 
-from rqp.protocol.constants import DEFAULT_MTYPE, KEY_T_MAX
+from rqp.protocol.constants import DEFAULT_MTYPE, INT64_MAX, KEY_T_MAX
 from rqp.protocol.errors import (
     MessageTooBig,
     QueueError,
@@ -131,6 +131,26 @@ def test_get_mtype_selection(make_queue):
     assert q.get(mtype=0) == b"\x03"
     with pytest.raises(ValueError):
         q.put(b"x", mtype=0)
+
+
+@pytest.mark.parametrize("big", [2**31, 2**62 + 7])
+def test_an_mtype_beyond_a_c_int_is_put_and_selected_as_system_v_does(make_queue, big):
+    """System V's mtype is a long; sysv_ipc takes a C int. A trial's MESSAGE_EX with mtype
+    2^31 stopped a receiving MCA (OverflowError), again at each start."""
+    q = make_queue()
+    q.put(b"small", mtype=7)
+    q.put(b"big", mtype=big)
+    q.put(b"biggest", mtype=INT64_MAX)
+    assert q.get(mtype=big, with_type=True) == (b"big", big)  # by its type
+    with pytest.raises(QueueEmpty):
+        q.get(mtype=big, block=False)  # (none of it left)
+    assert q.get(mtype=-big, with_type=True) == (b"small", 7)  # the lowest type up to it
+    assert q.get(with_type=True) == (b"biggest", INT64_MAX)
+    q.put(b"blocking", mtype=big)  # (a blocking put, and a get that waits)
+    assert q.get(mtype=big, timeout=1) == b"blocking"
+    _fill(q)
+    with pytest.raises(QueueFull):
+        q.put(b"no room", mtype=big, block=False)
 
 
 def test_get_empty(make_queue):

@@ -179,6 +179,11 @@ def _map_error(exc: BaseException, key: int, doing: str) -> QueueError:
         )
     if isinstance(exc, OSError) and exc.errno == errno.EIDRM:
         return QueueNotFound(f"{name} was removed while {doing}", queue_key=key)
+    if isinstance(exc, OSError) and exc.errno == errno.EACCES:
+        return QueuePermissionDenied(
+            f"{name}: permission denied while {doing} (euid {os.geteuid()}, egid {os.getegid()})",
+            queue_key=key,
+        )
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return QueueError(
             f"{name}: system limit reached while {doing} (kernel.msgmni queues or msgmnb)",
@@ -417,6 +422,8 @@ class LocalQueue:
 
     def _send(self, data: bytes, mtype: int, block: bool) -> bool:
         """One msgsnd. False if non-blocking and full."""
+        if mtype > _SYSV_IPC_TYPE_MAX:
+            return self._send_long(data, mtype, block)
         try:
             self._mq.send(data, block, mtype)  # (positional: keywords cost 0.3 us a call)
             return True
@@ -432,6 +439,26 @@ class LocalQueue:
             if _is_eintr(exc):
                 raise
             raise _map_error(exc, self._key, "putting a message") from None
+
+    def _send_long(self, data: bytes, mtype: int, block: bool) -> bool:
+        """One msgsnd of a message whose mtype sysv_ipc cannot take (it takes a C int; System V
+        a long): through libc. A trial's MESSAGE_EX with mtype 2^31 stopped a receiving MCA
+        (OverflowError), and again at each start while its sender sent it again."""
+        size = len(data)
+        buf = ctypes.create_string_buffer(_LONG_SIZE + size)
+        ctypes.c_long.from_buffer(buf).value = mtype
+        ctypes.memmove(ctypes.addressof(buf) + _LONG_SIZE, data, size)
+        while _libc.msgsnd(self._mq.id, buf, size, 0 if block else _IPC_NOWAIT) != 0:
+            err = ctypes.get_errno()
+            if err == errno.EAGAIN:
+                return False
+            if err == errno.EINTR:  # (a handler that raises has raised by now)
+                continue
+            if err == errno.EINVAL:
+                raise self._diagnose_einval(size) from None
+            raise _map_error(OSError(err, os.strerror(err)), self._key,
+                             "putting a message") from None
+        return True
 
     def _diagnose_einval(self, size: int) -> QueueError | MessageTooBig:
         """msgsnd said EINVAL: the queue id is gone, or msgmax was lowered meanwhile."""
@@ -659,6 +686,8 @@ class LocalQueue:
 
     def _receive(self, mtype: int, block: bool) -> tuple[bytes, int] | None:
         """One msgrcv: (bytes, mtype). None if non-blocking and there is no message."""
+        if not -_SYSV_IPC_TYPE_MAX - 1 <= mtype <= _SYSV_IPC_TYPE_MAX:
+            return self._receive_long(mtype, block)
         while True:
             try:
                 return self._mq.receive(block, mtype)  # (positional, as in _send)
@@ -672,6 +701,25 @@ class LocalQueue:
                 if _is_eintr(exc):
                     raise
                 raise _map_error(exc, self._key, "getting a message") from None
+
+    def _receive_long(self, mtype: int, block: bool) -> tuple[bytes, int] | None:
+        """:meth:`_receive` with a msgtyp sysv_ipc cannot take (beyond a C int): through libc,
+        into the buffer of :meth:`peek` (msgmax bytes: a longer message is
+        :class:`MessageTooBig`, left where it is)."""
+        buf = self._copy_buffer or self._buffer()
+        n = _libc.msgrcv(self._mq.id, buf, self._msgmax, mtype, 0 if block else _IPC_NOWAIT)
+        if n >= 0:
+            return ctypes.string_at(self._copy_text, n), self._copy_type.value
+        err = ctypes.get_errno()
+        if err == errno.ENOMSG:
+            return None
+        if err == errno.EINTR:  # (as sysv_ipc says it: what _retry_eintr looks for)
+            raise sysv_ipc.Error("msgrcv was interrupted by a signal")
+        if err == errno.E2BIG:
+            raise MessageTooBig(f"queue {format_key(self._key)}: a message of type "
+                                f"{mtype} is longer than {self._msgmax} bytes (msgmax)",
+                                size=self._msgmax + 1, limit=self._msgmax)
+        raise self._msgrcv_error(err, "msgrcv")
 
     def _longer_buffer(self) -> int:
         """The receive buffer to try after a message did not fit this one (``E2BIG``, the
@@ -694,6 +742,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.msgrcv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long,
                          ctypes.c_int)
 _libc.msgrcv.restype = ctypes.c_ssize_t
+_libc.msgsnd.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.msgsnd.restype = ctypes.c_int
+#: The largest mtype sysv_ipc takes (a C int); System V's is a long: beyond it, libc's own.
+_SYSV_IPC_TYPE_MAX = (1 << 31) - 1
 _MSG_COPY = 0o40000  # linux/msg.h
 #: The smallest msgsz a peek asks for (see LocalQueue.peek).
 PEEK_SIZE_MIN = 1024
