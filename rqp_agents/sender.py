@@ -298,6 +298,10 @@ class Sender(Daemon):
         except ConnectionRefusedError:
             return {**out, "problem": "connection refused (no receiving MCA listens there)"}
         except (OSError, RQPError) as exc:  # (ssl.SSLError among them)
+            if context is not None and writer is not None and isinstance(exc, ConnectionError):
+                # over TLS, after the handshake, nothing heard: a reset is the refusal an end
+                # is (the ask went first; a trial: 3 times of 37 it said only "reset")
+                return {**out, "problem": REFUSED_AFTER_HANDSHAKE}
             return {**out, "problem": _ping_problem(exc, context is not None and writer is None)}
         finally:
             if writer is not None:
@@ -355,11 +359,13 @@ class Sender(Daemon):
 
     def _say_plaintext(self, hosts) -> None:
         """Log the hosts among ``hosts`` that RQP goes to in plaintext over a network."""
-        plain = [str(h) for h in hosts
-                 if self.config.tls_for(h) is None and not is_loopback(h.host)]
-        if plain:
-            log.info("plaintext RQP/1 to %s (no tls: block for them in %s)", ", ".join(plain),
-                     self.config.source)
+        plain = [h for h in hosts if self.config.tls_for(h) is None and not is_loopback(h.host)]
+        for said, these in (("'tls: false' on their entries", [
+                h for h in plain if h in self.config.host_tls]), ("'plaintext: true'", [
+                h for h in plain if h not in self.config.host_tls])):
+            if these:  # (a trial: "no tls: block for them" of a host given tls: false)
+                log.info("plaintext RQP/1 to %s, as %s says (%s)", ", ".join(map(str, these)),
+                         self.config.source, said)
 
     async def _stop(self) -> None:
         await self.intake.stop()

@@ -841,9 +841,9 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
                           message="no reload")
     assert ": hosts; hosts " in reloaded, reloaded  # what changed, by name
     # as at a start, the log names a new host RQP goes to in plaintext (b was named at start)
-    assert [l.split("plaintext RQP/1 to ")[1].split()[0] for l in
-            log_lines(a, sender, "plaintext RQP/1 to")] == [f"{b.address}:{PORT}",
-                                                            f"{c.address}:{PORT}"]
+    assert [l.split("plaintext RQP/1 to ")[1] for l in
+            log_lines(a, sender, "plaintext RQP/1 to")] == [
+        f"{h.address}:{PORT}, as {rqprc} says ('plaintext: true')" for h in (b, c)]
     send(a, rqprc, Q2, ["only on c"])
     assert receive(c, Q2, 1) == ["only on c"]
     send(a, rqprc, Q1, ["still b"])

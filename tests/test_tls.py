@@ -301,6 +301,38 @@ def test_tls_to_a_plaintext_receiver_is_named_on_both_sides(site, testbed):
     assert receive(b, Q1, 1, timeout=1) == [] and site.sender_status(rqprc)["journal_depth"] == 1
 
 
+RESETTING_SERVER = r"""
+import socket, ssl, struct, sys
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(sys.argv[3], sys.argv[4])
+context.set_alpn_protocols(["rqp/1"])
+with socket.create_server((sys.argv[1], int(sys.argv[2]))) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    tls = context.wrap_socket(conn, server_side=True)
+    tls.recv(1)  # (the QUEUE_ASK begins to come: a reset, as a receiver refusing its certificate)
+    tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    tls.close()
+"""
+
+
+def test_ping_says_a_reset_after_the_handshake_is_a_refusal_of_this_host(site):
+    """A trial: 3 times of 37, rqpctl ping to a receiver that refused this host's certificate
+    said "Connection reset by peer (... max_connections ...)": its close came as a reset."""
+    a, b = site.a, site.b
+    certs = site.cert("b.rqp.test", ips=[b.address])
+    server = b.popen([sys.executable, "-c", RESETTING_SERVER, b.address, str(PORT),
+                      certs["cert"], certs["key"]])
+    wait_for(lambda: "listening" in b.output(server, "stdout"), timeout=20,
+             message="the resetting server did not start")
+    rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"))
+    start_sender(a, rqprc)
+    out = a.run([*RQPCTL, "ping", f"{b.address}:{PORT}", "--rqprc", str(rqprc)], check=False,
+                timeout=60)
+    assert out.returncode == 1 and "does it trust this host's certificate" in out.stdout, \
+        out.stdout + out.stderr
+
+
 def test_bad_files_stop_the_agents_at_start_naming_the_file(site):
     a, b = site.a, site.b
     good = site.cert("b.rqp.test", ips=[b.address])
