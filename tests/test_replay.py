@@ -4,6 +4,7 @@ MCA to a receiving MCA (and to tests/fake_receiver.py, which shows the message k
 from __future__ import annotations
 
 import base64
+import gzip
 import dataclasses
 import json
 import subprocess
@@ -20,7 +21,8 @@ from rqp.protocol.errors import ConfigError, RQPError
 from rqp.protocol.reasons import ReasonCode
 from rqp.protocol.records import AgentKind, DeadLetterFlags, DeadLetterRecord
 from rqp.storage.archive import (
-    ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, record_to_row,
+    ArchiveWriter, DrainState, archive_files, archived_ids, read_archive, read_archive_lines,
+    record_to_row,
     row_raw_bytes, row_to_record, write_drain_state,
 )
 from rqp.tools import ctl
@@ -191,9 +193,10 @@ class FakeSend:
         self.extras.append((mtype, priority))
 
     def archive_has(self, payload: bytes) -> bool:
+        rows = (r for path in archive_files(self.archive) for r in read_archive_lines(path))
         return any(base64.b64decode(r["payload_b64"]) in (payload, payload[:4])
                    or r["reason"] != "MALFORMED" and row_raw_bytes(r) == payload  # header yes
-                   for r in read_archive(self.archive) if row_problem(r) is None)
+                   for r in rows if isinstance(r, dict) and row_problem(r) is None)
 
 
 def write_archive(directory: Path, *files: list[dict]) -> list[Path]:
@@ -295,6 +298,26 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
         assert f"is no dead-letter archive line: {why}; kept in the archive" in line, line
     assert "row 1 " in failed[0] and "row 6 " in failed[5]
     assert len(list(read_archive(archive))) == 6  # the bad rows stay, the good one is gone
+
+
+def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path):
+    """A trial: one line '[1,2,3]' (or '{not json', 'null') in a file and replay failed the
+    whole file: the good rows before and after it were never handled."""
+    archive = tmp_path / "archive"
+    [path] = write_archive(archive, [row(key=0x91, payload=b"before"),
+                                     row(key=0x92, payload=b"after")])
+    good = gzip.decompress(path.read_bytes()).splitlines(keepends=True)
+    bad = [b"[1,2,3]\n", b"{not json\n", b"null\n"]
+    path.write_bytes(gzip.compress(good[0] + b"".join(bad) + good[1]))
+    send = FakeSend(archive)
+    replayer, lines = replay(archive, "rules:\n  - action: retry\n", send)
+    assert send.calls == [(Q1, b"before", 0x91), (Q1, b"after", 0x92)]
+    failed = [line for line in lines if line.startswith("failed")]
+    assert [f.split(": line ")[1].split(" is no")[0] for f in failed] == ["2", "3", "4"], lines
+    assert "line 2 is no dead-letter archive line: not a JSON object; kept" in failed[0]
+    assert "line 3 is no dead-letter archive line: not JSON: " in failed[1]
+    assert gzip.decompress(path.read_bytes()) == b"".join(bad)  # kept, byte for byte
+    assert dict(replayer.counts) == {"replayed": 2, "failed": 3}
 
 
 def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, capsys):

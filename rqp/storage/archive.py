@@ -338,6 +338,9 @@ def safe_host(host: str) -> str:
 
 def _encode_rows(rows: Iterable[Mapping]) -> Iterator[bytes]:
     for row in rows:
+        if isinstance(row, UnreadableLine):  # (kept as it was)
+            yield row.raw if row.raw.endswith(b"\n") else row.raw + b"\n"
+            continue
         yield json.dumps(row, separators=(",", ":")).encode("ascii") + b"\n"
 
 
@@ -472,8 +475,20 @@ def _expand(paths) -> list[Path]:
     return out
 
 
-def read_archive_file(path: str | os.PathLike) -> Iterator[dict]:
-    """The rows of one archive file, in order."""
+@dataclass(frozen=True)
+class UnreadableLine:
+    """A line of an archive file that is not a JSON object (:func:`read_archive_lines`):
+    its ``number`` in the file, its bytes, and what is wrong with it."""
+
+    number: int
+    raw: bytes
+    problem: str
+
+
+def read_archive_lines(path: str | os.PathLike) -> Iterator[dict | UnreadableLine]:
+    """The rows of one archive file, in order, a line that is no JSON object as an
+    :class:`UnreadableLine` (a tool that rewrites the file keeps it as it was). Raises
+    :class:`ArchiveError` if the file cannot be read (not gzip, cut short)."""
     path = Path(path)
     try:
         with gzip.open(path, "rb") as f:
@@ -483,12 +498,23 @@ def read_archive_file(path: str | os.PathLike) -> Iterator[dict]:
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    raise ArchiveError(f"{path}: line {number}: not JSON: {exc}") from None
+                    yield UnreadableLine(number, line, f"not JSON: {exc}")
+                    continue
                 if not isinstance(row, dict):
-                    raise ArchiveError(f"{path}: line {number}: not a JSON object")
+                    yield UnreadableLine(number, line, "not a JSON object")
+                    continue
                 yield row
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise ArchiveError(f"{path}: cannot read: {exc}") from None
+
+
+def read_archive_file(path: str | os.PathLike) -> Iterator[dict]:
+    """The rows of one archive file, in order; :class:`ArchiveError` at a line that is no
+    JSON object, or if the file cannot be read."""
+    for row in read_archive_lines(path):
+        if isinstance(row, UnreadableLine):
+            raise ArchiveError(f"{path}: line {row.number}: {row.problem}")
+        yield row
 
 
 def read_archive(paths) -> Iterator[dict]:

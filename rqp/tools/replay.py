@@ -94,8 +94,9 @@ from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.protocol.sender import broadcast_queue
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
-    MALFORMED, STATE, SUFFIX, ArchiveError, all_drain_states, archive_files, archived_spill, find_rows,
-    iso_utc, lock_file, read_archive_file, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
+    MALFORMED, STATE, SUFFIX, ArchiveError, UnreadableLine, all_drain_states, archive_files,
+    archived_spill, find_rows, iso_utc, lock_file, read_archive_file, read_archive_lines,
+    rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
 from rqp.system.files import fsync_dir, write_file_atomically
 from rqp.system.queues import format_key
@@ -848,7 +849,7 @@ class Replayer:
             if self._stopping():
                 break
             try:
-                rows = list(read_archive_file(path))
+                rows = list(read_archive_lines(path))
             except ArchiveError as exc:
                 if not self.follow or self._told.get(path.name) != "failed":
                     self.out(f"failed         {exc}")
@@ -911,14 +912,17 @@ class Replayer:
                 "puts it back by hand)")
         return decision, ""
 
-    def _one(self, current: _File, index: int, row: dict, held: bool) -> None:
-        problem = row_problem(row)
+    def _one(self, current: _File, index: int, row: dict | UnreadableLine, held: bool) -> None:
+        if isinstance(row, UnreadableLine):  # (not even JSON: kept as it is, the others go on)
+            problem, place, row = row.problem, f"line {row.number}", {}
+        else:
+            problem, place = row_problem(row), f"row {index + 1}"
         if problem is not None:  # (no rule can be read against it: kept, the others go on)
             where = f"\0{current.path.name}:{index}"  # (its id may be none, or no string)
             self._seen[where] = False
             self.counts["failed"] += 1
             self._say("would fail" if self.dry_run else "failed", row, None,
-                      f"{current.path}: row {index + 1} is no dead-letter archive line: "
+                      f"{current.path}: {place} is no dead-letter archive line: "
                       f"{problem}; kept in the archive", told=where)
             return
         decision = decide(self.rules, row, self.now_ns)
