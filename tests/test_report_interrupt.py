@@ -69,6 +69,24 @@ def test_a_jvm_s_temporary_directory_is_its_own_and_not_passed_on(spark):
     assert tmpdir not in os.environ.get("SPARK_SUBMIT_OPTS", "")
 
 
+def test_what_a_run_killed_9_left_is_removed_by_the_next(tmp_path):
+    """A trial: kill -9 of a report's whole process group left Spark's files in the run's
+    directory under TMPDIR, and the next run did not remove them."""
+    from rqp.report.compute import _remove_abandoned
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # (its id no longer runs)
+    left = tmp_path / f"rqp-dlq-report-jvm-{gone.pid}-abcd1234"
+    (left / "spark-1" / "userFiles-2").mkdir(parents=True)
+    (left / "spark-1" / "userFiles-2" / "f").write_text("x")
+    running = tmp_path / f"rqp-dlq-report-jvm-{os.getpid()}-efgh5678"
+    running.mkdir()
+    other = tmp_path / "rqp-dlq-report-jvm-notapid-x"
+    other.mkdir()
+    _remove_abandoned(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other.name])
+
+
 def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive, tmp_path):
     """A trial: two screens of py4j tracebacks and exit -2 (PySpark's own SIGINT handler
     called into the JVM over the connection the job was in the middle of a call on)."""
