@@ -316,6 +316,8 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     if msg_type is None:
         msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
     _check_msg_type(msg_type)
+    if timeout is not None:
+        _check_timeout(timeout)
     if open_batch is not None:  # between beginBatch and commitBatch: into the batch
         given = [name for name, value, default in (
             ("ttl", ttl, None), ("expires_at", expires_at, None), ("timeout", timeout, None),
@@ -359,6 +361,14 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
                           sync_timeout=30.0 if timeout is None else timeout)
 
 
+def _check_timeout(timeout) -> None:
+    """A trial's ``timeout=-1`` was taken without a word."""
+    if timeout is not None and (isinstance(timeout, bool) or
+                                not isinstance(timeout, (int, float)) or not timeout >= 0):
+        raise RQPError(f"timeout must be a number of seconds >= 0 (None: as long as it takes), "
+                       f"got {timeout!r}")
+
+
 def _check_msg_type(msg_type) -> None:
     if msg_type not in (SURE_MSG, UNSURE_MSG):
         raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
@@ -393,6 +403,7 @@ def commitBatch(handle: int, *, timeout: float | None = None, sync: bool = False
     empty batch puts nothing). ``timeout`` and ``sync`` as for :func:`sendMessage`. If the
     put fails, the batch stays open (commit again, or roll it back)."""
     conn = _connection(handle)
+    _check_timeout(timeout)
     open_batch = _batches.get(handle)
     if open_batch is None:
         raise RQPError(f"handle {handle} has no batch open (beginBatch first)")
@@ -489,6 +500,7 @@ def receiveMessage(queue, timeout: float | None = None, *,
     """
     if not isinstance(mtype, int) or isinstance(mtype, bool) or not -INT64_MAX <= mtype <= INT64_MAX:
         raise RQPError(f"mtype must be an integer (System V msgtyp), got {mtype!r}")
+    _check_timeout(timeout)
     if isinstance(queue, int):
         key = queue
     else:

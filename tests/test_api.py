@@ -268,9 +268,17 @@ def test_extras_out_of_range_are_refused_naming_the_parameter(host):
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 res = []
 for kwargs in ({"mtype": 0}, {"mtype": True}, {"priority": 10}, {"ttl": 0}, {"ttl": 1e-9},
-               {"ttl": 1, "expires_at": 2}, {"expires_at": "soon"}):
+               {"ttl": 1, "expires_at": 2}, {"expires_at": "soon"}, {"timeout": -1},
+               {"timeout": float("nan")}, {"timeout": "5"}):
     try:
         rqp.sendMessage(h, b"x", **kwargs)
+        res.append("accepted")
+    except rqp.RQPError as e:
+        res.append(str(e))
+for call in (lambda: rqp.receiveMessage(0x52510001, timeout=-1),
+             lambda: rqp.commitBatch(h, timeout=-0.5)):
+    try:
+        call()
         res.append("accepted")
     except rqp.RQPError as e:
         res.append(str(e))
@@ -281,7 +289,8 @@ print(json.dumps(res))
         "mtype must be an integer in 1..9223372036854775807",
         "priority must be an integer in 0..9", "ttl must be at least 0.001 seconds",
         "ttl must be at least 0.001 seconds", "give ttl or expires_at",
-        "expires_at must be a number of seconds"]
+        "expires_at must be a number of seconds", *["timeout must be a number of seconds >= 0"]
+        * 5]  # (a trial's timeout=-1 was taken)
 
 
 def test_batch_errors_say_what_to_do_and_put_nothing(host):
