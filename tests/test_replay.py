@@ -275,7 +275,8 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
     good = row(key=0x71, payload=b"good one")
     bad = [dict(row(key=0x72), queue_key="0x52510009"), dict(row(key=0x73), reason=None),
            {"schema": 2, "id": "x"}, dict(row(key=0x74), id=["not", "an", "id"]),
-           dict(row(key=0x75), attempts=True), dict(row(key=0x76), schema=9)]
+           dict(row(key=0x75), attempts=True), dict(row(key=0x76), schema=9),
+           {k: v for k, v in row(key=0x77).items() if k not in ("payload_b64", "mtype")}]
     write_archive(archive, bad, [good])
     send = FakeSend(archive)
     rules = rules_from_data({"rules": [{"action": "retry"}]})
@@ -288,16 +289,17 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
             replayer.run_round()
     assert send.calls == [(Q1, b"good one", 0x71)]
     failed = [line for line in lines if line.startswith("failed")]
-    assert len(failed) == 6, lines
+    assert len(failed) == 7, lines
     for line, why in zip(failed, ["queue_key '0x52510009' is not a number", "no reason",
-                                  "no reason, queue_key, message_key, message_type",
+                                  "no reason, queue_key, message_key, message_type, "
+                                  "payload_b64, record_version, mtype, priority, expires_at_ms",
                                   "id ['not', 'an', 'id'] is not a string",
                                   "attempts True is not a number",
                                   "schema 9: this rqp reads archive schemas 1, 2 (a newer one "
-                                  "wrote it?)"]):
+                                  "wrote it?)", "no payload_b64, mtype"]):
         assert f"is no dead-letter archive line: {why}; kept in the archive" in line, line
-    assert "row 1 " in failed[0] and "row 6 " in failed[5]
-    assert len(list(read_archive(archive))) == 6  # the bad rows stay, the good one is gone
+    assert "row 1 " in failed[0] and "row 7 " in failed[6]
+    assert len(list(read_archive(archive))) == 7  # the bad rows stay, the good one is gone
 
 
 def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path):

@@ -81,7 +81,10 @@ _FIELDS: tuple[tuple[str, str], ...] = (
 ARCHIVE_FIELDS: tuple[str, ...] = tuple(name for name, _ in _FIELDS)
 
 #: What every archive line has, whatever its schema: what a tool that acts on one reads.
-REQUIRED_FIELDS = ("schema", "id", "reason", "queue_key", "message_key", "message_type")
+REQUIRED_FIELDS = ("schema", "id", "reason", "queue_key", "message_key", "message_type",
+                   "payload_b64")
+#: What schema 2 added, which every line of it has.
+REQUIRED_SINCE_2 = ("record_version", "mtype", "priority", "expires_at_ms")
 
 _JSON_TYPES = {"integer": (int,), "long": (int,), "string": (str,), "boolean": (bool,)}
 
@@ -92,11 +95,13 @@ def row_problem(row) -> str | None:
     no value; true and false are no number). A trial's line with ``"queue_key": "0x52510009"``
     stopped ``rqpctl dlq replay`` with a traceback, and with it every line after."""
     missing = [name for name in REQUIRED_FIELDS if row.get(name) is None]
+    if not missing and row["schema"] not in READABLE_SCHEMAS:  # (what a later one means is
+        return (f"schema {row['schema']!r:.20}: this rqp reads archive schemas "  # not known)
+                f"{', '.join(map(str, READABLE_SCHEMAS))} (a newer one wrote it?)")
+    if row.get("schema") != 1:
+        missing += [name for name in REQUIRED_SINCE_2 if row.get(name) is None]
     if missing:
         return f"no {', '.join(missing)}"
-    if row["schema"] not in READABLE_SCHEMAS:  # (what a later one means is not known here)
-        return (f"schema {row['schema']!r:.20}: this rqp reads archive schemas "
-                f"{', '.join(map(str, READABLE_SCHEMAS))} (a newer one wrote it?)")
     for name, kind in _FIELDS:
         value = row.get(name)
         if value is not None and (not isinstance(value, _JSON_TYPES[kind]) or
