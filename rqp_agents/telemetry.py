@@ -115,11 +115,11 @@ def sender_status(agent) -> dict:
 
 
 def _host_status(agent, host, to_wall: float) -> dict:
-    beats = agent.core.heartbeat_status(host)
-    if beats["heartbeat_failed_at"] is not None:
-        beats["heartbeat_failed_at"] += to_wall  # (the core's times are the loop's clock)
+    figures = agent.core.host_figures(host)
+    if figures["heartbeat_failed_at"] is not None:
+        figures["heartbeat_failed_at"] += to_wall  # (the core's times are the loop's clock)
     return {"host": str(host), "connection": agent.core.link_state(host).value,
-            "connection_text": agent.core.connection_text(host), **beats}
+            "connection_text": agent.core.connection_text(host), **figures}
 
 
 #: How a message ends, as route_status counts it (a broadcast copy may also be declined).
@@ -211,10 +211,11 @@ def sender_metrics(agent) -> str:
     for what in ("queues", "routes"):
         m["rqp_sender_forgotten_total"].add(getattr(gone, what), what=what)
     for host in agent.config.hosts:
-        beats = agent.core.heartbeat_status(host)
-        m["rqp_sender_heartbeats_total"].add(beats["heartbeats"], peer=str(host))
-        m["rqp_sender_heartbeat_failures_total"].add(beats["heartbeat_failures"], peer=str(host))
-        m["rqp_sender_host_errors_total"].add(beats["failed_tries"], peer=str(host))
+        figures = agent.core.host_figures(host)
+        m["rqp_sender_heartbeats_total"].add(figures["heartbeats"], peer=str(host))
+        m["rqp_sender_heartbeat_failures_total"].add(figures["heartbeat_failures"],
+                                                     peer=str(host))
+        m["rqp_sender_host_errors_total"].add(figures["failed_tries"], peer=str(host))
     for reason, count in sorted(agent.dead_letters.by_reason.items()):
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)

@@ -219,16 +219,16 @@ def test_failed_tries_are_counted_at_the_host_they_failed_at_after_the_route_mov
     assert h.core.routes == {Q1: "c"}
     route = next(r for r in h.core.route_status(h.now) if r["queue_key"] == Q1)
     assert (route["peer"], route["errors"], route["lost"], route["delivered"]) == ("c", 2, 3, 2)
-    assert [h.core.heartbeat_status(x)["failed_tries"] for x in ("b", "c")] == [2, 0]
+    assert [h.core.host_figures(x)["failed_tries"] for x in ("b", "c")] == [2, 0]
     h.core.connection_lost("c", "reset by peer", h.now)
     h.submit(message_type=UNSURE_MSG)
     h.advance()
     h.sent(down=("c",))  # c cannot be reached: a failed try at c (the error counter's)
-    assert [h.core.heartbeat_status(x)["failed_tries"] for x in ("b", "c")] == [2, 1]
+    assert [h.core.host_figures(x)["failed_tries"] for x in ("b", "c")] == [2, 1]
     h2 = Harness(hosts=("b",))
     h2.submit()
     h2.serve({})  # no host offers it: the queue's failed try, no host's
-    assert h2.core.info[Q1].errors >= 1 and h2.core.heartbeat_status("b")["failed_tries"] == 0
+    assert h2.core.info[Q1].errors >= 1 and h2.core.host_figures("b")["failed_tries"] == 0
 
 
 def test_unsure_success_resets_the_counter():

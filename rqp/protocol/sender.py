@@ -770,7 +770,7 @@ class SenderCore:
             return "up, no answer since a lost heartbeat"
         return link.state.value
 
-    def heartbeat_status(self, host) -> dict:
+    def host_figures(self, host) -> dict:
         """Heartbeats sent to ``host`` and those that went unanswered, and the failed tries of
         messages sent to it (all time)."""
         link = self._links.get(host)
