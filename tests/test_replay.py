@@ -613,6 +613,29 @@ def test_the_ledger_survives_a_cut_line_and_compacts_itself(tmp_path, monkeypatc
     assert (ledger.get(one).retries, ledger.get(two).retries, ledger.get(old).retries) == \
         (2, 3, 0)
     assert RetryLedger(archive, writable=False).entries == ledger.entries
+    assert ledger.unreadable == 0  # (a line a crash cut short is no news)
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
+    """A trial: garbage lines in the replay ledger were skipped without a word, and with
+    them the retries they counted (a message could be retried more than its rule says)."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(ReasonCode.NOT_AUTHORIZED, key=0x51)])
+    RetryLedger(archive).note(row(key=0x52), NOW, retry=True)
+    path = archive / ".state" / RetryLedger.NAME
+    with open(path, "ab") as f:
+        f.write(b'{"message":"0x0000000000000053","retries":1,"la\n')  # a crash's: no news
+        f.write(b"garbage\n[1]\n")
+    lines: list[str] = []
+    replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
+                        follow=follow)
+    with replayer.locked():
+        for _ in range(2 if follow else 1):
+            replayer.run_round()
+    assert [line for line in lines if line.startswith("warning")] == [
+        f"warning        {path}: 2 line(s) cannot be read: the retries and forwards they "
+        "counted are not counted"]
 
 
 def test_used_up_retries_then_forward_the_dead_letter_itself(tmp_path):

@@ -485,6 +485,9 @@ class RetryLedger:
             raise ArchiveError(f"{self.path}: cannot read the replay ledger: "
                                f"{exc.strerror or exc}") from None
         lines = 0
+        #: Lines that could not be read, but a last one a crash cut short (its message was
+        #: not put back): the retries they counted are not counted (a trial: skipped unsaid).
+        self.unreadable = 0
         for line in data.split(b"\n"):
             if not line.strip():
                 continue
@@ -494,7 +497,9 @@ class RetryLedger:
                 name = fields.pop("message")
                 self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
             except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # cut short by a crash: its message was not put back
+                # one a crash cut short is the start of a line this class writes: no news
+                self.unreadable += not (line.startswith(b'{"message":"') and
+                                        not line.rstrip().endswith(b"}"))
         self._torn = bool(data) and not data.endswith(b"\n")
         if writable and lines > 2 * len(self.entries) + self.SLACK:
             self._compact(time.time_ns() if now_ns is None else now_ns)
@@ -833,6 +838,10 @@ class Replayer:
         ledger is read again: a resubmit may have run between two rounds."""
         self.now_ns = self.clock()
         self.ledger = RetryLedger(self.archive, writable=not self.dry_run, now_ns=self.now_ns)
+        if self.ledger.unreadable and self._told.get("\0ledger") != self.ledger.unreadable:
+            self._told["\0ledger"] = self.ledger.unreadable  # (--follow: once, until it changes)
+            self.out(f"warning        {self.ledger.path}: {self.ledger.unreadable} line(s) "
+                     "cannot be read: the retries and forwards they counted are not counted")
         self.counts = collections.Counter()
         self._seen = {}
         self.paused = False
@@ -840,7 +849,7 @@ class Replayer:
         self._run()
         if self.follow and not self.paused and not self.stop.is_set():  # what is still there
             self._told = {key: verb for key, verb in self._told.items()
-                          if key in self._seen or key.endswith(SUFFIX)}
+                          if key in self._seen or key.endswith(SUFFIX) or key == "\0ledger"}
         return self.counts
 
     def _run(self) -> None:
