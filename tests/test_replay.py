@@ -276,7 +276,9 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
     bad = [dict(row(key=0x72), queue_key="0x52510009"), dict(row(key=0x73), reason=None),
            {"schema": 2, "id": "x"}, dict(row(key=0x74), id=["not", "an", "id"]),
            dict(row(key=0x75), attempts=True), dict(row(key=0x76), schema=9),
-           {k: v for k, v in row(key=0x77).items() if k not in ("payload_b64", "mtype")}]
+           {k: v for k, v in row(key=0x77).items() if k not in ("payload_b64", "mtype")},
+           dict(row(key=0x78), mtype=2**64), dict(row(key=0x79), mtype=0),
+           dict(row(key=0x7A), priority=10)]
     write_archive(archive, bad, [good])
     send = FakeSend(archive)
     rules = rules_from_data({"rules": [{"action": "retry"}]})
@@ -289,17 +291,20 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
             replayer.run_round()
     assert send.calls == [(Q1, b"good one", 0x71)]
     failed = [line for line in lines if line.startswith("failed")]
-    assert len(failed) == 7, lines
+    assert len(failed) == 10, lines
     for line, why in zip(failed, ["queue_key '0x52510009' is not a number", "no reason",
                                   "no reason, queue_key, message_key, message_type, "
                                   "payload_b64, record_version, mtype, priority, expires_at_ms",
                                   "id ['not', 'an', 'id'] is not a string",
                                   "attempts True is not a number",
                                   "schema 9: this rqp reads archive schemas 1, 2 (a newer one "
-                                  "wrote it?)", "no payload_b64, mtype"]):
+                                  "wrote it?)", "no payload_b64, mtype",
+                                  f"mtype {2**64} is out of range (1..{2**63 - 1})",
+                                  f"mtype 0 is out of range (1..{2**63 - 1})",
+                                  "priority 10 is out of range (0..9)"]):
         assert f"is no dead-letter archive line: {why}; kept in the archive" in line, line
-    assert "row 1 " in failed[0] and "row 7 " in failed[6]
-    assert len(list(read_archive(archive))) == 7  # the bad rows stay, the good one is gone
+    assert "line 1 " in failed[0] and "line 10 " in failed[9]
+    assert len(list(read_archive(archive))) == 10  # the bad rows stay, the good one is gone
 
 
 def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path):
@@ -309,29 +314,35 @@ def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path)
     [path] = write_archive(archive, [row(key=0x91, payload=b"before"),
                                      row(key=0x92, payload=b"after")])
     good = gzip.decompress(path.read_bytes()).splitlines(keepends=True)
-    bad = [b"[1,2,3]\n", b"{not json\n", b"null\n"]
+    bad = [b"[1,2,3]\n", b"{not json\n", b"null\n",
+           b'{"schema": 2, "id": "x", "id": "y", "priority": 1e400}\n']  # (kept as written)
     path.write_bytes(gzip.compress(good[0] + b"".join(bad) + good[1]))
     send = FakeSend(archive)
     replayer, lines = replay(archive, "rules:\n  - action: retry\n", send)
     assert send.calls == [(Q1, b"before", 0x91), (Q1, b"after", 0x92)]
     failed = [line for line in lines if line.startswith("failed")]
-    assert [f.split(": line ")[1].split(" is no")[0] for f in failed] == ["2", "3", "4"], lines
+    assert [f.split(": line ")[1].split(" is no")[0] for f in failed] == ["2", "3", "4",
+                                                                          "5"], lines
     assert "line 2 is no dead-letter archive line: not a JSON object; kept" in failed[0]
     assert "line 3 is no dead-letter archive line: not JSON: " in failed[1]
     assert gzip.decompress(path.read_bytes()) == b"".join(bad)  # kept, byte for byte
-    assert dict(replayer.counts) == {"replayed": 2, "failed": 3}
+    assert dict(replayer.counts) == {"replayed": 2, "failed": 4}
 
 
 def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, capsys):
     """A trial: one file that is not gzip in the archive and rqpctl dlq list printed nothing
     but the error, where replay skips that file and goes on."""
     archive = tmp_path / "archive"
-    write_archive(archive, [row(key=0x81, payload=b"listed")])
+    [path] = write_archive(archive, [row(key=0x81, payload=b"listed"),
+                                     row(key=0x82, payload=b"listed too")])
+    first, second = gzip.decompress(path.read_bytes()).splitlines(keepends=True)
+    path.write_bytes(gzip.compress(first + b"[1,2,3]\n" + second))  # (and one bad line)
     (archive / "dlq-broken-20260101T000000.000000Z-1-000001.jsonl.gz").write_bytes(b"no gzip")
     assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 1
     out, err = capsys.readouterr()
-    assert "listed" in out and "1 dead letter(s) in 1 file(s)" in out, out
+    assert "listed too" in out and "2 dead letter(s) in 1 file(s)" in out, out
     assert "dlq-broken-" in err and "(its rows are not listed)" in err, err
+    assert f"{path}: line 2: not a JSON object (not listed)" in err, err
 
 
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):

@@ -16,6 +16,7 @@ is the exact instant when it is there.
 from __future__ import annotations
 
 from rqp.protocol import reasons as _reasons
+from rqp.protocol.constants import INT64_MAX, UINT64_MAX
 from rqp.protocol.errors import RQPError
 
 __all__ = [
@@ -91,9 +92,10 @@ _JSON_TYPES = {"integer": (int,), "long": (int,), "string": (str,), "boolean": (
 
 def row_problem(row) -> str | None:
     """Why one archive line (a JSON object) does not fit the declared format, in words, or
-    None: a required field missing, or a field of another JSON type than declared (null is
-    no value; true and false are no number). A trial's line with ``"queue_key": "0x52510009"``
-    stopped ``rqpctl dlq replay`` with a traceback, and with it every line after."""
+    None: a required field missing, a field of another JSON type than declared (null is no
+    value; true and false are no number), a schema this rqp does not read, or a value no
+    record holds. A trial's line with ``"queue_key": "0x52510009"`` stopped ``rqpctl dlq
+    replay`` with a traceback, and with it every line after."""
     missing = [name for name in REQUIRED_FIELDS if row.get(name) is None]
     if not missing and row["schema"] not in READABLE_SCHEMAS:  # (what a later one means is
         return (f"schema {row['schema']!r:.20}: this rqp reads archive schemas "  # not known)
@@ -108,6 +110,14 @@ def row_problem(row) -> str | None:
                                   kind != "boolean" and isinstance(value, bool)):
             return f"{name} {value!r:.40} is not a " \
                    f"{'number' if kind in ('integer', 'long') else kind}"
+    # the values a record can hold (a trial's mtype 2^64 stopped a replay with a traceback,
+    # and 0 was put with type 1): an edited row, which is not put back as something else
+    low = 0 if row["reason"] == _reasons.MALFORMED.name else 1  # (never a record: 0)
+    for name, least, most in (("mtype", low, INT64_MAX), ("priority", 0, 9),
+                              ("expires_at_ms", 0, UINT64_MAX), ("queue_key", 0, UINT64_MAX)):
+        value = row.get(name)
+        if value is not None and not least <= value <= most:
+            return f"{name} {value} is out of range ({least}..{most})"
     return None
 
 

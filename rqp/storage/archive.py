@@ -338,8 +338,9 @@ def safe_host(host: str) -> str:
 
 def _encode_rows(rows: Iterable[Mapping]) -> Iterator[bytes]:
     for row in rows:
-        if isinstance(row, UnreadableLine):  # (kept as it was)
-            yield row.raw if row.raw.endswith(b"\n") else row.raw + b"\n"
+        raw = getattr(row, "raw", None)  # (a line read from a file: kept as it was)
+        if raw is not None:
+            yield raw if raw.endswith(b"\n") else raw + b"\n"
             continue
         yield json.dumps(row, separators=(",", ":")).encode("ascii") + b"\n"
 
@@ -475,6 +476,15 @@ def _expand(paths) -> list[Path]:
     return out
 
 
+class ArchiveRow(dict):
+    """A row read from an archive file (:func:`read_archive_lines`): the JSON object, with
+    the ``number`` of its line in the file and its ``raw`` bytes, which a rewrite of the file
+    writes back as they were (a trial's rows came back re-encoded: a duplicate key lost,
+    1e400 as Infinity, which is no JSON)."""
+
+    __slots__ = ("number", "raw")
+
+
 @dataclass(frozen=True)
 class UnreadableLine:
     """A line of an archive file that is not a JSON object (:func:`read_archive_lines`):
@@ -485,10 +495,11 @@ class UnreadableLine:
     problem: str
 
 
-def read_archive_lines(path: str | os.PathLike) -> Iterator[dict | UnreadableLine]:
-    """The rows of one archive file, in order, a line that is no JSON object as an
-    :class:`UnreadableLine` (a tool that rewrites the file keeps it as it was). Raises
-    :class:`ArchiveError` if the file cannot be read (not gzip, cut short)."""
+def read_archive_lines(path: str | os.PathLike) -> Iterator[ArchiveRow | UnreadableLine]:
+    """The rows of one archive file, in order, each with its line's number and bytes (a tool
+    that rewrites the file keeps them as they were); a line that is no JSON object as an
+    :class:`UnreadableLine`. Raises :class:`ArchiveError` if the file cannot be read (not
+    gzip, cut short)."""
     path = Path(path)
     try:
         with gzip.open(path, "rb") as f:
@@ -503,6 +514,8 @@ def read_archive_lines(path: str | os.PathLike) -> Iterator[dict | UnreadableLin
                 if not isinstance(row, dict):
                     yield UnreadableLine(number, line, "not a JSON object")
                     continue
+                row = ArchiveRow(row)
+                row.number, row.raw = number, line
                 yield row
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise ArchiveError(f"{path}: cannot read: {exc}") from None

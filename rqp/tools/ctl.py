@@ -38,8 +38,8 @@ from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import load_optional_rqprc
 from rqp.storage.archive import (
-    ROW_KEYS, ArchiveError, archive_files, archived_spill, find_rows, id_problem, iso_utc,
-    read_archive_file, row_payload,
+    ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
+    id_problem, iso_utc, read_archive_file, read_archive_lines, row_payload,
 )
 from rqp.system import signals
 from rqp.system.control import ControlError
@@ -319,13 +319,16 @@ def _list(args) -> int:
     table, unreadable = [], []
     total = files = 0
     for path in archive_files(archive):
-        files += 1
-        try:  # (one bad file hid every row of the others: a trial)
-            rows = list(read_archive_file(path))
+        try:  # (one bad file hid every row of the others, one bad line those of its file)
+            rows = list(read_archive_lines(path))
         except ArchiveError as exc:
-            unreadable.append(str(exc))
+            unreadable.append(f"{exc} (its rows are not listed)")
             continue
+        files += 1
         for row in rows:
+            if isinstance(row, UnreadableLine):
+                unreadable.append(f"{path}: line {row.number}: {row.problem} (not listed)")
+                continue
             total += 1
             if args.limit and len(table) >= args.limit:
                 continue
@@ -346,9 +349,9 @@ def _list(args) -> int:
     for line in [header, *table]:
         _say("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
     more = f"; showing the first {len(table)} (--limit 0 shows all)" if len(table) < total else ""
-    _say(f"{total} dead letter(s) in {files - len(unreadable)} file(s){more}")
+    _say(f"{total} dead letter(s) in {files} file(s){more}")
     for problem in unreadable:
-        print(f"rqpctl: error: {problem} (its rows are not listed)", file=sys.stderr)
+        print(f"rqpctl: error: {problem}", file=sys.stderr)
     return 1 if unreadable else 0
 
 

@@ -922,10 +922,12 @@ class Replayer:
         return decision, ""
 
     def _one(self, current: _File, index: int, row: dict | UnreadableLine, held: bool) -> None:
+        # (its line in the file: "row N" counted no blank lines, a trial)
+        place = f"line {getattr(row, 'number', None) or index + 1}"
         if isinstance(row, UnreadableLine):  # (not even JSON: kept as it is, the others go on)
-            problem, place, row = row.problem, f"line {row.number}", {}
+            problem, row = row.problem, {}
         else:
-            problem, place = row_problem(row), f"row {index + 1}"
+            problem = row_problem(row)
         if problem is not None:  # (no rule can be read against it: kept, the others go on)
             where = f"\0{current.path.name}:{index}"  # (its id may be none, or no string)
             self._seen[where] = False
@@ -996,7 +998,10 @@ class Replayer:
         except (ReplayRefused, ArchiveError, KeyError, ValueError) as exc:
             self._seen[row_id] = False
             self.counts["failed"] += 1
-            self._say("would fail" if self.dry_run else "failed", row, decision, str(exc))
+            where = "" if isinstance(exc, ReplayRefused) else \
+                f"{current.path}: line {getattr(row, 'number', None) or index + 1}: "
+            self._say("would fail" if self.dry_run else "failed", row, decision,
+                      where + str(exc))  # (a bad payload named only its row's id: a trial)
             return
         if self.dry_run:
             self._seen[row_id] = True
