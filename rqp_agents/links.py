@@ -10,13 +10,12 @@ in words (:func:`rqp.system.tls.handshake_problem`), never as an errno.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import socket
 import ssl
 from collections.abc import Callable
 
-from rqp.system.tls import ALPN, CLOSED_IN_HANDSHAKE, handshake_problem
+from rqp.system.tls import ALPN, CLOSED_IN_HANDSHAKE, ERRNO_OF, handshake_problem
 
 __all__ = ["Links"]
 
@@ -162,14 +161,8 @@ def _failure(exc: BaseException) -> str:
     # (asyncio's own text, "Connect call failed (addr)", hides the reason; asyncio's TLS
     # raises ConnectionResetError() with no errno and no text: a trial's log said "cannot
     # connect: " and nothing more)
-    code = getattr(exc, "errno", None) or _ERRNO_OF.get(type(exc))
+    code = getattr(exc, "errno", None) or ERRNO_OF.get(type(exc))
     return os.strerror(code) if code else str(exc) or type(exc).__name__
-
-
-#: The errno that each of these means when raised without one.
-_ERRNO_OF = {ConnectionResetError: errno.ECONNRESET, BrokenPipeError: errno.EPIPE,
-             ConnectionAbortedError: errno.ECONNABORTED,
-             ConnectionRefusedError: errno.ECONNREFUSED}
 
 
 #: TCP keepalive on every connection to a receiving MCA: after 60 s without traffic the kernel

@@ -118,3 +118,21 @@ def test_rqpctl_tls_from_the_command_line(tmp_path):
     out = subprocess.run([*run, "issue", "r2.test", "--ca", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "make the CA first" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("exc", [
+    ConnectionResetError(),  # (asyncio's TLS raises it bare)
+    ConnectionResetError(104, "Connection reset by peer"),
+    ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:992)"),
+], ids=["bare-reset", "reset", "eof"])
+def test_a_handshake_the_receiver_cut_off_says_what_may_be_why(exc):
+    """A trial: a TLS sender facing a plaintext receiver read "TLS handshake failed:
+    ConnectionResetError", where the route said "Connection reset by peer"."""
+    from rqp.system.tls import handshake_problem
+
+    if isinstance(exc, ssl.SSLError):
+        exc.reason = "UNEXPECTED_EOF_WHILE_READING"  # (what OpenSSL 3 sets)
+    said = handshake_problem(exc)
+    assert said.startswith("TLS handshake failed: ") and "Error" not in said, said
+    assert "(the receiver closed the connection during the handshake: no TLS on that port" \
+        in said or isinstance(exc, ConnectionResetError), said

@@ -11,6 +11,7 @@ are :class:`rqp.config.TLSFiles`.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import os
 import ssl
@@ -21,7 +22,8 @@ from rqp.protocol.errors import RQPError
 
 __all__ = ["ALPN", "TLSFileError", "check_files", "server_context",
            "client_context", "peer_names", "handshake_problem", "EXPIRY_WARNING",
-           "READ_BUFFER", "bound_read_buffers", "file_digests", "CLOSED_IN_HANDSHAKE"]
+           "READ_BUFFER", "bound_read_buffers", "file_digests", "CLOSED_IN_HANDSHAKE",
+           "ERRNO_OF"]
 
 ALPN = "rqp/1"
 #: A certificate this close to its end is warned about at start-up and on reload.
@@ -209,9 +211,10 @@ def peer_names(ssl_object) -> tuple[str, ...]:
                  if key == "commonName")[:1]
 
 
-#: What a connection the receiver closed during a handshake this host began most likely means.
-CLOSED_IN_HANDSHAKE = (" (the receiver closed the connection during the handshake: at its "
-                       "max_connections or max_connections_per_source, or no TLS there?)")
+#: What a connection the receiver closed during a handshake this host began most likely means
+#: (its log says which: a plaintext one names a TLS handshake it was sent).
+CLOSED_IN_HANDSHAKE = (" (the receiver closed the connection during the handshake: no TLS on "
+                       "that port, or at its max_connections or max_connections_per_source?)")
 
 
 def handshake_problem(exc: BaseException) -> str:
@@ -236,9 +239,19 @@ def handshake_problem(exc: BaseException) -> str:
             "unknown ca": " (the peer does not trust the CA of this host's certificate)",
             "certificate expired": " (the peer says this host's certificate has expired)",
             "no application protocol": " (the peer does not offer ALPN rqp/1)",
+            "eof occurred in violation of protocol": CLOSED_IN_HANDSHAKE,
+            "unexpected eof while reading": CLOSED_IN_HANDSHAKE,
         }
         hint = next((h for k, h in hints.items() if k in reason), "")
         return f"TLS handshake failed: {reason}{hint}"
     if isinstance(exc, (TimeoutError, ConnectionError, OSError)):
-        return f"TLS handshake failed: {exc.__class__.__name__}" + (f": {exc}" if str(exc) else "")
+        code = exc.errno or ERRNO_OF.get(type(exc))  # (asyncio's TLS raises them bare)
+        return "TLS handshake failed: " + (os.strerror(code) if code else (
+            exc.__class__.__name__ + (f": {exc}" if str(exc) else "")))
     return f"TLS handshake failed: {exc}"
+
+
+#: The errno that each of these means when raised without one.
+ERRNO_OF = {ConnectionResetError: errno.ECONNRESET, BrokenPipeError: errno.EPIPE,
+            ConnectionAbortedError: errno.ECONNABORTED,
+            ConnectionRefusedError: errno.ECONNREFUSED}
