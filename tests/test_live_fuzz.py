@@ -4,6 +4,7 @@ up, logs no traceback, and every SURE message arrives once and in order (issue 1
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from rqp import SURE_MSG
@@ -13,14 +14,31 @@ from tests.agents import (
 )
 from tests.rqp_peer import Peer, PeerError, raw
 
-Q1 = 0x52510001
+Q1, Q2 = 0x52510001, 0x52510002  # (Q2: the fuzz's own, which it puts into)
 SURE_COUNT = 200
 ATTACKS = 300
+
+#: Takes every message of Q2 as it comes (so that the fuzz's puts never find it full) and
+#: prints the largest type it saw.
+DRAIN = r"""
+import sys, sysv_ipc
+q, most = sysv_ipc.MessageQueue(int(sys.argv[1])), 0
+while True:
+    try:
+        _, mtype = q.receive()
+    except sysv_ipc.Error:
+        break
+    if mtype > most:
+        most = mtype
+        print(most, flush=True)
+"""
 
 
 def test_mutated_streams_on_many_connections_do_not_hurt_a_real_sender(testbed):
     a, b, c = testbed.add_host("a"), testbed.add_host("b"), testbed.add_host("c")
     make_queue(a, Q1, 0o660)
+    make_queue(a, Q2, 0o660)
+    drain = a.popen([sys.executable, "-c", DRAIN, str(Q2)])
     receiver = start_receiver(a, log_level="INFO")
     rqprc = write_rqprc(b, [a])
     sender = start_sender(b, rqprc, log_level="INFO")
@@ -37,7 +55,7 @@ def test_mutated_streams_on_many_connections_do_not_hurt_a_real_sender(testbed):
     attacker = Peer.start(c)
     refused = 0
     for case in range(ATTACKS):
-        data, _ = fuzz.case_stream(20261123, case)
+        data, _ = fuzz.case_stream(20261123, case, queue_keys=(Q2,))
         name = f"x{case}"
         try:
             if not attacker.connect(name, a.address, PORT)["connected"]:
@@ -56,3 +74,7 @@ def test_mutated_streams_on_many_connections_do_not_hurt_a_real_sender(testbed):
     log = a.output(receiver, "stderr")
     assert "Traceback" not in log and "CRITICAL" not in log
     assert refused < ATTACKS  # the attack did reach the receiver
+    # and its puts: of an mtype beyond a C int too (which stopped a receiving MCA, a trial)
+    assert drain.poll() is None
+    most = [int(line) for line in a.output(drain, "stdout").split()]
+    assert most and most[-1] > 2**31 - 1, most

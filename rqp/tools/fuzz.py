@@ -51,11 +51,20 @@ def _u64(rng: random.Random) -> int:
     return rng.choice(EDGE_U64) if rng.random() < 0.3 else rng.getrandbits(64)
 
 
-def _extended(rng: random.Random) -> bytes:
+def _queue_key(rng: random.Random, known: tuple[int, ...]) -> int:
+    """A queue key: one of ``known`` (a queue the receiver offers, so that the put path is
+    fed too: a trial's mtype 2^31 stopped a receiving MCA there, which random keys never
+    reached) a third of the time, else any. The same draws as without ``known``."""
+    key = _u64(rng)
+    return known[key % len(known)] if known and key % 3 == 0 else key
+
+
+def _extended(rng: random.Random, known: tuple[int, ...] = ()) -> bytes:
     """A MESSAGE_EX, its extra fields at or past their edges now and then."""
     size = rng.choice((0, 1, MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1, rng.randrange(600)))
-    fields = {"message_type": rng.choice((0, 1)), "key": _u64(rng), "queue_key": _u64(rng),
-              "mtype": rng.choice((1, 2, 2**63 - 1, rng.randrange(1, 1 << 20))),
+    fields = {"message_type": rng.choice((0, 1)), "key": _u64(rng),
+              "queue_key": _queue_key(rng, known),
+              "mtype": rng.choice((1, 2, 2**63 - 1, rng.randrange(1, 1 << 20), 2**31)),
               "priority": rng.randrange(10), "flags": rng.choice((0, 1)),
               "expires_at_ms": _u64(rng), "message": rng.randbytes(size)}
     if rng.random() < 0.2:  # out of range: a protocol error
@@ -66,22 +75,23 @@ def _extended(rng: random.Random) -> bytes:
     return encode(MessageEx(**fields))
 
 
-def _frame(rng: random.Random) -> bytes:
+def _frame(rng: random.Random, known: tuple[int, ...] = ()) -> bytes:
     kind = rng.randrange(10)
     if kind >= 8:
-        return _extended(rng)
+        return _extended(rng, known)
     if kind < 4:
         size = rng.choice((0, 1, MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1, rng.randrange(600)))
         mtype = rng.choice((0, 1, 0, 1, 2, 255))
         body = rng.randbytes(size)
         if mtype in (0, 1):
-            return encode(Message(message_type=mtype, key=_u64(rng), queue_key=_u64(rng),
-                                  message=body))
+            return encode(Message(message_type=mtype, key=_u64(rng),
+                                  queue_key=_queue_key(rng, known), message=body))
         raw = bytearray(encode_message(0, _u64(rng), _u64(rng), body))
         raw[1] = mtype  # a message type the protocol does not have
         return bytes(raw)
     if kind < 6:
-        return encode(QueueAsk(queue_key=_u64(rng), data=rng.choice((0, 0, 1, 255))))
+        return encode(QueueAsk(queue_key=_queue_key(rng, known),
+                               data=rng.choice((0, 0, 1, 255))))
     return encode(rng.choice((DeliveredYes(), DeliveredError(), QueueYes(), QueueNo())))
 
 
@@ -113,11 +123,15 @@ def _mutate(rng: random.Random, data: bytearray, other: bytes) -> bytearray:
     return data
 
 
-def case_stream(seed: int, case: int) -> tuple[bytes, list[int]]:
-    """The stream of case ``case`` and the chunk sizes it is fed in."""
+def case_stream(seed: int, case: int,
+                queue_keys: tuple[int, ...] = ()) -> tuple[bytes, list[int]]:
+    """The stream of case ``case`` and the chunk sizes it is fed in; ``queue_keys``: queues
+    the receiver offers, which a third of its frames name (see _queue_key)."""
     rng = random.Random(f"{seed}/{case}")
-    frames = b"".join(_frame(rng) for _ in range(rng.randrange(1, 9)))
-    other = b"".join(_frame(rng) for _ in range(rng.randrange(1, 4)))
+    frames = b"".join(_frame(rng, queue_keys) for _ in range(rng.randrange(1, 9)))
+    if queue_keys:  # (first, the ask an honest sender begins with: MESSAGE_EX is agreed)
+        frames = encode(QueueAsk(queue_key=queue_keys[0], data=EXT_MESSAGE)) + frames
+    other = b"".join(_frame(rng, queue_keys) for _ in range(rng.randrange(1, 4)))
     data = bytes(_mutate(rng, bytearray(frames), other)) if rng.random() < 0.9 else frames
     chunks, left = [], len(data)
     while left > 0:
