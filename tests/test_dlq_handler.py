@@ -311,7 +311,7 @@ def test_show_and_resubmit_with_an_edit(testbed):
         listed[1].startswith(typo["id"][:12] + "  ")
     # show: every field, where it is, the payload as a hex dump
     shown = ctl("show", typo["id"][:8], check=True).stdout
-    assert f"file               {path} (row 1 of 3)" in shown
+    assert f"file               {path} (line 1 of 3)" in shown
     for name in ROW_KEYS:
         if name not in ("payload_b64", "payload_preview"):
             assert re.search(rf"^{name} +{re.escape(str(typo[name]))}$", shown, re.M), name

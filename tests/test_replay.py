@@ -278,7 +278,8 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
            dict(row(key=0x75), attempts=True), dict(row(key=0x76), schema=9),
            {k: v for k, v in row(key=0x77).items() if k not in ("payload_b64", "mtype")},
            dict(row(key=0x78), mtype=2**64), dict(row(key=0x79), mtype=0),
-           dict(row(key=0x7A), priority=10)]
+           dict(row(key=0x7A), priority=10), dict(row(key=0x7B), message_key="0xZZ"),
+           dict(row(key=0x7C), message_key="0x100000000000000000000")]
     write_archive(archive, bad, [good])
     send = FakeSend(archive)
     rules = rules_from_data({"rules": [{"action": "retry"}]})
@@ -291,7 +292,7 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
             replayer.run_round()
     assert send.calls == [(Q1, b"good one", 0x71)]
     failed = [line for line in lines if line.startswith("failed")]
-    assert len(failed) == 10, lines
+    assert len(failed) == 12, lines
     for line, why in zip(failed, ["queue_key '0x52510009' is not a number", "no reason",
                                   "no reason, queue_key, message_key, message_type, "
                                   "payload_b64, record_version, mtype, priority, expires_at_ms",
@@ -301,10 +302,14 @@ def test_a_row_that_is_no_archive_line_fails_alone_and_the_others_go_on(tmp_path
                                   "wrote it?)", "no payload_b64, mtype",
                                   f"mtype {2**64} is out of range (1..{2**63 - 1})",
                                   f"mtype 0 is out of range (1..{2**63 - 1})",
-                                  "priority 10 is out of range (0..9)"]):
+                                  "priority 10 is out of range (0..9)",
+                                  "message_key '0xZZ' is not 0x and 1 to 16 hex digits",
+                                  "message_key '0x100000000000000000000' is not 0x and 1 to 16 "
+                                  "hex digits"]):
         assert f"is no dead-letter archive line: {why}; kept in the archive" in line, line
-    assert "line 1 " in failed[0] and "line 10 " in failed[9]
-    assert len(list(read_archive(archive))) == 10  # the bad rows stay, the good one is gone
+    assert "line 1 " in failed[0] and "line 12 " in failed[11]
+    assert len(list(read_archive(archive))) == 12  # the bad rows stay, the good one is gone
+    assert RetryLedger(archive).entries.keys() == {"0x0000000000000071"}  # (none charged)
 
 
 def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path):
@@ -316,17 +321,27 @@ def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path)
     good = gzip.decompress(path.read_bytes()).splitlines(keepends=True)
     bad = [b"[1,2,3]\n", b"{not json\n", b"null\n",
            b'{"schema": 2, "id": "x", "id": "y", "priority": 1e400}\n']  # (kept as written)
+    # (a row with a key given twice, mtype 99 after its own: it was put with 99, a trial)
+    twice = good[1].rstrip(b"}\n") + b',"mtype":99}\n'
+    bad.append(twice)
     path.write_bytes(gzip.compress(good[0] + b"".join(bad) + good[1]))
     send = FakeSend(archive)
-    replayer, lines = replay(archive, "rules:\n  - action: retry\n", send)
+    lines: list[str] = []
+    replayer = Replayer(archive, rules_from_data({"rules": [{"action": "retry"}]}), send=send,
+                        out=lines.append, config=CONFIG, now_ns=NOW, follow=True)
+    with replayer.locked():
+        replayer.run_round()
+        replayer.run_round()  # (the file rewritten: the same lines, at other numbers)
     assert send.calls == [(Q1, b"before", 0x91), (Q1, b"after", 0x92)]
     failed = [line for line in lines if line.startswith("failed")]
     assert [f.split(": line ")[1].split(" is no")[0] for f in failed] == ["2", "3", "4",
-                                                                          "5"], lines
+                                                                          "5", "6"], lines
     assert "line 2 is no dead-letter archive line: not a JSON object; kept" in failed[0]
     assert "line 3 is no dead-letter archive line: not JSON: " in failed[1]
+    assert "line 6 is no dead-letter archive line: not JSON: the key 'mtype' is given " \
+        "twice" in failed[4]
     assert gzip.decompress(path.read_bytes()) == b"".join(bad)  # kept, byte for byte
-    assert dict(replayer.counts) == {"replayed": 2, "failed": 4}
+    assert dict(replayer.counts) == {"failed": 5}  # (the second round's)
 
 
 def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, capsys):
@@ -343,6 +358,12 @@ def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, caps
     assert "listed too" in out and "2 dead letter(s) in 1 file(s)" in out, out
     assert "dlq-broken-" in err and "(its rows are not listed)" in err, err
     assert f"{path}: line 2: not a JSON object (not listed)" in err, err
+    # show finds a row beside them (a trial: one bad line anywhere disabled show and resubmit)
+    [listed] = [line for line in out.splitlines() if "listed too" in line]
+    assert ctl.main(["dlq", "show", listed.split()[0], "--archive", str(archive)]) == 0
+    assert "listed too" in capsys.readouterr().out
+    assert ctl.main(["dlq", "show", "abcdef1234", "--archive", str(archive)]) == 1
+    assert "no dead letter with id abcdef1234 in " in capsys.readouterr().err
 
 
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
@@ -505,6 +526,23 @@ def test_resubmit_leaves_rows_of_an_unfinished_drain_batch(tmp_path):
     assert not archive_files(archive)
 
 
+def test_resubmit_refuses_a_row_replay_refuses_and_keeps_the_files_bad_lines(tmp_path):
+    """A trial: resubmit sent a row with priority 10 (replay refuses it), and a bad line
+    anywhere in the archive stopped it for every id."""
+    archive = tmp_path / "archive"
+    [path] = write_archive(archive, [dict(row(key=0x61, payload=b"edited"), priority=10),
+                                     row(key=0x62, payload=b"fine")])
+    first, second = gzip.decompress(path.read_bytes()).splitlines(keepends=True)
+    path.write_bytes(gzip.compress(first + b"{not json\n" + second))
+    ids = [r["id"] for r in read_archive_lines(path) if isinstance(r, dict)]
+    calls, lines = [], []
+    counts = resubmit(archive, ids, lambda *a, **k: calls.append(a[:3]), out=lines.append)
+    assert counts == {"failed": 1, "resubmitted": 1} and calls == [(Q1, b"fine", 0x62)]
+    assert f"{path}: line 1 is no dead-letter archive line: priority 10 is out of range " \
+        "(0..9)" in lines[0], lines
+    assert gzip.decompress(path.read_bytes()) == first + b"{not json\n"  # (kept as they were)
+
+
 def test_the_rate_limit_is_a_lower_bound_on_the_time(tmp_path):
     archive = tmp_path / "archive"
     write_archive(archive, [row(key=i + 1, payload=bytes([i])) for i in range(6)])
@@ -637,7 +675,8 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
     path = archive / ".state" / RetryLedger.NAME
     with open(path, "ab") as f:
         f.write(b'{"message":"0x0000000000000053","retries":1,"la\n')  # a crash's: no news
-        f.write(b"garbage\n[1]\n")
+        f.write(b'garbage\n[1]\n{"message":"0x54","retries":1e400}\n')  # (1e400: a trial's
+        # stopped every run, OverflowError)
     lines: list[str] = []
     replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
                         follow=follow)
@@ -645,7 +684,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         for _ in range(2 if follow else 1):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
-        f"warning        {path}: 2 line(s) cannot be read: the retries and forwards they "
+        f"warning        {path}: 3 line(s) cannot be read: the retries and forwards they "
         "counted are not counted"]
 
 

@@ -15,6 +15,8 @@ is the exact instant when it is there.
 
 from __future__ import annotations
 
+import re
+
 from rqp.protocol import reasons as _reasons
 from rqp.protocol.constants import INT64_MAX, UINT64_MAX
 from rqp.protocol.errors import RQPError
@@ -88,6 +90,8 @@ REQUIRED_FIELDS = ("schema", "id", "reason", "queue_key", "message_key", "messag
 REQUIRED_SINCE_2 = ("record_version", "mtype", "priority", "expires_at_ms")
 
 _JSON_TYPES = {"integer": (int,), "long": (int,), "string": (str,), "boolean": (bool,)}
+#: A message key as the drain writes it: a uint64 in hex.
+_MESSAGE_KEY = re.compile(r"0[xX][0-9a-fA-F]{1,16}")
 
 
 def row_problem(row) -> str | None:
@@ -110,6 +114,8 @@ def row_problem(row) -> str | None:
                                   kind != "boolean" and isinstance(value, bool)):
             return f"{name} {value!r:.40} is not a " \
                    f"{'number' if kind in ('integer', 'long') else kind}"
+    if not _MESSAGE_KEY.fullmatch(row["message_key"]):  # (a trial's 0xZZ, and one over
+        return f"message_key {row['message_key']!r:.40} is not 0x and 1 to 16 hex digits"  # 2^64)
     # the values a record can hold (a trial's mtype 2^64 stopped a replay with a traceback,
     # and 0 was put with type 1): an edited row, which is not put back as something else
     low = 0 if row["reason"] == _reasons.MALFORMED.name else 1  # (never a record: 0)

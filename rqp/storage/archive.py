@@ -495,6 +495,17 @@ class UnreadableLine:
     problem: str
 
 
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A JSON object whose keys are each given once (a trial's row with a second "mtype" was
+    put with it, its id no longer that of its content)."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen: set = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"the key {twice!r} is given twice")
+    return row
+
+
 def read_archive_lines(path: str | os.PathLike) -> Iterator[ArchiveRow | UnreadableLine]:
     """The rows of one archive file, in order, each with its line's number and bytes (a tool
     that rewrites the file keeps them as they were); a line that is no JSON object as an
@@ -507,7 +518,7 @@ def read_archive_lines(path: str | os.PathLike) -> Iterator[ArchiveRow | Unreada
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
                 except ValueError as exc:
                     yield UnreadableLine(number, line, f"not JSON: {exc}")
                     continue
@@ -571,15 +582,25 @@ def find_rows(archive_dir: str | os.PathLike,
             raise ArchiveError(problem)
         wanted[given] = given.strip().lower()
     found: dict[str, list[tuple[Path, int, dict]]] = {given: [] for given in wanted}
+    unreadable = []  # (a bad line or file elsewhere hid every row of the archive: a trial)
     for path in archive_files(archive_dir):
-        for index, row in enumerate(read_archive_file(path)):
+        try:
+            rows = list(read_archive_lines(path))
+        except ArchiveError as exc:
+            unreadable.append(str(exc))
+            continue
+        for index, row in enumerate(rows):
+            if isinstance(row, UnreadableLine):
+                continue
             row_id = str(row.get("id", ""))
             for given, text in wanted.items():
                 if row_id.startswith(text):
                     found[given].append((path, index, row))
     for given, places in found.items():
         if not places:
-            raise ArchiveError(f"no dead letter with id {given} in {archive_dir}")
+            raise ArchiveError(f"no dead letter with id {given} in {archive_dir}" + (
+                f" (and {len(unreadable)} file(s) cannot be read: {unreadable[0]})"
+                if unreadable else ""))
         ids_found = sorted({row["id"] for _, _, row in places})
         if len(ids_found) > 1:
             raise ArchiveError(f"id {given} is ambiguous: {', '.join(ids_found)} (give more "

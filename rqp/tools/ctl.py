@@ -39,7 +39,7 @@ from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import load_optional_rqprc
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
-    id_problem, iso_utc, read_archive_file, read_archive_lines, row_payload,
+    id_problem, iso_utc, read_archive_lines, row_payload,
 )
 from rqp.system import signals
 from rqp.system.control import ControlError
@@ -209,10 +209,10 @@ def _show(args) -> int:
     archive = _archive(args)
     places = find_rows(archive, [args.id])[args.id]
     path, index, row = places[0]
-    rows_in_file = sum(1 for _ in read_archive_file(path))
-    _say(f"{'file':<18} {path} (row {index + 1} of {rows_in_file})")
-    for other, other_index, _ in places[1:]:
-        _say(f"{'also in':<18} {other} (row {other_index + 1}: the same dead letter archived "
+    lines = len(list(read_archive_lines(path)))  # (a bad line in it stopped show: a trial)
+    _say(f"{'file':<18} {path} (line {row.number} of {lines})")
+    for other, _, copy in places[1:]:
+        _say(f"{'also in':<18} {other} (line {copy.number}: the same dead letter archived "
              "twice)")
     for key in ROW_KEYS:
         if key in ("payload_b64", "payload_preview") or key not in row:

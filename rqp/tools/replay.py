@@ -80,6 +80,7 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -95,7 +96,7 @@ from rqp.protocol.sender import broadcast_queue
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, UnreadableLine, all_drain_states, archive_files,
-    archived_spill, find_rows, iso_utc, lock_file, read_archive_file, read_archive_lines,
+    archived_spill, find_rows, iso_utc, lock_file, read_archive_lines,
     rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
 from rqp.system.files import fsync_dir, write_file_atomically
@@ -496,7 +497,7 @@ class RetryLedger:
                 fields = json.loads(line)
                 name = fields.pop("message")
                 self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
                 # one a crash cut short is the start of a line this class writes: no news
                 self.unreadable += not (line.startswith(b'{"message":"') and
                                         not line.rstrip().endswith(b"}"))
@@ -924,12 +925,15 @@ class Replayer:
     def _one(self, current: _File, index: int, row: dict | UnreadableLine, held: bool) -> None:
         # (its line in the file: "row N" counted no blank lines, a trial)
         place = f"line {getattr(row, 'number', None) or index + 1}"
+        raw = getattr(row, "raw", b"")
         if isinstance(row, UnreadableLine):  # (not even JSON: kept as it is, the others go on)
             problem, row = row.problem, {}
         else:
             problem = row_problem(row)
         if problem is not None:  # (no rule can be read against it: kept, the others go on)
-            where = f"\0{current.path.name}:{index}"  # (its id may be none, or no string)
+            # (named by its bytes: its id may be none, or no string, and its place moves when
+            # a round rewrites the file, which said it again, a trial)
+            where = f"\0{current.path.name}:{zlib.crc32(raw)}"
             self._seen[where] = False
             self.counts["failed"] += 1
             self._say("would fail" if self.dry_run else "failed", row, None,
@@ -1017,8 +1021,8 @@ class Replayer:
                 self.ledger.note(row, at, retry=True)
             self.bucket.take()  # (after the fsync of the note: the rate holds for the sends)
             self.send(queue_key, payload, replay_key, mtype=mtype, priority=priority)
-        except RQPError as exc:
-            self._seen[row_id] = False
+        except (RQPError, ValueError) as exc:  # (ValueError: a record no check above foresaw:
+            self._seen[row_id] = False  # it fails alone, as a trial's --follow did not)
             if isinstance(exc, NotConfirmed) and self.follow:
                 # nothing failed: the row stays, and is put back once a sending MCA runs
                 self.paused = True
@@ -1228,11 +1232,15 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
     payloads: dict[str, bytes] = {}
     handled: set[str] = set()  # (two prefixes of one id: it is sent once)
     for given, places in find_rows(archive, ids).items():
-        row = places[0][2]
+        path, index, row = places[0]
         if row["id"] in handled:
             continue
         handled.add(row["id"])
         try:
+            problem = row_problem(row)  # (as replay reads it: a trial's priority 10 was sent)
+            if problem is not None:
+                raise ReplayRefused(f"{path}: line {getattr(row, 'number', index + 1)} is no "
+                                    f"dead-letter archive line: {problem}")
             payload = replay_payload(row, archive)
             payloads[given] = edit(row, payload) if edit is not None else payload
         except (ReplayRefused, ArchiveError) as exc:
@@ -1271,7 +1279,8 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
                 continue
             for path, index, _ in places:
                 if path not in files:
-                    files[path] = _File(path, list(read_archive_file(path)))
+                    files[path] = _File(path, list(read_archive_lines(path)))  # (its bad
+                    # lines are kept as they are)
                 files[path].removed.add(index)
             ledger.note(row, clock(), retry=False)
             counts["resubmitted"] += 1
