@@ -114,8 +114,8 @@ def row_problem(row) -> str | None:
                                   kind != "boolean" and isinstance(value, bool)):
             return f"{name} {value!r:.40} is not a " \
                    f"{'number' if kind in ('integer', 'long') else kind}"
-    if not _MESSAGE_KEY.fullmatch(row["message_key"]):  # (a trial's 0xZZ, and one over
-        return f"message_key {row['message_key']!r:.40} is not 0x and 1 to 16 hex digits"  # 2^64)
+    if not _MESSAGE_KEY.fullmatch(row["message_key"]):  # (a trial's 0xZZ, and one > 2^64)
+        return f"message_key {row['message_key']!r:.40} is not 0x and 1 to 16 hex digits"
     # the values a record can hold (a trial's mtype 2^64 stopped a replay with a traceback,
     # and 0 was put with type 1): an edited row, which is not put back as something else
     low = 0 if row["reason"] == _reasons.MALFORMED.name else 1  # (never a record: 0)

@@ -811,8 +811,9 @@ class Replayer:
             if self._told.get(told) == verb:
                 return  # said in an earlier round
             self._told[told] = verb
-        if decision is None:
-            self.out(f"{verb:<14} {row.get('id')!s:.40} {note}")
+        if decision is None:  # (a line with no id: "-", a trial's said "None")
+            shown = row.get("id")
+            self.out(f"{verb:<14} {'-' if shown is None else shown!s:.40} {note}")
             return
         rule = decision.rule.name if decision.rule else "no rule matched"
         to = f" -> {self._queue(decision.to)}" if decision.to is not None else ""
