@@ -364,6 +364,13 @@ def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, caps
     assert "listed too" in capsys.readouterr().out
     assert ctl.main(["dlq", "show", "abcdef1234", "--archive", str(archive)]) == 1
     assert "no dead letter with id abcdef1234 in " in capsys.readouterr().err
+    # a row that is no archive line is shown, and said so (a trial's 0xZZ key: a traceback)
+    [written] = write_archive(archive, [dict(row(key=0x83, payload=b"bad key"),
+                                              message_key="0xZZ")])
+    [bad] = list(read_archive(written))
+    assert ctl.main(["dlq", "show", bad["id"], "--archive", str(archive)]) == 0
+    assert "NOT PUT BACK       no dead-letter archive line: message_key '0xZZ' is not 0x and " \
+        "1 to 16 hex digits" in capsys.readouterr().out
 
 
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):
@@ -676,7 +683,8 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
     with open(path, "ab") as f:
         f.write(b'{"message":"0x0000000000000053","retries":1,"la\n')  # a crash's: no news
         f.write(b'garbage\n[1]\n{"message":"0x54","retries":1e400}\n')  # (1e400: a trial's
-        # stopped every run, OverflowError)
+        # stopped every run, OverflowError; -3: gave a rule of 2 five retries)
+        f.write(b'{"message":"0x0000000000000052","retries":-3,"last_ns":0}\n')
     lines: list[str] = []
     replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
                         follow=follow)
@@ -684,7 +692,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         for _ in range(2 if follow else 1):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
-        f"warning        {path}: 3 line(s) cannot be read: the retries and forwards they "
+        f"warning        {path}: 4 line(s) cannot be read: the retries and forwards they "
         "counted are not counted"]
 
 

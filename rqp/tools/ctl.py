@@ -37,6 +37,7 @@ from rqp.cli import count, number, positive_seconds
 from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import load_optional_rqprc
+from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
     id_problem, iso_utc, read_archive_lines, row_payload,
@@ -220,6 +221,9 @@ def _show(args) -> int:
         _say(f"{key:<18} {row[key]}")
     for key in sorted(set(row) - set(ROW_KEYS)):
         _say(f"{key:<18} {row[key]}")
+    problem = row_problem(row)
+    if problem is not None:  # (as replay and resubmit say it)
+        _say(f"{'NOT PUT BACK':<18} no dead-letter archive line: {problem}")
     entry = RetryLedger(archive, writable=False).get(row)
     if entry.retries or entry.resent:
         done = []

@@ -89,7 +89,7 @@ from rqp.config import (
     QUEUE_NAME_RE, SenderConfig, did_you_mean, parse_queue_key, read_yaml, show_value,
 )
 from rqp.protocol import reasons
-from rqp.protocol.constants import DEFAULT_PRIORITY, SURE_MSG, UINT64_MAX
+from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, SURE_MSG, UINT64_MAX
 from rqp.protocol.errors import ConfigError, MessageTooBig, QueueFull, RQPError
 from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.protocol.sender import broadcast_queue
@@ -448,8 +448,11 @@ def message_identity(row: Mapping) -> str:
     it comes back, is counted with the earlier ones; a message that never had a key (0) by the
     row's ``id``."""
     key = str(row.get("message_key") or "")
-    if key and int(key, 16) != 0:
-        return key.lower()
+    try:  # (a key that is no number names no message: a trial's 0xZZ stopped dlq show)
+        if key and int(key, 16) != 0:
+            return key.lower()
+    except ValueError:
+        pass
     return f"id:{row.get('id')}"
 
 
@@ -496,7 +499,10 @@ class RetryLedger:
             try:
                 fields = json.loads(line)
                 name = fields.pop("message")
-                self.entries[name] = LedgerEntry(**{k: int(v) for k, v in fields.items()})
+                values = {k: int(v) for k, v in fields.items()}
+                if not all(0 <= v <= INT64_MAX for v in values.values()):  # (a trial's
+                    raise ValueError("out of range")  # retries -3 gave 5 retries of 2)
+                self.entries[name] = LedgerEntry(**values)
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
                 # one a crash cut short is the start of a line this class writes: no news
                 self.unreadable += not (line.startswith(b'{"message":"') and
