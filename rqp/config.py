@@ -661,12 +661,17 @@ class SenderConfig:
         """The ``tls:`` files to dial ``host`` with, None for plaintext."""
         return self.host_tls.get(host, self.tls)
 
+    def plaintext_hosts(self, hosts=None) -> list[HostAddress]:
+        """The hosts among ``hosts`` (default: all) dialled in plaintext over a network."""
+        return [h for h in (self.hosts if hosts is None else hosts)
+                if self.tls_for(h) is None and not is_loopback(h.host)]
+
     def transport_problem(self) -> str | None:
         """Why a sending MCA must not dial as configured, or None: plaintext RQP/1 to another
         host needs saying so (spec section 7), by ``plaintext: true`` or by ``tls: false`` on
         that host's entry. Without it, a .rqprc with no tls: block went out in plaintext."""
-        plain = [str(h) for h in self.hosts if not self.plaintext and h not in self.host_tls
-                 and self.tls is None and not is_loopback(h.host)]
+        plain = [str(h) for h in self.plaintext_hosts()
+                 if not self.plaintext and h not in self.host_tls]
         if not plain:
             return None
         return (f"plaintext RQP/1 to {', '.join(plain)} without saying so: anyone on the way "

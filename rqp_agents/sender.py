@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level
-from rqp.config import ConfigError, SenderConfig, is_loopback, load_sender_config, parse_host
+from rqp.config import ConfigError, SenderConfig, load_sender_config, parse_host
 from rqp.protocol.constants import DEFAULT_PORT, KNOWN_EXTENSIONS
 from rqp.protocol.errors import RecordError
 from rqp.protocol.events import ANSWERS, QueueAsk, QueueYes
@@ -359,7 +359,7 @@ class Sender(Daemon):
 
     def _say_plaintext(self, hosts) -> None:
         """Log the hosts among ``hosts`` that RQP goes to in plaintext over a network."""
-        plain = [h for h in hosts if self.config.tls_for(h) is None and not is_loopback(h.host)]
+        plain = self.config.plaintext_hosts(hosts)
         for said, these in (("'tls: false' on their entries", [
                 h for h in plain if h in self.config.host_tls]), ("'plaintext: true'", [
                 h for h in plain if h not in self.config.host_tls])):

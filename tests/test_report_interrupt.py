@@ -72,7 +72,7 @@ def test_a_jvm_s_temporary_directory_is_its_own_and_not_passed_on(spark):
 def test_what_a_run_killed_9_left_is_removed_by_the_next(tmp_path):
     """A trial: kill -9 of a report's whole process group left Spark's files in the run's
     directory under TMPDIR, and the next run did not remove them."""
-    from rqp.report.compute import _remove_abandoned
+    from rqp.system.files import remove_abandoned
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # (its id no longer runs)
@@ -83,7 +83,7 @@ def test_what_a_run_killed_9_left_is_removed_by_the_next(tmp_path):
     running.mkdir()
     other = tmp_path / "rqp-dlq-report-jvm-notapid-x"
     other.mkdir()
-    _remove_abandoned(tmp_path)
+    remove_abandoned("rqp-dlq-report-jvm-", tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other.name])
 
 

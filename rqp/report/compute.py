@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
 from pyspark import SparkConf, SparkContext, StorageLevel
@@ -36,6 +35,7 @@ from rqp.report import html as report_html
 from rqp.report import rules, trends
 from rqp.protocol.errors import RQPError
 from rqp.system import signals
+from rqp.system.files import remove_abandoned
 from rqp.system.signals import STOP_SIGNALS
 from rqp.report.common import PROG, ReportError
 from rqp.report.schema import (
@@ -689,7 +689,7 @@ def jvm_temp():
     if SparkContext._gateway is not None:
         yield None
         return
-    _remove_abandoned(Path(tempfile.gettempdir()))
+    remove_abandoned(f"{PROG}-jvm-")  # (what runs ended by kill -9 left: a trial's)
     path = _jvm_tmpdir = tempfile.mkdtemp(prefix=f"{PROG}-jvm-{os.getpid()}-")
     try:
         yield path
@@ -699,23 +699,6 @@ def jvm_temp():
             end_jvm()  # (nothing of it writes there any more)
         finally:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_abandoned(temp: Path) -> None:
-    """Remove the directories of :func:`jvm_temp` that runs ended by ``kill -9`` left in
-    ``temp`` (a trial's, of a whole process group: Spark's files too), those of processes of
-    this user that no longer run. One whose process id runs again (another process) stays."""
-    for path in temp.glob(f"{PROG}-jvm-*-*"):
-        pid = path.name[len(f"{PROG}-jvm-"):].split("-", 1)[0]
-        try:
-            if not pid.isdigit() or path.lstat().st_uid != os.geteuid() or \
-                    not path.is_dir() or path.is_symlink():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (OSError, ValueError):
-            continue  # (runs, as another user: not ours to judge)
 
 
 @contextlib.contextmanager

@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["NO_SPACE_ERRNOS", "SpaceReserve", "fsync_dir", "out_of_space",
+__all__ = ["NO_SPACE_ERRNOS", "SpaceReserve", "fsync_dir", "out_of_space", "remove_abandoned",
            "write_file_atomically"]
 
 #: Write errors that say the disk (a quota, or the file's size limit) is full.
@@ -29,6 +30,24 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_abandoned(prefix: str, temp: str | os.PathLike | None = None) -> None:
+    """Remove the directories ``PREFIX PID-*`` in ``temp`` (default: the temporary directory)
+    that runs of this user ended by ``kill -9`` left behind, those whose process no longer
+    runs: a run names its own so (the benchmarks' working directories, the report's JVM's).
+    One whose process id runs again (another process) stays, as does another user's."""
+    for path in Path(temp or tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.lstat().st_uid != os.geteuid() or \
+                    not path.is_dir() or path.is_symlink():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue  # (runs, as another user: not ours to judge)
 
 
 def write_file_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:

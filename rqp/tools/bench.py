@@ -57,6 +57,7 @@ from rqp.protocol.constants import DEFAULT_MTYPE, SURE_MSG, UNSURE_MSG
 from rqp.protocol.errors import RQPError
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system import signals
+from rqp.system.files import remove_abandoned
 from rqp.system.queues import LocalQueue, format_key, kernel_limits
 from rqp.system.service import EVENT_LOOP_VARIABLE, sender_serving
 from rqp.system.signals import STOP_SIGNALS, raise_if_stopped
@@ -1208,22 +1209,6 @@ def reexec_isolated(argv: list[str], module: str = "rqp.tools.bench") -> None:
     os.execve(unshare, [*cmd, "--", sys.executable, "-m", module, *argv], env)
 
 
-def sweep_stale_workdirs(prefix: str = WORKDIR_PREFIX) -> None:
-    """Remove the working directories of earlier runs that were killed (SIGKILL) and so
-    could not remove their own: ``PREFIX PID-*`` of this user whose PID is gone."""
-    tmp = Path(tempfile.gettempdir())
-    for path in tmp.glob(f"{prefix}*-*"):
-        pid = path.name[len(prefix):].split("-", 1)[0]
-        try:
-            if not pid.isdigit() or path.lstat().st_uid != os.getuid() or not path.is_dir():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            continue
-
-
 def _ipc_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/ipc")
@@ -1242,7 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # (held by its starter: it came before we began)
         say(f"rqp-bench: stopped ({exc}) before it began; nothing was made", err=True)
         return 130
-    sweep_stale_workdirs()
+    remove_abandoned(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     bench = Bench(args, workdir, private)
     status = 1

@@ -55,11 +55,12 @@ from rqp import cli
 from rqp.protocol.constants import SURE_MSG, UNSURE_MSG
 from rqp.protocol.records import TRANSMISSION_HEADER_SIZE
 from rqp.system import signals
+from rqp.system.files import remove_abandoned
 from rqp.system.queues import LocalQueue, kernel_limits
 from rqp.system.signals import raise_if_stopped
 from rqp.tools.bench import (
     BenchError, ISOLATED_ENV, _child_preexec, _child_setup, _ipc_namespace, free_port,
-    START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held, sweep_stale_workdirs,
+    START_TIMEOUT, process_cpu_ns, reexec_isolated, say, stop_signals_held,
     unused_key, wait_started,
 )
 
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # (held by its starter: it came before we began)
         say(f"rqp-scale: stopped ({exc}) before it began; nothing was made", err=True)
         return 130
-    sweep_stale_workdirs(WORKDIR_PREFIX)  # of runs killed before they could clean up
+    remove_abandoned(WORKDIR_PREFIX)  # of runs killed before they could clean up
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     scale = Scale(args, workdir)
     sweeps = {**SWEEPS, "keys": [dict(keys=k, producers=1, senders=1) for k in args.keys]}
