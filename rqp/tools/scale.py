@@ -43,7 +43,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,15 +104,18 @@ def enter_ipc_namespace(where: str | int) -> None:
 def producer_main(parent: int, number: int, rqprc: str, keys: list[int], tag: int,
                   count: int, size: int, msg_type: int, start, cpu,
                   ipc_ns: str | None = None) -> None:
-    """Send ``count`` messages round-robin over ``keys``, after ``start`` (a barrier); put the
-    CPU ns it spent sending in ``cpu[number]``. ``ipc_ns``: the IPC namespace of the simulated
-    host whose sending MCA it feeds (``--hosts``)."""
+    """Send ``count`` messages round-robin over ``keys``, once ready (``start``'s semaphore
+    released) and let go (its event set); put the CPU ns it spent sending in ``cpu[number]``.
+    ``ipc_ns``: the IPC namespace of the simulated host whose sending MCA it feeds
+    (``--hosts``)."""
     _child_setup(parent)
     if ipc_ns:
         enter_ipc_namespace(ipc_ns)
     handles = [rqp.openConnection(k, rqprc=rqprc, start_sender=False) for k in keys]
     tail, pack, send, n = _tail(size), HEAD.pack, rqp.sendMessage, len(handles)
-    start.wait()
+    ready, go = start
+    ready.release()
+    go.wait()
     t0 = time.thread_time_ns()
     for seq in range(count):
         send(handles[seq % n], pack(tag, number, seq) + tail, msg_type)
@@ -233,7 +235,10 @@ class Scale:
             per = [n // case.producers + (i < n % case.producers) for i in range(case.producers)]
             for round_ in range(args.rounds + 1):  # the first is a warm-up
                 tag = round_ + 1
-                start = ctx.Barrier(case.producers + 1)
+                # (not a Barrier: a stop that came while the parent waited in it, inside
+                # multiprocessing's own locking, broke that and ended the run with a
+                # traceback, exit 1: a fresh machine's suite)
+                start = ctx.Semaphore(0), ctx.Event()
                 cpu = ctx.Array("q", case.producers, lock=False)
                 ours.send(("consume", tag, per, args.size, self.msg_type == SURE_MSG))
                 producers = [ctx.Process(target=producer_main, args=(
@@ -249,10 +254,16 @@ class Scale:
                 # (before the producers are let go: read after, a busy machine could leave
                 # the agents done with the round already, and their CPU counted as 0)
                 before = {k: sum(map(process_cpu_ns, pids)) for k, pids in agents.items()}
-                try:
-                    start.wait(timeout=START_TIMEOUT * 3)
-                except threading.BrokenBarrierError:
-                    raise BenchError(f"{case.label}: the producers did not start (see above)")
+                ready, go = start
+                started_by = time.monotonic() + START_TIMEOUT * 3
+                for _ in producers:  # (each acquire a stop may end at once, safely)
+                    while not ready.acquire(timeout=0.5):
+                        if time.monotonic() > started_by or any(
+                                p.exitcode not in (None, 0) for p in producers):
+                            raise BenchError(f"{case.label}: the producers did not start "
+                                             "(see above)")
+                with stop_signals_held():  # (set() takes multiprocessing's locks: no stop
+                    go.set()  # may land inside them)
                 t0 = time.monotonic_ns()
                 deadline = time.monotonic() + ROUND_TIMEOUT
                 while not ours.poll(0.5):  # (and a producer that failed ends the run now)
