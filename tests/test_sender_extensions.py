@@ -73,6 +73,43 @@ def test_only_plain_hosts_offer_it_the_typed_message_is_dead_lettered_never_put_
         assert h.core.routes == {Q1: "b"}  # the plain messages still have their route
 
 
+def test_a_typed_sure_message_waits_while_a_host_that_may_carry_it_gives_no_answer():
+    """A plain host said QUEUE_YES, the other host did not answer (a trial: stopped for a
+    second, or refusing connections): the SURE message needing MESSAGE_EX is a failed try,
+    sent when that host answers; the UNSURE one before it cannot wait (NO_ROUTE), and the
+    plain messages behind wait in order behind the SURE one."""
+    h = Harness()
+    h.submit(message_type=UNSURE_MSG, payload=b"u", mtype=3)
+    h.submit(payload=b"typed", mtype=5)
+    h.submit(payload=b"plain")
+    frames = h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"}, down={"c"})
+    assert {(host, type(ev).__name__) for host, ev in frames} == {("b", "QueueAsk")}
+    [dead] = h.of(DeadLetter)
+    assert (dead.message.payload, dead.reason) == (b"u", ReasonCode.NO_ROUTE), dead
+    assert dead.detail.startswith("mtype 3 needs MESSAGE_EX (spec section 6): no host "), \
+        dead.detail
+    assert "b: QUEUE_YES, but it speaks plain RQP/1" in dead.detail and "c: " in dead.detail
+    assert h.core.held == 2 and not h.core.routes
+    retry = [n for n in h.of(Note) if n.kind is NoteKind.RETRY_SCHEDULED][-1]
+    assert "no host that takes MESSAGE_EX answered for queue" in retry.detail, retry
+    h.advance()  # the failed try's back-off: c is up again
+    frames = h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"})
+    assert [(host, ev.message) for host, ev in messages(frames)] == [
+        ("c", b"typed"), ("c", b"plain")]
+    assert len(h.of(DeadLetter)) == 1 and len(h.of(Delivered)) == 2
+
+
+def test_a_typed_message_is_dead_lettered_once_every_host_answered_and_none_can_carry_it():
+    h = Harness()
+    h.submit(payload=b"typed", mtype=5)
+    h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"}, down={"c"})
+    assert not h.of(DeadLetter)
+    h.advance()
+    h.serve({"b": {Q1}}, ext={"c"})  # c answers now: QUEUE_NO
+    [dead] = h.of(DeadLetter)
+    assert dead.reason is ReasonCode.EXTENSION_UNSUPPORTED and "c: QUEUE_NO" in dead.detail
+
+
 def test_a_route_to_a_plain_host_is_asked_again_for_a_typed_message():
     h = Harness()
     h.submit(payload=b"first")

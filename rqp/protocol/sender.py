@@ -497,6 +497,9 @@ class _Lane:
     contacted: bool = False
     #: A host answered QUEUE_NO in this round (else none answered: down, hung, refused).
     said_no: bool = False
+    #: A host of this round gave no answer (down, hung, refused, in its back-off): it may yet
+    #: carry what a plain RQP/1 host that said QUEUE_YES cannot.
+    unanswered: bool = False
     #: A SURE message of it failed a try: one message in flight at a time until one is
     #: confirmed (those sent behind a refused one are refused too, to keep the order, and the
     #: UNSURE ones among them lost).
@@ -550,10 +553,12 @@ def _frames_sent(msg: Outgoing) -> str:
 _REFUSED_WHY = " (refused: the receiving MCA's log says why)"
 
 
-def _no_host(lane: _Lane, why: str) -> str:
+def _no_host(lane: _Lane, why: str, plain: bool = False) -> str:
     """Why a round of asking found no host for ``lane``'s queue, in words that do not claim
-    more than was heard: 'offers' only when a host answered QUEUE_NO."""
-    verb = "no host offers" if lane.said_no else "no host answered for"
+    more than was heard: 'offers' only when a host answered QUEUE_NO; ``plain``: a plain
+    RQP/1 host offered it, for a message that needs MESSAGE_EX."""
+    verb = "no host that takes MESSAGE_EX answered for" if plain else \
+        "no host offers" if lane.said_no else "no host answered for"
     return f"{verb} queue {lane.queue_key:#x} ({why})"
 
 
@@ -1254,7 +1259,7 @@ class SenderCore:
             lane.refusals = []
             lane.plain_yes = None
             lane.declined = False
-            lane.contacted = lane.said_no = False
+            lane.contacted = lane.said_no = lane.unanswered = False
         hosts = self._hosts_for(lane)
         while index < len(hosts):
             link = self._links[hosts[index]]
@@ -1262,6 +1267,7 @@ class SenderCore:
                 # unreachable for now: as good as a time-out, ask the next host
                 lane.refusals.append(f"{link.host}: {link.last_error or 'unreachable'}, next "
                                      f"connect in {link.retry_at - self._now:.3g}s")
+                lane.unanswered = True
                 index += 1
                 continue
             lane.asking = link.host
@@ -1301,9 +1307,9 @@ class SenderCore:
             self._decline(lane, why)
             return
         plain, lane.plain_yes = lane.plain_yes, None
-        if plain is not None and lane.pending and lane.pending[0].needs_ex:
-            self._cannot_carry(lane, plain, why)
-            return
+        if plain is not None and lane.pending and lane.pending[0].needs_ex \
+                and self._cannot_carry(lane, plain, why):
+            return  # (else a SURE message that needs MESSAGE_EX heads it: a failed try)
         if lane.target is not None:
             self._note(NoteKind.COPIES_WAIT, lane.queue_key, lane.target, why)
         else:
@@ -1335,8 +1341,9 @@ class SenderCore:
             self._fire(head, T.NO_HOST_LEFT_SURE)
             head.failures += 1
             lane.failed = True
-            head.last_error = (_no_host(lane, why) if lane.target is None else
-                               f"no answer for {broadcast_queue(lane.queue_key)} ({why})")
+            head.last_error = (
+                _no_host(lane, why, plain is not None) if lane.target is None else
+                f"no answer for {broadcast_queue(lane.queue_key)} ({why})")
             self._failed_try(lane.queue_key, lane.target, head.last_error)  # a failed try too
             self._retry_later(lane, head)
             self._pump(lane)  # a retry due at once starts now; later ones wait for tick()
@@ -1383,23 +1390,45 @@ class SenderCore:
         if not fanout.remaining:
             self._actions.append(FanoutEnded(msg, fanout))
 
-    def _cannot_carry(self, lane: _Lane, plain, why: str) -> None:
-        """Only plain RQP/1 hosts offer the queue: the messages at the head that need
-        MESSAGE_EX are dead-lettered (never put with the wrong mtype); the rest go to the
-        first of those hosts."""
-        self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"for MESSAGE_EX: {why}")
+    def _cannot_carry(self, lane: _Lane, plain, why: str) -> bool:
+        """Only plain RQP/1 hosts said they offer the queue: the messages at the head that
+        need MESSAGE_EX are dead-lettered (never put with the wrong mtype); the rest go to the
+        first of those hosts. If a host gave no answer (down, hung), it may yet carry them: a
+        SURE one waits for the next round (False: it heads the lane, a failed try); only the
+        UNSURE ones before it, which cannot wait, are dead-lettered, NO_ROUTE (a trial: a SURE
+        message was dead-lettered because the one host that could carry it was stopped for
+        a second)."""
+        final = not lane.unanswered
+        done = []
         while lane.pending and lane.pending[0].needs_ex:
-            msg = lane.pending.popleft()
+            msg = lane.pending[0]
+            if not final and msg.message_type == SURE_MSG:
+                break
+            done.append(lane.pending.popleft())
+        waits = bool(lane.pending) and lane.pending[0].needs_ex
+        if not waits:  # (else _no_route says it, with the failed try)
+            self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"for MESSAGE_EX: {why}")
+        for msg in done:
             self._asked_for(msg)
-            self._fire(msg, T.NO_HOST_CAN_CARRY)
-            self._dead_letter(msg, ReasonCode.EXTENSION_UNSUPPORTED,
-                              f"{msg.why_ex} needs MESSAGE_EX (spec section 6), and the "
-                              f"hosts that offer queue {lane.queue_key:#x} do not take it ({why})")
+            if final:
+                self._fire(msg, T.NO_HOST_CAN_CARRY)
+                self._dead_letter(msg, ReasonCode.EXTENSION_UNSUPPORTED,
+                                  f"{msg.why_ex} needs MESSAGE_EX (spec section 6), and the "
+                                  f"hosts that offer queue {lane.queue_key:#x} do not take it "
+                                  f"({why})")
+            else:
+                self._fire(msg, T.NO_HOST_LEFT_UNSURE)
+                self._error(lane.queue_key, _no_host(lane, why, True))
+                self._dead_letter(msg, ReasonCode.NO_ROUTE, f"{msg.why_ex} needs MESSAGE_EX "
+                                  f"(spec section 6): {_no_host(lane, why, True)}")
+        if waits:
+            return False
         if lane.pending:
             self._set_route(lane.id, plain)
             self._note(NoteKind.ROUTE_FOUND, lane.queue_key, plain, "plain RQP/1")
             self._pump(lane)
         self._forget_if_idle(lane)
+        return True
 
     def _retry_later(self, lane: _Lane, msg: Outgoing) -> None:
         """``msg`` failed a try: the lane goes on after the back-off of the message it sends
@@ -1793,6 +1822,7 @@ class SenderCore:
             if frame.lane is None:
                 continue  # a heartbeat: nothing rides on it
             if frame.msg is None:
+                frame.lane.unanswered = True
                 self._ask_answered(link, frame.lane, False, why)
             else:
                 self._settled(link, frame.lane, frame.msg, False, why)
@@ -1801,6 +1831,7 @@ class SenderCore:
             if lane in link.waiting or lane.id not in self._lanes:
                 continue
             if lane.asking == link.host:
+                lane.unanswered = True
                 self._ask_answered(link, lane, False, why)
             elif lane.pending and self.routes.get(lane.id) == link.host:
                 self._route_unreachable(link, lane, why)
