@@ -155,20 +155,31 @@ class LocalDelivery:
             await asyncio.sleep(min(wait, deadline - now))
             wait = min(wait * 2, self.config.put_retry_interval)
 
-    async def reserve(self, needs: dict[int, int]) -> tuple[ReasonCode, str, int] | None:
+    async def reserve(self, needs: dict[int, tuple[int, int]], expires_at_ms: int = 0
+                      ) -> tuple[ReasonCode, str, int | None] | None:
         """Wait (as a put waits for a full queue) until each queue key of ``needs`` has room
-        for that many bytes, so that a batch is put whole; None, or why not and for which
-        key. (Another writer may still fill a queue between this and the puts.)"""
-        for key, need in needs.items():
+        for that many (bytes, messages), so that a batch is put whole; None, or why not and
+        for which key. ``expires_at_ms``: the batch's first expiry (0: none); reached while
+        it waits, the batch is EXPIRED (key None). (Another writer may still fill a queue
+        between this and the puts.)"""
+        for key, (need, count) in needs.items():
             name = f"queue {format_key(key)}"
             try:
                 queue = self._queue(key)
                 holds = queue.stat().max_size
-                if need > holds:
-                    return (ReasonCode.QUEUE_FULL, f"the batch needs {need} bytes of {name}, "
-                            f"which holds at most {holds} (msg_qbytes)", key)
-                await self.retrying(lambda: queue.room() >= need, self.put_budget,
+                if need > holds or count > holds:
+                    return (ReasonCode.MESSAGE_TOO_BIG,
+                            f"the batch needs {need} bytes of {name}, which holds at most "
+                            f"{holds} (msg_qbytes)" if need > holds else
+                            f"the batch's {count} messages are more than {name} holds at "
+                            f"most: {holds} (msg_qbytes, which the kernel counts messages "
+                            "against too)", key)
+                await self.retrying(_unexpired(lambda: queue.fits(need, count), expires_at_ms),
+                                    self.put_budget,
                                     f"{name} (room for a batch of {need} bytes)")
+            except Expired as exc:
+                return ReasonCode.EXPIRED, f"{exc} while the batch waited for room in {name}", \
+                    None
             except QueueFull:
                 return (ReasonCode.QUEUE_FULL, f"{name} had no room for the batch's {need} "
                         + (f"bytes ({NOT_WAITED})" if NO_WAITING.get() else
@@ -203,10 +214,13 @@ class LocalDelivery:
             return ReasonCode.QUEUE_NOT_OFFERED, f"{name} is not offered here"
         for fresh in (key not in self._queues, True):
             try:
-                await self.retrying(_putter(self._queue(key), message.message,
-                                            getattr(message, "mtype", DEFAULT_MTYPE)),
+                await self.retrying(_unexpired(_putter(self._queue(key), message.message,
+                                                       getattr(message, "mtype", DEFAULT_MTYPE)),
+                                               getattr(message, "expires_at_ms", 0)),
                                     self.put_budget, f"{name} (key={message.key:#018x})")
                 return None, ""
+            except Expired as exc:
+                return ReasonCode.EXPIRED, f"{exc} while it waited for room in {name}"
             except QueueNotFound as exc:
                 self._queues.pop(key, None)
                 if fresh:  # not a stale handle of a queue removed and created again
@@ -221,6 +235,27 @@ class LocalDelivery:
                     self._queues.pop(key, None)
                 return exc.reason, str(exc)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+class Expired(Exception):
+    """A message's expiry (spec section 6) came while it waited for room."""
+
+
+def _unexpired(attempt: Callable[[], bool], expires_at_ms: int) -> Callable[[], bool]:
+    """``attempt``, tried only while ``expires_at_ms`` (Unix ms, by this host's clock; 0:
+    never) is not reached, else :class:`Expired`: a message waiting for room in a full queue
+    is not put after its expiry (a trial's was put 175 ms after it; with the default retry
+    budget it could have been 10 s)."""
+    if not expires_at_ms:
+        return attempt
+
+    def unexpired() -> bool:
+        now = time.time_ns() // 1_000_000
+        if now >= expires_at_ms:
+            raise Expired(f"expired {(now - expires_at_ms) / 1000:.3f}s ago by this host's "
+                          f"clock (expires_at_ms {expires_at_ms})")
+        return attempt()
+    return unexpired
 
 
 def _putter(queue: LocalQueue, data: bytes, mtype: int) -> Callable[[], bool]:

@@ -1043,14 +1043,17 @@ class Receiver(Daemon):
                                      f"queue {format_key(message.queue_key)} is not offered here")
                     break
         if refused is None:  # room for all of it first: a full queue must not split it
-            needs: dict[int, int] = {}
+            needs: dict[int, tuple[int, int]] = {}
             for message in batch.messages:
-                needs[message.queue_key] = needs.get(message.queue_key, 0) + len(message.message)
-            short = await self.delivery.reserve(needs)
+                need, count = needs.get(message.queue_key, (0, 0))
+                needs[message.queue_key] = (need + len(message.message), count + 1)
+            expiry = min(filter(None, (getattr(m, "expires_at_ms", 0)
+                                       for m in batch.messages)), default=0)
+            short = await self.delivery.reserve(needs, expiry)
             if short is not None:
-                reason, detail, key = short
-                refused = Refuse(next(m for m in batch.messages if m.queue_key == key), reason,
-                                 detail)
+                reason, detail, key = short  # (key None: expired, the one expiring first)
+                refused = Refuse(next(m for m in batch.messages if m.queue_key == key or (
+                    key is None and getattr(m, "expires_at_ms", 0) == expiry)), reason, detail)
         if refused is None and batch.messages[0].message_type == SURE_MSG:
             await self._window_writable()  # (before the first put: not a part of it)
         failed = refused

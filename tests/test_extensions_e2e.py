@@ -15,6 +15,7 @@ from pathlib import Path
 
 
 from rqp import SURE_MSG, UNSURE_MSG
+from rqp.protocol.reasons import ReasonCode
 from tests.agents import (
     PORT, dead_letters, make_queue, start_receiver, start_sender, write_rqprc,
 )
@@ -163,6 +164,59 @@ def test_message_ex_is_put_with_its_mtype_and_an_expired_one_is_dead_lettered(te
     # the dead letter keeps what MESSAGE_EX carried, so that a replay puts it with its type
     assert (dead["record_mtype"], dead["priority"], dead["expires_at_ms"]) == (3, 4, 1)
     assert "expired on arrival" in dead["detail"]
+
+
+def batch_frames(message_type, first_key, queue_key, bodies, expires_at_ms=0) -> list[dict]:
+    """An atomic batch (spec section 6): MESSAGE_EX frames, BATCH_MORE on all but the last."""
+    return [raw(pack_message_ex(message_type, first_key + i, queue_key, i + 1, 4,
+                                0x01 if i + 1 < len(bodies) else 0, expires_at_ms, body))
+            for i, body in enumerate(bodies)]
+
+
+def answered(r, frames: list[dict]) -> bytes:
+    """Send raw request frames on r's connection "ex"; their answers (two octets each)."""
+    r.pb.send("ex", frames)
+    return r.pb.recv("ex", 2 * len(frames), timeout=15)["data"]
+
+
+def test_a_queue_full_by_its_number_of_messages_gets_no_part_of_a_batch_and_no_late_expiry(
+        testbed):
+    """The kernel counts a queue's messages against msg_qbytes too: a queue of 100 bytes
+    holding 95 empty messages has room for 100 bytes but 5 messages (a trial: a batch of 10
+    was put half, "the queue filled up meanwhile" though nobody else wrote). And a message
+    that waits for room is not put after its expiry (a trial's was put 175 ms after it)."""
+    r = rig(testbed, {"put_retry_count": 10, "put_retry_interval": "100ms"})
+    r.qa.create(Q1, 0o666, max_size=100)
+    for _ in range(95):
+        r.qa.put(Q1, b"")
+    r.pb.connect("ex", r.a.address, PORT)
+    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))
+    bodies = [b"B%d" % i for i in range(10)]
+    assert answered(r, batch_frames(UNSURE_MSG, 100, Q1, bodies)) == DELIVERED_ERROR * 10
+    assert r.qa.depth(Q1) == 95  # none of it put
+    dead = r.qa.dead_letters()
+    assert [(ReasonCode(d["reason"]), d["payload"]) for d in dead] == [
+        (ReasonCode.QUEUE_FULL, b) for b in bodies], dead  # every one: refused whole
+    assert "no room for the batch" in dead[0]["detail"], dead[0]["detail"]
+    # 4 messages can never be in a queue of 3 bytes: refused at once, as too big
+    r.qa.create(Q1 + 1, 0o666, max_size=3)
+    assert answered(r, batch_frames(UNSURE_MSG, 200, Q1 + 1, [b""] * 4)) == DELIVERED_ERROR * 4
+    dead = r.qa.dead_letters()
+    assert {ReasonCode(d["reason"]) for d in dead} == {ReasonCode.MESSAGE_TOO_BIG} and \
+        "4 messages are more than queue" in dead[0]["detail"], dead[0]
+    for _ in range(5):  # full by number: 100 messages
+        r.qa.put(Q1, b"")
+    soon = int(time.time() * 1000) + 300  # well inside the 1 s the put may wait
+    assert answered(r, [raw(pack_message_ex(UNSURE_MSG, 300, Q1, 1, 4, 0, soon, b"brief"))]
+                    ) == DELIVERED_ERROR
+    assert answered(r, batch_frames(UNSURE_MSG, 400, Q1, [b"b1", b"b2"], soon + 300)
+                    ) == DELIVERED_ERROR * 2
+    dead = r.qa.dead_letters()
+    assert [(ReasonCode(d["reason"]), d["payload"]) for d in dead] == [
+        (ReasonCode.EXPIRED, b"brief"), (ReasonCode.EXPIRED, b"b1"), (ReasonCode.EXPIRED, b"b2")]
+    assert "while it waited for room in queue" in dead[0]["detail"], dead[0]["detail"]
+    assert "while the batch waited for room" in dead[1]["detail"], dead[1]["detail"]
+    assert r.qa.depth(Q1) == 100
 
 
 # --- priority and expiry through the real agents ----------------------------------------------

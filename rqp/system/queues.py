@@ -344,6 +344,16 @@ class LocalQueue:
         used = next((q.bytes for q in list_queues() if q.id == self.id), 0)
         return qbytes - used
 
+    def fits(self, nbytes: int, count: int = 1) -> bool:
+        """Whether ``count`` messages of ``nbytes`` bytes together may be put now, by both of
+        the kernel's checks: the bytes in the queue, and the number of messages in it, stay
+        within ``msg_qbytes`` (a queue of empty messages fills by their number: a trial's
+        atomic batch met it half-way, its bytes having room)."""
+        qbytes = self._call("reading the size of", lambda: self._mq.max_size)
+        info = next((q for q in list_queues() if q.id == self.id), None)
+        used, held = (info.bytes, info.messages) if info is not None else (0, 0)
+        return used + nbytes <= qbytes and held + count <= qbytes
+
     @property
     def depth(self) -> int:
         """Number of messages on the queue (IPC_STAT: needs read permission)."""
