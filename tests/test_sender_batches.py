@@ -4,10 +4,11 @@ frames with BATCH_MORE on all but the last, all-or-nothing retries, never to a p
 from __future__ import annotations
 
 from rqp import SURE_MSG, UNSURE_MSG
-from rqp.protocol.constants import BATCH_MORE
-from rqp.protocol.events import Message, MessageEx
+from rqp.protocol.constants import BATCH_MORE, EXT_MESSAGE
+from rqp.protocol.events import Message, MessageEx, QueueAsk, QueueYes
+from rqp.protocol.frames import encode
 from rqp.protocol.reasons import ReasonCode
-from rqp.protocol.sender import DeadLetter, Delivered, Lost
+from rqp.protocol.sender import Close, DeadLetter, Delivered, Lost
 from tests.test_sender_protocol import ERR, OK, Q1, Harness
 
 MEMBERS = ((1, b"one"), (7, b"two"), (3, b"three"))
@@ -135,3 +136,19 @@ def test_a_close_in_order_mid_batch_settles_the_unit_once_and_sends_it_again_at_
     assert [ev.key for _, ev in again] == [ev.key for _, ev in first]
     assert len(h.of(Delivered)) == 2 and h.core.held == 0
     assert h.core.route_status()[0]["errors"] == 0
+
+
+def test_a_batch_answered_in_part_times_out_naming_its_first_unanswered_frame():
+    """A trial's peer answered one frame of two: the log named the batch's first key, which
+    had been answered, and called the MESSAGE_EX frame a MESSAGE."""
+    h = Harness(hosts=("b",))
+    h.submit(members=MEMBERS)
+    [(_, ask)] = h.sent()
+    assert isinstance(ask, QueueAsk)
+    h.answer("b", encode(QueueYes(data=EXT_MESSAGE)))
+    frames = batch_frames(h.sent())
+    h.answer("b", OK)  # the first of three only
+    h.advance()  # confirm_timeout passes
+    [close] = h.of(Close)
+    assert f"no answer to MESSAGE_EX key={frames[1][1].key:#018x} (message 2 of a batch " \
+        "of 3)" in close.reason, close

@@ -549,6 +549,17 @@ def _frames_sent(msg: Outgoing) -> str:
     return f"sent {n} time{'' if n == 1 else 's'}: {n * msg.count} MESSAGE_EX frames"
 
 
+def _frame_name(link: _Link, msg: Outgoing) -> str:
+    """The frame of ``msg`` whose answer ``link`` waits for next, as a log names it: a
+    batch's first unanswered one (a trial's time-out named the batch's first key, answered)."""
+    if msg.members is not None:
+        i = len(msg.members) - msg.unanswered
+        return (f"MESSAGE_EX key={msg.key + i:#018x} (message {i + 1} of a batch of "
+                f"{len(msg.members)})")
+    ex = msg.wants_ex and (link.agreed or 0) & EXT_MESSAGE
+    return f"{'MESSAGE_EX' if ex else 'MESSAGE'} key={msg.key:#018x}"
+
+
 #: What a DELIVERED_ERROR, which carries no reason (spec 4), leaves to look at.
 _REFUSED_WHY = " (refused: the receiving MCA's log says why)"
 
@@ -1097,7 +1108,7 @@ class SenderCore:
             if link.outstanding and link.outstanding[0].deadline <= now:
                 frame = link.outstanding[0]
                 what = ("heartbeat QUEUE_ASK" if frame.lane is None else "QUEUE_ASK"
-                        if frame.msg is None else f"MESSAGE key={frame.msg.key:#018x}")
+                        if frame.msg is None else _frame_name(link, frame.msg))
                 if frame.lane is None:
                     link.heartbeat_failures += 1
                     link.heartbeat_failed_at = now
