@@ -20,9 +20,10 @@ def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a
         if value is None or not math.isfinite(value) or \
                 (value < minimum if inclusive else value <= minimum) or \
                 (maximum is not None and value > maximum):
-            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            low, high = (str(v) if kind is int else f"{v:g}" for v in (minimum, maximum or 0))
+            bound = f">= {low}" if inclusive else f"> {low}"
             if maximum is not None:
-                bound = f"in {minimum:g}..{maximum:g}"
+                bound = f"in {low}..{high}"
             raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {text!r}")
         return value
     return parse
@@ -34,6 +35,8 @@ positive_seconds = number(float, minimum=0, inclusive=False, what="a number of s
 seconds = number(float, minimum=0, what="a number of seconds")
 #: A sending MCA's window (frames in flight per connection), as .rqprc's ``window`` takes it.
 window = number(int, minimum=1, maximum=65536, what="a window of frames")
+#: A System V message type to put with: 1 to LONG_MAX (msgsnd's mtype is a C long).
+mtype = number(int, minimum=1, maximum=(1 << 63) - 1, what="a System V message type")
 
 
 def key_counts(text: str) -> list[int]:

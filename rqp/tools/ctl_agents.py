@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rqp import RQPError
-from rqp.cli import positive_int, positive_seconds, seconds
+from rqp.cli import mtype, positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
     load_sender_config, parse_host, parse_queue_key,
@@ -782,7 +782,7 @@ def add_commands(groups) -> None:
                    "./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
     p.add_argument("--no-start", action="store_true", help="do not start a sending MCA if "
                    "none runs (the message then waits on the transmission queue; exit 3)")
-    p.add_argument("--mtype", type=positive_int, metavar="N", default=1,
+    p.add_argument("--mtype", type=mtype, metavar="N", default=1,
                    help="the System V type it is put with at the destination (default 1)")
     p.add_argument("--priority", type=int, choices=range(10), metavar="0-9", default=4,
                    help="0 (lowest) to 9 (highest), default 4")
