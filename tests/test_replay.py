@@ -776,6 +776,45 @@ def test_a_receivers_notice_of_a_sure_message_is_not_put_back(tmp_path):
         assert len(send.calls) == calls and list(read_archive(archive)) == left, rule
 
 
+def test_resubmit_refuses_a_notice_unless_told_its_sender_is_gone(tmp_path):
+    """A trial resubmitted a receiver's notice of a SURE message its sender had delivered
+    meanwhile: it arrived twice, exit 0, no word. Refused now (failed, saying why); with
+    --notices (the sender gone for good) it is put back."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x44, payload=b"notice",
+                                mtype=SURE_MSG),
+                            row(ReasonCode.QUEUE_FULL, key=0x45, payload=b"unsure",
+                                mtype=UNSURE_MSG)])
+    ids = [r["id"] for r in read_archive(archive)]
+    calls, lines = [], []
+    counts = resubmit(archive, ids, lambda *a, **k: calls.append(a[:3]), out=lines.append)
+    assert counts == {"failed": 1, "resubmitted": 1} and calls == [(Q1, b"unsure", 0x45)]
+    assert f"failed         {ids[0]}: a notice: the sending MCA of the source host keeps " \
+        "this SURE message" in lines[0] and "Give --notices only if" in lines[0], lines
+    counts = resubmit(archive, ids[:1], lambda *a, **k: calls.append(a[:3]), out=lines.append,
+                      notices=True)
+    assert counts == {"resubmitted": 1} and calls[-1] == (Q1, b"notice", 0x44)
+    assert not archive_files(archive)
+
+
+def test_dlq_list_and_show_mark_a_notice(tmp_path, capsys):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x46, payload=b"receiver's",
+                                mtype=SURE_MSG),
+                            row(ReasonCode.QUEUE_FULL, key=0x47, payload=b"the sender's",
+                                mtype=SURE_MSG, agent=AgentKind.SENDER)])
+    assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 0
+    out = capsys.readouterr().out
+    [notice] = [line for line in out.splitlines() if "receiver's" in line]
+    [own] = [line for line in out.splitlines() if "the sender's" in line]
+    assert " SURE* " in notice and " SURE " in own and "SURE*: a notice, written by a " \
+        "receiving MCA" in out, out
+    for line, marked in ((notice, True), (own, False)):
+        assert ctl.main(["dlq", "show", line.split()[0], "--archive", str(archive)]) == 0
+        assert ("NOTICE             a notice: the sending MCA of the source host keeps"
+                in capsys.readouterr().out) is marked
+
+
 def test_a_message_is_forwarded_once_not_round_and_round(tmp_path):
     """A forward (header: no, the message keeps its key) whose copy is dead-lettered again and
     matches the rule again is kept, saying so: else --follow would send it round every round."""

@@ -11,8 +11,9 @@ Exit status 0 if no record failed (or, for a dry run, would fail; always for ``-
 
 ``rqpctl dlq show ID --archive DIR [--bytes N]``: one archived dead letter in full.
 
-``rqpctl dlq resubmit ID... --archive DIR [--to QUEUE] [--edit] [--rqprc FILE]``: put these
-back now (one-off repair; ``--edit`` opens ``$VISUAL`` / ``$EDITOR`` on the payload first).
+``rqpctl dlq resubmit ID... --archive DIR [--to QUEUE] [--edit] [--notices] [--rqprc FILE]``:
+put these back now (one-off repair; ``--edit`` opens ``$VISUAL`` / ``$EDITOR`` on the payload
+first; a notice only with ``--notices``).
 Exit status 0 if every one was resubmitted, 1 if one was not.
 
 ``rqpctl status | metrics | queues | send | receive``: the running agents and the local queues
@@ -49,8 +50,9 @@ from rqp.system.service import sender_serving
 from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
-    DEFAULT_POLL, DEFAULT_RATE, Follower, NotConfirmed, Replayer, ReplayRefused, RetryLedger,
-    TransmissionPutter, load_rules, names_a_host, resubmit,
+    DEFAULT_POLL, DEFAULT_RATE, NOTICE_REFUSED, Follower, NotConfirmed, Replayer,
+    ReplayRefused, RetryLedger, TransmissionPutter, is_notice, load_rules, names_a_host,
+    resubmit,
 )
 
 log = logging.getLogger("rqp.tools.ctl")
@@ -224,6 +226,8 @@ def _show(args) -> int:
     problem = row_problem(row)
     if problem is not None:  # (as replay and resubmit say it)
         _say(f"{'NOT PUT BACK':<18} no dead-letter archive line: {problem}")
+    elif is_notice(row):
+        _say(f"{'NOTICE':<18} {NOTICE_REFUSED}")
     entry = RetryLedger(archive, writable=False).get(row)
     if entry.retries or entry.resent:
         done = []
@@ -305,7 +309,8 @@ def _resubmit(args) -> int:
     if args.edit:
         _editor()  # (before anything is read)
     counts = resubmit(archive, args.ids, _LazyPutter(config, config.source), to=to,
-                      edit=_edit if args.edit else None, config=config, out=_say)
+                      edit=_edit if args.edit else None, config=config, out=_say,
+                      notices=args.notices)
     _say(f"resubmitted {counts['resubmitted']}, failed {counts['failed']}")
     return 1 if counts["failed"] else 0
 
@@ -341,7 +346,7 @@ def _list(args) -> int:
                 str(row.get("timestamp", ""))[:19].replace("T", " "),
                 str(row.get("reason", "")),
                 row.get("queue_name") or str(row.get("queue_key_hex", "")),
-                str(row.get("message_type", "")),
+                str(row.get("message_type", "")) + ("*" if is_notice(row) else ""),
                 str(row.get("mtype", 1)),  # (a schema-1 row: 1 and 4)
                 str(row.get("priority", 4)),
                 str(row.get("message_key", "")),
@@ -354,6 +359,10 @@ def _list(args) -> int:
         _say("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
     more = f"; showing the first {len(table)} (--limit 0 shows all)" if len(table) < total else ""
     _say(f"{total} dead letter(s) in {files} file(s){more}")
+    if any(row[4].endswith("*") for row in table):
+        _say("SURE*: a notice, written by a receiving MCA: the sending MCA of its host keeps "
+             "the message and sends it again itself (replay keeps the row; resubmit asks for "
+             "--notices)")
     for problem in unreadable:
         print(f"rqpctl: error: {problem}", file=sys.stderr)
     return 1 if unreadable else 0
@@ -415,6 +424,10 @@ def _parser() -> argparse.ArgumentParser:
     again.add_argument("--edit", action="store_true",
                        help="edit each payload in $VISUAL or $EDITOR first (UTF-8 text only; "
                        "an empty or unchanged edit resubmits nothing)")
+    again.add_argument("--notices", action="store_true",
+                       help="put back notices too (SURE rows a receiving MCA wrote, marked "
+                       "SURE* by list): their sender keeps each and sends it again, so only "
+                       "if that sender is gone for good (else it arrives twice)")
     again.add_argument("--rqprc", metavar="FILE", help="queue names and the sending path "
                        "(default: $RQPRC, ./.rqprc, ~/.rqprc, /etc/rqp/rqprc)")
     again.set_defaults(run=_resubmit)

@@ -1070,8 +1070,12 @@ def is_notice(row: Mapping) -> bool:
 
 NOTICE_KEPT = ("a notice: the sending MCA of the source host keeps this SURE message and "
                "sends it again itself (or dead-letters it there when its retry budget runs "
-               "out); put back from here it would arrive twice (rqpctl dlq resubmit ID puts it "
-               "back by hand, if its sender is gone for good)")
+               "out); put back from here it would arrive twice (rqpctl dlq resubmit --notices "
+               "ID puts it back by hand, if its sender is gone for good)")
+#: Why resubmit refuses a notice unless told (a trial's resubmit put one on a second host).
+NOTICE_REFUSED = ("a notice: the sending MCA of the source host keeps this SURE message and "
+                  "sends it again itself; resubmitted, it would arrive twice. Give --notices "
+                  "only if that sender is gone for good (its state_dir lost)")
 
 
 def summary_line(counts: Mapping[str, int], *, dry_run: bool = False,
@@ -1225,14 +1229,16 @@ RESUBMIT_LOCK_WAIT = 60.0
 def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., None], *,
              to: int | None = None, edit: Callable[[Mapping, bytes], bytes] | None = None,
              config: SenderConfig | None = None, out: Callable[[str], None] = print,
-             clock: Callable[[], int] = time.time_ns) -> collections.Counter:
+             clock: Callable[[], int] = time.time_ns,
+             notices: bool = False) -> collections.Counter:
     """``rqpctl dlq resubmit``: put these dead letters back (on their queue, or ``to``), each
     as ``retry`` does (SURE, confirmed, with its original key), ``edit(row, payload)`` giving
     the payload to send (Azure Service Bus Explorer's repair and resubmit). Every copy of a row
     leaves the archive once its message is confirmed. A row that cannot be put back (or
     whose edit is refused: :class:`ReplayRefused`) is kept and counts as failed; the others
     go on. Edits are made before the replay lock is taken, then the rows are looked up again
-    (one that a ``--follow`` round handled meanwhile is said to be gone)."""
+    (one that a ``--follow`` round handled meanwhile is said to be gone). A notice
+    (:func:`is_notice`) is refused unless ``notices``: its sender sends it again itself."""
     archive = Path(archive)
     counts: collections.Counter = collections.Counter()
     say = Replayer(archive, [], dry_run=True, config=config, out=out)._queue
@@ -1248,6 +1254,8 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
             if problem is not None:
                 raise ReplayRefused(f"{path}: line {getattr(row, 'number', index + 1)} is no "
                                     f"dead-letter archive line: {problem}")
+            if is_notice(row) and not notices:
+                raise ReplayRefused(NOTICE_REFUSED)
             payload = replay_payload(row, archive)
             payloads[given] = edit(row, payload) if edit is not None else payload
         except (ReplayRefused, ArchiveError) as exc:
