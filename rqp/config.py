@@ -121,6 +121,8 @@ MAX_DURATION = 365 * 24 * 3600.0
 
 #: The last place :func:`find_rqprc` looks. A module constant so that tests can replace it.
 SYSTEM_RQPRC = Path("/etc/rqp/rqprc")
+#: The receiving MCA's config where scripts/install puts it (the unit's --config).
+SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 #: Where :func:`find_rqprc` looks, first match wins (for help texts and error messages).
 RQPRC_SEARCH_ORDER: tuple[str, ...] = (
     "the path given explicitly (e.g. --config)",
@@ -1415,6 +1417,32 @@ def load_receiver_config(
         raise ConfigError(f"{file}: {problem}", path=str(file))
     data, lines = read_yaml(file)
     return _receiver(data, str(file), lines, env, home)
+
+
+def load_names_config(rqprc: str | os.PathLike | None = None,
+                      receiver_config: str | os.PathLike | None = None,
+                      say: Callable[[str], None] = lambda text: None):
+    """Where a tool of this host finds queue names and ``dead_letter_queue``: the ``.rqprc``
+    (as :func:`load_optional_rqprc`); where there is none, or it is still the template
+    scripts/install put there (a host that only receives leaves it so: a trial's drain
+    timer failed on it every run), the receiving MCA's config (``receiver_config``, else
+    :data:`SYSTEM_RECEIVER_CONFIG` if it exists); else None (the defaults). ``say`` is told
+    which it read, when not the .rqprc."""
+    try:
+        config = load_optional_rqprc(rqprc)
+    except ConfigError as exc:
+        if exc.key != TEMPLATE_KEY:
+            raise
+        say(f"{exc.path} is the template scripts/install put there, not a configuration (a "
+            "host that only receives): not read")
+        config = None
+    if receiver_config is None and SYSTEM_RECEIVER_CONFIG.exists():
+        receiver_config = SYSTEM_RECEIVER_CONFIG
+    if config is None and receiver_config is not None:
+        config = load_receiver_config(receiver_config)
+        say(f"queue names and dead_letter_queue {config.dead_letter_queue:#x} from "
+            f"{receiver_config}")
+    return config
 
 
 def load_optional_rqprc(path: str | os.PathLike | None = None):

@@ -2,7 +2,7 @@
 
 Usage::
 
-    rqp-dlq-drain --archive DIR [--queue KEY_OR_NAME] [--rqprc FILE]
+    rqp-dlq-drain --archive DIR [--queue KEY_OR_NAME] [--rqprc FILE] [--receiver-config FILE]
                   [--once | --interval SECONDS] [--batch N] [--max-file-records N]
 
 The archive format is described in :mod:`rqp.storage.archive`. Each record is archived exactly once,
@@ -53,7 +53,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rqp.cli import add_log_level, positive_int, positive_seconds
-from rqp.config import QUEUE_NAME_RE, SenderConfig, load_optional_rqprc, parse_queue_key
+from rqp.config import (
+    QUEUE_NAME_RE, ReceiverConfig, SenderConfig, load_names_config, parse_queue_key,
+)
 from rqp.protocol.constants import DEAD_LETTER_QUEUE_NAME, DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, QueueNotFound, RQPError
 from rqp.storage.archive import (
@@ -267,9 +269,9 @@ class Drain:
 # Command line
 
 
-def resolve_queue(value: str | None, config: SenderConfig | None) -> int:
-    """The queue of ``--queue`` (a key, or a name of the .rqprc), else the .rqprc's
-    ``dead_letter_queue``, else the default ``DEAD.LETTER.Q``."""
+def resolve_queue(value: str | None, config: SenderConfig | ReceiverConfig | None) -> int:
+    """The queue of ``--queue`` (a key, or a name of the config), else the config's
+    ``dead_letter_queue`` (:func:`load_names_config`), else the default ``DEAD.LETTER.Q``."""
     if value is None:
         return config.dead_letter_queue if config else DEFAULT_DEAD_LETTER_QUEUE
     try:
@@ -277,8 +279,10 @@ def resolve_queue(value: str | None, config: SenderConfig | None) -> int:
             return config.resolve_queue(value)
         return parse_queue_key(value, {DEAD_LETTER_QUEUE_NAME: DEFAULT_DEAD_LETTER_QUEUE})
     except ConfigError as exc:
-        hint = " (no .rqprc was found to look names up in: give --rqprc, or the queue's key)" \
-            if config is None and QUEUE_NAME_RE.fullmatch(value.strip()) else ""
+        hint = ""
+        if config is None and QUEUE_NAME_RE.fullmatch(value.strip()):
+            hint = (" (no .rqprc or receiver config was found to look names up in: give "
+                    "--rqprc, or the queue's key)")
         raise ConfigError(f"--queue: {exc}{hint}") from None
 
 
@@ -290,11 +294,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--archive", metavar="DIR", required=True,
                         help="archive directory (created if missing)")
     parser.add_argument("--queue", metavar="KEY_OR_NAME",
-                        help="queue to drain (default: the .rqprc's dead_letter_queue, else "
-                        "0x5251DEAD)")
+                        help="queue to drain (default: the .rqprc's dead_letter_queue, else, "
+                        "with no .rqprc or only the installed template, that of "
+                        "/etc/rqp/receiver.yaml if it exists, else 0x5251DEAD)")
     parser.add_argument("--rqprc", metavar="FILE",
                         help="the .rqprc (queue names, dead_letter_queue); default: $RQPRC, "
                         "./.rqprc, ~/.rqprc, /etc/rqp/rqprc if one exists")
+    parser.add_argument("--receiver-config", metavar="FILE",
+                        help="the receiving MCA's config, read for the same where there is no "
+                        ".rqprc or only the installed template (a host that only receives); "
+                        "default: /etc/rqp/receiver.yaml if it exists")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="drain until empty, then exit")
     mode.add_argument("--interval", metavar="SECONDS", type=positive_seconds,
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     signals.let_stops_through()  # (SIGHUP: its default action)
     out = lambda text: print(text, flush=True)  # noqa: E731
     try:
-        config = load_optional_rqprc(args.rqprc)
+        config = load_names_config(args.rqprc, args.receiver_config, say=log.info)
         queue_key = resolve_queue(args.queue, config)
         archive = Path(args.archive)
         try:

@@ -154,6 +154,33 @@ def test_once_drains_everything_and_keeps_a_malformed_record(host):
     assert again.startswith("drained 0 record(s)") and len(archive_files(host.archive)) == 7
 
 
+def test_a_host_that_only_receives_drains_the_receivers_dead_letter_queue(host):
+    """A trial: the drain timer, run with the .rqprc scripts/install put there, failed every
+    run on a host that only receives (the file stays a template there). The receiving MCA's
+    config gives DEAD.LETTER.Q's key and the queue names instead."""
+    template = host.workdir / "rqprc"
+    template.write_text('rqp_template: "delete this line once the file is filled in"\n'
+                        "dead_letter_queue: 0x5251dead\n")
+    receiver = host.workdir / "receiver.yaml"
+    receiver.write_text("dead_letter_queue: 0x5251dea0\nqueues: {PROD_ONE: 0x52510001}\n")
+    records = [DeadLetterRecord(reason=ReasonCode.QUEUE_FULL, queue_key=Q1, message_key=i + 1,
+                                payload=b"p%d" % i, timestamp_ns=1, message_type=UNSURE_MSG,
+                                agent=AgentKind.RECEIVER).to_bytes() for i in range(2)]
+    put(host, records, key=0x5251DEA0)
+    out = drain(host, host.archive, "--rqprc", str(template), "--receiver-config",
+                str(receiver))
+    assert f"{template} is the template scripts/install put there" in out.stderr, out.stderr
+    assert f"dead_letter_queue 0x5251dea0 from {receiver}" in out.stderr, out.stderr
+    rows = assert_archived_once(host.archive, records)
+    assert {r["queue_name"] for r in rows} == {"PROD_ONE"}
+    assert contents(host, 0x5251DEA0) == []
+    # a .rqprc that is wrong otherwise is still refused, naming it
+    template.write_text("dead_letter_queue: [1]\n")
+    out = drain(host, host.archive, "--rqprc", str(template), "--receiver-config",
+                str(receiver), check=False)
+    assert out.returncode == 2 and str(template) in out.stderr, out.stderr
+
+
 def test_a_record_longer_than_a_lowered_msgmax_is_archived_and_the_drain_moves_on(host):
     # Put while msgmax was 8192, drained after it was lowered to 2048: the kernel copies at
     # most msgmax bytes, so the copy of the long one failed at every run, for ever, and every

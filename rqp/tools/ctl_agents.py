@@ -21,8 +21,8 @@ from pathlib import Path
 from rqp import RQPError
 from rqp.cli import mtype, positive_int, positive_seconds, seconds
 from rqp.config import (
-    QUEUE_NAME_RE, ConfigError, ReceiverConfig, find_rqprc, load_receiver_config,
-    load_sender_config, parse_host, parse_queue_key,
+    QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, ReceiverConfig, find_rqprc,
+    load_receiver_config, load_sender_config, parse_host, parse_queue_key,
 )
 from rqp.system.control import (
     NOT_RUNNING_HERE, ControlError, ControlNotAnswering, ControlRefused, request,
@@ -39,7 +39,6 @@ EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse 
 DEFAULT_PING_QUEUE = 0x52510001
 #: Queues the receiving MCA's status line of offers names (the rest: how many; --json has all).
 OFFERS_SHOWN = 20
-SYSTEM_RECEIVER_CONFIG = Path("/etc/rqp/receiver.yaml")
 #: Seconds after a receiving MCA last had no room in DEAD.LETTER.Q for a dead letter during
 #: which status calls it unhealthy (the count only grows: a check must see it go away).
 NO_ROOM_RECENT = 300.0
