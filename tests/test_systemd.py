@@ -20,10 +20,24 @@ REPO = Path(__file__).resolve().parents[1]
 UNITS = sorted(p.name for p in (REPO / "systemd").iterdir() if p.suffix in (".service", ".timer"))
 
 
+def _system_python() -> str:
+    """The Python an operator installs with: a system-wide one, which the user rqp may run
+    (the test's own venv may link to one under root's private home, as pyenv's does)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK) and subprocess.run(
+                [candidate, "-c", "import sys, venv, ensurepip; "
+                 "sys.exit(sys.version_info < (3, 11))"]).returncode == 0:
+            return candidate
+    return sys.executable
+
+
+SYSTEM_PYTHON = _system_python()
+
+
 def install(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "scripts" / "install"), "--root", str(root), *args],
                           capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHON=sys.executable))
+                          env=dict(os.environ, PYTHON=SYSTEM_PYTHON))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +94,43 @@ def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
         assert (scratch / "etc/passwd").read_text().count("rqp:x:") == 1
     finally:  # (the module's other tests look at the template)
         rqprc.write_text(template)
+
+
+def test_install_refuses_a_python_the_agents_user_cannot_run_and_options_without_values(
+        tmp_path):
+    """A trial: python3 was pyenv's, under root's private home; the venv linked to it and
+    every agent failed "Permission denied". And --root without a value: "$2: unbound
+    variable"."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "python3").symlink_to(SYSTEM_PYTHON)
+    root = tmp_path / "root"
+    out = install(root, "--python", str(private / "python3"))
+    assert out.returncode == 1 and f"install: the user rqp cannot run {private}/python3" in \
+        out.stderr and "--python /usr/bin/python3" in out.stderr, out.stderr
+    assert not (root / "opt/rqp/venv").exists()
+    assert not list((root / "etc").glob("*-"))  # (useradd's backups, in a staged tree)
+    assert (root / "etc/shadow").stat().st_mode & 0o777 == 0o640
+    for option in ("--root", "--python"):
+        out = subprocess.run(["bash", str(REPO / "scripts" / "install"), option],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"install: {option} needs a value" in out.stderr, \
+            out.stderr
+
+
+def test_install_run_again_with_another_python_makes_the_venv_again(scratch, tmp_path):
+    """A trial's second run with --python kept the venv made with the first Python."""
+    cfg = scratch / "opt/rqp/venv/pyvenv.cfg"
+    made = cfg.read_text()
+    cfg.write_text(made.replace("home = ", "home = /elsewhere", 1))  # as if made by another
+    out = install(scratch)
+    assert out.returncode == 0, out.stderr
+    assert "re-creating" in out.stdout and "(it was made with the Python in /elsewhere" in \
+        out.stdout, out.stdout
+    assert "home = /elsewhere" not in cfg.read_text() and \
+        cfg.read_text().splitlines()[0] == made.splitlines()[0]  # (home = ...)
+    again = install(scratch)
+    assert again.returncode == 0 and "re-creating" not in again.stdout
 
 
 def verify(root: Path, *units: str) -> subprocess.CompletedProcess:
