@@ -137,8 +137,10 @@ class Intake:
         self.keys = keys
         self.budget = Budget(budget)
         self.journal = Journal(state_dir, name)
-        for problem in self.journal.problems:
-            log.error("journal %s: %s", state_dir / f"{name}.journal", problem)
+        for problem in self.journal.problems:  # (each names the journal's file)
+            log.error("journal %s", problem)
+        for note in self.journal.notes:
+            log.info("journal %s", note)
         self.reserve = reserve
         self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None

@@ -465,6 +465,8 @@ class Journal:
         self.compact_ratio = compact_ratio
         self.recovered: list[JournalEntry] = []
         self.problems: list[str] = []
+        #: What opening it did that is no fault (an older version rewritten): for an INFO line.
+        self.notes: list[str] = []
         self._fsync = fsync
         self._cond = threading.Condition(threading.Lock())
         self._live: dict[int, tuple[int, bytes]] = {}  # seq -> (key, record), in seq order
@@ -546,8 +548,10 @@ class Journal:
                 del self._copies[seq]
         if header.version != JOURNAL_VERSION:
             self._compact_locked()  # nothing else uses it yet; a version-1 reader would drop
-            self._report(f"version-{header.version} journal rewritten as version "  # kinds 3, 4
-                         f"{JOURNAL_VERSION} ({len(self._live)} live message(s) kept)")
+            self.notes.append(f"{self.path}: version-{header.version} journal rewritten as "
+                              f"version {JOURNAL_VERSION} ({len(self._live)} live message(s) "
+                              "kept)")  # (kinds 3, 4; an upgrade, no fault: a trial's was
+            # logged at ERROR, which alerting on the log takes for one)
 
     def _replay(self, data: bytes, base_seq: int) -> None:
         live = self._live
