@@ -239,5 +239,21 @@ def _run_init(args) -> int:
 def _run_issue(args) -> int:
     crt, key = issue(args.host, args.ca, args.out, ips=tuple(args.ip), dns=tuple(args.dns),
                      days=args.days, start=args.start, force=args.force)
-    print(f"certificate {crt}\nkey {key} (mode 600: readable by the agents' user only)")
+    print(f"certificate {crt}\nkey {key} ({_key_access(key)})")
     return 0
+
+
+def _key_access(key: Path) -> str:
+    """Who may read ``key`` (mode 600), in words (a trial: it said "readable by the agents'
+    user only" of a key owned by root, which the agents, run as rqp, could not read)."""
+    import pwd
+
+    uid = key.stat().st_uid
+    try:
+        owner = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        owner = str(uid)
+    if owner == "rqp":
+        return "mode 600, owner rqp: readable by the agents' user only"
+    return (f"mode 600, owner {owner}: on the host, the agents (user rqp) must read it: "
+            "chown rqp there, e.g. in /etc/rqp/tls/")
