@@ -8,7 +8,7 @@ from rqp.protocol.constants import EXT_MESSAGE
 from rqp.protocol.events import Message, MessageEx, QueueYes
 from rqp.protocol.frames import encode
 from rqp.protocol.reasons import ReasonCode
-from rqp.protocol.sender import DeadLetter, Delivered, Note, NoteKind
+from rqp.protocol.sender import Connect, DeadLetter, Delivered, Note, NoteKind
 from tests.test_sender_protocol import ERR, Q1, Ask, Harness
 
 YES_EX = encode(QueueYes(data=EXT_MESSAGE))
@@ -108,6 +108,44 @@ def test_a_typed_message_is_dead_lettered_once_every_host_answered_and_none_can_
     h.serve({"b": {Q1}}, ext={"c"})  # c answers now: QUEUE_NO
     [dead] = h.of(DeadLetter)
     assert dead.reason is ReasonCode.EXTENSION_UNSUPPORTED and "c: QUEUE_NO" in dead.detail
+
+
+def test_a_plain_yes_routes_the_rest_when_the_typed_head_left_during_the_round():
+    """A review: the typed head expired while c's ask was unanswered; b (plain) had said
+    QUEUE_YES, yet the UNSURE message behind was dead-lettered NO_ROUTE."""
+    from tests.test_sender_protocol import YES
+    h = Harness(ask_timeout=5.0)
+    h.submit(payload=b"typed", mtype=5, expires_at_ms=h.wall + 1000)
+    h.submit(message_type=UNSURE_MSG, payload=b"u")
+    h.submit(payload=b"P")
+    assert h.sent() == [("b", Ask(Q1))]
+    h.answer("b", YES)  # plain RQP/1 (data 0)
+    assert h.sent() == [("c", Ask(Q1))]  # c never answers
+    sent = []
+    for _ in range(10):
+        if sent:
+            break
+        h.advance()
+        sent = messages(h.sent())
+    assert [(host, ev.message) for host, ev in sent] == [("b", b"u"), ("b", b"P")], sent
+    assert [(d.message.payload, d.reason) for d in h.of(DeadLetter)] == [
+        (b"typed", ReasonCode.EXPIRED)]
+
+
+def test_retries_are_not_spent_while_the_host_that_may_carry_it_is_only_in_back_off():
+    """A review: with retry_max_attempts 3, the typed SURE message was dead-lettered when c,
+    the one host that could carry it, had been dialled twice: one try passed it over in its
+    connection's back-off. That is no try: c is dialled once for each."""
+    h = Harness(max_attempts=3)
+    h.submit(payload=b"typed", mtype=5)
+    for _ in range(10):
+        h.serve({"b": {Q1}, "c": {Q1}}, ext={"c"}, down={"c"})
+        if h.of(DeadLetter):
+            break
+        h.advance()
+    [dead] = h.of(DeadLetter)
+    assert dead.reason is ReasonCode.RETRY_BUDGET_EXHAUSTED, dead
+    assert [a.host for a in h.of(Connect)].count("c") == 3
 
 
 def test_a_route_to_a_plain_host_is_asked_again_for_a_typed_message():

@@ -497,9 +497,12 @@ class _Lane:
     contacted: bool = False
     #: A host answered QUEUE_NO in this round (else none answered: down, hung, refused).
     said_no: bool = False
-    #: A host of this round gave no answer (down, hung, refused, in its back-off): it may yet
-    #: carry what a plain RQP/1 host that said QUEUE_YES cannot.
+    #: A host asked (or dialled) in this round gave no answer (down, hung, refused): it may
+    #: yet carry what a plain RQP/1 host that said QUEUE_YES cannot.
     unanswered: bool = False
+    #: When the first host passed over in this round (its connection in its back-off) may be
+    #: dialled again; 0: none was. It too may carry what a plain host cannot.
+    skipped_until: float = 0.0
     #: A SURE message of it failed a try: one message in flight at a time until one is
     #: confirmed (those sent behind a refused one are refused too, to keep the order, and the
     #: UNSURE ones among them lost).
@@ -1271,6 +1274,7 @@ class SenderCore:
             lane.plain_yes = None
             lane.declined = False
             lane.contacted = lane.said_no = lane.unanswered = False
+            lane.skipped_until = 0.0
         hosts = self._hosts_for(lane)
         while index < len(hosts):
             link = self._links[hosts[index]]
@@ -1278,7 +1282,7 @@ class SenderCore:
                 # unreachable for now: as good as a time-out, ask the next host
                 lane.refusals.append(f"{link.host}: {link.last_error or 'unreachable'}, next "
                                      f"connect in {link.retry_at - self._now:.3g}s")
-                lane.unanswered = True
+                lane.skipped_until = min(lane.skipped_until or link.retry_at, link.retry_at)
                 index += 1
                 continue
             lane.asking = link.host
@@ -1318,9 +1322,8 @@ class SenderCore:
             self._decline(lane, why)
             return
         plain, lane.plain_yes = lane.plain_yes, None
-        if plain is not None and lane.pending and lane.pending[0].needs_ex \
-                and self._cannot_carry(lane, plain, why):
-            return  # (else a SURE message that needs MESSAGE_EX heads it: a failed try)
+        if plain is not None and lane.pending and self._cannot_carry(lane, plain, why):
+            return  # (else a SURE message that needs MESSAGE_EX heads it, and waits)
         if lane.target is not None:
             self._note(NoteKind.COPIES_WAIT, lane.queue_key, lane.target, why)
         else:
@@ -1346,6 +1349,18 @@ class SenderCore:
             self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, None,
                        f"attempt {head.failures + 1} in {lane.retry_at - self._now:.3g}s, when "
                        f"a connection may be made again ({why})", head.key)
+        elif lane.pending and plain is not None and not lane.unanswered:
+            # A plain host said yes; those that may take MESSAGE_EX were only passed over, in
+            # their connections' back-off: no failed try either (a review: retry_max_attempts
+            # ran out while the one host that could carry it was never dialled again).
+            head = lane.pending[0]
+            self._asked_for(head)
+            lane.retry_at = max(lane.skipped_until, self._now)
+            self._timed[lane] = None
+            self._note(NoteKind.RETRY_SCHEDULED, lane.queue_key, None,
+                       f"attempt {head.failures + 1} in {lane.retry_at - self._now:.3g}s, when "
+                       "a host that may take MESSAGE_EX may be dialled again "
+                       f"({_no_host(lane, why, True)})", head.key)
         elif lane.pending:
             head = lane.pending[0]
             self._asked_for(head)
@@ -1404,12 +1419,13 @@ class SenderCore:
     def _cannot_carry(self, lane: _Lane, plain, why: str) -> bool:
         """Only plain RQP/1 hosts said they offer the queue: the messages at the head that
         need MESSAGE_EX are dead-lettered (never put with the wrong mtype); the rest go to the
-        first of those hosts. If a host gave no answer (down, hung), it may yet carry them: a
-        SURE one waits for the next round (False: it heads the lane, a failed try); only the
-        UNSURE ones before it, which cannot wait, are dead-lettered, NO_ROUTE (a trial: a SURE
-        message was dead-lettered because the one host that could carry it was stopped for
-        a second)."""
-        final = not lane.unanswered
+        first of those hosts (also when the head that needed it left the lane during the
+        round: a review saw an UNSURE message behind it dead-lettered NO_ROUTE). If a host
+        gave no answer (down, hung, or passed over in its back-off), it may yet carry them: a
+        SURE one waits for the next round (False: it heads the lane); only the UNSURE ones
+        before it, which cannot wait, are dead-lettered, NO_ROUTE (a trial: a SURE message
+        was dead-lettered because the one host that could carry it was stopped a second)."""
+        final = not lane.unanswered and not lane.skipped_until
         done = []
         while lane.pending and lane.pending[0].needs_ex:
             msg = lane.pending[0]
@@ -1417,7 +1433,7 @@ class SenderCore:
                 break
             done.append(lane.pending.popleft())
         waits = bool(lane.pending) and lane.pending[0].needs_ex
-        if not waits:  # (else _no_route says it, with the failed try)
+        if done:  # (a waiting head: _no_route says it, with the retry)
             self._note(NoteKind.NO_ROUTE, lane.queue_key, None, f"for MESSAGE_EX: {why}")
         for msg in done:
             self._asked_for(msg)
