@@ -1426,18 +1426,19 @@ def load_names_config(rqprc: str | os.PathLike | None = None,
     (as :func:`load_optional_rqprc`); where there is none, or it is still the template
     scripts/install put there (a host that only receives leaves it so: a trial's drain
     timer failed on it every run), the receiving MCA's config (``receiver_config``, else
-    :data:`SYSTEM_RECEIVER_CONFIG` if it exists); else None (the defaults). ``say`` is told
-    which it read, when not the .rqprc."""
+    :data:`SYSTEM_RECEIVER_CONFIG` if it exists); else None (the defaults). A template with
+    no receiver config is refused, as before. ``say`` is told which it read, when not the
+    .rqprc."""
+    if receiver_config is None and SYSTEM_RECEIVER_CONFIG.exists():
+        receiver_config = SYSTEM_RECEIVER_CONFIG
     try:
         config = load_optional_rqprc(rqprc)
     except ConfigError as exc:
-        if exc.key != TEMPLATE_KEY:
-            raise
+        if exc.key != TEMPLATE_KEY or receiver_config is None:
+            raise  # (a template and nothing else: which DEAD.LETTER.Q is unknown)
         say(f"{exc.path} is the template scripts/install put there, not a configuration (a "
             "host that only receives): not read")
         config = None
-    if receiver_config is None and SYSTEM_RECEIVER_CONFIG.exists():
-        receiver_config = SYSTEM_RECEIVER_CONFIG
     if config is None and receiver_config is not None:
         config = load_receiver_config(receiver_config)
         say(f"queue names and dead_letter_queue {config.dead_letter_queue:#x} from "

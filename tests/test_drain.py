@@ -174,6 +174,10 @@ def test_a_host_that_only_receives_drains_the_receivers_dead_letter_queue(host):
     rows = assert_archived_once(host.archive, records)
     assert {r["queue_name"] for r in rows} == {"PROD_ONE"}
     assert contents(host, 0x5251DEA0) == []
+    # a template and no receiver config: which DEAD.LETTER.Q is unknown, refused as before
+    out = drain(host, host.archive, "--rqprc", str(template), check=False)
+    assert out.returncode == 2 and f"{template}: this is the template" in out.stderr, \
+        out.stderr
     # a .rqprc that is wrong otherwise is still refused, naming it
     template.write_text("dead_letter_queue: [1]\n")
     out = drain(host, host.archive, "--rqprc", str(template), "--receiver-config",

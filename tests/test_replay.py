@@ -417,6 +417,24 @@ def test_retry_without_an_rqprc_is_refused_before_anything_is_touched(tmp_path, 
     assert sorted(p.name for p in archive.rglob("*")) == before
 
 
+def test_the_handlers_drain_looks_at_the_queue_the_drain_empties(tmp_path, monkeypatch):
+    """A review: with no .rqprc, replay --drain watched 0x5251DEAD while the rqp-dlq-drain it
+    starts drained the receiving MCA's dead_letter_queue (a host that only receives)."""
+    receiver = tmp_path / "receiver.yaml"
+    receiver.write_text("dead_letter_queue: 0x5251dea0\n")
+    monkeypatch.setattr(rqp.config, "SYSTEM_RQPRC", tmp_path / "no-system-rqprc")
+    monkeypatch.setattr(rqp.config, "SYSTEM_RECEIVER_CONFIG", receiver)
+    monkeypatch.delenv("RQPRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    drain = ctl._Drain(tmp_path / "archive", None)
+    assert drain.queue == 0x5251DEA0
+    assert drain.argv[-2:] == ["--receiver-config", str(receiver)]
+    receiver.unlink()  # neither: the defaults, for both
+    drain = ctl._Drain(tmp_path / "archive", None)
+    assert drain.queue == 0x5251DEAD and drain.argv[-1] == str(tmp_path / "archive")
+
+
 def test_bad_command_lines_name_what_is_wrong(tmp_path, capsys):
     archive = tmp_path / "archive"
     write_archive(archive, [row()])

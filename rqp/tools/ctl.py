@@ -37,7 +37,7 @@ from pathlib import Path
 from rqp.cli import count, number, positive_seconds
 from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
-from rqp.config import load_optional_rqprc
+from rqp.config import ReceiverConfig, load_names_config, load_optional_rqprc
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
@@ -121,12 +121,15 @@ class _Drain:
     anything, read from the kernel (``msg_qnum``), so that an idle round costs no process."""
 
     def __init__(self, archive: Path, config) -> None:
+        if config is None:  # (as the drain finds it: the receiver's config of a host with
+            config = load_names_config(None)  # no .rqprc; a review saw them differ)
         self.queue = config.dead_letter_queue if config is not None else \
             DEFAULT_DEAD_LETTER_QUEUE
         self.argv = [sys.executable, "-m", "rqp_agents.drain", "--once", "--archive",
                      str(archive)]
         if config is not None and config.source:
-            self.argv += ["--rqprc", str(config.source)]
+            which = "--receiver-config" if isinstance(config, ReceiverConfig) else "--rqprc"
+            self.argv += [which, str(config.source)]
         self.last_error = ""
 
     def _once(self, error: str) -> None:
