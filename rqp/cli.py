@@ -17,7 +17,7 @@ def number(kind: type, *, minimum: float, inclusive: bool = True, what: str = "a
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not math.isfinite(value) or \
+        if value is None or (kind is float and not math.isfinite(value)) or \
                 (value < minimum if inclusive else value <= minimum) or \
                 (maximum is not None and value > maximum):
             low, high = (str(v) if kind is int else f"{v:g}" for v in (minimum, maximum or 0))
@@ -37,6 +37,10 @@ seconds = number(float, minimum=0, what="a number of seconds")
 window = number(int, minimum=1, maximum=65536, what="a window of frames")
 #: A System V message type to put with: 1 to LONG_MAX (msgsnd's mtype is a C long).
 mtype = number(int, minimum=1, maximum=(1 << 63) - 1, what="a System V message type")
+#: Which message msgrcv takes (its msgtyp, a C long): 0 the first, N the first of type N, -N
+#: the first of the lowest type up to N.
+msgtyp = number(int, minimum=-((1 << 63) - 1), maximum=(1 << 63) - 1,
+                what="a msgrcv type (0, N or -N)")
 
 
 def key_counts(text: str) -> list[int]:

@@ -182,8 +182,9 @@ class LocalDelivery:
                     None
             except QueueFull:
                 return (ReasonCode.QUEUE_FULL, f"{name} had no room for the batch's {need} "
-                        + (f"bytes ({NOT_WAITED})" if NO_WAITING.get() else
-                           f"bytes within {self.put_budget:g}s"), key)
+                        f"bytes and {count} message{'' if count == 1 else 's'} "
+                        + (f"({NOT_WAITED})" if NO_WAITING.get() else
+                           f"within {self.put_budget:g}s"), key)
             except (QueueError, MessageTooBig) as exc:
                 self._queues.pop(key, None)
                 return exc.reason, str(exc), key

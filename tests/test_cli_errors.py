@@ -43,12 +43,19 @@ def test_rqpctl_tls_days_says_what_it_takes(tmp_path, days):
         f"got '{days}'" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("mtype", ["0", "9223372036854775808", "two"])
+@pytest.mark.parametrize("mtype", ["0", "9223372036854775808", "two", "1" + "0" * 400])
 def test_rqpctl_send_refuses_an_mtype_no_msgsnd_takes_as_a_usage_error(tmp_path, mtype):
     """A trial: --mtype 2^63 exited 1 from deep inside, where --mtype 0 was a usage error."""
     out = run("rqp.tools.ctl", "send", "0x52510001", "x", "--mtype", mtype, cwd=tmp_path)
     assert out.returncode == 2 and "argument --mtype: expected a System V message type in " \
         f"1..9223372036854775807, got '{mtype}'" in out.stderr, out.stderr
+
+
+def test_rqpctl_receive_refuses_an_msgtyp_beyond_a_c_long_as_a_usage_error(tmp_path):
+    out = run("rqp.tools.ctl", "receive", "0x52510001", "--mtype", "9223372036854775808",
+              cwd=tmp_path)
+    assert out.returncode == 2 and "argument --mtype: expected a msgrcv type (0, N or -N) in " \
+        "-9223372036854775807..9223372036854775807" in out.stderr, out.stderr
 
 
 def test_rqpctl_receive_tells_a_bad_key_from_a_name(tmp_path):

@@ -116,8 +116,10 @@ def test_rqpctl_tls_from_the_command_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "r1.test.crt").exists() and (tmp_path / "r1.test.key").exists()
     # who may read the key, as it is (a trial: "readable by the agents' user only" of root's)
-    assert f"key {tmp_path}/r1.test.key (mode 600, owner root: on the host, the agents (user " \
-        "rqp) must read it: chown rqp there" in out.stdout, out.stdout
+    import pwd
+    owner = pwd.getpwuid(os.getuid()).pw_name
+    assert f"key {tmp_path}/r1.test.key (mode 600, owner {owner}: on the host, the agents " \
+        "(user rqp) must read it: chown rqp there" in out.stdout, out.stdout
     out = subprocess.run([*run, "issue", "r2.test", "--ca", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "make the CA first" in out.stderr, out.stderr

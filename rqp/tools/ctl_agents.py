@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rqp import RQPError
-from rqp.cli import mtype, positive_int, positive_seconds, seconds
+from rqp.cli import msgtyp, mtype, positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, ReceiverConfig, find_rqprc,
     load_receiver_config, load_sender_config, parse_host, parse_queue_key,
@@ -800,7 +800,7 @@ def add_commands(groups) -> None:
     p.add_argument("--receiver-config", metavar="FILE",
                    help="where queue names are looked up without a .rqprc (default "
                    f"{SYSTEM_RECEIVER_CONFIG} if it exists)")
-    p.add_argument("--mtype", type=int, metavar="N", default=0,
+    p.add_argument("--mtype", type=msgtyp, metavar="N", default=0,
                    help="which message, as msgrcv's msgtyp: 0 the first (default), N the "
                    "first of type N, -N the first of the lowest type up to N")
     p.add_argument("--with-type", action="store_true",
