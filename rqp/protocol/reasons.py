@@ -63,7 +63,7 @@ REASONS: tuple[Reason, ...] = (
            "before sending, the receiving MCA on arrival)"),
     Reason(8, "EXTENSION_UNSUPPORTED", _S, None, False, False,
            "the hosts that offer the queue speak plain RQP/1 and cannot carry what the message "
-           "needs (an mtype other than 1)"),
+           "needs (an mtype other than 1, or a place in an atomic batch, even a batch of one)"),
     Reason(20, "UNKNOWN_QUEUE", _R, _ERR, True, False,
            "the receiving host has no queue with that key"),
     Reason(21, "NOT_AUTHORIZED", _R, _ERR, False, False,
