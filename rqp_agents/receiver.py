@@ -1043,16 +1043,20 @@ class Receiver(Daemon):
                                      f"queue {format_key(message.queue_key)} is not offered here")
                     break
         if refused is None:  # room for all of it first: a full queue must not split it
+            # (what is left to put: a SURE batch sent again after a part of it was put needs
+            # no room for that part, which is answered as a repeat)
+            todo = [m for m in batch.messages if m.message_type != SURE_MSG
+                    or not self.dedup.seen(scoped_key(peer, m.key))]
             needs: dict[int, tuple[int, int]] = {}
-            for message in batch.messages:
+            for message in todo:
                 need, count = needs.get(message.queue_key, (0, 0))
                 needs[message.queue_key] = (need + len(message.message), count + 1)
-            expiry = min(filter(None, (getattr(m, "expires_at_ms", 0)
-                                       for m in batch.messages)), default=0)
+            expiry = min(filter(None, (getattr(m, "expires_at_ms", 0) for m in todo)),
+                         default=0)
             short = await self.delivery.reserve(needs, expiry)
             if short is not None:
                 reason, detail, key = short  # (key None: expired, the one expiring first)
-                refused = Refuse(next(m for m in batch.messages if m.queue_key == key or (
+                refused = Refuse(next(m for m in todo if m.queue_key == key or (
                     key is None and getattr(m, "expires_at_ms", 0) == expiry)), reason, detail)
         if refused is None and batch.messages[0].message_type == SURE_MSG:
             await self._window_writable()  # (before the first put: not a part of it)

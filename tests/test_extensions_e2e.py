@@ -220,6 +220,22 @@ def test_a_queue_full_by_its_number_of_messages_gets_no_part_of_a_batch_and_no_l
     assert r.qa.depth(Q1) == 100
 
 
+def test_a_sure_batch_sent_again_needs_room_only_for_what_was_not_put(testbed):
+    """Its first message was put already (a repeat, answered without a second put): the
+    batch needs room for the second only (it waited for room for both, and was refused)."""
+    r = rig(testbed, {"put_retry_count": 2, "put_retry_interval": "100ms"})
+    r.qa.create(Q1, 0o666, max_size=100)
+    for _ in range(98):
+        r.qa.put(Q1, b"")
+    r.pb.connect("ex", r.a.address, PORT)
+    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))
+    assert answered(r, [raw(pack_message_ex(SURE_MSG, 500, Q1, 1, 4, 0, 0, b"a"))]) == \
+        DELIVERED_YES  # 99 messages: room for one more
+    assert answered(r, batch_frames(SURE_MSG, 500, Q1, [b"a", b"b"])) == DELIVERED_YES * 2
+    assert r.qa.depth(Q1) == 100 and r.qa.dead_letters() == []
+    assert r.qa.drain(Q1)[-2:] == [(1, b"a"), (2, b"b")]  # once each
+
+
 # --- priority and expiry through the real agents ----------------------------------------------
 
 def test_priority_overtakes_under_a_backlog_and_survives_a_sender_kill(testbed_factory):
