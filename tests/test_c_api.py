@@ -92,10 +92,10 @@ def cc(tmp_path_factory):
         pytest.fail("gcc is missing: run scripts/test (it installs gcc) or apt-get install gcc")
     out = tmp_path_factory.mktemp("c")
 
-    def build(name: str, source: str) -> Path:
+    def build(name: str, source: str, flags: tuple = ("-std=gnu11",)) -> Path:
         src, exe = out / f"{name}.c", out / name
         src.write_text(source)
-        done = subprocess.run([gcc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1",
+        done = subprocess.run([gcc, *flags, "-Wall", "-Wextra", "-Werror", "-O1",
                                f"-I{rqp.get_include()}", str(src), "-o", str(exe)],
                               capture_output=True, text=True)
         assert done.returncode == 0, f"gcc could not build {name}.c:\n{done.stderr}"
@@ -177,6 +177,86 @@ def test_c_put_over_msgmax_is_emsgsize_and_a_removed_queue_einval(cc):
                         (msgmax - TRANSMISSION_HEADER_SIZE + 1, "EMSGSIZE")):
         done = subprocess.run([exe, str(size)], capture_output=True, text=True, timeout=30)
         assert (done.returncode, done.stdout) == (0, f"{first} EINVAL\n"), done.stderr
+
+
+AS_MSGRCV = r"""
+#define _POSIX_C_SOURCE 200809L /* (for sigaction: rqp.h itself needs no such macro) */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/sem.h>
+#include <rqp.h>
+/* What a System V programmer expects, each printed as "what: rc errno-name" */
+static void on_alarm(int sig) { (void)sig; }
+static void show(const char *what, long rc) {
+    int e = errno;
+    printf("%s: %ld %s\n", what, rc, rc >= 0 ? "-" : e == EINTR ? "EINTR" : e == EINVAL ?
+           "EINVAL" : e == EMSGSIZE ? "EMSGSIZE" : e == EAGAIN ? "EAGAIN" : "other");
+}
+int main(void) {
+    key_t xk = (key_t)0x52519990, dest = (key_t)0x52519991;
+    int xmit = rqp_open_transmission_queue(xk), full;
+    struct rqp_batch b;
+    struct sigaction sa;
+    char buf[64];
+    long mtype = 0;
+    struct { long t; char c[1]; } m = {1, {0}};
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_alarm;
+    sa.sa_flags = SA_RESTART; /* msgsnd and msgrcv are never restarted: EINTR all the same */
+    sigaction(SIGALRM, &sa, NULL);
+    /* the agents' own queues are no destination (swapped keys put records no host takes) */
+    show("swapped", rqp_put(xmit, xk, RQP_SURE_MSG, xk, "a", 1, NULL, 0, IPC_NOWAIT));
+    show("dead-letter queue", rqp_put(xmit, xk, RQP_SURE_MSG, RQP_DEFAULT_DEAD_LETTER_QUEUE,
+                                      "a", 1, NULL, 0, IPC_NOWAIT));
+    semget((key_t)0x52519992, 3, IPC_CREAT | 0600); /* another transmission queue's set */
+    show("another's", rqp_put(xmit, xk, RQP_SURE_MSG, (key_t)0x52519992, "a", 1, NULL, 0,
+                              IPC_NOWAIT));
+    show("size wraps", rqp_put(xmit, xk, RQP_SURE_MSG, dest, "a", (size_t)-65, NULL, 0,
+                               IPC_NOWAIT));
+    b.msg = (long *)&b; /* garbage */
+    show("begin refused", rqp_batch_begin(&b, 8192, 7, dest, NULL));
+    printf("then msg: %s\n", b.msg == NULL ? "NULL" : "garbage");
+    rqp_batch_rollback(&b);
+    show("begin for the DLQ", rqp_batch_begin(&b, 8192, 0, RQP_DEFAULT_DEAD_LETTER_QUEUE,
+                                              NULL));
+    /* a blocked receive and a blocked put end with EINTR, as msgrcv and msgsnd do */
+    full = msgget(dest, IPC_CREAT | 0600);
+    alarm(1);
+    show("receive", rqp_receive(dest, buf, sizeof buf, 0, &mtype, 0));
+    while (rqp_put(xmit, xk, RQP_UNSURE_MSG, dest, buf, sizeof buf, NULL, 0, IPC_NOWAIT) == 0)
+        ;
+    show("full", -1);
+    alarm(1);
+    show("put", rqp_put(xmit, xk, RQP_UNSURE_MSG, dest, buf, sizeof buf, NULL, 0, 0));
+    msgsnd(full, &m, 0, 0); /* an empty message, read into no buffer at all */
+    show("receive empty", rqp_receive(dest, NULL, 0, 0, NULL, IPC_NOWAIT));
+    msgctl(full, IPC_RMID, NULL);
+    msgctl(xmit, IPC_RMID, NULL);
+    semctl(semget((key_t)0x52519992, 0, 0), 0, IPC_RMID);
+    return 0;
+}
+"""
+
+
+def test_c_calls_behave_as_msgsnd_and_msgrcv_do_and_refuse_the_agents_queues(cc):
+    """A trial, as a System V programmer: rqp_receive and rqp_put retried EINTR, so a blocked
+    call never returned to an alarm() time-out; a put to the transmission queue's own key (its
+    two key arguments swapped) was taken and retried for ever; a size near SIZE_MAX wrapped
+    and overflowed the heap; a refused rqp_batch_begin left a garbage pointer that rollback
+    freed; rqp_receive of an empty message into NULL called memcpy(NULL). Built strict C99
+    with the undefined-behaviour sanitizer, run in its own IPC namespace."""
+    exe = cc("as_msgrcv", AS_MSGRCV, ("-std=c99", "-pedantic", "-fsanitize=undefined",
+                                      "-fno-sanitize-recover=all"))
+    done = subprocess.run(["unshare", "--ipc", str(exe)], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines() == [
+        "swapped: -1 EINVAL", "dead-letter queue: -1 EINVAL", "another's: -1 EINVAL",
+        "size wraps: -1 EMSGSIZE", "begin refused: -1 EINVAL", "then msg: NULL",
+        "begin for the DLQ: -1 EINVAL", "receive: -1 EINTR", "full: -1 EAGAIN",
+        "put: -1 EINTR", "receive empty: 0 -"], done.stdout
 
 
 def test_c_producer_to_c_consumer_dispatching_on_mtype(cc, testbed_factory):

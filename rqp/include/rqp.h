@@ -19,8 +19,22 @@
  * with its `mtype`, so msgrcv(id, &buf, size, TYPE, 0) reads it as for any System V queue.
  * rqp_receive() below is that, with the key looked up.
  *
- * Errors: functions return -1 and set errno (EINVAL: a value out of range; EMSGSIZE: the
- * record does not fit; anything msgget/msgsnd/msgrcv set).
+ * Errors: functions return -1 and set errno (EINVAL: a value out of range, or a destination
+ * that is one of the agents' own queues; EMSGSIZE: the record does not fit; anything
+ * msgget/msgsnd/msgrcv set). As msgsnd and msgrcv, a call interrupted by a signal handler
+ * fails with EINTR, whatever SA_RESTART says (nothing was put or taken: call it again).
+ *
+ * Threads and signals: no function keeps state between calls; they may be called from any
+ * number of threads at once (a struct rqp_batch belongs to one thread at a time). They are
+ * not async-signal-safe (rqp_put, rqp_receive and the batch functions call malloc).
+ *
+ * A record put while no sending MCA runs waits on the transmission queue until one does (the
+ * Python API starts one; from C, run rqp-sender, or its systemd unit). If the transmission
+ * queue is removed, rqp_put fails (EIDRM while it waited, then EINVAL for the stale id): get
+ * a new id from rqp_open_transmission_queue().
+ *
+ * Builds as C99 or later and as C++ (strict -std=c99 -pedantic too: the wall clock is read
+ * with gettimeofday, declared there without feature-test macros).
  */
 #ifndef RQP_H
 #define RQP_H
@@ -32,9 +46,9 @@
 #include <string.h>
 #include <sys/ipc.h>
 #include <sys/msg.h>
+#include <sys/sem.h>
 #include <sys/time.h>
 #include <sys/types.h>
-#include <time.h>
 #include <unistd.h>
 
 #define RQP_SURE_MSG 0
@@ -69,11 +83,17 @@ static inline struct rqp_extras rqp_default_extras(void) {
     return e;
 }
 
-/* The wall clock in Unix milliseconds plus `ttl_ms`: an expires_at_ms for "this long from now". */
+/* The wall clock in Unix nanoseconds (microsecond resolution). */
+static inline uint64_t rqp_now_ns_(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return (uint64_t)tv.tv_sec * 1000000000u + (uint64_t)tv.tv_usec * 1000u;
+}
+
+/* The wall clock in Unix milliseconds plus `ttl_ms`: an expires_at_ms for "this long from now"
+ * (milliseconds, as the field: time(NULL) + 60 is 1970 and expires at once). */
 static inline uint64_t rqp_expiry_in(uint64_t ttl_ms) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u + ttl_ms;
+    return rqp_now_ns_() / 1000000u + ttl_ms;
 }
 
 static inline void rqp_be_(unsigned char *p, uint64_t v, int n) {
@@ -86,8 +106,6 @@ static inline void rqp_be_(unsigned char *p, uint64_t v, int n) {
 /* The 64-byte header (values already checked). */
 static inline void rqp_header_(unsigned char *p, int message_type, unsigned flags,
                                key_t queue_key, const struct rqp_extras *e, uint64_t sequence) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
     memcpy(p, "RQPX", 4);
     p[4] = RQP_RECORD_VERSION;
     p[5] = (unsigned char)message_type;
@@ -95,7 +113,7 @@ static inline void rqp_header_(unsigned char *p, int message_type, unsigned flag
     rqp_be_(p + 8, (uint64_t)(uint32_t)queue_key, 8);      /* key_t in the low 32 bits */
     rqp_be_(p + 16, (uint64_t)(uint32_t)getpid(), 4);      /* producer_pid */
     rqp_be_(p + 20, sequence, 8);
-    rqp_be_(p + 28, (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec, 8);
+    rqp_be_(p + 28, rqp_now_ns_(), 8);
     rqp_be_(p + 36, (uint64_t)(int64_t)e->mtype, 8);
     rqp_be_(p + 44, e->expires_at_ms, 8);
     p[52] = (unsigned char)e->priority;
@@ -140,32 +158,50 @@ static inline int rqp_ring_doorbell(key_t xmit_key) {
     return 0;
 }
 
-/* msgsnd of a record on transmission queue `xmit_id`, retried on EINTR. msgsnd says EINVAL
- * both for a queue id that names no queue and for a message over the kernel's msgmax: the
- * second is EMSGSIZE here, as rqp_build_record says it (the queue is there, the type is 1). */
+/* msgsnd of a record on transmission queue `xmit_id` (EINTR as msgsnd: not retried). msgsnd
+ * says EINVAL both for a queue id that names no queue and for a message over the kernel's
+ * msgmax: the second is EMSGSIZE here, as rqp_build_record says it (the queue is there: its
+ * IPC_STAT works, or is refused for want of read permission; the type is 1). */
 static inline int rqp_send_record_(int xmit_id, const long *msg, size_t size, int msgflg) {
-    int rc;
+    int rc = msgsnd(xmit_id, msg, size, msgflg);
     struct msqid_ds ds;
-    do {
-        rc = msgsnd(xmit_id, msg, size, msgflg);
-    } while (rc < 0 && errno == EINTR);
-    if (rc < 0 && errno == EINVAL && msgctl(xmit_id, IPC_STAT, &ds) == 0)
-        errno = EMSGSIZE;
+    if (rc < 0 && errno == EINVAL) {
+        int there = msgctl(xmit_id, IPC_STAT, &ds) == 0 || errno == EACCES;
+        errno = there ? EMSGSIZE : EINVAL;
+    }
     return rc;
 }
 
+/* Whether `queue_key` names one of the agents' own queues, never a destination: the
+ * transmission queue given, the default ones, or any whose agent semaphores (a transmission
+ * queue's) or marker (DEAD.LETTER.Q's) exist on this host, as the Python API decides it. */
+static inline int rqp_agent_queue_(key_t queue_key, key_t xmit_key) {
+    return queue_key == xmit_key || queue_key == RQP_DEFAULT_TRANSMISSION_QUEUE ||
+           queue_key == RQP_DEFAULT_DEAD_LETTER_QUEUE || semget(queue_key, 0, 0) >= 0;
+}
+
 /* Put one message for queue `queue_key` on transmission queue `xmit_id` (from
- * rqp_open_transmission_queue): one msgsnd, which wakes the sending MCA. `xmit_key` is not
- * used (earlier versions rang a doorbell with it). msgflg as for msgsnd: 0 waits while the
- * transmission queue is full, IPC_NOWAIT fails with EAGAIN. EMSGSIZE: the record (64 bytes
- * and the payload) is over the kernel's msgmax. */
+ * rqp_open_transmission_queue): one msgsnd, which wakes the sending MCA. `xmit_key`: that
+ * queue's key (a queue_key equal to it, or naming another of the agents' queues, is EINVAL:
+ * the two swapped put records that no host would ever take). msgflg as for msgsnd: 0 waits
+ * while the transmission queue is full, IPC_NOWAIT fails with EAGAIN, a signal handler with
+ * EINTR. EMSGSIZE: the record (64 bytes and the payload) is over the kernel's msgmax. */
 static inline int rqp_put(int xmit_id, key_t xmit_key, int message_type, key_t queue_key,
                           const void *payload, size_t len, const struct rqp_extras *extras,
                           uint64_t sequence, int msgflg) {
     size_t size = RQP_HEADER_SIZE + len;
-    long *msg = (long *)malloc(sizeof(long) + size);
+    long *msg;
     ssize_t n;
     int rc, saved;
+    if (len > (size_t)-1 - sizeof(long) - RQP_HEADER_SIZE) { /* (no size wraps round) */
+        errno = EMSGSIZE;
+        return -1;
+    }
+    if (queue_key != 0 && rqp_agent_queue_(queue_key, xmit_key)) {
+        errno = EINVAL;
+        return -1;
+    }
+    msg = (long *)malloc(sizeof(long) + size);
     if (msg == NULL)
         return -1;
     msg[0] = 1; /* every transmission record has System V type 1 */
@@ -203,14 +239,19 @@ struct rqp_batch {
 /* Start a batch whose record may be up to `cap` bytes: the kernel's msgmax
  * (/proc/sys/kernel/msgmax, 8192 by default; a bigger cap lets rqp_batch_commit fail with
  * EMSGSIZE). extras: priority and expiry for the whole batch (its mtype is ignored; NULL:
- * defaults). 0, or -1 (EINVAL; ENOMEM). After commit or rollback, begin again before adding. */
+ * defaults). 0, or -1 (EINVAL, also for one of the agents' own queues, as rqp_put; ENOMEM);
+ * after a failure b->msg is NULL, so that rqp_batch_rollback(b) is safe. After commit or
+ * rollback, begin again before adding; begin on a batch still open would lose its buffer
+ * (commit or roll it back first). */
 static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_type,
                                   key_t queue_key, const struct rqp_extras *extras) {
     struct rqp_extras e = extras ? *extras : rqp_default_extras();
     e.mtype = 1;
+    b->msg = NULL;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) ||
         e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY || queue_key == 0 ||
-        cap < RQP_HEADER_SIZE + RQP_MEMBER_HEADER_SIZE) {
+        cap < RQP_HEADER_SIZE + RQP_MEMBER_HEADER_SIZE || cap > (size_t)-1 - sizeof(long) ||
+        rqp_agent_queue_(queue_key, 0)) {
         errno = EINVAL;
         return -1;
     }
@@ -264,14 +305,14 @@ static inline void rqp_batch_rollback(struct rqp_batch *b) {
     b->count = 0;
 }
 
-/* Put the whole batch with one msgsnd on transmission queue `xmit_id` (`xmit_key` is not
- * used, as for rqp_put); then free it. An empty batch puts nothing. 0, or -1: EINVAL if it was not
- * begun (or was committed or rolled back already), else errno from msgsnd (the batch is kept:
- * commit again or roll back). */
+/* Put the whole batch with one msgsnd on transmission queue `xmit_id` (a queue_key equal to
+ * `xmit_key` is EINVAL, as for rqp_put); then free it. An empty batch puts nothing. 0, or -1:
+ * EINVAL if it was not begun (or was committed or rolled back already), else errno from
+ * msgsnd, EINTR included (the batch is kept: commit again or roll back). */
 static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_key,
                                    uint64_t sequence, int msgflg) {
     int rc;
-    if (b->msg == NULL) {
+    if (b->msg == NULL || b->queue_key == xmit_key) {
         errno = EINVAL;
         return -1;
     }
@@ -293,7 +334,7 @@ static inline int rqp_batch_commit(struct rqp_batch *b, int xmit_id, key_t xmit_
 /* Take one message from local queue `queue_key` as msgrcv's msgtyp selects it (0: the first;
  * > 0: the first of that type; < 0: the first of the lowest type up to -msgtyp) into buf (cap
  * bytes); its length, and its type in *mtype if not NULL; or -1 (ENOMSG with IPC_NOWAIT and
- * nothing there, ENOENT: no such queue). */
+ * nothing there, ENOENT: no such queue, EINTR: a signal handler ran, as for msgrcv). */
 static inline ssize_t rqp_receive(key_t queue_key, void *buf, size_t cap, long msgtyp,
                                   long *mtype, int msgflg) {
     long *msg;
@@ -301,15 +342,18 @@ static inline ssize_t rqp_receive(key_t queue_key, void *buf, size_t cap, long m
     int saved, id = msgget(queue_key, 0);
     if (id < 0)
         return -1;
+    if (cap > (size_t)-1 - sizeof(long)) {
+        errno = EINVAL;
+        return -1;
+    }
     msg = (long *)malloc(sizeof(long) + cap);
     if (msg == NULL)
         return -1;
-    do {
-        n = msgrcv(id, msg, cap, msgtyp, msgflg);
-    } while (n < 0 && errno == EINTR);
+    n = msgrcv(id, msg, cap, msgtyp, msgflg);
     saved = errno;
     if (n >= 0) {
-        memcpy(buf, msg + 1, (size_t)n);
+        if (n > 0)
+            memcpy(buf, msg + 1, (size_t)n);
         if (mtype)
             *mtype = msg[0];
     }
