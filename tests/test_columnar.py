@@ -107,6 +107,28 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
     assert later["totals"]["lines"] == 2 * PER_FILE + 3
 
 
+def test_a_file_cut_short_waits_until_whole_and_odd_path_names_are_read(spark, generated,
+                                                                         tmp_path):
+    """Two trials: a copy still being made (cut short) was taken with the lines before the
+    cut and, taken once by name, never counted whole; and an archive under "arch ivé" (or
+    with % or #) was not found, the store handing Spark its own percent-encoded names."""
+    odd = tmp_path / "arch iv\u00e9 50%41 #1"
+    archive = archive_of(odd, generated[:2])
+    whole = generated[2].read_bytes()
+    copying = archive / generated[2].name
+    copying.write_bytes(whole[:len(whole) // 2])
+    store = tmp_path / "store"
+    first = report(spark, archive, tmp_path / "out1", store)
+    [(name, why)] = first["store"]["left_out"].items()
+    assert name.endswith(generated[2].name) and why.startswith("cut short"), first["store"]
+    assert first["totals"]["lines"] == 2 * PER_FILE  # none of the cut file's lines
+    copying.write_bytes(whole)  # the copy is done
+    second = report(spark, archive, tmp_path / "out2", store)
+    assert second["store"]["new_files"] == 1 and second["store"]["left_out"] == {}
+    direct = report(spark, archive, tmp_path / "out3", None)
+    assert second["totals"]["lines"] == 3 * PER_FILE and answers(second) == answers(direct)
+
+
 def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None = None):
     temp = out.with_name(f"{out.name}-tmp")  # (a job killed -9 leaves its JVM's directory)
     temp.mkdir()

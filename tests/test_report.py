@@ -422,10 +422,12 @@ def test_a_run_that_fails_while_writing_leaves_no_earlier_summary_beside_its_tab
     out = tmp_path / "out"
     out.mkdir()
     (out / "summary.json").write_text('{"by_reason": []}\n')  # an earlier run's
+    (out / "report.html").write_text("<p>an earlier run's page</p>\n")  # (a trial read it
+    # as the stopped run's)
     (out / "parquet").write_text("in the way\n")  # (a file: the first table cannot be written)
     assert job.main(["--input", str(archive), "--output", str(out)]) != 0
     capsys.readouterr()
-    assert not (out / "summary.json").exists()
+    assert not (out / "summary.json").exists() and not (out / "report.html").exists()
 
 
 def test_job_summary_totals(report):
@@ -435,7 +437,7 @@ def test_job_summary_totals(report):
     assert summary["totals"] == {
         "files": 3, "lines": 14, "unreadable_lines": 1, "duplicates_dropped": 1,
         "dead_letters": 12, "reasons": 7, "queues": 5, "source_hosts": 3,
-        "destination_hosts": 3, "likely_recoverable": 6,
+        "destination_hosts": 2, "likely_recoverable": 6,  # ("(unknown)" is none)
     }
     assert summary["first_seen"] == "2025-03-03T09:05:00.123456Z"
     assert summary["last_seen"] == "2025-03-03T11:50:00.000000Z"

@@ -32,8 +32,9 @@ A compaction:
    (a host upgraded before the report) is left out whole (the batch is written again without
    it), and so is a file Spark could not read a line of (not gzip, not text); both are named in
    the run's warnings and ``summary.json``, and not taken: a later run takes them once the
-   report reads that schema or the file was put right. (A gzip file cut short yields the lines
-   before the cut, and Spark's warning, and is taken: ``ignoreCorruptFiles``);
+   report reads that schema or the file was put right. A local gzip file cut short (no gzip
+   end: a copy still being made) is left out the same way, before Spark reads it, and taken
+   once it is whole (read directly, without the store, it gives the lines before the cut);
 5. writes ``batches/<B>.json`` (temporary name, rename): from that moment, and not before, the
    batch counts.
 
@@ -45,10 +46,13 @@ killed after step 5 the batch is complete. No record is counted twice or dropped
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import os
 import secrets
 import time
+import urllib.parse
+import zlib
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -111,6 +115,33 @@ def _same_as_metadata(uri: str) -> str:
     """A file's URI as Spark lists it (``file:///a/b``) spelled as its rows' ``_metadata``
     name it (``file:/a/b``): the one name by which the store knows what it took."""
     return "file:/" + uri[len("file:///"):] if uri.startswith("file:///") else uri
+
+
+def _spark_path(uri: str) -> str:
+    """A file's URI as listed (percent-encoded: ``file:/a%20b``) as a path Spark reads (Hadoop
+    takes path strings unescaped: a trial's archive under "arch ivé" was not found, as
+    ``arch%2520iv%C3%A9``). Its rows' ``_metadata`` name it by the URI again."""
+    return urllib.parse.unquote(uri) if uri.startswith("file:") else uri
+
+
+def _cut_short(uri: str) -> str | None:
+    """Why a local gzip file may not be taken yet: it ends before its gzip end (a copy still
+    being made, as by rsync from another host). Spark reads the lines before the cut, and the
+    store, which takes a file once by name, would never count the rest (a trial: 1,083 dead
+    letters short, for good, without a word). None for a whole file, one of another kind, or
+    one not on this host's disk."""
+    if not uri.startswith("file:") or not uri.endswith(".gz"):
+        return None
+    path = urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except EOFError:
+        return "cut short (no gzip end: a copy still being made?); taken once it is whole"
+    except (OSError, zlib.error):
+        return None  # (not gzip, or damaged: Spark's reading says which, as before)
+    return None
 
 
 def per_file(rows: DataFrame) -> list:
@@ -233,9 +264,10 @@ class Store:
         not text: it yields no line): neither is taken, so a later run takes it once the report
         reads its schema or the file was put right. Leaving out a file of the first kind
         writes the batch again without it (its other lines must not count twice)."""
-        left_out: dict[str, str] = {}
-        while True:
-            self._write(batch, read_archives(self.spark, new))
+        left_out = {f: why for f in new if (why := _cut_short(f)) is not None}
+        new = [f for f in new if f not in left_out]
+        while new:
+            self._write(batch, read_archives(self.spark, [_spark_path(f) for f in new]))
             checked = {r[FILE_COLUMN]: r for r in per_file(self._read([batch]))}
             wrong = {f: r for f, r in checked.items() if r["wrong"]}
             for f in new:
@@ -249,8 +281,7 @@ class Store:
                                f"({', '.join(map(str, READABLE_SCHEMAS))})")
             self._delete_batch(batch)
             new = [f for f in new if f not in left_out]
-            if not new:
-                return {}, left_out
+        return {}, left_out
 
     def _write(self, batch: str, raw: DataFrame) -> None:
         columns = [f.name for f in STORE_SCHEMA.fields if f.name not in PARTITIONS]

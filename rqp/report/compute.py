@@ -347,6 +347,9 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         # From here the output directory is rewritten: without summary.json (written last)
         # it is no finished report, so one stopped half-way is not taken for the last one.
         delete(spark, _join(output, "summary.json"))
+        # and without the page of the last one beside tables half rewritten (a trial's stop
+        # left the old report.html, read as if it were this run's)
+        delete(spark, _join(output, "report.html"))
         written: dict[str, DataFrame] = {}
         for table in TABLES:
             written[table.name] = write_table(
@@ -391,7 +394,9 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
             "reasons": len(by_reason),
             "queues": written["by_queue"].count(),
             "source_hosts": written["by_source_host"].count(),
-            "destination_hosts": written["by_destination_host"].count(),
+            # (hosts named: "(unknown)", a record that does not say, is none)
+            "destination_hosts": written["by_destination_host"].where(
+                F.col("destination") != analysis.UNKNOWN_HOST).count(),
             "likely_recoverable": sum(r["count"] for r in recoverable_by_reason),
         },
         "first_seen": _iso(first),
