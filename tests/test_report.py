@@ -399,7 +399,8 @@ def test_job_writes_every_output(spark, report):
         header = parts[0].read_text().splitlines()[0].split(",")
         assert header == spark.read.parquet(str(parquet)).columns, table
     assert (out / "summary.json").exists() and (out / "report.html").exists()
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
+    assert not [p for p in out.iterdir() if p.name.startswith(".")
+                and p.name != job.OUTPUT_LOCK]  # no temporary files left (the lock stays)
     # the small tables are one file each, sorted
     by_reason = spark.read.parquet(str(out / "parquet" / "by_reason"))
     assert [(r.reason, r["count"]) for r in by_reason.collect()] == [
@@ -481,6 +482,24 @@ def test_job_input_errors_are_clear(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert job.main(["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "o")]) == 2
     assert "no archive files" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_output_is_refused_while_one_writes(archive, tmp_path,
+                                                                        capsys):
+    """A trial started two runs into one --output: they overwrote each other's tables, one
+    failing with 40 lines of Spark errors. The second is refused before Spark starts."""
+    import fcntl
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / job.OUTPUT_LOCK, "w") as held:  # a run writing there
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        assert job.main(["--input", str(archive), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {out}: another rqp-dlq-report into {out} already runs (pid 4242" in err \
+        and "give another --output" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [job.OUTPUT_LOCK]  # nothing written
 
 
 def test_job_uses_the_running_session(spark):

@@ -71,6 +71,7 @@ if not __package__:
     sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
 
 import argparse
+import contextlib
 import glob
 import importlib
 import importlib.util
@@ -154,6 +155,31 @@ def check_local_output(output: str, option: str = "--output") -> None:
         raise ReportError(f"{option} {output}: {target} is not a directory")
     if not os.access(target, os.W_OK | os.X_OK):
         raise ReportError(f"{option} {output}: no permission to write in {target}")
+
+
+#: The file in a local --output a run holds an exclusive flock on, while it writes there.
+OUTPUT_LOCK = ".rqp-dlq-report.lock"
+
+
+@contextlib.contextmanager
+def output_lock(output: str):
+    """One run at a time into a local ``--output`` (a trial: two runs at once overwrote each
+    other's tables, one failing with 40 lines of Spark errors); Hadoop URIs: the operator's
+    part. Held from before Spark starts to the end of the run."""
+    path = local_path(output)
+    if path is None:
+        yield
+        return
+    from rqp.storage.archive import ArchiveError, lock_file
+
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(lock_file(os.path.join(path, OUTPUT_LOCK),
+                                         f"another {PROG} into {output}"))
+        except ArchiveError as exc:
+            raise ReportError(f"--output {output}: {exc}: wait for it, or give another "
+                              "--output") from None
+        yield
 
 
 # ------------------------------------------------------------------------------------------
@@ -281,9 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "--reports" if args.reports else "--output")
         if args.store is not None:
             check_local_output(args.store, "--store")
-        compute = load_compute()
-        with compute.jvm_temp():
-            return _report(compute, args)
+        with output_lock(args.output) if not args.reports else contextlib.nullcontext():
+            compute = load_compute()
+            with compute.jvm_temp():
+                return _report(compute, args)
     except (ReportError, ArchiveSchemaError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
