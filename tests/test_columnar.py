@@ -142,6 +142,17 @@ def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None =
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
+def test_a_glob_input_is_read_without_a_java_stack_trace(generated, tmp_path):
+    """A trial: a glob --input worked, but Spark's FileStreamSink printed a 90-line
+    FileNotFoundException first, which reads as a failure in a journal."""
+    archive = archive_of(tmp_path, generated[:2])
+    done = _job(Path(f"{archive}/*.jsonl.gz"), tmp_path / "out", None)
+    assert done.returncode == 0, done.stderr
+    assert "Exception" not in done.stderr and "\tat org.apache" not in done.stderr, done.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["totals"]["lines"] == \
+        2 * PER_FILE
+
+
 def test_a_kill_between_writing_and_recording_counts_nothing_twice(spark, generated, tmp_path):
     archive = archive_of(tmp_path, generated[:2])
     store = tmp_path / "store"

@@ -543,6 +543,7 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
         session = builder.getOrCreate()
         session.conf.get("spark.sql.session.timeZone")  # (the session's SQL state, made on
         # first use, and with it its UI tab: here, where a Ctrl-C waits for it)
+        _quiet_loggers(session)
         return session
 
     try:
@@ -563,6 +564,19 @@ def get_session(master: str | None) -> tuple[SparkSession, bool]:
 
 
 _MASTER_HINT = "a master is local[N], spark://HOST:PORT, yarn or k8s://https://HOST:PORT"
+
+#: Spark's loggers whose warnings say nothing about the report's input, at ERROR: for a glob
+#: --input, FileStreamSink looks for a streaming sink's metadata under the glob as a path and
+#: warns with a 90-line FileNotFoundException (a trial read it as a failure in the journal);
+#: a plan too long to print is no news either.
+QUIET_LOGGERS = ("org.apache.spark.sql.execution.streaming.sinks.FileStreamSink",
+                 "org.apache.spark.util.SparkStringUtils")
+
+
+def _quiet_loggers(spark: SparkSession) -> None:
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+    for name in QUIET_LOGGERS:
+        log4j.core.config.Configurator.setLevel(name, log4j.Level.ERROR)
 
 
 def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
