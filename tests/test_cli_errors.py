@@ -78,6 +78,12 @@ def test_report_output_onto_a_file_is_refused_before_spark(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"--output {tmp_path / 'taken' / 'report'}: {tmp_path / 'taken'} is not a directory" \
         in out.stderr
+    # the store, kept in the archive by default: a trial's archive was read-only to its user
+    (archive / ".columnar").write_text("in the way\n")
+    out = run("rqp.report.job", "--input", str(archive), "--output", str(tmp_path / "out"),
+              cwd=tmp_path)
+    assert out.returncode == 2 and "give --store DIR elsewhere, or --no-store" in out.stderr, \
+        out.stderr
 
 
 def test_rqpctl_whose_reader_went_away_exits_as_on_sigpipe(tmp_path):

@@ -151,10 +151,12 @@ def check_local_output(output: str, option: str = "--output") -> None:
     target = Path(path).absolute()
     while not target.exists():
         target = target.parent
+    hint = (" (the store is kept in the archive by default: give --store DIR elsewhere, or "
+            "--no-store)") if option == "--store" else ""
     if not target.is_dir():
-        raise ReportError(f"{option} {output}: {target} is not a directory")
+        raise ReportError(f"{option} {output}: {target} is not a directory{hint}")
     if not os.access(target, os.W_OK | os.X_OK):
-        raise ReportError(f"{option} {output}: no permission to write in {target}")
+        raise ReportError(f"{option} {output}: no permission to write in {target}{hint}")
 
 
 #: The file in a local --output a run holds an exclusive flock on, while it writes there.
