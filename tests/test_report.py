@@ -439,6 +439,7 @@ def test_job_summary_totals(report):
         "files": 3, "lines": 14, "unreadable_lines": 1, "duplicates_dropped": 1,
         "dead_letters": 12, "reasons": 7, "queues": 5, "source_hosts": 3,
         "destination_hosts": 2, "likely_recoverable": 6,  # ("(unknown)" is none)
+        "implausible_times": 0,
     }
     assert summary["first_seen"] == "2025-03-03T09:05:00.123456Z"
     assert summary["last_seen"] == "2025-03-03T11:50:00.000000Z"
@@ -458,6 +459,33 @@ def test_job_summary_totals(report):
     assert [line.split()[:2] for line in stdout.splitlines() if line.startswith("TOTAL")] == [
         ["TOTAL", "12"]]
     assert "1 line(s)" in stderr and "dlq-0003.jsonl" in stderr
+
+
+def test_dead_letters_dated_by_a_wrong_clock_are_counted_and_kept_out_of_the_time_span(
+        spark, tmp_path, capsys):
+    """A trial: two rows dated 1970 and 2099 among a day's: first and last seen were 1970 and
+    2099, the timeline's bars a year wide, every queue "jumped" in the trends. They are
+    counted, said, and kept out of first/last seen, the timeline and the trends' window."""
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    lines = [json.dumps(line) for line in LINES[:11]]
+    lines += [json.dumps(dict(LINES[1], id="old", timestamp="1970-01-01T00:00:05Z")),
+              json.dumps(dict(LINES[1], id="far", timestamp="2099-01-01T00:00:00Z"))]
+    _write_gz(archive / "dlq-0001.jsonl.gz", lines)
+    out = tmp_path / "out"
+    assert job.main(["--input", str(archive), "--output", str(out), "--no-store"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 2 dead letter(s) dated before 2000-01-01 or more than 24 h after this " \
+        "run (a host's clock?)" in err, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["totals"]["dead_letters"] == 13 and summary["totals"]["implausible_times"] == 2
+    assert summary["first_seen"] == "2025-03-03T09:00:00.000000Z"  # (to the hour, then)
+    assert summary["last_seen"] == "2025-03-03T11:59:59.999999Z"
+    page = (out / "report.html").read_text()
+    assert 'id="implausible-times">2 dead letter(s) dated before 2000' in page
+    assert "Dead letters from 2025-03-03 09:00:00Z to 2025-03-03 11:59:59Z" in page
+    assert "by reason (1 h buckets, UTC)" in page  # (8760 h before)
+    # (the tables by reason, queue, ... still say each group's own first and last: the data)
 
 
 def test_job_rejects_a_schema_3_file_naming_it(spark, archive, tmp_path, capsys):

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from pyspark import SparkConf, SparkContext, StorageLevel
 from py4j.protocol import Py4JError
 from pyspark.errors import AnalysisException, PySparkException, PySparkRuntimeError
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from rqp.report import analysis, columnar
@@ -259,6 +259,17 @@ def _plain(row) -> dict:
             for k, v in row.asDict(recursive=True).items()}
 
 
+#: Dead-letter times a report takes for a host's clock, not for when it happened: before
+#: this, or more than PLAUSIBLE_AHEAD_HOURS after the run.
+PLAUSIBLE_FROM = _dt.datetime(2000, 1, 1, tzinfo=_dt.timezone.utc)
+PLAUSIBLE_AHEAD_HOURS = 24
+
+
+def _plausible(ts: Column, now: _dt.datetime) -> Column:
+    return ts.between(F.lit(PLAUSIBLE_FROM),
+                      F.lit(now + _dt.timedelta(hours=PLAUSIBLE_AHEAD_HOURS)))
+
+
 def _timeline(by_hour_reason: DataFrame, first, last) -> report_html.Timeline:
     """Dead letters per time bucket and reason, buckets as wide as needed for <= 200 bars."""
     if first is None:
@@ -361,10 +372,28 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     # From here on only the written aggregates are read (small), never the dead letters.
     reason_rows = written["by_reason"].orderBy(F.desc("count"), "reason").collect()
     by_reason = [_plain(r) for r in reason_rows]
+    # First and last seen, the timeline and the trends' window, over the times a clock can
+    # have given: a host that booted at 1970 (or ran in 2099) stretched every one of them (a
+    # trial: 26 dead letters of one day drawn in a bar a year wide, every queue "jumped").
+    generated = _dt.datetime.now(_dt.timezone.utc)
+    hours = written["by_hour_reason"].where(F.col("hour").isNotNull())
+    ok = _plausible(F.col("hour"), generated)
+    span = hours.agg(F.sum(F.when(~ok, F.col("count"))).alias("odd"),
+                     F.min(F.when(ok, F.col("hour"))).alias("first"),
+                     F.max(F.when(ok, F.col("hour"))).alias("last")).first()
+    implausible = int(span["odd"] or 0)
     first = min((r["first_seen"] for r in reason_rows if r["first_seen"] is not None),
                 default=None)
     last = max((r["last_seen"] for r in reason_rows if r["last_seen"] is not None),
                default=None)
+    if implausible:  # (to the hour, then: a reason's first or last may be the odd one)
+        first, last = span["first"], span["last"]
+        if last is not None:
+            last += _dt.timedelta(hours=1, microseconds=-1)
+        err.write(f"{PROG}: warning: {implausible} dead letter(s) dated before "
+                  f"{PLAUSIBLE_FROM:%Y-%m-%d} or more than {PLAUSIBLE_AHEAD_HOURS} h after this "
+                  "run (a host's clock?): counted, but left out of first and last seen, the "
+                  "timeline and the trends' window\n")
 
     def top(name: str, key: str) -> list[dict]:
         return [_plain(r) for r in written[name].orderBy(F.desc("count"), key).limit(TOP)
@@ -380,7 +409,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
     summary = {
         "report": PROG,
         "archive_schema": ARCHIVE_SCHEMA_VERSION,
-        "generated_at": _iso(_dt.datetime.now(_dt.timezone.utc)),
+        "generated_at": _iso(generated),
         "inputs": list(inputs),
         "traffic": traffic,
         "spark": {"version": spark.version, "master": spark.sparkContext.master},
@@ -398,6 +427,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
             "destination_hosts": written["by_destination_host"].where(
                 F.col("destination") != analysis.UNKNOWN_HOST).count(),
             "likely_recoverable": sum(r["count"] for r in recoverable_by_reason),
+            "implausible_times": implausible,
         },
         "first_seen": _iso(first),
         "last_seen": _iso(last),
@@ -428,7 +458,8 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         F.desc("count"), "reason", "queue_key", "host", "source", "destination")
         .limit(report_html.BREAKDOWN_ROWS).collect()]
     samples = [_plain(r) for r in written["samples"].orderBy("reason").collect()]
-    timeline = _timeline(written["by_hour_reason"], first, last)
+    timeline = _timeline(hours.where(ok) if implausible else written["by_hour_reason"],
+                         first, last)
     phases.done("summary")
     summary["phases_seconds"] = phases.seconds
     summary["elapsed_seconds"] = round(time.monotonic() - started, 3)

@@ -563,6 +563,11 @@ def render(summary: dict, timeline: Timeline, samples: list[dict],
         f'{_e(", ".join(inputs), 300)}. Dead letters from '
         f'{_e(_when(summary.get("first_seen")))} to {_e(_when(summary.get("last_seen")))} '
         f'(UTC).</p>')
+    if totals.get("implausible_times"):  # (a summary of an older report has none)
+        add(f'<p class="note" id="implausible-times">{_num(totals["implausible_times"])} dead '
+            'letter(s) dated before 2000 or more than a day after this report (a host\'s '
+            'clock?) are counted, but left out of first and last seen, the timeline and the '
+            'trends.</p>')
     cards = [
         ("total-dead-letters", "dead letters", _num(totals["dead_letters"])),
         ("total-lines", "archive lines read", _num(totals["lines"])),
