@@ -417,6 +417,26 @@ def test_retry_without_an_rqprc_is_refused_before_anything_is_touched(tmp_path, 
     assert sorted(p.name for p in archive.rglob("*")) == before
 
 
+def test_a_host_that_only_receives_may_discard_and_keep_but_not_send(tmp_path, capsys):
+    """A trial: the handler failed on a host that only receives, its .rqprc still the
+    installed template. Rules that do not send run; retry and forward say why they cannot."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x91, payload=b"gone")])
+    template = tmp_path / "rqprc"
+    template.write_text('rqp_template: "delete this line once the file is filled in"\n')
+    discard = rules_file(tmp_path, "rules:\n  - reason: QUEUE_FULL\n    action: discard\n")
+    base = ["dlq", "replay", "--archive", str(archive), "--rqprc", str(template)]
+    assert ctl.main([*base, "--rules", str(discard)]) == 0
+    assert "discarded 1" in capsys.readouterr().out and not list(read_archive(archive))
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x92, payload=b"kept")])
+    retry = rules_file(tmp_path, "rules:\n  - reason: QUEUE_FULL\n    action: retry\n")
+    assert ctl.main([*base, "--rules", str(retry)]) == 2
+    err = capsys.readouterr().err
+    assert "retry and forward put messages on the transmission queue of a .rqprc: " \
+        f"{template}: this is the template scripts/install put here" in err, err
+    assert [r["message_key"] for r in read_archive(archive)] == ["0x0000000000000092"]
+
+
 def test_the_handlers_drain_looks_at_the_queue_the_drain_empties(tmp_path, monkeypatch):
     """A review: with no .rqprc, replay --drain watched 0x5251DEAD while the rqp-dlq-drain it
     starts drained the receiving MCA's dead_letter_queue (a host that only receives)."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from rqp.cli import count, number, positive_seconds
 from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
-from rqp.config import ReceiverConfig, load_names_config, load_optional_rqprc
+from rqp.config import TEMPLATE_KEY, ReceiverConfig, load_names_config, load_optional_rqprc
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
@@ -158,13 +158,22 @@ class _Drain:
 
 def _replay(args) -> int:
     archive = _archive(args)
-    config = load_optional_rqprc(args.rqprc)
+    template = None
+    try:
+        config = load_optional_rqprc(args.rqprc)
+    except ConfigError as exc:  # (a host that only receives keeps the installed template: its
+        if exc.key != TEMPLATE_KEY:  # handler may still discard and keep, not send)
+            raise
+        config, template = None, exc
     rules = load_rules(args.rules, config=config)
     if args.poll is not None and not args.follow:
         raise ConfigError("--poll is for --follow")
     send = None
     if not args.dry_run and any(r.action in ("retry", "forward") or r.then == "forward"
                                 for r in rules):
+        if template is not None:
+            raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
+                              f"queue of a .rqprc: {template}")
         if config is None:
             raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
                               "queue of a .rqprc: give --rqprc (none was found)")
