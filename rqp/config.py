@@ -1419,6 +1419,14 @@ def load_receiver_config(
     return _receiver(data, str(file), lines, env, home)
 
 
+def receiver_config_path(given: str | os.PathLike | None = None) -> str | None:
+    """The receiving MCA's config a tool of this host reads: ``given``, else
+    :data:`SYSTEM_RECEIVER_CONFIG` if it exists, else None."""
+    if given is not None:
+        return str(given)
+    return str(SYSTEM_RECEIVER_CONFIG) if SYSTEM_RECEIVER_CONFIG.exists() else None
+
+
 def load_names_config(rqprc: str | os.PathLike | None = None,
                       receiver_config: str | os.PathLike | None = None,
                       say: Callable[[str], None] = lambda text: None):
@@ -1429,8 +1437,7 @@ def load_names_config(rqprc: str | os.PathLike | None = None,
     :data:`SYSTEM_RECEIVER_CONFIG` if it exists); else None (the defaults). A template with
     no receiver config is refused, as before. ``say`` is told which it read, when not the
     .rqprc."""
-    if receiver_config is None and SYSTEM_RECEIVER_CONFIG.exists():
-        receiver_config = SYSTEM_RECEIVER_CONFIG
+    receiver_config = receiver_config_path(receiver_config)
     try:
         config = load_optional_rqprc(rqprc)
     except ConfigError as exc:

@@ -179,18 +179,26 @@ def answered(r, frames: list[dict]) -> bytes:
     return r.pb.recv("ex", 2 * len(frames), timeout=15)["data"]
 
 
+def full_by_number(testbed, retries: int, empties: int):
+    """A receiver (put retried every 100 ms, ``retries`` times) with Q1 of 100 bytes holding
+    ``empties`` empty messages, and connection "ex" from b that has asked for Q1 with
+    MESSAGE_EX agreed."""
+    r = rig(testbed, {"put_retry_count": retries, "put_retry_interval": "100ms"})
+    r.qa.create(Q1, 0o666, max_size=100)
+    for _ in range(empties):
+        r.qa.put(Q1, b"")
+    r.pb.connect("ex", r.a.address, PORT)
+    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))
+    return r
+
+
 def test_a_queue_full_by_its_number_of_messages_gets_no_part_of_a_batch_and_no_late_expiry(
         testbed):
     """The kernel counts a queue's messages against msg_qbytes too: a queue of 100 bytes
     holding 95 empty messages has room for 100 bytes but 5 messages (a trial: a batch of 10
     was put half, "the queue filled up meanwhile" though nobody else wrote). And a message
     that waits for room is not put after its expiry (a trial's was put 175 ms after it)."""
-    r = rig(testbed, {"put_retry_count": 10, "put_retry_interval": "100ms"})
-    r.qa.create(Q1, 0o666, max_size=100)
-    for _ in range(95):
-        r.qa.put(Q1, b"")
-    r.pb.connect("ex", r.a.address, PORT)
-    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))
+    r = full_by_number(testbed, 10, 95)
     bodies = [b"B%d" % i for i in range(10)]
     assert answered(r, batch_frames(UNSURE_MSG, 100, Q1, bodies)) == DELIVERED_ERROR * 10
     assert r.qa.depth(Q1) == 95  # none of it put
@@ -223,12 +231,7 @@ def test_a_queue_full_by_its_number_of_messages_gets_no_part_of_a_batch_and_no_l
 def test_a_sure_batch_sent_again_needs_room_only_for_what_was_not_put(testbed):
     """Its first message was put already (a repeat, answered without a second put): the
     batch needs room for the second only (it waited for room for both, and was refused)."""
-    r = rig(testbed, {"put_retry_count": 2, "put_retry_interval": "100ms"})
-    r.qa.create(Q1, 0o666, max_size=100)
-    for _ in range(98):
-        r.qa.put(Q1, b"")
-    r.pb.connect("ex", r.a.address, PORT)
-    assert r.pb.exchange("ex", [ask(Q1, data=0x01)]) == bytes((5, 1))
+    r = full_by_number(testbed, 2, 98)
     assert answered(r, [raw(pack_message_ex(SURE_MSG, 500, Q1, 1, 4, 0, 0, b"a"))]) == \
         DELIVERED_YES  # 99 messages: room for one more
     assert answered(r, batch_frames(SURE_MSG, 500, Q1, [b"a", b"b"])) == DELIVERED_YES * 2

@@ -1444,10 +1444,11 @@ class SenderCore:
                                   f"hosts that offer queue {lane.queue_key:#x} do not take it "
                                   f"({why})")
             else:
+                no_host = _no_host(lane, why, True)
                 self._fire(msg, T.NO_HOST_LEFT_UNSURE)
-                self._error(lane.queue_key, _no_host(lane, why, True))
+                self._error(lane.queue_key, no_host)
                 self._dead_letter(msg, ReasonCode.NO_ROUTE, f"{msg.why_ex} needs MESSAGE_EX "
-                                  f"(spec section 6): {_no_host(lane, why, True)}")
+                                  f"(spec section 6): {no_host}")
         if waits:
             return False
         if lane.pending:

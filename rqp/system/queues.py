@@ -337,11 +337,16 @@ class LocalQueue:
         """IPC_STAT: owner, mode, depth, max_size. Needs read permission on the queue."""
         return self._call("reading its status", lambda: _stat(self._mq))
 
-    def room(self) -> int:
-        """Bytes that may be put on it now (``msg_qbytes`` minus the bytes in it), read from
-        ``/proc/sysvipc/msg``; what the kernel checks a put against."""
+    def _usage(self) -> tuple[int, int, int]:
+        """``msg_qbytes``, and the bytes and messages in the queue now (``/proc/sysvipc/msg``):
+        what the kernel checks a put against."""
         qbytes = self._call("reading the size of", lambda: self._mq.max_size)
-        used = next((q.bytes for q in list_queues() if q.id == self.id), 0)
+        info = next((q for q in list_queues() if q.id == self.id), None)
+        return (qbytes, *((info.bytes, info.messages) if info is not None else (0, 0)))
+
+    def room(self) -> int:
+        """Bytes that may be put on it now (``msg_qbytes`` minus the bytes in it)."""
+        qbytes, used, _ = self._usage()
         return qbytes - used
 
     def fits(self, nbytes: int, count: int = 1) -> bool:
@@ -349,9 +354,7 @@ class LocalQueue:
         the kernel's checks: the bytes in the queue, and the number of messages in it, stay
         within ``msg_qbytes`` (a queue of empty messages fills by their number: a trial's
         atomic batch met it half-way, its bytes having room)."""
-        qbytes = self._call("reading the size of", lambda: self._mq.max_size)
-        info = next((q for q in list_queues() if q.id == self.id), None)
-        used, held = (info.bytes, info.messages) if info is not None else (0, 0)
+        qbytes, used, held = self._usage()
         return used + nbytes <= qbytes and held + count <= qbytes
 
     @property

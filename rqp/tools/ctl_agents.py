@@ -22,7 +22,7 @@ from rqp import RQPError
 from rqp.cli import msgtyp, mtype, positive_int, positive_seconds, seconds
 from rqp.config import (
     QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, ReceiverConfig, find_rqprc,
-    load_receiver_config, load_sender_config, parse_host, parse_queue_key,
+    load_receiver_config, load_sender_config, parse_host, parse_queue_key, receiver_config_path,
 )
 from rqp.system.control import (
     NOT_RUNNING_HERE, ControlError, ControlNotAnswering, ControlRefused, request,
@@ -68,8 +68,7 @@ def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
 
 
 def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
-    if path is None and SYSTEM_RECEIVER_CONFIG.exists():
-        path = str(SYSTEM_RECEIVER_CONFIG)
+    path = receiver_config_path(path)
     config = load_receiver_config(path) if path else ReceiverConfig()
     return "receiver", _candidates(config.control_socket, "/run/rqp/receiver/control.sock",
                                    config.state_dir, "receiver")
@@ -672,8 +671,7 @@ def _queue_named(args) -> int:
     try:
         path = find_rqprc(args.rqprc)
     except ConfigError as exc:
-        receiver = args.receiver_config or (
-            str(SYSTEM_RECEIVER_CONFIG) if SYSTEM_RECEIVER_CONFIG.exists() else None)
+        receiver = receiver_config_path(args.receiver_config)
         if args.rqprc is not None or receiver is None:
             raise ConfigError(f"queue {args.queue!r} is a name, looked up in a .rqprc or the "
                               f"receiver's config (--receiver-config), or give its key: "
