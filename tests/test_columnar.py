@@ -129,6 +129,36 @@ def test_a_file_cut_short_waits_until_whole_and_odd_path_names_are_read(spark, g
     assert second["totals"]["lines"] == 3 * PER_FILE and answers(second) == answers(direct)
 
 
+def test_an_archive_moved_with_its_store_is_not_taken_again(spark, generated, tmp_path):
+    """A trial: ``mv`` of an archive (its ``.columnar/`` with it) made every file new again,
+    its lines and duplicates counted twice. A drain's file is known by its name; a file of
+    another name by its URI, as before."""
+    first_dir = tmp_path / "srv" / "dlq"
+    first_dir.mkdir(parents=True)
+    names = [f"dlq-vm-20261128T0600{i:02d}.000000Z-{100 + i}-000001.jsonl.gz"
+             for i in range(2)]
+    for f, name in zip(generated[:2], names):
+        shutil.copy(f, first_dir / name)
+    shutil.copy(generated[2], first_dir / "hand-made.jsonl.gz")
+    store = first_dir / ".columnar"
+    first = report(spark, first_dir, tmp_path / "out1", store)
+    assert first["store"]["new_files"] == 3 and first["totals"]["lines"] == 3 * PER_FILE
+
+    moved = tmp_path / "data" / "dlq"
+    moved.parent.mkdir()
+    shutil.move(first_dir, moved)
+    shutil.copy(generated[3], moved / "dlq-vm-20261128T070000.000000Z-200-000001.jsonl.gz")
+    after = report(spark, moved, tmp_path / "out2", moved / ".columnar")
+    # the new drain file and the hand-made one (known by its old URI) are taken
+    assert after["store"]["new_files"] == 2, after["store"]
+    assert after["store"]["files"] == 5 and after["store"]["batches"] == 2
+    assert after["totals"]["lines"] == 4 * PER_FILE + PER_FILE  # hand-made's counted twice...
+    direct = report(spark, archive_of(tmp_path / "direct", generated[:4]), tmp_path / "d", None)
+    assert (after["totals"]["duplicates_dropped"]  # ...and dropped by id
+            == direct["totals"]["duplicates_dropped"] + PER_FILE)
+    assert answers(after)["by_reason"] == answers(direct)["by_reason"]
+
+
 def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None = None):
     temp = out.with_name(f"{out.name}-tmp")  # (a job killed -9 leaves its JVM's directory)
     temp.mkdir()

@@ -19,9 +19,11 @@ A compaction:
 
 1. removes what an interrupted one left: ``batch=<B>`` directories that have no commit record,
    and Spark's ``data/_temporary``;
-2. lists the input files and leaves out every file a committed batch took (by URI): the archive
-   files are immutable once the drain has published them (replay only removes rows: a file it
-   rewrote is not taken again, the store keeps the history of what was dead-lettered);
+2. lists the input files and leaves out every file a committed batch took (a drain's file by
+   its name, unique across hosts and time, so a moved archive is not taken again; another file
+   by its URI): the archive files are immutable once the drain has published them (replay only
+   removes rows: a file it rewrote is not taken again, the store keeps the history of what was
+   dead-lettered);
 3. reads the new files once and writes them as batch ``<B>`` (through Spark's commit protocol):
    each read task (a large file, or many small ones packed together) writes one file per day it
    holds, its rows sorted by host and time, so that a query on one host skips the row groups of
@@ -117,6 +119,17 @@ def _same_as_metadata(uri: str) -> str:
     return "file:/" + uri[len("file:///"):] if uri.startswith("file:///") else uri
 
 
+def _identity(uri: str) -> str:
+    """The name by which the store knows an archive file it took: a drain's file by its name
+    alone, which is unique across hosts and time, so that an archive moved (``mv /srv/dlq
+    /data/dlq``, its ``.columnar/`` with it) or copied elsewhere is not taken again (a trial:
+    every file taken twice, lines and duplicates doubled); any other file by its URI."""
+    from rqp.storage.archive import is_drain_file_name
+
+    name = urllib.parse.unquote(uri.rstrip("/").rsplit("/", 1)[-1])
+    return name if is_drain_file_name(name) else uri
+
+
 def _spark_path(uri: str) -> str:
     """A file's URI as listed (percent-encoded: ``file:/a%20b``) as a path Spark reads (Hadoop
     takes path strings unescaped: a trial's archive under "arch ivé" was not found, as
@@ -182,8 +195,10 @@ class Store:
         return out
 
     def taken(self, committed: dict[str, dict] | None = None) -> set[str]:
+        """The archive files committed batches took, by identity (``_identity``: records
+        written before it was used hold URIs, which give the same identities)."""
         committed = self.committed() if committed is None else committed
-        return {f for record in committed.values() for f in record["files"]}
+        return {_identity(f) for record in committed.values() for f in record["files"]}
 
     # -- compaction ------------------------------------------------------------------------
 
@@ -229,7 +244,7 @@ class Store:
             taken = self.taken(committed)
             listed = [_same_as_metadata(f) for f in read_archives(self.spark, inputs)
                       .inputFiles()]
-            new = sorted(f for f in listed if f not in taken)
+            new = sorted(f for f in listed if _identity(f) not in taken)
             batch = None
             new_lines = 0
             left_out: dict[str, str] = {}
@@ -250,7 +265,7 @@ class Store:
                                  json.dumps(record, indent=1) + "\n")
                 committed[batch] = record
                 _crash_point("commit")
-                taken |= set(took)
+                taken |= {_identity(f) for f in took}
         return Compaction(store=self.path, batch=batch, new_files=len(new) - len(left_out),
                           new_lines=new_lines, files=len(taken), batches=len(committed),
                           removed_uncommitted=removed, left_out=left_out,

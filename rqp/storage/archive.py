@@ -128,6 +128,7 @@ __all__ = [
     "archive_files",
     "archived_ids",
     "find_rows",
+    "is_drain_file_name",
     "iso_utc",
     "lock_file",
     "payload_preview",
@@ -437,6 +438,12 @@ def rewrite_archive_file(path: str | os.PathLike, rows: Iterable[Mapping]) -> in
             tmp.unlink()
         raise
     return count
+
+
+def is_drain_file_name(name: str) -> bool:
+    """Whether ``name`` is an archive file's name as a drain makes it: unique across hosts
+    and time (host, microseconds, pid, counter), so it names the file wherever it is moved."""
+    return _FILE_RE.fullmatch(name) is not None
 
 
 def _file_sort_key(path: Path) -> tuple:
