@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rqp.report import job
 from tests.agents import make_queue, receive, send, start_receiver, start_sender, write_rqprc
+from tests.report_data import generate_archive
 
 CONFIG = Path(__file__).resolve().parent.parent / "config"
 RULES = CONFIG / "prometheus-rules.yaml"
@@ -34,18 +38,86 @@ def test_the_rules_are_valid_for_promtool():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     rules = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
-    assert rules == 10 and f"SUCCESS: {rules} rules found" in out.stdout
+    assert rules == 12 and f"SUCCESS: {rules} rules found" in out.stdout
 
 
 def test_every_rule_fires_in_its_promtool_unit_test():
     tests = yaml.safe_load((CONFIG / "prometheus-rules.test.yaml").read_text())
     tested = {case["alertname"] for t in tests["tests"] for case in t["alert_rule_test"]
-              if case["exp_alerts"]}
+              if case.get("exp_alerts")}
     rules = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
     assert tested == rules  # each alert is shown to fire (and most not to fire too early)
     out = subprocess.run([promtool(), "test", "rules", "prometheus-rules.test.yaml"],
                          cwd=CONFIG, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+#: The report job's metrics (its --metrics-file), which the agents do not export.
+REPORT_METRICS = {name for name, _ in job.METRICS}
+
+
+def _metrics(path) -> dict[str, float]:
+    return {name: float(value) for name, value in
+            re.findall(r"^(rqp_\w+) (\S+)$", path.read_text(), re.M)}
+
+
+def test_the_report_job_records_each_runs_outcome_for_its_alerts(spark, tmp_path, capsys):
+    """A failed or missed daily report was seen by nobody: each run now leaves its outcome in
+    --metrics-file (node_exporter's textfile collector), whatever it is, and the rules
+    RQPDeadLetterReportFailed and RQPDeadLetterReportStale read exactly those names."""
+    used = set(re.findall(r"\b(rqp_dlq_report_\w+)", RULES.read_text()))
+    assert used and used <= REPORT_METRICS
+    prom = tmp_path / "node-exporter" / "rqp-dlq-report.prom"
+    prom.parent.mkdir()
+    empty = tmp_path / "empty-archive"
+    empty.mkdir()
+
+    # an empty archive: an error for a person (exit 2), a success for the timer
+    assert job.main(["--input", str(empty), "--output", str(tmp_path / "o0"),
+                     "--metrics-file", str(prom)]) == 2
+    assert _metrics(prom)["rqp_dlq_report_last_run_exit_status"] == 2
+    assert _metrics(prom)["rqp_dlq_report_last_success_timestamp_seconds"] == 0  # never
+    before = time.time()
+    assert job.main(["--input", str(empty), "--output", str(tmp_path / "o1"), "--allow-empty",
+                     "--metrics-file", str(prom)]) == 0
+    assert "no archive files" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists()  # Spark was not started, nothing written
+    first = _metrics(prom)
+    assert first["rqp_dlq_report_last_run_exit_status"] == 0
+    assert before <= first["rqp_dlq_report_last_success_timestamp_seconds"] <= time.time()
+    assert stat.S_IMODE(prom.stat().st_mode) == 0o644  # (the collector is another user)
+
+    # a real report, in Spark
+    archive = tmp_path / "archive"
+    generate_archive(archive, files=1)
+    assert job.main(["--input", str(archive), "--output", str(tmp_path / "o2"),
+                     "--metrics-file", str(prom)]) == 0
+    done = _metrics(prom)
+    assert done["rqp_dlq_report_last_run_exit_status"] == 0
+    success = done["rqp_dlq_report_last_success_timestamp_seconds"]
+    assert success > first["rqp_dlq_report_last_success_timestamp_seconds"]
+    assert done["rqp_dlq_report_last_run_duration_seconds"] > 0
+
+    # a run that fails keeps the last success
+    assert job.main(["--input", str(archive), "--output", str(tmp_path / "o3"),
+                     "--store", "/proc/rqp-store", "--metrics-file", str(prom)]) == 2
+    failed = _metrics(prom)
+    assert failed["rqp_dlq_report_last_run_exit_status"] == 2
+    assert failed["rqp_dlq_report_last_success_timestamp_seconds"] == success
+    assert failed["rqp_dlq_report_last_run_timestamp_seconds"] > success
+    lint = subprocess.run([promtool(), "check", "metrics"], input=prom.read_text(),
+                          capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert set(_metrics(prom)) == REPORT_METRICS
+    assert not [p for p in prom.parent.iterdir() if p != prom]  # (no temporary file left)
+
+    # a metrics file it cannot write is said before anything runs
+    capsys.readouterr()
+    assert job.main(["--input", str(archive), "--output", str(tmp_path / "o4"),
+                     "--metrics-file", str(tmp_path / "nowhere" / "r.prom")]) == 2
+    assert f"--metrics-file {tmp_path}/nowhere/r.prom: {tmp_path}/nowhere is not a " \
+        "directory" in capsys.readouterr().err
+    assert not (tmp_path / "o4").exists()
 
 
 def test_the_rules_use_metrics_the_agents_export(testbed):
@@ -61,7 +133,7 @@ def test_the_rules_use_metrics_the_agents_export(testbed):
     exported = a.run([*ctl, "--agent", "sender", "--rqprc", str(rqprc)]).stdout + \
         b.run([*ctl, "--agent", "receiver", "--socket", str(receiver_sock)]).stdout
     names = set(re.findall(r"^# TYPE (\w+) ", exported, re.M))
-    used = set(re.findall(r"\b(rqp_\w+)", RULES.read_text()))
+    used = set(re.findall(r"\b(rqp_\w+)", RULES.read_text())) - REPORT_METRICS
     assert used and used <= names, f"not exported: {sorted(used - names)}"
     # both agents at once: one valid exposition, an agent label on every sample (a trial:
     # the two printed one after the other repeated HELP lines)

@@ -143,15 +143,13 @@ def verify(root: Path, *units: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def verifiable(scratch):
-    """The scratch root plus what verify needs of the system: its units, /bin/kill and
-    /bin/sh (the report's ExecCondition)."""
+    """The scratch root plus what verify needs of the system: its units and /bin/kill."""
     assert shutil.which("systemd-analyze"), "systemd-analyze is missing (Debian: systemd)"
     target = scratch / "usr/lib/systemd/system"
     if not target.exists():
         shutil.copytree("/lib/systemd/system", target, symlinks=True)
     (scratch / "bin").mkdir(exist_ok=True)
     shutil.copy2("/bin/kill", scratch / "bin/kill")
-    shutil.copy2("/bin/sh", scratch / "bin/sh")
     # the drain's command comes with the dead-letter tools; a stand-in if it is not there yet
     drain = scratch / "opt/rqp/venv/bin/rqp-dlq-drain"
     if not drain.exists():
@@ -178,14 +176,16 @@ def test_verify_does_catch_a_broken_unit(verifiable):
 
 def test_the_report_runs_daily_into_dated_runs():
     """Issue 16: rqp-dlq-report.timer builds the report once a day (made up after downtime),
-    keeping dated runs with a latest link; an empty archive skips the run instead of failing
-    it."""
+    keeping dated runs with a latest link; an empty archive is a run that succeeded (not a
+    failed one), and a drop-in can add options (--metrics-file) without repeating the
+    command."""
     service = (REPO / "systemd/rqp-dlq-report.service").read_text()
     timer = (REPO / "systemd/rqp-dlq-report.timer").read_text()
     assert "Type=oneshot" in service and "User=rqp" in service
     assert "--reports /var/lib/rqp/dlq-reports --keep 14" in service
     assert "--input /var/lib/rqp/dlq-archive" in service  # where rqp-dlq-drain.service puts it
-    assert "ExecCondition=" in service and "$$f" in service  # ($f alone is systemd's)
+    assert "--keep 14 --allow-empty $RQP_REPORT_OPTIONS\n" in service
+    assert "\nEnvironment=RQP_REPORT_OPTIONS=\n" in service  # (empty: zero arguments)
     assert "OnCalendar=*-*-* 05:30:00" in timer and "Persistent=true" in timer
     assert "WantedBy=timers.target" in timer
 

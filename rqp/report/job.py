@@ -6,6 +6,7 @@
                    [--traffic PATH] [--drain --archive DIR] [--previous DIR]
                    [--store DIR | --no-store]
     rqp-dlq-report --input ... --reports DIR [--keep N] [...]
+    rqp-dlq-report ... [--allow-empty] [--metrics-file FILE.prom]
     spark-submit [--master URL ...] rqp/report/job.py --input ... --output ...
 
 Inputs are archive files (``*.jsonl.gz``, ``*.jsonl``), directories (searched recursively for
@@ -54,7 +55,12 @@ no ``--input`` the archive directory is the input.
 The command itself needs no PySpark: ``--help``, the options and the local inputs are checked
 first, and only then is the Spark half (:mod:`rqp.report.compute`) imported. Without PySpark
 (the ``spark`` extra) or Java the command says what to install; an archive with no files in it
-is reported without starting Spark.
+is reported without starting Spark (exit 2: nothing was written; with ``--allow-empty``, 0).
+
+``--metrics-file FILE`` (for node_exporter's textfile collector) is written at the end of
+every run, whatever its outcome: when it ended, its exit status, how long it took, and when a
+run last succeeded; the rules RQPDeadLetterReportFailed and RQPDeadLetterReportStale of
+``config/prometheus-rules.yaml`` watch them.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,17 +92,25 @@ from rqp.report import history
 from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 from rqp.system import signals
+from rqp.system.files import write_file_atomically
 
-__all__ = ["PROG", "ReportError", "ArchiveSchemaError", "check_local_inputs",
+__all__ = ["PROG", "ReportError", "ArchiveSchemaError", "EmptyArchive", "METRICS",
+           "check_metrics_file", "write_metrics_file", "check_local_inputs",
            "check_local_output", "default_store", "load_compute", "run_drain", "parse_args", "main"]
 
 # ------------------------------------------------------------------------------------------
 # Checks that need no Spark
 # ------------------------------------------------------------------------------------------
 
+class EmptyArchive(ReportError):
+    """The local inputs hold no archive file: nothing to report (``--allow-empty``: not an
+    error)."""
+
+
 def check_local_inputs(inputs: Sequence[str]) -> None:
     """Before Spark starts (seconds): local inputs that do not exist, or that hold no archive
-    file at all (an empty archive), are an error naming them. URIs are left to Spark."""
+    file at all (an empty archive: :class:`EmptyArchive`), are an error naming them. URIs are
+    left to Spark."""
     local = [local_path(p) for p in inputs]
     if any(p is None for p in local):
         return
@@ -114,7 +129,7 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
                     for f in Path(match).rglob(pattern)):
                 found = True
     if not found:
-        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
+        raise EmptyArchive(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
                           "the archive is empty, there are no dead letters to report (Spark "
                           "was not started, nothing was written)")
 
@@ -185,6 +200,59 @@ def output_lock(output: str):
 
 
 # ------------------------------------------------------------------------------------------
+# The run's outcome for monitoring
+# ------------------------------------------------------------------------------------------
+
+#: What ``--metrics-file`` holds: a daily batch job is watched by when it last succeeded
+#: (the alerts RQPDeadLetterReportFailed and RQPDeadLetterReportStale).
+LAST_SUCCESS = "rqp_dlq_report_last_success_timestamp_seconds"
+METRICS = (
+    ("rqp_dlq_report_last_run_timestamp_seconds", "When the last run of rqp-dlq-report ended "
+     "(Unix time)."),
+    ("rqp_dlq_report_last_run_exit_status", "The last run's exit status: 0 done (or nothing "
+     "to report), 1 Spark failed, 2 an error it named, 130 interrupted."),
+    ("rqp_dlq_report_last_run_duration_seconds", "How long the last run took."),
+    (LAST_SUCCESS, "When a run last ended with exit status 0 (Unix time; 0: never)."),
+)
+
+
+def check_metrics_file(path: str) -> None:
+    """Before Spark starts: ``--metrics-file``'s directory exists and can be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ReportError(f"--metrics-file {path}: is a directory (give a file name, e.g. "
+                          f"{os.path.join(path, 'rqp-dlq-report.prom')})")
+    if not os.path.isdir(directory):
+        raise ReportError(f"--metrics-file {path}: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ReportError(f"--metrics-file {path}: no permission to write in {directory}")
+
+
+def _last_success(path: str) -> float:
+    """The last success a previous run recorded in ``path`` (0 when none can be read)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == LAST_SUCCESS:
+                    return float(value)
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def write_metrics_file(path: str, status: int, started: float) -> None:
+    """The run's outcome in Prometheus' text format, for node_exporter's textfile collector
+    (written whole under a hidden temporary name, readable by all: the collector runs as
+    another user). A failed run keeps the time of the last success."""
+    ended = time.time()
+    values = (ended, status, ended - started, ended if status == 0 else _last_success(path))
+    text = "".join(f"# HELP {name} {doc}\n# TYPE {name} gauge\n{name} {value:.17g}\n"
+                   for (name, doc), value in zip(METRICS, values))
+    write_file_atomically(path, text.encode("ascii"), 0o644)
+
+
+# ------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------
 
@@ -248,6 +316,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--archive", metavar="DIR",
                         help="the drain's archive directory (the input when --input is not "
                              "given)")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="an archive with no files is nothing to report: exit 0 (not 2), "
+                             "without starting Spark")
+    parser.add_argument("--metrics-file", metavar="FILE",
+                        help="after every run, write its outcome there for node_exporter's "
+                             "textfile collector (FILE ending .prom): when it ended and how, "
+                             "and when a run last succeeded")
     args = parser.parse_args(argv)
     if args.master is not None and not MASTER_RE.fullmatch(args.master):
         parser.error(f"--master {args.master}: not a Spark master URL (local, local[N], "
@@ -301,10 +376,38 @@ def run_dated(compute, spark, args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
     signals.let_stops_through()
+    if args.metrics_file is None:
+        return _run(args)
+    started = time.time()
+    try:
+        check_metrics_file(args.metrics_file)
+    except ReportError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    status = 1  # (an exception the run did not expect)
+    try:
+        status = _run(args)
+    finally:
+        try:
+            write_metrics_file(args.metrics_file, status, started)
+        except OSError as exc:
+            print(f"{PROG}: error: --metrics-file {args.metrics_file}: cannot write it: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            status = status or 2
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.drain:
             run_drain(args.archive)
-        check_local_inputs(args.input)
+        try:
+            check_local_inputs(args.input)
+        except EmptyArchive as exc:
+            if not args.allow_empty:
+                raise
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 0
         check_local_output(args.reports or args.output,
                            "--reports" if args.reports else "--output")
         if args.store is not None:
