@@ -1024,6 +1024,16 @@ class _Fields:
                          f"after the prefix is ALL: every host gets a copy) while {plain} is not")
         return types.MappingProxyType(names)
 
+    def no_agent_queue_names(self, names: Mapping[str, int], own: Mapping[int, str]) -> None:
+        """A name under 'queues' for one of the agents' own queues is a mistake (a trial's
+        ``PROD_ONE: 0x5251DEAD``): no receiving MCA offers them, so every message sent to it
+        was dead-lettered."""
+        for name, key in names.items():
+            if key in own:
+                self.bad(f"queues.{name}", f"{key:#010x}", f"expected an application's queue: "
+                         f"{key:#010x} is this agent's {own[key]}, which no receiving MCA "
+                         "offers")
+
     def queue_set(self, path: str, value: object, names: Mapping[str, int]) -> QueueSet:
         """A list of queue keys, configured names and name patterns ('*' alone: every
         queue)."""
@@ -1144,6 +1154,10 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         f.bad(key, f"0x{given:08x}" if isinstance(given, int) and not isinstance(given, bool)
               else given, f"expected a key other than {other}'s (0x{xmit:08x})")
 
+    queues = f.queues()
+    f.no_agent_queue_names(queues, {dead: "dead_letter_queue (DEAD.LETTER.Q)",
+                                    xmit: "transmission_queue"})
+
     backoff_initial = f.get("retry_backoff_initial", parse_duration, DEFAULT_RETRY_BACKOFF_INITIAL)
     backoff_max = f.get("retry_backoff_max", parse_duration, DEFAULT_RETRY_BACKOFF_MAX)
     if backoff_max < backoff_initial:
@@ -1163,7 +1177,7 @@ def _build_sender(fields: _Fields) -> SenderConfig:
         confirm_timeout=f.get("confirm_timeout", parse_duration, DEFAULT_CONFIRM_TIMEOUT),
         connect_timeout=f.get("connect_timeout", parse_duration, DEFAULT_CONNECT_TIMEOUT),
         error_limit=f.get("error_limit", _parse_error_limit, ERROR_LIMIT),
-        queues=f.queues(),
+        queues=queues,
         retry_backoff_initial=backoff_initial,
         retry_backoff_max=backoff_max,
         window=f.get("window", _parse_window, DEFAULT_WINDOW),
@@ -1187,6 +1201,7 @@ def _build_receiver(fields: _Fields) -> ReceiverConfig:
 
     dead = f.get("dead_letter_queue", parse_queue_key, DEFAULT_DEAD_LETTER_QUEUE)
     queues = f.queues()
+    f.no_agent_queue_names(queues, {dead: "dead_letter_queue (DEAD.LETTER.Q)"})
     allow: QueueSet | None = None
     deny = QueueSet()
     names = {**queues, DEAD_LETTER_QUEUE_NAME: dead}

@@ -414,6 +414,10 @@ SENDER_ERRORS = [
     ("queues: {DEAD.LETTER.Q: 5}", "queues.DEAD.LETTER.Q", "'DEAD.LETTER.Q'", "built in"),
     ("queues: {RQP.XMIT.Q: 5}", "queues.RQP.XMIT.Q", "'RQP.XMIT.Q'", "cannot be redefined"),
     ("queues: [A]", "queues", "\"['A']\"", "expected a mapping of queue names to keys"),
+    ("queues: {PROD_ONE: 0x5251DEAD}", "queues.PROD_ONE", "'0x5251dead'",  # (a trial)
+     "0x5251dead is this agent's dead_letter_queue (DEAD.LETTER.Q), which no receiving MCA"),
+    ("queues: {PROD_ONE: 0x52510000}", "queues.PROD_ONE", "'0x52510000'",
+     "0x52510000 is this agent's transmission_queue"),
     ("state_dir: 5", "state_dir", "'5'", STATE_DIR_EXPECTED),
     ("state_dir: ''", "state_dir", "''", STATE_DIR_EXPECTED),
 ]
@@ -596,6 +600,8 @@ RECEIVER_ERRORS = [
     ("listen: 'a b:1'", "listen", "'a b:1'", "':7460'"),
     ("listen: 7460", "listen", "'7460'", "expected 'host:port'"),
     ("dead_letter_queue: 0", "dead_letter_queue", "'0'", "IPC_PRIVATE"),
+    ("dead_letter_queue: 0x99\nqueues: {A: 0x99}", "queues.A", "'0x00000099'",
+     "0x00000099 is this agent's dead_letter_queue (DEAD.LETTER.Q)"),
     ("max_message_size: 0", "max_message_size", "'0'", "expected a positive number of bytes"),
     ("max_message_size: 2GiB", "max_message_size", "'2GiB'", f"up to {HARD_MESSAGE_CAP}"),
     ("max_message_size: 8KB", "max_message_size", "'8KB'", "'8KiB'"),
