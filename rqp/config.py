@@ -22,6 +22,7 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
@@ -1376,6 +1377,19 @@ def read_yaml(path: Path) -> tuple[object, dict[str, int]]:
     return data, _node_lines(node, file)
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is no file to read, or None. A directory on the way that cannot be searched
+    is a reason too, not an exception (a trial: ``chmod 000`` of the config's directory, then
+    a reload, stopped both agents with exit status 70)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot read the file: {exc.strerror or exc}"
+    return None if stat.S_ISREG(mode) else "is not a file"
+
+
 def find_rqprc(
     path: _PathArg = None,
     *,
@@ -1392,13 +1406,13 @@ def find_rqprc(
     for given, origin in ((path, "given explicitly"), (env.get("RQPRC"), "named by $RQPRC")):
         if given:
             found = here / Path(given).expanduser()
-            if not found.is_file():
-                problem = "is not a file" if found.exists() else "no such file"
+            if problem := _not_a_file(found):
                 raise ConfigError(f"{found}: {problem} ({origin})", path=str(found))
             return found
     places = [here / ".rqprc", Path(_home_dir(env, home)) / ".rqprc", SYSTEM_RQPRC]
     for place in places:
-        if place.exists():
+        problem = _not_a_file(place)
+        if problem != "no such file":  # (one there that cannot be read is said, not skipped)
             return place
     looked = ", ".join(["$RQPRC (not set)", *map(str, places)])
     raise ConfigError(f"no .rqprc found; looked at: {looked}")
@@ -1427,8 +1441,7 @@ def load_receiver_config(
     if path is None:
         return _receiver(None, None, {}, env, home)
     file = Path(path).expanduser().absolute()
-    if not file.is_file():
-        problem = "is not a file" if file.exists() else "no such file"
+    if problem := _not_a_file(file):
         raise ConfigError(f"{file}: {problem}", path=str(file))
     data, lines = read_yaml(file)
     return _receiver(data, str(file), lines, env, home)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -431,6 +433,35 @@ def test_sender_errors(tmp_path: Path) -> None:
         assert message.startswith(f"{path}: key {key!r}: bad value {shown}: "), (line, message)
         assert expected in message, (line, message)
         assert (error.path, error.key) == (path, key), line
+
+
+def test_a_config_behind_a_directory_it_cannot_search_is_a_config_error(tmp_path: Path) -> None:
+    """A trial: a config whose directory could not be searched raised PermissionError out of
+    a reload (exit status 70). Run as uid 65534, as an agent's user would be."""
+    tmp_path.chmod(0o755)
+    hidden = tmp_path / "cfg"
+    hidden.mkdir()
+    (hidden / "rqprc").write_text("hosts: [a]\n")
+    (hidden / "r.yaml").write_text("plaintext: true\n")
+    hidden.chmod(0)
+    script = (
+        "import sys\nfrom rqp import config\n"
+        "for load in (config.load_sender_config, config.load_receiver_config):\n"
+        "    try: load(sys.argv[1] + '/' + ('rqprc' if load is config.load_sender_config "
+        "else 'r.yaml'))\n"
+        "    except config.ConfigError as exc: print(exc)\n"
+        "try: config.load_sender_config(env={'HOME': sys.argv[1]}, cwd=sys.argv[1])\n"
+        "except config.ConfigError as exc: print(exc)\n")
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", script, str(hidden)], capture_output=True,
+                          text=True, timeout=60, cwd=Path(config.__file__).parent.parent)
+    hidden.chmod(0o755)
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        f"{hidden}/rqprc: cannot read the file: Permission denied (given explicitly)",
+        f"{hidden}/r.yaml: cannot read the file: Permission denied",
+        # ./.rqprc that cannot be looked at is said, not passed over for another
+        f"{hidden}/.rqprc: cannot read the file: Permission denied",
+    ], done.stdout + done.stderr
 
 
 def test_error_message_form(tmp_path: Path) -> None:

@@ -1081,6 +1081,38 @@ def test_runs_with_no_config_file_at_all(testbed):
     assert (state / "receiver.dedup").exists()
 
 
+def test_a_reload_whose_config_directory_cannot_be_searched_is_refused(testbed):
+    """A trial: ``chmod 000`` of the directory holding the config, then SIGHUP, stopped the
+    receiving MCA (and the sending one) with exit status 70, an unexpected PermissionError;
+    under systemd the restart failed the same way, again and again. The reload is refused."""
+    testbed.workdir.chmod(0o755)
+    a_dir = testbed.workdir / "a"
+    cfg_dir = a_dir / "cfg"
+    r = rig(testbed, None, queues={Q1: 0o666}, user=65534,
+            before_start=lambda _: (a_dir.chmod(0o755), cfg_dir.mkdir(mode=0o755),
+                                    (cfg_dir / "r.yaml").write_text(
+                                        yaml.safe_dump({**BASE_CONFIG, "plaintext": True,
+                                                    "offer": {"allow": ["*"]}})),
+                                    ),
+            config_path=str(cfg_dir / "r.yaml"))
+    cfg_dir.chmod(0)
+    try:
+        r.rx.send_signal(signal.SIGHUP)
+        [refused] = wait_for(lambda: [line for line in r.log().splitlines()
+                                      if "reload refused" in line], timeout=20,
+                             message="the reload was neither refused nor taken")
+        assert refused.endswith(f"keeping the running configuration: {cfg_dir}/r.yaml: "
+                                "cannot read the file: Permission denied"), refused
+        assert r.rx.poll() is None
+        connect(r.pb, "c", r)
+        assert answers(r.pb.exchange("c", [ask(Q1), msg(Q1, b"after", key=1, type=SURE)])) \
+            == ["QUEUE_YES", "DELIVERED_YES"]
+        assert r.qa.drain(Q1) == [(1, b"after")]
+    finally:
+        cfg_dir.chmod(0o755)
+    assert r.a.stop(r.rx) == 0
+
+
 def test_as_root_with_no_offer_allow_nothing_is_offered(testbed):
     """Issue 12, safe defaults: root may write into every queue of the host, so without an
     offer.allow list it offers none of them (and says so), instead of all."""
