@@ -195,6 +195,8 @@ def test_units_say_why_not_dynamic_user_or_private_ipc():
         text = (REPO / "systemd" / unit).read_text()
         assert "Type=notify" in text and "ExecReload=/bin/kill -HUP $MAINPID" in text
         assert "Restart=on-failure" in text and "User=rqp" in text
+        # a config error (exit 1 at once) settles to failed, not a restart every 2 s for ever
+        assert "\nStartLimitIntervalSec=60s\nStartLimitBurst=5\n" in text.split("[Service]")[0]
         assert "Not DynamicUser=" in text and "Not PrivateIPC=" in text
         assert "\nDynamicUser=" not in text and "\nPrivateIPC=" not in text
         assert "SystemCallFilter=@system-service" in text
