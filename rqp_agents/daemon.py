@@ -149,6 +149,10 @@ class Daemon:
         self.log = log
         self._stopping = asyncio.Event()  # (bound to the running loop on first use)
         self._reloading = False
+        #: The last SIGHUP's outcome (None: none since the start): ``at`` (Unix time), ``ok``,
+        #: ``error`` (why it was refused). Status and metrics show it: a refused reload leaves
+        #: the agent running a config that is no longer the file's.
+        self.last_reload: dict | None = None
         self._servers: list = []
         self._pinger: asyncio.Task | None = None
         self._control_path: Path | None = None
@@ -314,6 +318,9 @@ class Daemon:
             self.reload()
         except RQPError as exc:
             self.log.error("reload refused, keeping the running configuration: %s", exc)
+            self.last_reload = {"at": time.time(), "ok": False, "error": str(exc)}
+        else:
+            self.last_reload = {"at": time.time(), "ok": True, "error": None}
         notify("READY=1")
 
     async def _watchdog(self, interval: float) -> None:

@@ -92,7 +92,7 @@ def sender_status(agent) -> dict:
     return {
         "agent": "sender", "pid": os.getpid(), "host": agent.host,
         "started_at": agent.started, "uptime": time.time() - agent.started,
-        "source": agent.config.source,
+        "source": agent.config.source, "last_reload": agent.last_reload,
         "transmission_queue": format_key(agent.config.transmission_queue),
         "transmission_queue_depth": _depth(agent.intake.queue),
         "transmission_queue_trouble": agent.intake.journal_full or agent.intake.trouble,
@@ -175,8 +175,7 @@ def sender_metrics(agent) -> str:
         ("rqp_sender_waiting_for_route", "gauge",
          "messages held while no host offers their queue (asking, or waiting to ask again)"),
         ("rqp_dead_letter_queue_depth", "gauge", "records on DEAD.LETTER.Q"),
-        ("rqp_transmission_queue_depth", "gauge", "records on the transmission queue"),
-        ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+        ("rqp_transmission_queue_depth", "gauge", "records on the transmission queue"))}
     for r in routes:
         q = {"queue": format_key(r["queue_key"]), "name": agent.config.queue_name(
             r["queue_key"]) or "", "peer": r["peer"] or ""}
@@ -228,8 +227,23 @@ def sender_metrics(agent) -> str:
         depth = _depth(queue)
         if depth is not None:
             m[name].add(depth)
-    m["rqp_up_seconds"].add(round(time.time() - agent.started, 3))
-    return render(list(m.values()))
+    return render([*m.values(), *_agent_metrics(agent)])
+
+
+def _agent_metrics(agent) -> list[Metric]:
+    """What each agent exports of itself: how long it has run, and its last reload."""
+    last = agent.last_reload
+    return [
+        Metric("rqp_up_seconds", "gauge", "seconds since the agent started").add(
+            round(time.time() - agent.started, 3)),
+        Metric("rqp_config_last_reload_successful", "gauge",
+               "0 while the last reload (SIGHUP) stands refused: the agent runs a config that "
+               "is no longer its file's; 1 otherwise (none since the start too)").add(
+            int(last is None or last["ok"])),
+        Metric("rqp_config_last_reload_timestamp_seconds", "gauge",
+               "Unix time of the last reload (SIGHUP), taken or refused; 0: none since the "
+               "start").add(round(last["at"], 3) if last else 0),
+    ]
 
 
 def _state_dir_trouble(agent) -> list[dict]:
@@ -250,7 +264,8 @@ def receiver_status(agent) -> dict:
     return {
         "agent": "receiver", "pid": os.getpid(), "host": agent.host,
         "started_at": agent.started, "uptime": time.time() - agent.started,
-        "source": agent.config.source, "listen": str(agent.config.listen),
+        "source": agent.config.source, "last_reload": agent.last_reload,
+        "listen": str(agent.config.listen),
         "state_dir": os.path.abspath(agent.config.state_dir),
         "max_message_size": agent.max_message_size,
         "dead_letter_queue": format_key(agent.config.dead_letter_queue),
@@ -332,8 +347,7 @@ def receiver_metrics(agent) -> str:
         ("rqp_receiver_dedup_oldest_seconds", "gauge",
          "age of the oldest key held (when full, how long a key stays in the window)"),
         ("rqp_receiver_queue_depth", "gauge", "messages waiting in each local queue"),
-        ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"),
-        ("rqp_up_seconds", "gauge", "seconds since the agent started"))}
+        ("rqp_receiver_queue_offered", "gauge", "1 if the queue is offered to askers"))}
     figures = agent.figures
     rows = [(format_key(key), f) for key, f in sorted(figures.by_queue.items())]
     for queue, f in rows + ([("forgotten", figures.forgotten)] if figures.forgotten_queues
@@ -381,5 +395,4 @@ def receiver_metrics(agent) -> str:
     for q in offered_queues(agent, among=figures.by_queue):
         m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
         m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
-    m["rqp_up_seconds"].add(round(time.time() - agent.started, 3))
-    return render(list(m.values()))
+    return render([*m.values(), *_agent_metrics(agent)])

@@ -860,6 +860,22 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     assert "ask_timout" in refused[0] and "did you mean 'ask_timeout'" in refused[0]
     send(a, api_rqprc, Q2, ["after a refused reload"])
     assert receive(c, Q2, 1) == ["after a refused reload"]
+    # ...and it is seen where an operator looks, not only in the log: the agent now runs a
+    # config that is not its file's (status exit 4, the metric the alert reads)
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(api_rqprc))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert re.search(r"\n  RELOAD REFUSED \d+s ago, still running the config it had: "
+                     rf"{re.escape(str(rqprc))}: .*ask_timout", out.stdout), out.stdout
+    metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(api_rqprc)).stdout
+    assert "\nrqp_config_last_reload_successful 0.0\n" in metrics, metrics
+    rqprc.write_text(with_c)  # put right: the next reload is taken, and the status healthy
+    sender.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(log_lines(a, sender, "reloaded")) == 2, timeout=20, message="no reload")
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(api_rqprc), "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert next(iter(json.loads(out.stdout).values()))["last_reload"]["ok"] is True
+    metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(api_rqprc)).stdout
+    assert "\nrqp_config_last_reload_successful 1.0\n" in metrics, metrics
 
     # the receiver: stop offering Q1, connections stay
     (b.workdir / "receiver.yaml").write_text(receiver_config(b, "offer:\n  deny: [0x52510001]\n"))
@@ -900,8 +916,9 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     running.write_text(receiver_config(b))
     for host, agent, config in ((a, "sender", ["--rqprc", str(api_rqprc)]),
                                 (b, "receiver", ["--receiver-config", str(running)])):
-        out = rqpctl(host, "status", "--agent", agent, *config)
-        assert out.returncode == 0, out.stdout + out.stderr
+        out = rqpctl(host, "status", "--agent", agent, *config)  # (found, and running...)
+        assert out.returncode == 4, out.stdout + out.stderr  # (...what its file no longer says)
+        assert "RELOAD REFUSED" in out.stdout and "cannot change while running" in out.stdout
 
 
 def test_rqpctl_send_starts_a_sending_mca_as_the_api_does(testbed):

@@ -174,6 +174,8 @@ def _print_sender(st: dict) -> None:
           + (f", {st['waiting_for_route']} waiting for a route" if st.get("waiting_for_route")
              else ""))
     print("  hosts: " + ", ".join(_host_line(h, now) for h in st["hosts"]))
+    if refused := _reload_refused(st):
+        print("  " + refused)
     if st.get("start_reserve_missing"):
         print(f"  START RESERVE MISSING: {st['start_reserve']} cannot be made "
               f"({st['start_reserve_missing']}): no SURE record is journaled until it is; make "
@@ -261,6 +263,16 @@ def _no_room(st: dict) -> str | None:
     return None
 
 
+def _reload_refused(st: dict) -> str | None:
+    """What an agent's status says of its last reload when it was refused (unhealthy until a
+    reload is taken or the agent restarts: it runs a config that is not its file's)."""
+    last = st.get("last_reload")
+    if not last or last.get("ok"):
+        return None
+    return (f"RELOAD REFUSED {_ago(last['at'], st['now'])} ago, still running the config it "
+            f"had: {last['error']}")
+
+
 def _state_trouble(st: dict) -> list[str]:
     """What a receiving MCA's status says of writes to its state_dir that failed within
     NO_ROOM_RECENT (unhealthy): its de-duplication window, its dead letters' spill files."""
@@ -295,6 +307,8 @@ def _print_receiver(st: dict) -> None:
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
     if no_room := _no_room(st):
         print("  " + no_room)
+    if refused := _reload_refused(st):
+        print("  " + refused)
     for line in _state_trouble(st):
         print("  " + line)
     for c in st["connections"]:
@@ -399,7 +413,8 @@ def _status_once(args) -> int:
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
                 or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
                 or st.get("start_reserve_missing")
-                or _no_room(st) or _state_trouble(st)) and code != EXIT_NOT_RUNNING:
+                or _no_room(st) or _state_trouble(st) or _reload_refused(st)) \
+                and code != EXIT_NOT_RUNNING:
             code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down; a disk)
         if not args.json:
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
