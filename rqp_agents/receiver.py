@@ -487,6 +487,13 @@ class Receiver(Daemon):
         log.info("listening on %s (%s); DEAD.LETTER.Q %s; max_message_size %d; host %s", where,
                  f"TLS, client certificates from {tls.ca}" if tls else "plaintext RQP/1",
                  format_key(self.config.dead_letter_queue), self.max_message_size, self.host)
+        window = self.dedup.state()
+        log.info("de-duplication window: %s", "off (dedup_window_keys is 0): a SURE message "
+                 "sent again is put again" if not window["max_keys"] else
+                 f"{window['keys']} key(s) kept from before the start, in {self.dedup.path} "
+                 f"(at most {window['max_keys']}, each kept "
+                 + ("until pushed out" if window["max_age"] is None
+                    else f"{window['max_age']:g}s") + ")")
         if self.config.peers is None:
             log.info("no peers rules: %s", "every peer with a certificate from the CA may use "
                      "every offered queue" if tls else "every peer may use every offered queue")
