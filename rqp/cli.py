@@ -99,6 +99,14 @@ def log_level(text: str) -> str:
     return text.upper()
 
 
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the installed package's version, the same for every command (an
+    operator asking which agents a host runs)."""
+    from rqp import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s (rqp) {__version__}")
+
+
 def add_log_level(parser: argparse.ArgumentParser) -> None:
     """``--log-level``, default ``$RQP_LOG_LEVEL`` or info, and ``--log-format``, default
     ``$RQP_LOG_FORMAT`` or text: the same options for every agent. A bad variable is refused

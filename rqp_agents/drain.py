@@ -52,7 +52,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from rqp.cli import add_log_level, positive_int, positive_seconds
+from rqp.cli import add_log_level, add_version, positive_int, positive_seconds
 from rqp.config import (
     QUEUE_NAME_RE, ReceiverConfig, SenderConfig, load_names_config, parse_queue_key,
 )
@@ -291,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="rqp-dlq-drain", description=__doc__.splitlines()[0],
         epilog="Each record is archived exactly once even if the drain is killed at any "
         "moment; see the README, section 'Dead-letter archive'.")
+    add_version(parser)
     parser.add_argument("--archive", metavar="DIR", required=True,
                         help="archive directory (created if missing)")
     parser.add_argument("--queue", metavar="KEY_OR_NAME",

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
-from rqp.cli import add_log_level, listen_address
+from rqp.cli import add_log_level, add_version, listen_address
 from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_host
 from rqp.protocol.access import Allowance, Peer
 from rqp.protocol.errors import LocalProtocolError
@@ -1345,6 +1345,7 @@ def _extras(message) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rqp-receiver", description=__doc__.splitlines()[0])
+    add_version(parser)
     parser.add_argument("--config", metavar="FILE", help="receiver YAML config (default: none; "
                         "documented defaults)")
     parser.add_argument("--listen", metavar="HOST:PORT", type=listen_address,

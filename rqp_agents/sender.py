@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rqp import SURE_MSG, RQPError
-from rqp.cli import add_log_level
+from rqp.cli import add_log_level, add_version
 from rqp.config import ConfigError, SenderConfig, load_sender_config, parse_host
 from rqp.protocol.constants import DEFAULT_PORT, KNOWN_EXTENSIONS
 from rqp.protocol.errors import RecordError
@@ -768,6 +768,7 @@ class Sender(Daemon):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rqp-sender", description=__doc__.splitlines()[0])
+    add_version(parser)
     parser.add_argument("--rqprc", metavar="FILE",
                         help="the .rqprc to use (default: $RQPRC, ./.rqprc, ~/.rqprc, "
                         "/etc/rqp/rqprc)")

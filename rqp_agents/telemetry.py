@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict
 
+from rqp import __version__
 from rqp.protocol.constants import QUEUE_MEMORY
 from rqp.protocol.errors import QueueNotFound, RQPError
 from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
@@ -91,7 +92,8 @@ def sender_status(agent) -> dict:
                     row[field] += to_wall
     return {
         "agent": "sender", "pid": os.getpid(), "host": agent.host,
-        "started_at": agent.started, "uptime": time.time() - agent.started,
+        "version": __version__, "started_at": agent.started,
+        "uptime": time.time() - agent.started,
         "source": agent.config.source, "last_reload": agent.last_reload,
         "transmission_queue": format_key(agent.config.transmission_queue),
         "transmission_queue_depth": _depth(agent.intake.queue),
@@ -234,6 +236,8 @@ def _agent_metrics(agent) -> list[Metric]:
     """What each agent exports of itself: how long it has run, and its last reload."""
     last = agent.last_reload
     return [
+        Metric("rqp_build_info", "gauge", "1, labelled with the agent's rqp version").add(
+            1, version=__version__),
         Metric("rqp_up_seconds", "gauge", "seconds since the agent started").add(
             round(time.time() - agent.started, 3)),
         Metric("rqp_config_last_reload_successful", "gauge",
@@ -263,7 +267,8 @@ def receiver_status(agent) -> dict:
     window = agent.dedup.state()  # (first: it drops the keys past their age)
     return {
         "agent": "receiver", "pid": os.getpid(), "host": agent.host,
-        "started_at": agent.started, "uptime": time.time() - agent.started,
+        "version": __version__, "started_at": agent.started,
+        "uptime": time.time() - agent.started,
         "source": agent.config.source, "last_reload": agent.last_reload,
         "listen": str(agent.config.listen),
         "state_dir": os.path.abspath(agent.config.state_dir),

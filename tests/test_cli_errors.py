@@ -28,6 +28,18 @@ def test_a_bad_log_level_in_the_environment_is_named(module, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing was set up
 
 
+@pytest.mark.parametrize("module, prog", [
+    ("rqp_agents.sender", "rqp-sender"), ("rqp_agents.receiver", "rqp-receiver"),
+    ("rqp_agents.drain", "rqp-dlq-drain"), ("rqp.tools.ctl", "rqpctl"),
+    ("rqp.report.job", "rqp-dlq-report")])
+def test_every_command_says_its_version(module, prog, tmp_path):
+    """A trial: an operator could not tell which version an agent ran."""
+    from rqp import __version__
+
+    out = run(module, "--version", cwd=tmp_path)
+    assert (out.returncode, out.stdout) == (0, f"{prog} (rqp) {__version__}\n"), out.stderr
+
+
 def test_a_bad_listen_address_is_refused_as_an_argument(tmp_path):
     out = run("rqp_agents.receiver", "--listen", "127.0.0.1:99999", cwd=tmp_path)
     assert out.returncode == 2

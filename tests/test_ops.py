@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import rqp
 from rqp import SURE_MSG, UNSURE_MSG
 from rqp.protocol.sender import (
     QUEUE_MEMORY, ROUTE_CACHE, ROUTE_STATES, WAITING_FOR_ROUTE_MAX, budget_size,
@@ -873,7 +874,8 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
     wait_for(lambda: len(log_lines(a, sender, "reloaded")) == 2, timeout=20, message="no reload")
     out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(api_rqprc), "--json")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert next(iter(json.loads(out.stdout).values()))["last_reload"]["ok"] is True
+    st = next(iter(json.loads(out.stdout).values()))
+    assert st["last_reload"]["ok"] is True and st["version"] == rqp.__version__
     metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(api_rqprc)).stdout
     assert "\nrqp_config_last_reload_successful 1.0\n" in metrics, metrics
 

@@ -34,7 +34,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from rqp.cli import count, number, positive_seconds
+from rqp.cli import add_version, count, number, positive_seconds
 from rqp.protocol.constants import DEFAULT_DEAD_LETTER_QUEUE
 from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import TEMPLATE_KEY, ReceiverConfig, load_names_config, load_optional_rqprc
@@ -382,6 +382,7 @@ def _list(args) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rqpctl", description=__doc__.splitlines()[0])
+    add_version(parser)
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
     dlq = groups.add_parser("dlq", help="the dead-letter archive", description="The "
                             "dead-letter archive written by rqp-dlq-drain.")
