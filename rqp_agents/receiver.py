@@ -73,6 +73,11 @@ LINGER = 1.0
 #: max_connections lingers at once (each holds a socket beyond max_connections meanwhile):
 #: more are closed at once.
 ROOM_LINGERING = 8
+#: Seconds a TLS connection's close waits for the peer's close_notify before its socket is
+#: let go anyway (asyncio waits 30 s: a trial's flood of peers that read nothing took the
+#: receiving MCA to its 4,096 descriptors with closed connections, and it stopped accepting).
+#: A peer that reads answers it within a round trip.
+TLS_CLOSE_GRACE = 1.0
 #: The kernel's send buffer of a connection (SO_SNDBUF; Linux doubles it): answers are 2
 #: octets, so this holds tens of thousands, and it bounds the answers a peer that reads none
 #: leaves in this host's memory (the kernel's autotuning let it grow to 4 MiB: a trial had 2
@@ -629,6 +634,7 @@ class Receiver(Daemon):
         task = asyncio.current_task()
         address = writer.get_extra_info("peername")
         peer_host = address[0] if address else "?"
+        tcp = writer.transport  # (under TLS's, once the handshake replaced it: see the end)
         if not self.gate.enter(peer_host, self._make_room):
             writer.close()
             return
@@ -649,6 +655,8 @@ class Receiver(Daemon):
             self._closed_for_room(task, writer, _peer(address), peer_host)
         finally:
             writer.close()
+            if writer.transport is not tcp:  # TLS: the close waits for the peer's close_notify
+                asyncio.get_running_loop().call_later(TLS_CLOSE_GRACE, tcp.abort)
             self._idle.pop(task, None)
             self._open.pop(task, None)
             self._evicted.pop(task, None)

@@ -481,6 +481,46 @@ def test_connections_that_never_handshake_cost_little_and_give_it_back(site):
     print(f"500 connections held: +{held:.0f} MB; all gone: +{after:.0f} MB")
 
 
+HOLD_TLS = r"""
+import json, socket, ssl, sys
+tls = json.loads(sys.argv[3])
+context = ssl.create_default_context(cafile=tls["ca"])
+context.load_cert_chain(tls["cert"], tls["key"])
+context.set_alpn_protocols(["rqp/1"])
+socks = [context.wrap_socket(socket.create_connection((sys.argv[1], int(sys.argv[2]))),
+                             server_hostname=sys.argv[1]) for _ in range(int(sys.argv[4]))]
+print("held", flush=True)
+sys.stdin.readline()  # (never reads: a close_notify sent to it is never answered)
+"""
+
+
+def test_a_tls_close_the_peer_never_answers_gives_its_descriptor_back_soon(site):
+    """A trial's flood of TLS connections that sent one frame and read nothing took the
+    receiving MCA to its 4,096 descriptors and it stopped accepting: each connection it closed
+    (for room, or at a time-out) waited for the peer's close_notify, asyncio's 30 s. The close
+    now waits at most TLS_CLOSE_GRACE for it."""
+    b, c = site.b, site.c
+    rx = start_receiver(b, config=site.receiver_config(
+        site.cert("b.rqp.test", ips=[b.address]), "first_frame_timeout: 1s\n"))
+    assert b"rqp_agents.receiver" in Path(f"/proc/{rx.pid}/cmdline").read_bytes()
+    fds = lambda: len(list(Path(f"/proc/{rx.pid}/fd").iterdir()))  # noqa: E731
+    before = fds()
+    holder = c.popen([sys.executable, "-c", HOLD_TLS, b.address, str(PORT),
+                      json.dumps(site.client_tls("c.rqp.test")), "20"],
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        # identified, then closed by first_frame_timeout (no frame came): the descriptors
+        # come back long before asyncio's 30 s, though the peer never answers the close
+        wait_for(lambda: site.receiver_status()["stats"].get("timed_out_connections", 0) >= 20
+                 or fds() <= before, timeout=20, message="the connections were not closed")
+        wait_for(lambda: fds() <= before, timeout=10,
+                 message=f"{fds() - before} descriptor(s) still held for closed connections")
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+
+
 def _ping_at_its_limit(a, b, receiver_config: str, tls: dict | None = None) -> str:
     """rqpctl ping from a to b's receiver, whose one connection a may have (it allows one per
     source) is the sending MCA's: what ping prints (it exits 1)."""
