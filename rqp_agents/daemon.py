@@ -18,7 +18,7 @@ from typing import Callable
 
 from rqp import RQPError
 from rqp.system import signals
-from rqp.system.control import serve_control, serve_metrics
+from rqp.system.control import ReusedMetrics, serve_control, serve_metrics
 from rqp.system.queues import format_key
 from rqp.system.tls import file_digests
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, tune_collector, watchdog_interval
@@ -204,10 +204,11 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         self._control_path = control_path
+        self._metrics = ReusedMetrics(self.metrics)  # (scrapes that come together share one)
         self._servers.append(await serve_control(control_path, self._control))
         if metrics_listen:
             self._servers.append(await serve_metrics(metrics_listen.host, metrics_listen.port,
-                                                     self.metrics))
+                                                     self._metrics))
             self.log.info("metrics on http://%s/metrics", metrics_listen)
 
     # --- unexpected errors: never a half-alive agent ---------------------------------------
@@ -333,7 +334,7 @@ class Daemon:
         if command == "status":
             return self.status()
         if command == "metrics":
-            return {"text": self.metrics()}
+            return {"text": self._metrics()}
         if command == "trace":
             key = request.get("key")
             if type(key) is not int or not 0 < key < 1 << 64:

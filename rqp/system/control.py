@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -29,10 +30,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rqp.protocol.errors import RQPError
 
 __all__ = ["default_socket", "serve_control", "request", "Metric", "render", "serve_metrics",
-           "ControlRefused",
+           "ReusedMetrics", "ControlRefused",
            "ControlError"]
 
 MAX_REQUEST = 64 * 1024
+#: Connections the control socket, and the metrics endpoint, serve at once; more are answered
+#: "busy" (control) or 503 (metrics) and closed: a trial's 1,100 idle control connections took
+#: the sending MCA's descriptors, and its connections to receivers failed.
+MAX_CLIENTS = 64
+#: Seconds a request may take to come, and an answer to be taken by its reader: then the
+#: connection is dropped with what it holds (a trial's 200 clients that asked for status and
+#: read nothing held 1.4 GB of answers in the sending MCA for good).
+CLIENT_TIMEOUT = 5.0
 
 
 class ControlError(RQPError):
@@ -67,26 +76,63 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict]]):
         except (ConnectionRefusedError, FileNotFoundError):
             path.unlink(missing_ok=True)
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            try:
-                req = json.loads(line[:MAX_REQUEST] or b"{}")
-                if not isinstance(req, dict):
-                    raise ValueError("a request is a JSON object")
-                answer = await handler(req)
-            except (ValueError, KeyError) as exc:
-                answer = {"error": f"bad request: {exc}"}
-            writer.write(json.dumps(answer, default=str).encode() + b"\n")
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    clients = _Clients()
 
-    server = await asyncio.start_unix_server(serve, str(path))
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with clients.one(writer) as admitted:
+            if not admitted:
+                await clients.answer(writer, json.dumps(
+                    {"error": f"busy: {MAX_CLIENTS} control connections are open, try again"}
+                ).encode() + b"\n")
+                return
+            try:
+                line = await asyncio.wait_for(reader.readline(), CLIENT_TIMEOUT)
+            except ValueError:  # (longer than the reader's limit: a trial's stopped the agent)
+                answer: dict = {"error": f"bad request: longer than {MAX_REQUEST} bytes"}
+            except (asyncio.TimeoutError, ConnectionError):
+                return
+            else:
+                try:
+                    req = json.loads(line or b"{}")
+                    if not isinstance(req, dict):
+                        raise ValueError("a request is a JSON object")
+                    answer = await handler(req)
+                except (ValueError, KeyError) as exc:
+                    answer = {"error": f"bad request: {exc}"}
+            await clients.answer(writer, json.dumps(answer, default=str).encode() + b"\n")
+
+    server = await asyncio.start_unix_server(serve, str(path), limit=MAX_REQUEST)
     os.chmod(path, 0o660)
     return server
+
+
+class _Clients:
+    """The connections a local endpoint serves: at most MAX_CLIENTS at once, each answer
+    written within CLIENT_TIMEOUT or dropped, every connection closed at its end."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+    @contextlib.contextmanager
+    def one(self, writer: asyncio.StreamWriter):
+        admitted = self.open < MAX_CLIENTS
+        self.open += admitted
+        try:
+            yield admitted
+        finally:
+            self.open -= admitted
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    @staticmethod
+    async def answer(writer: asyncio.StreamWriter, data: bytes) -> None:
+        try:
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), CLIENT_TIMEOUT)
+        except asyncio.TimeoutError:  # (a reader that takes nothing: its answer is let go)
+            writer.transport.abort()
+        except ConnectionError:
+            pass
 
 
 #: How :func:`request` begins to say that no agent listens on a control socket.
@@ -118,6 +164,10 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
     except PermissionError:
         raise ControlError(f"no permission to ask the agent on {path} (be in its group)") \
             from None
+    except BlockingIOError:  # (EAGAIN: the socket's backlog is full; a trial was told "not
+        raise ControlNotAnswering(  # running" of a frozen agent, and might start another)
+            f"the agent on {path} takes no more connections (its socket's backlog is full): "
+            "it runs, but is frozen (SIGSTOP?), hung or flooded") from None
     except (socket.timeout, OSError) as exc:
         raise ControlError(f"cannot ask the agent on {path}: {exc}") from None
     try:
@@ -125,6 +175,8 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
     except ValueError:
         raise ControlError(f"the agent on {path} gave an answer that is not JSON") from None
     if "error" in answer:
+        if str(answer["error"]).startswith("busy:"):
+            raise ControlNotAnswering(f"the agent on {path} is {answer['error']}")
         raise ControlRefused(f"the agent on {path}: {answer['error']}")
     return answer
 
@@ -165,27 +217,53 @@ class _Collector:
             yield family
 
 
+class ReusedMetrics:
+    """``produce()`` (an exposition), served again to what asks within as long as it took to
+    make: scrapes that come together share one (a trial's burst of 100, with 5,000 queues,
+    each took a second of the sending MCA's event loop, and nothing was delivered for
+    minutes), and one that comes later gets figures that are never older than that."""
+
+    def __init__(self, produce: Callable[[], str], clock=time.monotonic) -> None:
+        self._produce, self._clock = produce, clock
+        self._made: tuple[float, str] | None = None  # (when it was made, what)
+        self._took = 0.0
+
+    def __call__(self) -> str:
+        now = self._clock()
+        if self._made is None or now - self._made[0] > self._took:
+            text = self._produce()
+            made = self._clock()
+            self._made, self._took = (made, text), made - now
+        return self._made[1]
+
+
 async def serve_metrics(host: str, port: int, produce: Callable[[], str]):
-    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` answers ``produce()``; anything else 404."""
+    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` answers ``produce()``; anything else 404;
+    503 while MAX_CLIENTS connections are open."""
+    clients = _Clients()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            first = head.split(b"\r\n", 1)[0].split()
-            if len(first) >= 2 and first[0] == b"GET" and first[1].split(b"?")[0] == b"/metrics":
-                body = produce().encode()
-                status, kind = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+        with clients.one(writer) as admitted:
+            if not admitted:
+                body, status, kind = (f"busy: {MAX_CLIENTS} connections are open\n".encode(),
+                                      b"503 Service Unavailable", b"text/plain")
             else:
-                body, status, kind = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + kind
-                         + b"\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
+                                                  CLIENT_TIMEOUT)
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError,
+                        asyncio.LimitOverrunError, ConnectionError):
+                    return
+                first = head.split(b"\r\n", 1)[0].split()
+                if len(first) >= 2 and first[0] == b"GET" and \
+                        first[1].split(b"?")[0] == b"/metrics":
+                    body = produce().encode()
+                    status, kind = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+                else:
+                    body, status, kind = (b"not found: try /metrics\n", b"404 Not Found",
+                                          b"text/plain")
+            await clients.answer(writer, b"HTTP/1.0 " + status + b"\r\nContent-Type: " + kind
+                                 + b"\r\nContent-Length: " + str(len(body)).encode()
+                                 + b"\r\nConnection: close\r\n\r\n" + body)
 
     return await asyncio.start_server(serve, host, port, reuse_address=True)

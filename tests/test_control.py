@@ -1,0 +1,152 @@
+"""The agents' control socket and metrics endpoint under abuse (a monitoring trial): a request
+too long, clients that never read their answers or hold connections open, a burst of scrapes.
+The agent keeps serving, and gives back what such clients took."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from rqp.system import control
+from tests.agents import start_receiver
+from tests.testbed import wait_for
+
+RQPCTL = [sys.executable, "-m", "rqp.tools.ctl"]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_an_answer_nobody_reads_is_let_go(tmp_path):
+    """A trial: 200 clients asked for status (3.5 MB each, 4,096 queues) and read nothing; the
+    sending MCA held 1.4 GB of answers for good. Real server, real socket, in this process."""
+    path = tmp_path / "c.sock"
+    big = {"text": "x" * (8 << 20)}  # (far beyond what the kernel buffers for a reader)
+
+    async def main() -> None:
+        async def handler(request: dict) -> dict:
+            return big
+
+        server = await control.serve_control(path, handler)
+        try:
+            before = _fds()
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, str(path))
+            client.send(b'{"command": "status"}\n')
+            # the server's end is open (writing), then closed once the answer has waited
+            # CLIENT_TIMEOUT, though the client holds its end and never reads
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while _fds() < before + 2 and loop.time() < deadline:  # (accepted: the
+                await asyncio.sleep(0.05)  # server's end too)
+            assert _fds() == before + 2, "the server did not take the connection"
+            deadline = loop.time() + control.CLIENT_TIMEOUT + 10
+            while _fds() > before + 1 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert _fds() == before + 1, "the server still holds the connection"
+            got = b""
+            try:
+                while chunk := client.recv(1 << 20):
+                    got += chunk
+            except (BlockingIOError, ConnectionResetError):
+                pass
+            assert len(got) < len(json.dumps(big))  # dropped, not kept for the reader
+            client.close()
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_the_metrics_of_scrapes_that_come_together_are_made_once():
+    made = []
+    ticks = iter([0.0, 2.0,   # made at 0, taking 2 s
+                  3.0,        # asked 1 s after: within what it took, the same
+                  5.0, 5.5])  # asked 3 s after: made again (taking 0.5 s)
+    metrics = control.ReusedMetrics(lambda: made.append(1) or f"m{len(made)}",
+                                    clock=lambda: next(ticks))
+    assert [metrics(), metrics(), metrics()] == ["m1", "m1", "m2"]
+
+
+@pytest.fixture
+def receiver(testbed):
+    b = testbed.add_host("b")
+    sock = b.workdir / "receiver.sock"
+    rx = start_receiver(b, config=f"control_socket: {sock}\nmetrics_listen: '127.0.0.1:9747'\n")
+    return b, rx, sock
+
+
+def _status(b, sock: Path):
+    return b.run([*RQPCTL, "status", "--agent", "receiver", "--socket", str(sock)],
+                 check=False, timeout=60)
+
+
+HOSTILE = r"""
+import socket, sys
+path, how = sys.argv[1], sys.argv[2]
+def connect():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    return s
+if how == "long":
+    s = connect()
+    s.sendall(b"x" * 70000)
+    s.shutdown(socket.SHUT_WR)
+    print(s.makefile("rb").read().decode(), end="", flush=True)
+elif how == "crowd":  # more than MAX_CLIENTS connections that send nothing
+    held = [connect() for _ in range(int(sys.argv[3]))]
+    answers = []
+    for s in held[-5:]:  # the last ones: answered "busy" at once
+        s.settimeout(3)
+        answers.append(s.makefile("rb").readline().decode().strip())
+    print("\n".join(answers), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_request_too_long_is_refused_and_the_agent_runs_on(receiver):
+    """A trial: 70,000 bytes without a newline stopped either agent with exit status 70 (an
+    uncaught ValueError of readline). Anyone who may read the status could do it."""
+    b, rx, sock = receiver
+    out = b.run([sys.executable, "-c", HOSTILE, str(sock), "long"], timeout=60)
+    assert json.loads(out.stdout) == {"error": "bad request: longer than 65536 bytes"}
+    assert rx.poll() is None
+    assert _status(b, sock).returncode == 0
+
+
+def test_a_crowd_on_the_control_socket_is_told_busy_and_status_says_it_runs(receiver):
+    """A trial: 1,100 idle control connections took the sending MCA's descriptors (its
+    connections to receivers failed: Too many open files). At most MAX_CLIENTS are served; the
+    rest are answered busy at once, and rqpctl status says the agent runs (exit 3, not
+    answering), never that it is not running."""
+    b, rx, sock = receiver
+    fds = lambda: len(os.listdir(f"/proc/{rx.pid}/fd"))  # noqa: E731
+    before = fds()
+    crowd = b.popen([sys.executable, "-c", HOSTILE, str(sock), "crowd",
+                     str(control.MAX_CLIENTS + 40)], stdin=__import__("subprocess").PIPE)
+    try:
+        said = wait_for(lambda: len(lines := b.output(crowd, "stdout").splitlines()) == 5
+                        and lines, timeout=30, message="the crowd was not answered")
+        assert [json.loads(line) for line in said] == [
+            {"error": f"busy: {control.MAX_CLIENTS} control connections are open, try again"}
+        ] * 5
+        assert fds() <= before + control.MAX_CLIENTS + 5  # (the busy ones are closed)
+        out = _status(b, sock)
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert "is busy: 64 control connections are open" in out.stdout + out.stderr
+        assert "not running" not in out.stdout + out.stderr
+        # the crowd's idle connections time out (CLIENT_TIMEOUT): served again
+        wait_for(lambda: _status(b, sock).returncode == 0, timeout=30,
+                 message="the agent did not answer again after the crowd's time-out")
+    finally:
+        crowd.kill()
+        crowd.wait(timeout=10)
+    assert rx.poll() is None
