@@ -172,6 +172,9 @@ def sender_metrics(agent) -> str:
          "cannot be made): they wait on the transmission queue"),
         ("rqp_sender_start_reserve_missing", "gauge",
          "1 while the reserve kept in state_dir for the next start cannot be made (no room)"),
+        ("rqp_sender_transmission_queue_unreadable", "gauge",
+         "1 while the transmission queue cannot be read (its permissions, a kernel error): "
+         "nothing is taken from it, tried again every second"),
         ("rqp_sender_dead_letters_held", "gauge",
          "dead letters held in memory because DEAD.LETTER.Q is full"),
         ("rqp_sender_waiting_for_route", "gauge",
@@ -221,6 +224,7 @@ def sender_metrics(agent) -> str:
         m["rqp_dead_letters_total"].add(count, reason=reason)
     m["rqp_journal_depth"].add(agent.intake.journal.live_count)
     m["rqp_sender_journal_full"].add(int(agent.intake.journal_full is not None))
+    m["rqp_sender_transmission_queue_unreadable"].add(int(agent.intake.trouble is not None))
     m["rqp_sender_start_reserve_missing"].add(int(agent.reserve.missing is not None))
     m["rqp_sender_dead_letters_held"].add(agent.dead_letters_held)
     m["rqp_sender_waiting_for_route"].add(agent.core.waiting_for_route())

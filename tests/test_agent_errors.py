@@ -214,10 +214,15 @@ def test_a_transmission_queue_it_cannot_read_shows_in_the_status(hosts):
                    message="the status did not say the queue cannot be read")
     assert "(1 waiting; CANNOT READ IT: injected: msgrcv(MSG_COPY) failed: Invalid " \
         "argument)" in out.stdout, out.stdout
+    # ...and the metrics (a trial: no metric said so, no alert fired)
+    metrics = [*status[:3], "metrics", *status[4:]]
+    unreadable = "\nrqp_sender_transmission_queue_unreadable {}\n"
+    assert unreadable.format("1.0") in a.run(metrics).stdout
     flag.unlink()
     assert receive(b, Q1, 1) == ["waits"]
     out = a.run(status, check=False)
     assert out.returncode == 0 and "CANNOT READ" not in out.stdout, out.stdout
+    assert unreadable.format("0.0") in a.run(metrics).stdout
     assert len(log_lines(a, sender, "cannot read the transmission queue")) == 1  # said once
 
 

@@ -38,7 +38,7 @@ def test_the_rules_are_valid_for_promtool():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     rules = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
-    assert rules == 13 and f"SUCCESS: {rules} rules found" in out.stdout
+    assert rules == 14 and f"SUCCESS: {rules} rules found" in out.stdout
 
 
 def test_every_rule_fires_in_its_promtool_unit_test():
