@@ -143,3 +143,8 @@ def test_the_rules_use_metrics_the_agents_export(testbed):
                           text=True, timeout=60)
     assert lint.returncode == 0, lint.stdout + lint.stderr  # (a counter x_total and a gauge x)
     assert 'rqp_up_seconds{agent="sender"}' in both and 'rqp_up_seconds{agent="receiver"}' in both
+    # one of them not answering: the other's samples keep their label (a trial: they lost it,
+    # and its series changed with which agents answered)
+    one = a.run([*ctl, "--socket", str(sender_sock), "--socket", str(b.workdir / "gone.sock")],
+                check=False)
+    assert one.returncode == 3 and 'rqp_up_seconds{agent="sender"}' in one.stdout, one.stdout

@@ -533,6 +533,10 @@ def test_trace_follows_messages_by_key(site):
                       str(rqprc)).stdout
         assert text.startswith(f"sender-52510000: in flight to {b.address}:{PORT} for queue "
                                "0x52510001 PROD_THE_SCHED_COMMON, taken "), text
+        # the frozen receiver cannot be asked: not "nobody knows it" (1), but 3 (a trial)
+        out = rqpctl(b, "trace", hex(base + 3), "--agent", "receiver", "--receiver-config",
+                     receiver_config)
+        assert out.returncode == 3 and "not answering" in out.stdout, out.stdout
     finally:
         receiver.send_signal(signal.SIGCONT)
     assert receive(b, Q1, 1) == ["journey"]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rqp import RQPError
-from rqp.cli import msgtyp, mtype, positive_int, positive_seconds, seconds
+from rqp.cli import msgtyp, mtype, number, positive_int, seconds
 from rqp.config import (
     QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, ReceiverConfig, find_rqprc,
     load_receiver_config, load_sender_config, parse_host, parse_queue_key, receiver_config_path,
@@ -33,6 +33,9 @@ from rqp.storage.journal import FULL as JOURNAL_FULL
 
 EXIT_NOT_RUNNING = 3
 EXIT_UNHEALTHY = 4
+#: status --watch: between a tenth of a second (each asks every agent) and a day (a trial's
+#: 1e308 ended in a traceback, 1e-9 asked 250 times a second).
+WATCH_SECONDS = number(float, minimum=0.1, maximum=86400, what="a number of seconds")
 UNHEALTHY = ("stalled", "retrying", "no route", "connecting", "stopped")
 EXIT_REFUSED = 2  # the agent refused the request (a bad argument), as argparse exits
 #: What rqpctl ping asks for when .rqprc names no queue (QUEUE_NO is an answer too).
@@ -424,8 +427,9 @@ def _status_once(args) -> int:
 
 
 def trace(args) -> int:
-    """Where one message is, by its RQP key, as each agent on this host knows it."""
-    found = False
+    """Where one message is, by its RQP key, as each agent on this host knows it: exit 0 if
+    one knows it, else 3 if one could not be asked (it might), else 1."""
+    found = unasked = False
     answers = {}
     targets = _targets(args)
     for name, candidates in targets:
@@ -437,6 +441,7 @@ def trace(args) -> int:
             if name == "receiver" and _receiver_optional(args, targets):
                 answers[name]["configured"] = False
                 continue  # (a sending-only host)
+            unasked = True
             if not args.json:
                 print(_not_reached(name, exc))
             continue
@@ -450,7 +455,7 @@ def trace(args) -> int:
         print(f"{name}: {_trace_line(got, time.time())}")
     if args.json:
         print(json.dumps(answers, indent=2, default=str))
-    return 0 if found else 1
+    return 0 if found else EXIT_NOT_RUNNING if unasked else 1
 
 
 def _trace_line(t: dict, now: float) -> str:
@@ -559,7 +564,7 @@ def metrics(args) -> int:
             notes.append(f"# {_not_reached(name, exc)}")
             code = EXIT_NOT_RUNNING
     print("\n".join(notes), end="\n" if notes else "")
-    if len(texts) == 1:
+    if len(texts) == 1 and len(targets) == 1:
         print(next(iter(texts.values())), end="")
     elif texts:
         print(merge_expositions(texts), end="")
@@ -731,8 +736,8 @@ def add_commands(groups) -> None:
                           "its state_dir in those minutes.")
     targets(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--watch", metavar="SECONDS", nargs="?", type=positive_seconds, const=2.0,
-                   help="show it again every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--watch", metavar="SECONDS", nargs="?", type=WATCH_SECONDS, const=2.0,
+                   help="show it again every SECONDS (default 2; 0.1 to 86400) until Ctrl-C")
     p.set_defaults(run=status)
     p = groups.add_parser("trace", help="where one message is, by its RQP key",
                           description="Asks the agents on this host what they know of the "
