@@ -67,6 +67,9 @@ DEAD_LETTER_RETRY, DEAD_LETTER_AGAIN = 0.5, 0.001
 #: reader's budget until written: the reader then stops, and records wait in the kernel queue
 #: (producers wait when it is full), instead of memory growing with a flood of bad records.
 DEAD_LETTERS_HELD_MAX = 4096
+#: Seconds before the line that WAITING_FOR_ROUTE_MAX messages wait for a route is said again
+#: while it holds (rqpctl status says it all along).
+WAITING_FULL_REPEAT = 600.0
 
 
 def _tls_contexts(config: SenderConfig) -> dict:
@@ -142,6 +145,10 @@ class Sender(Daemon):
         #: Messages waiting for a route whose places in the budget were given back (up to
         #: WAITING_FOR_ROUTE_MAX): they do not hold up the queues that have one.
         self._waiting_given = 0
+        #: When the line saying that WAITING_FOR_ROUTE_MAX messages wait was last written: it
+        #: is said again only after WAITING_FULL_REPEAT (a trial saw it once per retry round,
+        #: each round taking them out of waiting and putting them back).
+        self._waiting_full_said: float | None = None
         #: Notes that come again at every retry of every waiting message: at most
         #: NOTE_BURST of each kind per NOTE_INTERVAL (a trial: 4,352 messages waiting for a
         #: route logged 290 lines a second; rqpctl status shows every route anyway).
@@ -543,7 +550,10 @@ class Sender(Daemon):
             self.intake.budget.give(now - self._waiting_given)
         else:
             self.intake.budget.force(self._waiting_given - now)
-        if waiting >= WAITING_FOR_ROUTE_MAX > self._waiting_given:
+        said = self._waiting_full_said
+        if waiting >= WAITING_FOR_ROUTE_MAX > self._waiting_given and \
+                (said is None or time.monotonic() - said >= WAITING_FULL_REPEAT):
+            self._waiting_full_said = time.monotonic()
             log.warning("%d messages wait for a route (no host offers their queues, their "
                         "host is down, or it refused one and they wait for its retry: rqpctl "
                         "status says which) or in stopped routes: no more are held beside "

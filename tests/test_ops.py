@@ -22,7 +22,7 @@ from rqp_agents.sender import NOTE_BURST, NOTE_INTERVAL
 from rqp_agents.telemetry import QueueFigures
 from tests.agents import (
     HOLDING_SIGNALS, PORT, held_signals, log_lines, make_queue, receive, send, start_receiver,
-    start_sender, write_rqprc,
+    send_sequence, start_sender, write_rqprc,
 )
 from tests.testbed import wait_for
 
@@ -330,6 +330,42 @@ def test_what_waits_for_a_route_is_held_up_to_a_bound_then_the_queue_waits(testb
     # each of those held was asked for and found no route: those lines are rate-limited
     windows = (time.monotonic() - started) // NOTE_INTERVAL + 1  # (begun since the start)
     assert 0 < len(log_lines(a, sender, "no route for the queue")) <= windows * NOTE_BURST
+
+
+FILL_QUEUE = r"""
+import sys, sysv_ipc
+q = sysv_ipc.MessageQueue(int(sys.argv[1]), sysv_ipc.IPC_CREAT, mode=0o660)
+while True:
+    try:
+        q.send(b"f" * 1024, block=False, type=1)
+    except sysv_ipc.BusyError:
+        break
+"""
+
+
+def test_the_line_that_the_route_waiting_is_full_is_said_once_across_retries(testbed):
+    """A hostile-peer trial: a receiver refusing every message (DELIVERED_ERROR) made the line
+    '4736 messages wait for a route ...' 6 times in 16 s, once per retry round (each takes them
+    out of waiting and puts them back). The README says it once."""
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    a.sysctl("kernel.msgmnb", 1 << 22)
+    start_receiver(b, config=receiver_config(b, "put_retry_count: 1\n"
+                                                "put_retry_interval: 0.05\n"))
+    b.python(FILL_QUEUE, str(Q1))  # every put refused QUEUE_FULL: DELIVERED_ERROR, retried
+    rqprc = write_rqprc(a, [b], window=8, retry_backoff_initial="0.3s",
+                        retry_backoff_max="0.3s")
+    sender = start_sender(a, rqprc, log_level="INFO")
+    send_sequence(a, rqprc, Q1, "m", WAITING_FOR_ROUTE_MAX + budget_size(8, 1) + 50)
+
+    def tries():
+        st = next(iter(json.loads(rqpctl(a, "status", "--agent", "sender", "--rqprc",
+                                         str(rqprc), "--json").stdout).values()))
+        return st["hosts"][0]["failed_tries"]
+    full = "or in stopped routes: no more are held beside them"
+    wait_for(lambda: log_lines(a, sender, full), timeout=60, message="never full")
+    first = tries()
+    wait_for(lambda: tries() >= first + 5, timeout=60, message="no retry rounds")
+    assert len(log_lines(a, sender, full)) == 1
 
 
 def test_a_frozen_receiver_makes_the_route_stalled_and_it_recovers_without_loss(testbed):
