@@ -80,7 +80,10 @@ class Links:
             if context is not None and isinstance(exc, ConnectionError) and not isinstance(
                     exc, ConnectionRefusedError):  # (connected: cut off in the handshake; a
                 why = f"TLS handshake failed: {why}{CLOSED_IN_HANDSHAKE}"  # trial's said only
-            self.on_failed(host, why)  # "cannot connect: Connection reset by peer")
+                # "cannot connect: Connection reset by peer")
+            elif context is not None and isinstance(exc, asyncio.TimeoutError):
+                why = "timed out (connecting, or in the TLS handshake)"  # (a trial's listener
+            self.on_failed(host, why)  # that took the connection and never spoke TLS)
             return
         link.tls = context is not None
         if link.ended:  # e.g. the receiver refused this host's certificate (TLS 1.3), or was

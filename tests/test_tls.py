@@ -301,6 +301,36 @@ def test_tls_to_a_plaintext_receiver_is_named_on_both_sides(site, testbed):
     assert receive(b, Q1, 1, timeout=1) == [] and site.sender_status(rqprc)["journal_depth"] == 1
 
 
+SILENT_SERVER = r"""
+import socket, sys
+with socket.create_server((sys.argv[1], int(sys.argv[2]))) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()  # takes the connection, never speaks TLS
+    sys.stdin.readline()
+"""
+
+
+def test_a_handshake_that_never_comes_is_not_called_a_failed_connect(site):
+    """A hostile-peer trial: a listener that took the TCP connection and never spoke TLS was
+    logged "cannot connect: timed out", though the connect had succeeded."""
+    a, b = site.a, site.b
+    server = b.popen([sys.executable, "-c", SILENT_SERVER, b.address, str(PORT)],
+                     stdin=subprocess.PIPE)
+    try:
+        wait_for(lambda: "listening" in b.output(server, "stdout"), timeout=20,
+                 message="the silent server did not start")
+        rqprc = write_rqprc(a, [b], tls=site.cert("a.rqp.test"), connect_timeout="1s")
+        sender = start_sender(a, rqprc)
+        send(a, rqprc, Q1, ["waits"], SURE)
+        [line] = wait_for(lambda: log_lines(a, sender, "connection failed")[:1], timeout=20,
+                          message="no failed connection")
+        assert line.endswith("cannot connect: timed out (connecting, or in the TLS handshake)"), \
+            line
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
 RESETTING_SERVER = r"""
 import socket, ssl, struct, sys
 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
