@@ -334,7 +334,7 @@ class Daemon:
         if command == "status":
             return self.status()
         if command == "metrics":
-            return {"text": self._metrics()}
+            return {"text": await self._metrics()}
         if command == "trace":
             key = request.get("key")
             if type(key) is not int or not 0 < key < 1 << 64:
@@ -359,7 +359,7 @@ class Daemon:
     def trace(self, key: int) -> dict | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def metrics(self) -> str:  # pragma: no cover - overridden
+    def metrics(self) -> list:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def reload(self) -> None:  # pragma: no cover - overridden

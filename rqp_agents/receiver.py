@@ -571,7 +571,7 @@ class Receiver(Daemon):
                         "peer": peer, "at": at}
         return None
 
-    def metrics(self) -> str:
+    def metrics(self) -> list:
         return telemetry.receiver_metrics(self)
 
     def reload(self) -> None:

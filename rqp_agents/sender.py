@@ -327,7 +327,7 @@ class Sender(Daemon):
         found["name"] = self.config.queue_name(found["queue_key"])
         return found
 
-    def metrics(self) -> str:
+    def metrics(self) -> list:
         return telemetry.sender_metrics(self)
 
     def reload(self) -> None:

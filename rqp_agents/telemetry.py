@@ -14,7 +14,7 @@ from rqp.protocol.constants import QUEUE_MEMORY
 from rqp.protocol.errors import QueueNotFound, RQPError
 from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
 from rqp.storage.deadletters import RECEIVER_SHARE
-from rqp.system.control import Metric, render
+from rqp.system.control import Metric
 from rqp.system.queues import LocalQueue, format_key, list_queues
 
 __all__ = ["sender_status", "sender_metrics", "receiver_status", "receiver_metrics"]
@@ -128,7 +128,8 @@ def _host_status(agent, host, to_wall: float) -> dict:
 OUTCOMES = ("delivered", "lost", "unconfirmed_at_close", "dead_lettered")
 
 
-def sender_metrics(agent) -> str:
+def sender_metrics(agent) -> list[Metric]:
+    """The sending MCA's metrics as they are now (rendered by the caller, off the loop)."""
     now = agent.loop.time()
     routes = agent.core.route_status(now)
     m = {name: Metric(name, kind, text) for name, kind, text in (
@@ -233,7 +234,7 @@ def sender_metrics(agent) -> str:
         depth = _depth(queue)
         if depth is not None:
             m[name].add(depth)
-    return render([*m.values(), *_agent_metrics(agent)])
+    return [*m.values(), *_agent_metrics(agent)]
 
 
 def _agent_metrics(agent) -> list[Metric]:
@@ -308,7 +309,8 @@ def receiver_status(agent) -> dict:
     }
 
 
-def receiver_metrics(agent) -> str:
+def receiver_metrics(agent) -> list[Metric]:
+    """The receiving MCA's metrics as they are now (rendered by the caller, off the loop)."""
     m = {name: Metric(name, kind, text) for name, kind, text in (
         ("rqp_receiver_messages_total", "counter", "MESSAGE frames, by queue and outcome"),
         ("rqp_receiver_forgotten_total", "counter",
@@ -404,4 +406,4 @@ def receiver_metrics(agent) -> str:
     for q in offered_queues(agent, among=figures.by_queue):
         m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
         m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
-    return render([*m.values(), *_agent_metrics(agent)])
+    return [*m.values(), *_agent_metrics(agent)]

@@ -66,14 +66,39 @@ def test_an_answer_nobody_reads_is_let_go(tmp_path):
     asyncio.run(main())
 
 
-def test_the_metrics_of_scrapes_that_come_together_are_made_once():
-    made = []
-    ticks = iter([0.0, 2.0,   # made at 0, taking 2 s
-                  3.0,        # asked 1 s after: within what it took, the same
-                  5.0, 5.5])  # asked 3 s after: made again (taking 0.5 s)
-    metrics = control.ReusedMetrics(lambda: made.append(1) or f"m{len(made)}",
-                                    clock=lambda: next(ticks))
-    assert [metrics(), metrics(), metrics()] == ["m1", "m1", "m2"]
+def test_scrapes_that_come_together_share_one_made_off_the_loop(monkeypatch):
+    """A trial's burst of 100 scrapes (5,000 queues) each took a second of the sending MCA's
+    loop. Scrapes that ask while one is made share it; one that comes within as long as it
+    took gets it too; a later one, new figures. The rendering runs in another thread."""
+    import threading
+
+    collected, rendered_in = [], []
+    ticks = iter([0.0, 2.0,   # made from 0 to 2 (took 2 s)
+                  3.0,        # asked at 3: within what it took, the same
+                  5.0, 5.0, 5.5])  # asked at 5: made again (taking 0.5 s)
+
+    def collect():
+        collected.append(1)
+        metric = control.Metric("rqp_x", "gauge", "a figure").add(len(collected))
+        return [metric]
+
+    real_render = control.render
+
+    def render(metrics):
+        rendered_in.append(threading.current_thread() is threading.main_thread())
+        return real_render(metrics)
+
+    async def main():
+        metrics = control.ReusedMetrics(collect, clock=lambda: next(ticks))
+        together = await asyncio.gather(*(metrics() for _ in range(5)))  # one made, shared
+        later = [await metrics(), await metrics()]
+        return together, later
+
+    monkeypatch.setattr(control, "render", render)  # (the real one, watched)
+    together, later = asyncio.run(main())
+    assert [t.splitlines()[-1] for t in together] == ["rqp_x 1.0"] * 5
+    assert [t.splitlines()[-1] for t in later] == ["rqp_x 1.0", "rqp_x 2.0"]
+    assert len(collected) == 2 and rendered_in == [False, False]
 
 
 @pytest.fixture
