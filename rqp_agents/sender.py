@@ -67,9 +67,11 @@ DEAD_LETTER_RETRY, DEAD_LETTER_AGAIN = 0.5, 0.001
 #: reader's budget until written: the reader then stops, and records wait in the kernel queue
 #: (producers wait when it is full), instead of memory growing with a flood of bad records.
 DEAD_LETTERS_HELD_MAX = 4096
-#: Seconds before the line that WAITING_FOR_ROUTE_MAX messages wait for a route is said again
-#: while it holds (rqpctl status says it all along).
-WAITING_FULL_REPEAT = 600.0
+#: The line that WAITING_FOR_ROUTE_MAX messages wait for a route comes at most once in this
+#: many seconds (a trial saw it once per retry round, each round taking them out of waiting
+#: and putting them back: 6 in 16 s; rqpctl status says it all along). A minute, not more: a
+#: second episode soon after the first is said too.
+WAITING_FULL_REPEAT = 60.0
 
 
 def _tls_contexts(config: SenderConfig) -> dict:
@@ -145,9 +147,8 @@ class Sender(Daemon):
         #: Messages waiting for a route whose places in the budget were given back (up to
         #: WAITING_FOR_ROUTE_MAX): they do not hold up the queues that have one.
         self._waiting_given = 0
-        #: When the line saying that WAITING_FOR_ROUTE_MAX messages wait was last written: it
-        #: is said again only after WAITING_FULL_REPEAT (a trial saw it once per retry round,
-        #: each round taking them out of waiting and putting them back).
+        #: When the line saying that WAITING_FOR_ROUTE_MAX messages wait was last written (at
+        #: most once per WAITING_FULL_REPEAT).
         self._waiting_full_said: float | None = None
         #: Notes that come again at every retry of every waiting message: at most
         #: NOTE_BURST of each kind per NOTE_INTERVAL (a trial: 4,352 messages waiting for a
