@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import resource
@@ -18,7 +19,7 @@ from typing import Callable
 
 from rqp import RQPError
 from rqp.system import signals
-from rqp.system.control import ReusedMetrics, serve_control, serve_metrics
+from rqp.system.control import Shared, exposition, serve_control, serve_metrics
 from rqp.system.queues import format_key
 from rqp.system.tls import file_digests
 from rqp.system.service import EVENT_LOOP_VARIABLE, notify, tune_collector, watchdog_interval
@@ -204,7 +205,10 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         self._control_path = control_path
-        self._metrics = ReusedMetrics(self.metrics)  # (scrapes that come together share one)
+        # (what clients ask for together is made once: status and metrics can take 4-9 MB)
+        self._metrics = Shared(exposition(self.metrics))
+        self._status_line = Shared(lambda: _line(self.status()))
+        self._metrics_line = Shared(self._metrics_answer)
         self._servers.append(await serve_control(control_path, self._control))
         if metrics_listen:
             self._servers.append(await serve_metrics(metrics_listen.host, metrics_listen.port,
@@ -329,12 +333,15 @@ class Daemon:
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
-    async def _control(self, request: dict) -> dict:
+    async def _metrics_answer(self) -> bytes:
+        return _line({"text": (await self._metrics()).decode()})
+
+    async def _control(self, request: dict) -> dict | bytes:
         command = request.get("command")
         if command == "status":
-            return self.status()
+            return await self._status_line()
         if command == "metrics":
-            return {"text": await self._metrics()}
+            return await self._metrics_line()
         if command == "trace":
             key = request.get("key")
             if type(key) is not int or not 0 < key < 1 << 64:
@@ -364,6 +371,11 @@ class Daemon:
 
     def reload(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def _line(answer: dict) -> bytes:
+    """A control answer as its client reads it: one JSON line."""
+    return json.dumps(answer, default=str).encode() + b"\n"
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

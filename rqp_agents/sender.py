@@ -235,7 +235,7 @@ class Sender(Daemon):
             return {"error": f"route: a queue key, got {key!r}"}
         actions = {"retry": self.core.retry_now, "stop": self.core.stop_route,
                    "start": self.core.start_route}
-        if action not in actions:
+        if not isinstance(action, str) or action not in actions:
             return {"error": f"route: unknown action {action!r} ({', '.join(actions)})"}
         if key in (self.config.transmission_queue, self.config.dead_letter_queue):
             return {"error": f"route: {format_key(key)} is this sending MCA's own "

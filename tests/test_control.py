@@ -79,8 +79,7 @@ def test_scrapes_that_come_together_share_one_made_off_the_loop(monkeypatch):
 
     def collect():
         collected.append(1)
-        metric = control.Metric("rqp_x", "gauge", "a figure").add(len(collected))
-        return [metric]
+        return [control.Metric("rqp_x", "gauge", "a figure").add(len(collected))]
 
     real_render = control.render
 
@@ -89,16 +88,71 @@ def test_scrapes_that_come_together_share_one_made_off_the_loop(monkeypatch):
         return real_render(metrics)
 
     async def main():
-        metrics = control.ReusedMetrics(collect, clock=lambda: next(ticks))
+        metrics = control.Shared(control.exposition(collect), clock=lambda: next(ticks))
         together = await asyncio.gather(*(metrics() for _ in range(5)))  # one made, shared
         later = [await metrics(), await metrics()]
         return together, later
 
     monkeypatch.setattr(control, "render", render)  # (the real one, watched)
     together, later = asyncio.run(main())
-    assert [t.splitlines()[-1] for t in together] == ["rqp_x 1.0"] * 5
-    assert [t.splitlines()[-1] for t in later] == ["rqp_x 1.0", "rqp_x 2.0"]
+    assert [t.splitlines()[-1] for t in together] == [b"rqp_x 1.0"] * 5
+    assert [t.splitlines()[-1] for t in later] == [b"rqp_x 1.0", b"rqp_x 2.0"]
     assert len(collected) == 2 and rendered_in == [False, False]
+
+
+def test_a_request_the_handler_cannot_take_is_refused_and_the_server_serves_on(tmp_path):
+    """A re-check: '[' * 1100 (RecursionError in json) and a route action that is a list
+    (TypeError in the agent's handler) each stopped the agent with exit 70."""
+    path = tmp_path / "c.sock"
+
+    async def handler(request: dict) -> dict:
+        return {"ok": {"a": 1}[request["command"]] if request.get("command") != "bad"
+                else {}[[]]}  # (a TypeError, as an unhashable action was)
+
+    async def main() -> list:
+        server = await control.serve_control(path, handler)
+        try:
+            answers = []
+            for line in (b"[" * 1100 + b"\n", b'{"command": "bad"}\n', b'[1]\n',
+                         b'{"command": "a"}\n'):
+                reader, writer = await asyncio.open_unix_connection(str(path))
+                writer.write(line)
+                answers.append(json.loads(await reader.readline()))
+                writer.close()
+            return answers
+        finally:
+            server.close()
+
+    got = asyncio.run(main())
+    assert [a.get("error", "").split(":")[0] for a in got[:3]] == ["bad request"] * 3, got
+    assert "recursion" in got[0]["error"] and got[3] == {"ok": 1}
+
+
+def test_a_busy_agent_is_never_taken_for_one_not_running(tmp_path, monkeypatch):
+    """A re-check: a busy answer written and the connection closed before the client's request
+    went made it 'not running: Broken pipe' 8 times in 20. Every time: not answering."""
+    path = tmp_path / "c.sock"
+    monkeypatch.setattr(control, "MAX_CLIENTS", 0)  # every connection is one too many
+
+    async def handler(request: dict) -> dict:
+        return {}
+
+    async def main() -> list:
+        server = await control.serve_control(path, handler)
+        try:
+            return await asyncio.gather(*(asyncio.to_thread(_ask, path) for _ in range(40)))
+        finally:
+            server.close()
+
+    assert set(asyncio.run(main())) == {"ControlNotAnswering"}
+
+
+def _ask(path) -> str:
+    try:
+        control.request(path, "status", command_padding="x" * 300_000)
+    except control.ControlError as exc:
+        return type(exc).__name__
+    return "answered"
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -28,10 +29,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rqp.protocol.errors import RQPError
+from rqp.system.service import release_free_memory
 
 __all__ = ["default_socket", "serve_control", "request", "Metric", "render", "serve_metrics",
-           "ReusedMetrics", "ControlRefused",
+           "Shared", "exposition", "ControlRefused",
            "ControlError"]
+
+log = logging.getLogger("rqp.control")
 
 MAX_REQUEST = 64 * 1024
 #: Connections the control socket, and the metrics endpoint, serve at once; more are answered
@@ -42,6 +46,12 @@ MAX_CLIENTS = 64
 #: connection is dropped with what it holds (a trial's 200 clients that asked for status and
 #: read nothing held 1.4 GB of answers in the sending MCA for good).
 CLIENT_TIMEOUT = 5.0
+#: An answer is written this many bytes at a time, each taken by its reader before the next:
+#: a client holds at most this much of it in the agent (a trial's 64 clients that read
+#: nothing held a copy each of an 8.8 MB exposition: 2.2 GB, kept by the C heap after).
+ANSWER_CHUNK = 64 * 1024
+#: After an answer this big, once no client is left, the memory is given back to the system.
+BIG_ANSWER = 1 << 20
 
 
 class ControlError(RQPError):
@@ -63,8 +73,9 @@ def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
     return Path(state_dir) / f"{name}.sock"
 
 
-async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict]]):
-    """Listen on ``path``; ``handler(request)`` answers each request."""
+async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | bytes]]):
+    """Listen on ``path``; ``handler(request)`` answers each request: a dict, or its JSON line
+    already made (shared by clients that ask together)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
@@ -94,16 +105,29 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict]]):
             else:
                 try:
                     req = json.loads(line or b"{}")
-                    if not isinstance(req, dict):
-                        raise ValueError("a request is a JSON object")
-                    answer = await handler(req)
-                except (ValueError, KeyError) as exc:
-                    answer = {"error": f"bad request: {exc}"}
-            await clients.answer(writer, json.dumps(answer, default=str).encode() + b"\n")
+                except (ValueError, RecursionError) as exc:  # (a trial: '[' * 1100 stopped
+                    answer = {"error": f"bad request: {exc}"}  # the agent, exit 70)
+                else:
+                    answer = await _handle(handler, req)
+            await clients.answer(writer, answer if isinstance(answer, bytes)
+                                 else json.dumps(answer, default=str).encode() + b"\n")
 
     server = await asyncio.start_unix_server(serve, str(path), limit=MAX_REQUEST)
     os.chmod(path, 0o660)
     return server
+
+
+async def _handle(handler: Callable[[dict], Awaitable[dict | bytes]], req) -> dict | bytes:
+    """The handler's answer to ``req``; a request it cannot take (a value of the wrong type, a
+    trial's ``"action": []``) is answered "bad request" and logged with its traceback: a
+    local client must not stop the agent."""
+    if not isinstance(req, dict):
+        return {"error": "bad request: a request is a JSON object"}
+    try:
+        return await handler(req)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        log.error("control request %.200r refused: %s", req, exc, exc_info=True)
+        return {"error": f"bad request: {exc}"}
 
 
 class _Clients:
@@ -123,16 +147,30 @@ class _Clients:
             self.open -= admitted
             with contextlib.suppress(Exception):
                 writer.close()
+            self.after()
 
-    @staticmethod
-    async def answer(writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def answer(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Write ``data`` ANSWER_CHUNK at a time, each taken within CLIENT_TIMEOUT, else drop
+        the connection; after a big answer, with no client left, give the memory back."""
+        view = memoryview(data)
         try:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), CLIENT_TIMEOUT)
+            for at in range(0, len(view), ANSWER_CHUNK):
+                writer.write(view[at:at + ANSWER_CHUNK])
+                await asyncio.wait_for(writer.drain(), CLIENT_TIMEOUT)
         except asyncio.TimeoutError:  # (a reader that takes nothing: its answer is let go)
             writer.transport.abort()
         except ConnectionError:
             pass
+        finally:
+            self.big_done = self.big_done or len(data) >= BIG_ANSWER
+
+    big_done = False
+
+    def after(self) -> None:
+        """Once no client is left after a big answer: its copies' memory back to the system."""
+        if self.big_done and self.open == 0:
+            self.big_done = False
+            release_free_memory()
 
 
 #: How :func:`request` begins to say that no agent listens on a control socket.
@@ -147,10 +185,19 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
             sock.settimeout(timeout)
             sock.connect(str(path))
             connected = True
-            sock.sendall(json.dumps({"command": command, **args}).encode() + b"\n")
+            try:
+                sock.sendall(json.dumps({"command": command, **args}).encode() + b"\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # (closed at once: a busy agent's answer came before the request went)
             data = b""
-            while chunk := sock.recv(1 << 16):
-                data += chunk
+            try:
+                while chunk := sock.recv(1 << 16):
+                    data += chunk
+            except ConnectionResetError:
+                pass
+            if not data:  # (it runs: it took the connection, and closed it unanswered)
+                raise ControlNotAnswering(f"the agent on {path} closed the connection without "
+                                          "an answer: it runs, but is busy or stopping")
     except socket.timeout:
         if connected:  # (not "not running": a second agent must not be started beside it)
             raise ControlNotAnswering(
@@ -217,21 +264,20 @@ class _Collector:
             yield family
 
 
-class ReusedMetrics:
-    """The metrics exposition, made off the event loop: ``collect()`` (the figures, taken on
-    the loop) rendered in a thread, which took most of the time (0.5 s for 90,000 samples, a
-    sending MCA with 4,096 busy queues). What asks while one is made shares it, and so does
-    what asks within as long as it took to make (a trial's burst of 100 scrapes, with 5,000
-    queues, each took a second of the sending MCA's event loop, and nothing was delivered for
-    minutes); later figures are never older than that."""
+class Shared:
+    """An answer made once for what asks together: what asks while it is made shares it, and so
+    does what asks within as long as it took to make; later, a new one (so it is never older
+    than that). A trial's burst of 100 scrapes, with 5,000 queues, each took a second of the
+    sending MCA's event loop and nothing was delivered for minutes; 64 status clients at once
+    held delivery up 2 s at the median."""
 
-    def __init__(self, collect: Callable[[], list[Metric]], clock=time.monotonic) -> None:
-        self._collect, self._clock = collect, clock
-        self._made: tuple[float, str] | None = None  # (when it was made, what)
+    def __init__(self, make: Callable[[], Awaitable[bytes] | bytes], clock=time.monotonic) -> None:
+        self._make_one, self._clock = make, clock
+        self._made: tuple[float, bytes] | None = None  # (when it was made, what)
         self._took = 0.0
         self._making: asyncio.Task | None = None
 
-    async def __call__(self) -> str:
+    async def __call__(self) -> bytes:
         if self._making is None:
             now = self._clock()
             if self._made is not None and now - self._made[0] <= self._took:
@@ -239,19 +285,30 @@ class ReusedMetrics:
             self._making = asyncio.ensure_future(self._make(now))
         return await asyncio.shield(self._making)
 
-    async def _make(self, started: float) -> str:
+    async def _make(self, started: float) -> bytes:
         try:
-            text = await asyncio.to_thread(render, self._collect())
-            made = self._clock()
-            self._made, self._took = (made, text), made - started
-            return text
+            made = self._make_one()
+            if not isinstance(made, bytes):
+                made = await made
+            done = self._clock()
+            self._made, self._took = (done, made), done - started
+            return made
         finally:
             self._making = None
 
 
-async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[str]]):
+def exposition(collect: Callable[[], list[Metric]]) -> Callable[[], Awaitable[bytes]]:
+    """What makes the metrics exposition: ``collect()`` (the figures, taken on the event loop)
+    rendered in a thread, which took most of the time (0.5 s for 90,000 samples, a sending MCA
+    with 4,096 busy queues)."""
+    async def make() -> bytes:
+        return (await asyncio.to_thread(render, collect())).encode()
+    return make
+
+
+async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[bytes]]):
     """A minimal HTTP/1.0 endpoint: ``GET /metrics`` answers ``await produce()``; else 404;
-    503 while MAX_CLIENTS connections are open."""
+    400 for a request head over 64 KiB; 503 while MAX_CLIENTS connections are open."""
     clients = _Clients()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -263,19 +320,24 @@ async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[st
                 try:
                     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
                                                   CLIENT_TIMEOUT)
-                except (asyncio.TimeoutError, asyncio.IncompleteReadError,
-                        asyncio.LimitOverrunError, ConnectionError):
+                except asyncio.LimitOverrunError:
+                    head = None
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
-                first = head.split(b"\r\n", 1)[0].split()
-                if len(first) >= 2 and first[0] == b"GET" and \
+                first = head.split(b"\r\n", 1)[0].split() if head is not None else []
+                if head is None:
+                    body, status, kind = (b"request head too long\n", b"400 Bad Request",
+                                          b"text/plain")
+                elif len(first) >= 2 and first[0] == b"GET" and \
                         first[1].split(b"?")[0] == b"/metrics":
-                    body = (await produce()).encode()
+                    body = await produce()
                     status, kind = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
                 else:
                     body, status, kind = (b"not found: try /metrics\n", b"404 Not Found",
                                           b"text/plain")
             await clients.answer(writer, b"HTTP/1.0 " + status + b"\r\nContent-Type: " + kind
                                  + b"\r\nContent-Length: " + str(len(body)).encode()
-                                 + b"\r\nConnection: close\r\n\r\n" + body)
+                                 + b"\r\nConnection: close\r\n\r\n")
+            await clients.answer(writer, body)
 
     return await asyncio.start_server(serve, host, port, reuse_address=True)
