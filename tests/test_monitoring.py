@@ -111,6 +111,14 @@ def test_the_report_job_records_each_runs_outcome_for_its_alerts(spark, tmp_path
     assert set(_metrics(prom)) == REPORT_METRICS
     assert not [p for p in prom.parent.iterdir() if p != prom]  # (no temporary file left)
 
+    # a command line that does not parse is a failed run too (a typo in the unit's options)
+    with pytest.raises(SystemExit) as usage:
+        job.main(["--input", str(archive), "--output", str(tmp_path / "o5"), "--master",
+                  "bogus", "--metrics-file", str(prom)])
+    assert usage.value.code == 2
+    assert _metrics(prom)["rqp_dlq_report_last_run_exit_status"] == 2
+    assert _metrics(prom)["rqp_dlq_report_last_success_timestamp_seconds"] == success
+
     # a metrics file it cannot write is said before anything runs
     capsys.readouterr()
     assert job.main(["--input", str(archive), "--output", str(tmp_path / "o4"),

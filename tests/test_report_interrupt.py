@@ -26,21 +26,26 @@ def archive(tmp_path_factory) -> Path:
     return archive_of(root, generate_archive(root / "generated", files=8))
 
 
-def _start(archive: Path, out: Path, **env: str) -> subprocess.Popen:
+def _start(archive: Path, out: Path, *extra: str, **env: str) -> subprocess.Popen:
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT), **env)
     return subprocess.Popen(
         [sys.executable, "-m", "rqp.report.job", "--master", "local[2]", "--input",
-         str(archive), "--output", str(out)], cwd=ROOT, env=env, text=True,
+         str(archive), "--output", str(out), *extra], cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # (a group:
     # Ctrl-C goes to every process of the terminal's foreground group, the JVM's too)
 
 
-def _interrupt(proc: subprocess.Popen, seen: set[int]) -> tuple[int, str]:
-    """Ctrl-C to the job's group; its exit status and stderr. Fails if a process it started
-    (``seen``) outlives it by a minute (ended first: it holds the job's stderr open)."""
+def _interrupt(proc: subprocess.Popen, seen: set[int], *,
+               to_the_job: int | None = None) -> tuple[int, str]:
+    """Ctrl-C to the job's group (or signal ``to_the_job`` to the job alone); its exit status
+    and stderr. Fails if a process it started (``seen``) outlives it by a minute (ended first:
+    it holds the job's stderr open)."""
     try:
         try:
-            os.killpg(proc.pid, signal.SIGINT)
+            if to_the_job is not None:
+                os.kill(proc.pid, to_the_job)
+            else:
+                os.killpg(proc.pid, signal.SIGINT)
         except ProcessLookupError:
             pass  # (its group has ended already)
         code = proc.wait(120)
@@ -120,6 +125,28 @@ def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive,
     # nor what the JVM logs of the work it broke (a trial: up to 470 lines of Java)
     assert "ERROR" not in err and "Exception" not in err, err
     assert not (out / "summary.json").exists()
+
+
+def test_sigterm_with_a_metrics_file_ends_the_run_and_says_so_there(archive, tmp_path):
+    """A re-check: SIGTERM (systemctl stop, the unit's time-out) killed the run at once, and
+    --metrics-file still said the last run had succeeded: no RQPDeadLetterReportFailed."""
+    prom = tmp_path / "rqp-dlq-report.prom"
+    proc = _start(archive, tmp_path / "out", "--metrics-file", str(prom),
+                  TMPDIR=str(tmp_path))
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "started; reading" in line:
+                break
+    finally:
+        seen = descendants(proc.pid)
+    code, err = _interrupt(proc, seen, to_the_job=signal.SIGTERM)
+    err = "".join(lines) + err
+    assert code == 143, err
+    assert "rqp-dlq-report: interrupted (signal SIGTERM)" in err
+    assert "Traceback" not in err, err
+    assert "\nrqp_dlq_report_last_run_exit_status 143\n" in prom.read_text()
 
 
 def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_path):

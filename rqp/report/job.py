@@ -83,6 +83,7 @@ import importlib
 import importlib.util
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -376,12 +377,39 @@ def run_dated(compute, spark, args: argparse.Namespace) -> None:
           f"{len(deleted)} older run(s), keeping {args.keep}", flush=True)
 
 
+def _metrics_file_in(argv: Sequence[str]) -> str | None:
+    """--metrics-file as given on a command line that may not parse."""
+    for i, arg in enumerate(argv):
+        if arg == "--metrics-file" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--metrics-file="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _stop_on_sigterm(signum, _frame) -> None:
+    """With --metrics-file: SIGTERM (systemctl stop, the unit's time-out, a shutdown) ends the
+    run as Ctrl-C does, so that its outcome is written (a re-check: killed at once, the file
+    still said the last run had succeeded)."""
+    raise signals.raising(KeyboardInterrupt("signal SIGTERM"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    started = time.time()
+    try:
+        args = parse_args(argv)  # (--help ends here: nothing of Spark is imported before this)
+    except SystemExit as exc:  # (a usage error is a failed run too: a typo in the unit's
+        metrics = _metrics_file_in(argv)  # options would fail every day without an alert)
+        if exc.code not in (0, None) and metrics is not None:
+            with contextlib.suppress(OSError, ReportError):
+                check_metrics_file(metrics)
+                write_metrics_file(metrics, 2, started)
+        raise
     signals.let_stops_through()
     if args.metrics_file is None:
         return _run(args)
-    started = time.time()
+    signals.handle(_stop_on_sigterm, (signal.SIGTERM,))
     try:
         check_metrics_file(args.metrics_file)
     except ReportError as exc:
@@ -425,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # (Ctrl-C, or the stop a caller such as rqp-demo took)
         print(f"{PROG}: interrupted ({str(exc) or 'Ctrl-C'}); this run's report is not "
               "finished (its summary.json is written last)", file=sys.stderr)
-        return 130
+        return 143 if str(exc) == "signal SIGTERM" else 130
 
 
 def _report(compute, args) -> int:
