@@ -272,7 +272,9 @@ class Intake:
                 self.budget.give(room)
                 self._queue_trouble(exc)
                 continue
-            self.trouble = None
+            if self.trouble is not None:  # (a trial: it resumed without a word)
+                log.info("the transmission queue can be read again")
+                self.trouble = None
             if len(batch) < room:
                 self.budget.give(room - len(batch))
             if not batch:

@@ -224,6 +224,7 @@ def test_a_transmission_queue_it_cannot_read_shows_in_the_status(hosts):
     assert out.returncode == 0 and "CANNOT READ" not in out.stdout, out.stdout
     assert unreadable.format("0.0") in a.run(metrics).stdout
     assert len(log_lines(a, sender, "cannot read the transmission queue")) == 1  # said once
+    assert len(log_lines(a, sender, "the transmission queue can be read again")) == 1
 
 
 @pytest.mark.parametrize("error, fatal", [(ConnectionResetError(), False),

@@ -31,7 +31,7 @@ def test_a_bad_log_level_in_the_environment_is_named(module, tmp_path):
 @pytest.mark.parametrize("module, prog", [
     ("rqp_agents.sender", "rqp-sender"), ("rqp_agents.receiver", "rqp-receiver"),
     ("rqp_agents.drain", "rqp-dlq-drain"), ("rqp.tools.ctl", "rqpctl"),
-    ("rqp.report.job", "rqp-dlq-report")])
+    ("rqp.report.job", "rqp-dlq-report"), ("rqp.tools.demo", "rqp-demo")])
 def test_every_command_says_its_version(module, prog, tmp_path):
     """A trial: an operator could not tell which version an agent ran."""
     from rqp import __version__

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import rqp
+from rqp.cli import add_version
 from rqp.protocol.records import DeadLetterRecord
 from rqp.system import signals
 from rqp.system.queues import LocalQueue, format_key
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rqp-demo", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1])
+    add_version(parser)
     parser.add_argument("--report-dir", metavar="DIR", default="rqp-demo-report",
                         help="where the dead-letter report goes (default: ./rqp-demo-report)")
     args = parser.parse_args(argv)  # (--help ends here, before anything is started)
