@@ -159,6 +159,38 @@ def test_an_archive_moved_with_its_store_is_not_taken_again(spark, generated, tm
     assert answers(after)["by_reason"] == answers(direct)["by_reason"]
 
 
+def test_a_file_this_user_cannot_read_is_left_out_not_the_whole_report(generated, tmp_path):
+    """A re-check: one archive file the report's user could not read (root's, 0600) failed the
+    whole report, Spark saying "File does not exist" in 338 lines of Java. It is left out,
+    named, and taken once it can be read. Run as uid 65534, as the unit's user would be."""
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="rqp-unreadable-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        archive = archive_of(top, generated[:2])
+        locked = archive / generated[1].name
+        locked.chmod(0o600)  # (root's)
+        for d in ("out", "store", "tmp"):
+            (top / d).mkdir(mode=0o777)
+            (top / d).chmod(0o777)
+        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(ROOT),
+                   TMPDIR=str(top / "tmp"), HOME=str(top / "tmp"))
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+             "-m", "rqp.report.job", "--master", "local[2]", "--input", str(archive),
+             "--output", str(top / "out"), "--store", str(top / "store")],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((top / "out" / "summary.json").read_text())
+        [(name, why)] = summary["store"]["left_out"].items()
+        assert name.endswith(locked.name) and why.startswith("cannot be read by this user"), why
+        assert summary["totals"]["lines"] == PER_FILE
+        assert "\tat org.apache" not in done.stderr, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def _job(archive: Path, out: Path, store: Path | None, crash_after: str | None = None):
     temp = out.with_name(f"{out.name}-tmp")  # (a job killed -9 leaves its JVM's directory)
     temp.mkdir()

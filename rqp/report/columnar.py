@@ -137,19 +137,25 @@ def _spark_path(uri: str) -> str:
     return urllib.parse.unquote(uri) if uri.startswith("file:") else uri
 
 
-def _cut_short(uri: str) -> str | None:
-    """Why a local gzip file may not be taken yet: it ends before its gzip end (a copy still
-    being made, as by rsync from another host). Spark reads the lines before the cut, and the
-    store, which takes a file once by name, would never count the rest (a trial: 1,083 dead
-    letters short, for good, without a word). None for a whole file, one of another kind, or
-    one not on this host's disk."""
-    if not uri.startswith("file:") or not uri.endswith(".gz"):
+def _not_ready(uri: str) -> str | None:
+    """Why a local archive file may not be taken yet: this user may not read it (a re-check:
+    Spark failed the whole report, "File does not exist" and 338 lines of Java), or, gzip, it
+    ends before its gzip end (a copy still being made, as by rsync from another host): Spark
+    reads the lines before the cut, and the store, which takes a file once by name, would
+    never count the rest (a trial: 1,083 dead letters short, for good, without a word). None
+    for a whole file, one not on this host's disk, or one Spark's reading will judge."""
+    if not uri.startswith("file:"):
         return None
     path = urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
     try:
-        with gzip.open(path, "rb") as f:
-            while f.read(1 << 20):
-                pass
+        with open(path, "rb") as raw:
+            if not uri.endswith(".gz"):
+                return None
+            with gzip.open(raw, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+    except PermissionError as exc:
+        return f"cannot be read by this user ({exc.strerror}); taken once it can be"
     except EOFError:
         return "cut short (no gzip end: a copy still being made?); taken once it is whole"
     except (OSError, zlib.error):
@@ -279,7 +285,7 @@ class Store:
         not text: it yields no line): neither is taken, so a later run takes it once the report
         reads its schema or the file was put right. Leaving out a file of the first kind
         writes the batch again without it (its other lines must not count twice)."""
-        left_out = {f: why for f in new if (why := _cut_short(f)) is not None}
+        left_out = {f: why for f in new if (why := _not_ready(f)) is not None}
         new = [f for f in new if f not in left_out]
         while new:
             self._write(batch, read_archives(self.spark, [_spark_path(f) for f in new]))
