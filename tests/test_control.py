@@ -201,6 +201,25 @@ def test_a_request_too_long_is_refused_and_the_agent_runs_on(receiver):
     assert _status(b, sock).returncode == 0
 
 
+SCRAPE = r"""
+import socket, sys
+s = socket.create_connection(("127.0.0.1", 9747))
+s.sendall(sys.argv[1].encode() * int(sys.argv[2]) + b"\r\n\r\n")
+s.shutdown(socket.SHUT_WR)
+print(s.makefile("rb").readline().decode().strip())
+"""
+
+
+def test_the_metrics_endpoint_answers_a_head_too_long_and_a_good_scrape(receiver):
+    """A re-check: a request head over 64 KiB got no answer at all."""
+    b, rx, sock = receiver
+    assert b.run([sys.executable, "-c", SCRAPE, "x", "70000"]).stdout.strip() == \
+        "HTTP/1.0 400 Bad Request"
+    assert b.run([sys.executable, "-c", SCRAPE, "GET /metrics HTTP/1.0", "1"]).stdout.strip() \
+        == "HTTP/1.0 200 OK"
+    assert rx.poll() is None
+
+
 def test_a_crowd_on_the_control_socket_is_told_busy_and_status_says_it_runs(receiver):
     """A trial: 1,100 idle control connections took the sending MCA's descriptors (its
     connections to receivers failed: Too many open files). At most MAX_CLIENTS are served; the

@@ -149,20 +149,21 @@ class _Clients:
                 writer.close()
             self.after()
 
-    async def answer(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        """Write ``data`` ANSWER_CHUNK at a time, each taken within CLIENT_TIMEOUT, else drop
+    async def answer(self, writer: asyncio.StreamWriter, *parts: bytes) -> None:
+        """Write ``parts`` ANSWER_CHUNK at a time, each taken within CLIENT_TIMEOUT, else drop
         the connection; after a big answer, with no client left, give the memory back."""
-        view = memoryview(data)
         try:
-            for at in range(0, len(view), ANSWER_CHUNK):
-                writer.write(view[at:at + ANSWER_CHUNK])
-                await asyncio.wait_for(writer.drain(), CLIENT_TIMEOUT)
+            for data in parts:
+                view = memoryview(data)
+                for at in range(0, len(view), ANSWER_CHUNK):
+                    writer.write(view[at:at + ANSWER_CHUNK])
+                    await asyncio.wait_for(writer.drain(), CLIENT_TIMEOUT)
         except asyncio.TimeoutError:  # (a reader that takes nothing: its answer is let go)
             writer.transport.abort()
         except ConnectionError:
             pass
         finally:
-            self.big_done = self.big_done or len(data) >= BIG_ANSWER
+            self.big_done = self.big_done or sum(map(len, parts)) >= BIG_ANSWER
 
     big_done = False
 
@@ -337,7 +338,6 @@ async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[by
                                           b"text/plain")
             await clients.answer(writer, b"HTTP/1.0 " + status + b"\r\nContent-Type: " + kind
                                  + b"\r\nContent-Length: " + str(len(body)).encode()
-                                 + b"\r\nConnection: close\r\n\r\n")
-            await clients.answer(writer, body)
+                                 + b"\r\nConnection: close\r\n\r\n", body)
 
     return await asyncio.start_server(serve, host, port, reuse_address=True)
