@@ -163,6 +163,8 @@ class Daemon:
         self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Accepts refused for want of file descriptors (logged once per interval).
+        self._bad_requests = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL, what="control "
+                                            "requests refused")
         self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
                                                  what="accepts failed for want of descriptors")
 
@@ -337,6 +339,17 @@ class Daemon:
         return _line({"text": (await self._metrics()).decode()})
 
     async def _control(self, request: dict) -> dict | bytes:
+        try:
+            return await self._answer(request)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # (a client's wrong
+            # types, or a bug: said, rate-limited, and answered; a re-check's flood of one
+            # such request wrote 39 MB of tracebacks in 10 s)
+            self._bad_requests.report("control request %.200r refused: %s: %s", logging.ERROR,
+                                      request, type(exc).__name__, exc)
+            self.log.debug("the refused control request's traceback", exc_info=True)
+            return {"error": f"bad request: {exc}"}
+
+    async def _answer(self, request: dict) -> dict | bytes:
         command = request.get("command")
         if command == "status":
             return await self._status_line()

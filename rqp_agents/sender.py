@@ -23,7 +23,7 @@ from rqp.cli import add_log_level, add_version
 from rqp.config import ConfigError, SenderConfig, load_sender_config, parse_host
 from rqp.protocol.constants import DEFAULT_PORT, KNOWN_EXTENSIONS
 from rqp.protocol.errors import RecordError
-from rqp.protocol.events import ANSWERS, QueueAsk, QueueYes
+from rqp.protocol.events import ANSWERS, QueueAsk, QueueNo, QueueYes
 from rqp.protocol.frames import FrameDecoder, encode
 from rqp.protocol.keys import queue_key_problem
 from rqp.protocol.reasons import ReasonCode
@@ -269,8 +269,11 @@ class Sender(Daemon):
         """Connect to ``host`` as this sending MCA does (its TLS files for that host), send a
         QUEUE_ASK for ``queue`` and time the answer: {"answer", "connect_ms", "rtt_ms", ...},
         or {"problem": why}."""
+        given = request.get("host")
+        if not isinstance(given, str):  # (a re-check: null pinged a host named "none")
+            return {"error": f"ping: a host, got {given!r}"}
         try:
-            host = parse_host(str(request.get("host")), DEFAULT_PORT)
+            host = parse_host(given, DEFAULT_PORT)
         except ConfigError as exc:
             return {"error": f"ping: {exc}"}
         key = request.get("queue")
@@ -291,6 +294,9 @@ class Sender(Daemon):
             data = await asyncio.wait_for(reader.readexactly(2), self.config.ask_timeout)
             t2 = loop.time()
             [answer] = FrameDecoder(accept=ANSWERS).events(data)
+            if not isinstance(answer, (QueueYes, QueueNo)):  # (a re-check: DELIVERED_YES to
+                return {**out, "problem": f"answered QUEUE_ASK with {type(answer).__name__}, "
+                        "not QUEUE_YES or QUEUE_NO (not an RQP receiver?)"}  # it said QUEUE_NO)
             return {**out, "answer": "QUEUE_YES" if isinstance(answer, QueueYes) else "QUEUE_NO",
                     "extensions": answer.data,
                     "connect_ms": round((t1 - t0) * 1000, 3), "rtt_ms": round((t2 - t1) * 1000, 3)}
@@ -305,6 +311,8 @@ class Sender(Daemon):
                     "by the receiver's rules or limits, or not an RQP receiver?)"}
         except ConnectionRefusedError:
             return {**out, "problem": "connection refused (no receiving MCA listens there)"}
+        except UnicodeError as exc:  # (a host name IDNA cannot take: a label over 63 octets)
+            return {**out, "problem": f"cannot resolve the host name: {exc}"}
         except (OSError, RQPError) as exc:  # (ssl.SSLError among them)
             if context is not None and writer is not None and isinstance(exc, ConnectionError):
                 # over TLS, after the handshake, nothing heard: a reset is the refusal an end

@@ -651,6 +651,26 @@ def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
         assert out.returncode == 2 and why in out.stdout, out.stdout
     wrong = rqpctl(a, "route", "retry", "NO_SUCH_NAME", "--rqprc", str(rqprc))
     assert wrong.returncode != 0 and "NO_SUCH_NAME" in wrong.stdout + wrong.stderr
+    # a re-check: a label IDNA cannot take was 'bad request' (exit 2, a traceback in the log)
+    out = rqpctl(a, "ping", "a" * 64, "--rqprc", str(rqprc))
+    assert out.returncode == 1 and "cannot resolve the host name" in out.stdout, out.stdout
+    # ...and a peer answering QUEUE_ASK with DELIVERED_YES was said to answer QUEUE_NO
+    odd = a.popen([sys.executable, "-c", ANSWERS_DELIVERED_YES, a.address, "18001"])
+    wait_for(lambda: "listening" in a.output(odd, "stdout"), timeout=20, message="no server")
+    out = rqpctl(a, "ping", f"{a.address}:18001", "--rqprc", str(rqprc))
+    assert out.returncode == 1 and "answered QUEUE_ASK with DeliveredYes" in out.stdout, \
+        out.stdout
+
+
+ANSWERS_DELIVERED_YES = r"""
+import socket, sys
+with socket.create_server((sys.argv[1], int(sys.argv[2]))) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    conn.recv(1)
+    conn.sendall(b"\x02\x00")  # DELIVERED_YES, to a QUEUE_ASK
+    conn.recv(1)
+"""
 
 
 def test_json_logs_carry_the_events_fields(testbed):

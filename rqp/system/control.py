@@ -46,9 +46,11 @@ MAX_CLIENTS = 64
 #: connection is dropped with what it holds (a trial's 200 clients that asked for status and
 #: read nothing held 1.4 GB of answers in the sending MCA for good).
 CLIENT_TIMEOUT = 5.0
-#: An answer is written this many bytes at a time, each taken by its reader before the next:
-#: a client holds at most this much of it in the agent (a trial's 64 clients that read
-#: nothing held a copy each of an 8.8 MB exposition: 2.2 GB, kept by the C heap after).
+#: An answer is written this many bytes at a time, each taken by its reader before the next,
+#: so that a transport's buffer never holds a copy of a whole answer (a trial's 64 clients
+#: that read nothing held a copy each of an 8.8 MB exposition: 2.2 GB, kept by the C heap
+#: after). The answer itself is shared by clients that ask together; one asking apart holds
+#: its own until it is written, so at most MAX_CLIENTS answers at once.
 ANSWER_CHUNK = 64 * 1024
 #: After an answer this big, once no client is left, the memory is given back to the system.
 BIG_ANSWER = 1 << 20
@@ -119,14 +121,14 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
 
 async def _handle(handler: Callable[[dict], Awaitable[dict | bytes]], req) -> dict | bytes:
     """The handler's answer to ``req``; a request it cannot take (a value of the wrong type, a
-    trial's ``"action": []``) is answered "bad request" and logged with its traceback: a
-    local client must not stop the agent."""
+    trial's ``"action": []``) is answered "bad request": a local client must not stop the
+    agent (the agents log such requests themselves, rate-limited)."""
     if not isinstance(req, dict):
         return {"error": "bad request: a request is a JSON object"}
     try:
         return await handler(req)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        log.error("control request %.200r refused: %s", req, exc, exc_info=True)
+        log.debug("control request %.200r refused: %s", req, exc, exc_info=True)
         return {"error": f"bad request: {exc}"}
 
 
