@@ -162,9 +162,11 @@ class Daemon:
         #: The exit status of a stop that is not a SIGTERM's (:meth:`stop_failing`).
         self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Accepts refused for want of file descriptors (logged once per interval).
+        #: Control requests refused for what the agent could not take (logged once per
+        #: interval).
         self._bad_requests = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL, what="control "
                                             "requests refused")
+        #: Accepts refused for want of file descriptors (logged once per interval).
         self.out_of_descriptors = RateLimitedLog(log, DESCRIPTOR_LOG_INTERVAL,
                                                  what="accepts failed for want of descriptors")
 
