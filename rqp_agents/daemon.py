@@ -213,7 +213,7 @@ class Daemon:
         self._metrics = Shared(exposition(self.metrics))
         self._status_line = Shared(lambda: _line(self.status()))
         self._metrics_line = Shared(self._metrics_answer)
-        self._servers.append(await serve_control(control_path, self._control))
+        self._servers.append(await serve_control(control_path, self._control, self._refused))
         if metrics_listen:
             self._servers.append(await serve_metrics(metrics_listen.host, metrics_listen.port,
                                                      self._metrics))
@@ -340,18 +340,15 @@ class Daemon:
     async def _metrics_answer(self) -> bytes:
         return _line({"text": (await self._metrics()).decode()})
 
-    async def _control(self, request: dict) -> dict | bytes:
-        try:
-            return await self._answer(request)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # (a client's wrong
-            # types, or a bug: said, rate-limited, and answered; a re-check's flood of one
-            # such request wrote 39 MB of tracebacks in 10 s)
-            self._bad_requests.report("control request %.200r refused: %s: %s", logging.ERROR,
-                                      request, type(exc).__name__, exc)
-            self.log.debug("the refused control request's traceback", exc_info=True)
-            return {"error": f"bad request: {exc}"}
+    def _refused(self, request: dict, exc: BaseException) -> None:
+        """A control request the agent could not take (a client's wrong types, or a bug):
+        said, rate-limited (a re-check's flood of one such request wrote 39 MB of tracebacks
+        in 10 s), the traceback at DEBUG."""
+        self._bad_requests.report("control request %.200r refused: %s: %s", logging.ERROR,
+                                  request, type(exc).__name__, exc)
+        self.log.debug("the refused control request's traceback", exc_info=exc)
 
-    async def _answer(self, request: dict) -> dict | bytes:
+    async def _control(self, request: dict) -> dict | bytes:
         command = request.get("command")
         if command == "status":
             return await self._status_line()

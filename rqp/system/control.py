@@ -46,6 +46,9 @@ MAX_CLIENTS = 64
 #: connection is dropped with what it holds (a trial's 200 clients that asked for status and
 #: read nothing held 1.4 GB of answers in the sending MCA for good).
 CLIENT_TIMEOUT = 5.0
+#: How the answer to a client beyond MAX_CLIENTS begins (request() tells it from a refusal:
+#: the agent runs).
+BUSY = "busy:"
 #: An answer is written this many bytes at a time, each taken by its reader before the next,
 #: so that a transport's buffer never holds a copy of a whole answer (a trial's 64 clients
 #: that read nothing held a copy each of an 8.8 MB exposition: 2.2 GB, kept by the C heap
@@ -75,9 +78,11 @@ def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
     return Path(state_dir) / f"{name}.sock"
 
 
-async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | bytes]]):
+async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | bytes]],
+                        refused: Callable[[dict, BaseException], None] | None = None):
     """Listen on ``path``; ``handler(request)`` answers each request: a dict, or its JSON line
-    already made (shared by clients that ask together)."""
+    already made (shared by clients that ask together). ``refused(request, error)`` is told of
+    each request the handler could not take (see :func:`_handle`; by default, a DEBUG line)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
@@ -95,7 +100,7 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
         with clients.one(writer) as admitted:
             if not admitted:
                 await clients.answer(writer, json.dumps(
-                    {"error": f"busy: {MAX_CLIENTS} control connections are open, try again"}
+                    {"error": f"{BUSY} {MAX_CLIENTS} control connections are open, try again"}
                 ).encode() + b"\n")
                 return
             try:
@@ -110,7 +115,7 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
                 except (ValueError, RecursionError) as exc:  # (a trial: '[' * 1100 stopped
                     answer = {"error": f"bad request: {exc}"}  # the agent, exit 70)
                 else:
-                    answer = await _handle(handler, req)
+                    answer = await _handle(handler, req, refused or _refused)
             await clients.answer(writer, answer if isinstance(answer, bytes)
                                  else json.dumps(answer, default=str).encode() + b"\n")
 
@@ -119,17 +124,22 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
     return server
 
 
-async def _handle(handler: Callable[[dict], Awaitable[dict | bytes]], req) -> dict | bytes:
+async def _handle(handler: Callable[[dict], Awaitable[dict | bytes]], req,
+                  refused: Callable[[dict, BaseException], None]) -> dict | bytes:
     """The handler's answer to ``req``; a request it cannot take (a value of the wrong type, a
-    trial's ``"action": []``) is answered "bad request": a local client must not stop the
-    agent (the agents log such requests themselves, rate-limited)."""
+    trial's ``"action": []``) is answered "bad request", and ``refused`` is told: a local
+    client must not stop the agent."""
     if not isinstance(req, dict):
         return {"error": "bad request: a request is a JSON object"}
     try:
         return await handler(req)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        log.debug("control request %.200r refused: %s", req, exc, exc_info=True)
+        refused(req, exc)
         return {"error": f"bad request: {exc}"}
+
+
+def _refused(req: dict, exc: BaseException) -> None:
+    log.debug("control request %.200r refused: %s", req, exc, exc_info=exc)
 
 
 class _Clients:
@@ -138,6 +148,7 @@ class _Clients:
 
     def __init__(self) -> None:
         self.open = 0
+        self.big_done = False  # (a big answer was written since the memory was last trimmed)
 
     @contextlib.contextmanager
     def one(self, writer: asyncio.StreamWriter):
@@ -166,8 +177,6 @@ class _Clients:
             pass
         finally:
             self.big_done = self.big_done or sum(map(len, parts)) >= BIG_ANSWER
-
-    big_done = False
 
     def after(self) -> None:
         """Once no client is left after a big answer: its copies' memory back to the system."""
@@ -225,7 +234,7 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
     except ValueError:
         raise ControlError(f"the agent on {path} gave an answer that is not JSON") from None
     if "error" in answer:
-        if str(answer["error"]).startswith("busy:"):
+        if str(answer["error"]).startswith(BUSY):
             raise ControlNotAnswering(f"the agent on {path} is {answer['error']}")
         raise ControlRefused(f"the agent on {path}: {answer['error']}")
     return answer
@@ -317,7 +326,7 @@ async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[by
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with clients.one(writer) as admitted:
             if not admitted:
-                body, status, kind = (f"busy: {MAX_CLIENTS} connections are open\n".encode(),
+                body, status, kind = (f"{BUSY} {MAX_CLIENTS} connections are open\n".encode(),
                                       b"503 Service Unavailable", b"text/plain")
             else:
                 try:
