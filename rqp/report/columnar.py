@@ -130,32 +130,45 @@ def _identity(uri: str) -> str:
     return name if is_drain_file_name(name) else uri
 
 
-def _spark_path(uri: str) -> str:
+def spark_path(uri: str) -> str:
     """A file's URI as listed (percent-encoded: ``file:/a%20b``) as a path Spark reads (Hadoop
     takes path strings unescaped: a trial's archive under "arch ivé" was not found, as
     ``arch%2520iv%C3%A9``). Its rows' ``_metadata`` name it by the URI again."""
     return urllib.parse.unquote(uri) if uri.startswith("file:") else uri
 
 
+def unreadable(uri: str) -> str | None:
+    """Why this user may not read a local archive file (a re-check: Spark failed the whole
+    report over one such file, "File does not exist" and 338 lines of Java); None for a
+    file it may read, or one not on this host's disk."""
+    if not uri.startswith("file:"):
+        return None
+    try:
+        with open(_local_path(uri), "rb"):
+            return None
+    except PermissionError as exc:
+        return f"cannot be read by this user ({exc.strerror}); taken once it can be"
+    except OSError:
+        return None  # (gone, or odd: Spark's reading judges it, as before)
+
+
+def _local_path(uri: str) -> str:
+    return urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
+
+
 def _not_ready(uri: str) -> str | None:
-    """Why a local archive file may not be taken yet: this user may not read it (a re-check:
-    Spark failed the whole report, "File does not exist" and 338 lines of Java), or, gzip, it
-    ends before its gzip end (a copy still being made, as by rsync from another host): Spark
+    """Why a local archive file may not be taken yet: :func:`unreadable`, or, gzip, it ends before its gzip end (a copy still being made, as by rsync from another host): Spark
     reads the lines before the cut, and the store, which takes a file once by name, would
     never count the rest (a trial: 1,083 dead letters short, for good, without a word). None
     for a whole file, one not on this host's disk, or one Spark's reading will judge."""
-    if not uri.startswith("file:"):
+    if (why := unreadable(uri)) is not None or not uri.startswith("file:"):
+        return why
+    if not uri.endswith(".gz"):
         return None
-    path = urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
     try:
-        with open(path, "rb") as raw:
-            if not uri.endswith(".gz"):
-                return None
-            with gzip.open(raw, "rb") as f:
-                while f.read(1 << 20):
-                    pass
-    except PermissionError as exc:
-        return f"cannot be read by this user ({exc.strerror}); taken once it can be"
+        with gzip.open(_local_path(uri), "rb") as f:
+            while f.read(1 << 20):
+                pass
     except EOFError:
         return "cut short (no gzip end: a copy still being made?); taken once it is whole"
     except (OSError, zlib.error):
@@ -288,7 +301,7 @@ class Store:
         left_out = {f: why for f in new if (why := _not_ready(f)) is not None}
         new = [f for f in new if f not in left_out]
         while new:
-            self._write(batch, read_archives(self.spark, [_spark_path(f) for f in new]))
+            self._write(batch, read_archives(self.spark, [spark_path(f) for f in new]))
             checked = {r[FILE_COLUMN]: r for r in per_file(self._read([batch]))}
             wrong = {f: r for f, r in checked.items() if r["wrong"]}
             for f in new:

@@ -120,6 +120,19 @@ TABLES: tuple[Table, ...] = (
 # Reading and checking
 # ------------------------------------------------------------------------------------------
 
+def _read_readable(spark: SparkSession, inputs: Sequence[str]
+                   ) -> tuple[DataFrame, int, dict[str, str]]:
+    """The archive lines of the ``inputs``' files this user may read, how many files those
+    are, and each local file it may not read with why (a trial: one root's 0600 file failed
+    the whole ``--no-store`` report in Spark)."""
+    raw = read_archives(spark, inputs)
+    listed = raw.inputFiles()
+    left_out = {f: why for f in listed if (why := columnar.unreadable(f)) is not None}
+    if left_out and len(left_out) < len(listed):
+        raw = read_archives(spark, [columnar.spark_path(f) for f in listed if f not in left_out])
+    return raw, len(listed) - len(left_out), left_out
+
+
 def read_archives(spark: SparkSession, inputs: Sequence[str]) -> DataFrame:
     """The archive lines of ``inputs`` with the declared schema, the corrupt-record column and
     ``_file`` (the file each line came from)."""
@@ -327,19 +340,18 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         columnar_store = columnar.Store(spark, store)
         compaction = columnar_store.compact(inputs, read_archives)
         phases.done("compact")
-        for name, why in sorted(compaction.left_out.items()):
-            err.write(f"{PROG}: warning: {name} left out (not taken into the store; tried "
-                      f"again next run): {why}\n")
-        raw = columnar_store.read()
-        files = compaction.files
-        if raw is None:
-            raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)} "
-                              f"and none in the store {store}")
+        raw, files, left_out = columnar_store.read(), compaction.files, compaction.left_out
     else:
-        raw = read_archives(spark, inputs)
-        files = len(raw.inputFiles())
-    if not files:
-        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}")
+        raw, files, left_out = _read_readable(spark, inputs)
+    for name, why in sorted(left_out.items()):
+        err.write(f"{PROG}: warning: {name} left out ("
+                  + ("not taken into the store; " if store is not None else "")
+                  + f"tried again next run): {why}\n")
+    if raw is None or not files:
+        where = f" and none in the store {store}" if store is not None else ""
+        held = f"; {len(left_out)} left out, each named above" if left_out else ""
+        raise ReportError(f"no archive files ({ARCHIVE_FILE_GLOB}) to read in "
+                          f"{' '.join(inputs)}{where}{held}")
     # The one pass over the archives: parse, drop duplicate ids, keep the result in memory
     # (spilling to disk if need be) for every table.
     rows = analysis.normalize(prepare(raw)).select(
@@ -414,6 +426,7 @@ def run_report(spark: SparkSession, inputs: Sequence[str], output: str,
         "traffic": traffic,
         "spark": {"version": spark.version, "master": spark.sparkContext.master},
         "store": compaction.as_dict() if compaction is not None else None,
+        "left_out": dict(sorted(left_out.items())),
         "totals": {
             "files": check.files,
             "lines": check.lines,
