@@ -199,6 +199,10 @@ _BOOL_NOTE = " (YAML reads yes/no/on/off/true/false as booleans)"
 # Errors
 
 
+class NoRqprcFound(ConfigError):
+    """No ``.rqprc`` at any place :func:`find_rqprc` looks (a host that only receives)."""
+
+
 class BadValueError(ConfigError, ValueError):
     """One value is wrong (what the ``parse_*`` functions raise). The loaders prefix the file
     and the key to the message. Public, like every exception that can reach a user: its name
@@ -1415,7 +1419,7 @@ def find_rqprc(
         if problem != "no such file":  # (one there that cannot be read is said, not skipped)
             return place
     looked = ", ".join(["$RQPRC (not set)", *map(str, places)])
-    raise ConfigError(f"no .rqprc found; looked at: {looked}")
+    raise NoRqprcFound(f"no .rqprc found; looked at: {looked}")
 
 
 def load_sender_config(

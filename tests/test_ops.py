@@ -92,6 +92,31 @@ def test_status_of_healthy_agents(site):
     assert "(kept 1d00h)" in text and "FULL" not in text, text
 
 
+def test_a_receiving_only_host_says_why_no_sending_mca_is_shown(site):
+    """A trial: with no .rqprc found, ``rqpctl status`` left the sending MCA out without a
+    word (and skipped a broken one named by $RQPRC the same way). Now it says where it looked
+    and asks the unit's socket; a broken .rqprc is an error naming it."""
+    _a, b, _rqprc, _sender, _receiver = site
+    env = {k: v for k, v in os.environ.items() if k != "RQPRC"} | {"HOME": str(b.workdir)}
+    config = str(b.workdir / "receiver.yaml")
+    out = b.run([*RQPCTL, "status", "--receiver-config", config], check=False, env=env,
+                cwd=b.workdir, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sender: none answers here (no .rqprc found; looked at: $RQPRC (not set), " in \
+        out.stdout and "/run/rqp/sender/control.sock: a receiving-only host" in out.stdout, \
+        out.stdout
+    assert "offers" in out.stdout  # (the receiver's own status follows)
+    # with no receiver config either, nothing is optional: both missing, exit 3, and why
+    out = b.run([*RQPCTL, "status"], check=False, env=env, cwd=b.workdir, timeout=60)
+    assert out.returncode == 3 and "sender: not running" in out.stdout and \
+        "(no .rqprc found; looked at" in out.stdout, out.stdout
+    broken = b.workdir / "broken.rqprc"
+    broken.write_text("hosts: [\n")
+    out = b.run([*RQPCTL, "status", "--receiver-config", config], check=False,
+                env=env | {"RQPRC": str(broken)}, cwd=b.workdir, timeout=60)
+    assert out.returncode == 2 and str(broken) in out.stderr, out.stdout + out.stderr
+
+
 def test_a_frozen_receiver_on_a_sending_host_is_not_taken_for_none(site, monkeypatch,
                                                                    capsys):
     """A trial: on a sending host with no receiver config, a receiving MCA that runs on the

@@ -21,7 +21,7 @@ from pathlib import Path
 from rqp import RQPError
 from rqp.cli import msgtyp, mtype, number, positive_int, seconds
 from rqp.config import (
-    QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, ReceiverConfig, find_rqprc,
+    QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, NoRqprcFound, ReceiverConfig, find_rqprc,
     load_receiver_config, load_sender_config, parse_host, parse_queue_key, receiver_config_path,
 )
 from rqp.system.control import (
@@ -63,17 +63,21 @@ def _candidates(configured: str | None, runtime: str, state_dir: str, name: str)
     return [Path(state_dir) / f"{name}.sock", Path(runtime)]
 
 
+#: Where the units' agents listen (their runtime directories).
+SENDER_UNIT_SOCKET = "/run/rqp/sender/control.sock"
+RECEIVER_UNIT_SOCKET = "/run/rqp/receiver/control.sock"
+
+
 def sender_socket(rqprc: str | None) -> tuple[str, list[Path]]:
     config = load_sender_config(find_rqprc(rqprc))
     name = config.agent_name
-    return name, _candidates(config.control_socket, "/run/rqp/sender/control.sock",
-                             config.state_dir, name)
+    return name, _candidates(config.control_socket, SENDER_UNIT_SOCKET, config.state_dir, name)
 
 
 def receiver_socket(path: str | None) -> tuple[str, list[Path]]:
     path = receiver_config_path(path)
     config = load_receiver_config(path) if path else ReceiverConfig()
-    return "receiver", _candidates(config.control_socket, "/run/rqp/receiver/control.sock",
+    return "receiver", _candidates(config.control_socket, RECEIVER_UNIT_SOCKET,
                                    config.state_dir, "receiver")
 
 
@@ -113,9 +117,12 @@ def _targets(args) -> list[tuple[str, list[Path]]]:
     if args.agent in ("all", "sender"):
         try:
             out.append(sender_socket(args.rqprc))
-        except ConfigError:
-            if args.agent == "sender" or args.rqprc:
-                raise  # no .rqprc on a receiving-only host is fine for "all"
+        except NoRqprcFound:
+            if args.agent == "sender":
+                raise
+            # (a receiving-only host; or this user finds none, and the unit's agent runs:
+            # it is asked where the unit's listens. A trial's status left it out silently.)
+            out.append(("sender", [Path(SENDER_UNIT_SOCKET)]))
     if args.agent in ("all", "receiver"):
         out.append(receiver_socket(args.receiver_config))
     return out
@@ -350,11 +357,53 @@ def status(args) -> int:
         return code
 
 
+def _no_rqprc(args) -> str | None:
+    """Why, with --agent all, no .rqprc names the sending MCA to ask (None if one does)."""
+    if args.agent != "all" or args.socket or args.rqprc:
+        return None
+    try:
+        find_rqprc()
+    except NoRqprcFound as exc:
+        return str(exc)
+    return None
+
+
+def _receiver_configured(args) -> bool:
+    return bool(args.receiver_config) or SYSTEM_RECEIVER_CONFIG.exists()
+
+
 def _receiver_optional(args, targets) -> bool:
     """A sending host with no receiver config: a receiver that is not running is no fault
     (with --agent all; --agent receiver, a config or a socket named ask for one)."""
-    return args.agent == "all" and not args.socket and not args.receiver_config and \
-        not SYSTEM_RECEIVER_CONFIG.exists() and any(name != "receiver" for name, _ in targets)
+    return args.agent == "all" and not args.socket and not _receiver_configured(args) and \
+        any(name != "receiver" for name, _ in targets) and _no_rqprc(args) is None
+
+
+def _optional(args, targets, name: str, exc: ControlError) -> str | None:
+    """What to say of agent ``name`` that does not answer (a ``none`` line for status) when
+    that is no fault: a sending-only host's receiver, a receiving-only host's sender; None
+    when it is one (exit 3)."""
+    if isinstance(exc, ControlNotAnswering):
+        return None  # (one that runs, frozen, is no such host: a trial was told "none")
+    candidates = ", ".join(str(p) for n, paths in targets if n == name for p in paths)
+    if name == "receiver" and _receiver_optional(args, targets):
+        return (f"receiver: none answers here (no receiver config at {SYSTEM_RECEIVER_CONFIG}, "
+                f"and no receiving MCA at {candidates}: a sending-only host; one run with a "
+                "config of its own: --receiver-config FILE, or --socket PATH)")
+    no_rqprc = _no_rqprc(args) if name != "receiver" else None
+    if no_rqprc is not None and _receiver_configured(args):
+        return (f"sender: none answers here ({no_rqprc}; and no sending MCA at {candidates}: "
+                "a receiving-only host; one run with a .rqprc of its own: --rqprc FILE, or "
+                "--socket PATH)")
+    return None
+
+
+def _not_answering(args, name: str, exc: ControlError) -> str:
+    """The line of an agent that must answer and does not (exit 3), with why it was asked
+    where it was when no .rqprc named it."""
+    line = _not_reached(name, exc)
+    no_rqprc = _no_rqprc(args) if name != "receiver" else None
+    return line if no_rqprc is None else f"{line} ({no_rqprc})"
 
 
 def _named_config(args, name: str):
@@ -390,28 +439,21 @@ def _serving(st: dict, config) -> dict:
 def _status_once(args) -> int:
     code, answers = 0, {}
     targets = _targets(args)
-    receiver_optional = _receiver_optional(args, targets)
     for name, candidates in targets:
         try:
             answers[name] = st = _serving(ask(candidates, "status"), _named_config(args, name))
         except ControlError as exc:
             answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
                              "error": str(exc)}
-            # (a receiver that runs, frozen, is no sending-only host: a trial was told "none")
-            if name == "receiver" and receiver_optional and \
-                    not isinstance(exc, ControlNotAnswering):
+            if (none := _optional(args, targets, name, exc)) is not None:
                 answers[name]["configured"] = False
                 if not args.json:
-                    print(f"receiver: none answers here (no receiver config at "
-                          f"{SYSTEM_RECEIVER_CONFIG}, and no receiving MCA at "
-                          f"{', '.join(map(str, candidates))}: a sending-only host; one run "
-                          "with a config of its own: --receiver-config FILE, or --socket "
-                          "PATH)")
+                    print(none)
                 continue
             code = EXIT_NOT_RUNNING  # (it wins over an unhealthy route)
             answers[name]["answering"] = False
             if not args.json:
-                print(_not_reached(name, exc))
+                print(_not_answering(args, name, exc))
             continue
         if (any(r["state"] in UNHEALTHY for r in st.get("routes", ()))
                 or st.get("dead_letters_held") or st.get("transmission_queue_trouble")
@@ -438,12 +480,12 @@ def trace(args) -> int:
         except ControlError as exc:
             answers[name] = {"running": isinstance(exc, ControlNotAnswering),
                              "answering": False, "error": str(exc)}
-            if name == "receiver" and _receiver_optional(args, targets):
+            if _optional(args, targets, name, exc) is not None:
                 answers[name]["configured"] = False
-                continue  # (a sending-only host)
+                continue  # (a sending-only host, or a receiving-only one)
             unasked = True
             if not args.json:
-                print(_not_reached(name, exc))
+                print(_not_answering(args, name, exc))
             continue
         answers[name] = got
         found = found or got is not None
@@ -559,9 +601,9 @@ def metrics(args) -> int:
             agent = Path(name).name.removesuffix(".sock").split("-")[0]  # sender, receiver
             texts[agent if agent not in texts else name] = ask(candidates, "metrics")["text"]
         except ControlError as exc:
-            if name == "receiver" and _receiver_optional(args, targets):
+            if _optional(args, targets, name, exc) is not None:
                 continue
-            notes.append(f"# {_not_reached(name, exc)}")
+            notes.append(f"# {_not_answering(args, name, exc)}")
             code = EXIT_NOT_RUNNING
     print("\n".join(notes), end="\n" if notes else "")
     if len(texts) == 1 and len(targets) == 1:
