@@ -334,6 +334,10 @@ class Sender(Daemon):
                 found[field] += to_wall
         found["queue"] = format_key(found["queue_key"])
         found["name"] = self.config.queue_name(found["queue_key"])
+        if found["state"].startswith("dead-lettered") and any(
+                held[0].message_key == key for held in self._dead_letter_backlog):
+            # (not on DEAD.LETTER.Q yet: a trial's trace said "dead-lettered" of it)
+            found["held_in_memory"] = self.dead_letters_held_why
         return found
 
     def metrics(self) -> list:

@@ -1095,6 +1095,33 @@ def _sender_status(a, rqprc) -> dict:
                                        str(rqprc), "--json").stdout).values()))
 
 
+def test_trace_says_a_dead_letter_held_in_memory_is_not_on_the_queue_yet(site):
+    """A trial: while DEAD.LETTER.Q was full, trace said "dead-lettered" of a dead letter the
+    sending MCA held in memory (lost if it stopped). It says so now, until it is written."""
+    a, b, rqprc, sender, receiver = site
+    filled = int(a.python(FILL_DLQ))
+    send(a, rqprc, Q2, ["nowhere"], mtype=1)  # UNSURE, no host offers Q2: NO_ROUTE
+    st = wait_for(lambda: (st := _sender_status(a, rqprc))["dead_letters_held"] == 1 and st,
+                  timeout=60, message="the dead letter was not held")
+    key = (int(st["incarnation"], 16) << 32) + 1
+
+    def trace():
+        out = rqpctl(a, "trace", hex(key), "--agent", "sender", "--rqprc", str(rqprc),
+                     "--json")
+        return next(iter(json.loads(out.stdout).values()))
+    t = trace()
+    assert t["state"] == "dead-lettered NO_ROUTE" and t["held_in_memory"] == "it was full", t
+    text = rqpctl(a, "trace", hex(key), "--agent", "sender", "--rqprc", str(rqprc)).stdout
+    assert "; held in memory, not yet on DEAD.LETTER.Q (it was full): lost if the sending " \
+        "MCA stops, unless SURE" in text, text
+    got = []
+    wait_for(lambda: got.extend(json.loads(a.python(TAKE_DLQ))) or len(got) == filled + 1,
+             timeout=60, message=f"the dead letter was not written: {len(got)}")
+    wait_for(lambda: _sender_status(a, rqprc)["dead_letters_held"] == 0, timeout=30,
+             message="still held")
+    assert "held_in_memory" not in trace()
+
+
 def test_dead_letters_held_have_one_spill_file_at_most(site):
     """Held while DEAD.LETTER.Q is full, dead letters too large for one message used to be
     spilled when held: a kill -9 then left a spill file per record held, never removed, and

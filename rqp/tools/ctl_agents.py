@@ -517,7 +517,9 @@ def _trace_line(t: dict, now: float) -> str:
     if "peer" in t:  # the receiving MCA
         return f"{state}, from {t['peer']}" + (f", {_ago(t['at'], now)} ago" if t.get("at")
                                                 else "")
-    return f"{state}, queue {queue}, {_ago(t['at'], now)} ago: {t['detail']}"
+    held = (f"; held in memory, not yet on DEAD.LETTER.Q ({t['held_in_memory']}): lost if "
+            "the sending MCA stops, unless SURE" if t.get("held_in_memory") else "")
+    return f"{state}, queue {queue}, {_ago(t['at'], now)} ago: {t['detail']}{held}"
 
 
 def message_key(text: str) -> int:
