@@ -262,7 +262,8 @@ class Sender(Daemon):
                                          "start": "started again"}[action], held,
                  " or in flight" if action == "retry" else "",
                  extra={"event": f"route_{action}", "queue_key": format_key(key)})
-        routes = [r for r in telemetry.sender_status(self)["routes"] if r["queue_key"] == key]
+        # (its own route only: the whole status was 24 ms of the loop at 3,000 queues)
+        routes = telemetry.sender_routes(self, only=key)
         return {"queue": format_key(key), "held": held, "route": routes[0] if routes else None}
 
     async def _ping(self, request: dict) -> dict:

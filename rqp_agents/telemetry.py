@@ -80,7 +80,12 @@ def _depth(queue: LocalQueue) -> int | None:
 
 
 def sender_status(agent) -> dict:
-    routes = agent.core.route_status(agent.loop.time())
+    return {**_sender_figures(agent), "routes": sender_routes(agent)}
+
+
+def sender_routes(agent, only: int | None = None) -> list[dict]:
+    """Status's routes (every one, or ``only`` that queue's), times as Unix times."""
+    routes = agent.core.route_status(agent.loop.time(), only)
     to_wall = time.time() - agent.loop.time()  # the core's times are the loop's clock
     for route in routes:
         route["queue"] = format_key(route["queue_key"])
@@ -90,6 +95,11 @@ def sender_status(agent) -> dict:
                           "oldest_taken_at", "stalled_since"):
                 if row.get(field) is not None:
                     row[field] += to_wall
+    return routes
+
+
+def _sender_figures(agent) -> dict:
+    to_wall = time.time() - agent.loop.time()
     return {
         "agent": "sender", "pid": os.getpid(), "host": agent.host,
         "version": __version__, "started_at": agent.started,
@@ -109,7 +119,7 @@ def sender_status(agent) -> dict:
         "held_most": agent.intake.budget.size, "incarnation": f"{agent.keys.incarnation:08x}",
         "hosts": [_host_status(agent, h, to_wall) for h in
                   (*agent.config.hosts, *agent.core.removed_hosts_connected())],
-        "routes": routes, "queue_memory": QUEUE_MEMORY, "route_cache": ROUTE_CACHE,
+        "queue_memory": QUEUE_MEMORY, "route_cache": ROUTE_CACHE,
         "forgotten": asdict(agent.core.forgotten),
         "stats": dict(agent.stats),
         "dead_letters": dict(agent.dead_letters.by_reason), "now": time.time(),

@@ -2172,16 +2172,18 @@ class SenderCore:
             })
         return out
 
-    def route_status(self, now: float | None = None) -> list[dict]:
-        """Every queue key this sending MCA has handled: its route and its state in words
-        (as of ``now``, the core's clock; default: its last input); a broadcast key: its
-        copies per host under ``copies``. Progress: ``oldest_taken_at`` of what waits or is in
-        flight, ``last_confirmed_at``; ``stalled_since`` when nothing was confirmed for
-        ``stall_after`` while messages wait (``stalled_why``: what the route is doing)."""
+    def route_status(self, now: float | None = None,
+                     only: int | None = None) -> list[dict]:
+        """Every queue key this sending MCA has handled (or ``only`` that one, if it has):
+        its route and its state in words (as of ``now``, the core's clock; default: its last
+        input); a broadcast key: its copies per host under ``copies``. Progress:
+        ``oldest_taken_at`` of what waits or is in flight, ``last_confirmed_at``;
+        ``stalled_since`` when nothing was confirmed for ``stall_after`` while messages wait
+        (``stalled_why``: what the route is doing)."""
         now = self._now if now is None else now
         taken, carriers = self._in_flight_by_lane()
         out = []
-        for key in sorted(self.info):
+        for key in sorted(self.info) if only is None else [only] if only in self.info else []:
             info, lane, host = self.info[key], self._lanes.get(key), self.routes.get(key)
             since = info.since
             copies = self._copies_status(key, now, taken) if key in self.settings.broadcast \
