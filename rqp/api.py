@@ -37,7 +37,8 @@ from rqp.system.service import SENDER_UNIT, sender_serving, sender_unit, spawn_l
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
-           "ensure_sender", "Producer", "HandleError", "AgentStartError", "QueueEmpty"]
+           "ensure_sender", "Producer", "HandleError", "AgentStartError", "DataTypeError",
+           "QueueEmpty"]
 
 #: An ``expires_at`` this big (in seconds: the year 5138) is surely milliseconds by mistake.
 EXPIRES_AT_MS_LOOKALIKE = 100_000_000_000
@@ -52,6 +53,26 @@ class HandleError(RQPError):
 
 class AgentStartError(RQPError):
     """No sending MCA serves the transmission queue and none could be started."""
+
+
+class DataTypeError(RQPError, TypeError):
+    """A message's data that is no bytes-like object (a ``str``: encode it first)."""
+
+
+def _payload(data) -> bytes:
+    """The bytes of a message: ``bytes`` as they are, any other buffer (``bytearray``,
+    ``memoryview``, ``array``, a ctypes array) byte for byte, whatever its item size (a
+    trial's array of 2,100 ints passed the size check as 2,100 bytes: it is 8,400)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, str):
+        raise DataTypeError("data must be bytes, got str (encode it: text.encode())")
+    try:
+        with memoryview(data) as view:
+            return view.tobytes()
+    except TypeError:
+        raise DataTypeError(f"data must be bytes (or bytearray, memoryview, another buffer), "
+                            f"got {type(data).__name__}") from None
 
 
 class Producer:
@@ -126,11 +147,22 @@ class Batch:
         self.expires_at_ms = expires_at_ms
         self.members: list[tuple[int, bytes]] = []
         self.size = 0  # the payload of the batch record so far
+        #: The thread (of this process) that began it: sendMessage, commitBatch and
+        #: rollbackBatch on the handle act on it there only (a trial: another thread's plain
+        #: message joined it and was rolled back with it; a forked child committed it again).
+        self.owner = _owner()
+        #: How it ended (committed, rolled back, ...); None while open.
+        self.ended: str | None = None
 
     def send(self, data: bytes, mtype: int = 1) -> None:
         """Add a message (put with ``mtype`` at the destination) to the batch."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if self.ended is not None:  # (a trial's send after commit returned, and went nowhere)
+            raise RQPError(f"this batch was {self.ended}: nothing more can be added to it "
+                           "(begin another)")
+        if self.owner[0] != _PID.pid:
+            raise RQPError("this batch was begun by process "
+                           f"{self.owner[0]}, before a fork: it is that process's to commit")
+        data = _payload(data)
         try:
             check_mtype(mtype)
         except ValueError as exc:
@@ -148,7 +180,7 @@ class Batch:
                 f" minus the {TRANSMISSION_HEADER_SIZE}-byte header): a batch is one record, so "
                 "that its commit is atomic; commit a smaller one, or raise kernel.msgmax (see "
                 "the README)", size=size, limit=limit)
-        self.members.append((mtype, bytes(data)))
+        self.members.append((mtype, data))
         self.size = size
 
     def __len__(self) -> int:
@@ -173,7 +205,25 @@ _handles: dict[int, _Connection] = {}
 #: Transmission queues this process said it does not start a sending MCA for (a service's).
 _service_said: set[int] = set()
 log = logging.getLogger("rqp.api")
-_batches: dict[int, Batch] = {}
+#: The open batches, by handle and owner (:func:`_owner`): a batch is its thread's.
+_batches: dict[tuple[int, int, int], Batch] = {}
+
+
+def _owner() -> tuple[int, int]:
+    """This process and thread."""
+    return (_PID.pid, threading.get_ident())
+
+
+def _open_batch(handle: int) -> Batch | None:
+    """The batch this thread has open on ``handle``, if any."""
+    return _batches.get((handle, *_owner())) if _batches else None
+
+
+def _end_batch(opened: Batch, how: str) -> None:
+    with _lock:
+        if _batches.get((opened.handle, *opened.owner)) is opened:
+            del _batches[(opened.handle, *opened.owner)]
+        opened.ended = how
 _next_handle = itertools.count(1)
 _sequence = itertools.count(1)
 
@@ -312,7 +362,7 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     kernel's memory only until the sending MCA takes it: a reboot in between loses it.
     """
     conn = _connection(handle)
-    open_batch = _batches.get(handle)
+    open_batch = _open_batch(handle)
     if msg_type is None:
         msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
     _check_msg_type(msg_type)
@@ -337,8 +387,7 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if priority is None:
         priority = DEFAULT_PRIORITY
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    data = _payload(data)
     limit = conn.producer.limit
     if len(data) > limit:
         raise MessageTooBig(
@@ -355,7 +404,7 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     expires_at_ms = 0 if ttl is None and expires_at is None else \
         expiry_ms(ttl, expires_at, now_ns)
     # The bytes straight from the checked values (the hot path: no record object).
-    raw = encode_transmission(msg_type, conn.queue_key, bytes(data), 0, _PID.pid,
+    raw = encode_transmission(msg_type, conn.queue_key, data, 0, _PID.pid,
                               next(_sequence), now_ns, mtype, priority, expires_at_ms)
     conn.producer.put_raw(raw, timeout=timeout, sync=sync,
                           sync_timeout=30.0 if timeout is None else timeout)
@@ -370,30 +419,36 @@ def _check_timeout(timeout) -> None:
 
 
 def _check_msg_type(msg_type) -> None:
-    if msg_type not in (SURE_MSG, UNSURE_MSG):
+    # (not True/False, nor 1.0: a trial's True, meant as "sure", sent UNSURE_MSG, 1)
+    if type(msg_type) not in (int, MessageType) or msg_type not in (SURE_MSG, UNSURE_MSG):
         raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
                        f"got {msg_type!r}")
 
 
-def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIORITY,
+def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int | None = None,
                ttl: float | None = None, expires_at: float | None = None) -> Batch:
     """Start an atomic batch on ``handle``: the next ``sendMessage`` calls on it (or
     ``Batch.send``) add to it, :func:`commitBatch` puts them all at once, :func:`rollbackBatch`
     (or ``closeConnection``, or the process ending) drops them. Every message of it enters the
     channel or none does; the consumer never sees part of it (spec section 6). One message
-    type, priority and expiry for the whole batch; each message has its own ``mtype``."""
+    type, priority (None: 4) and expiry for the whole batch; each message has its own
+    ``mtype``. The batch is this thread's: another thread's ``sendMessage`` on the same
+    handle is sent on its own, and a child forked meanwhile cannot commit it."""
     _connection(handle)
     _check_msg_type(msg_type)
+    if priority is None:
+        priority = DEFAULT_PRIORITY
     try:
         check_extras(1, priority)
     except ValueError as exc:
         raise RQPError(str(exc)) from None
     expires_at_ms = expiry_ms(ttl, expires_at, time.time_ns())
+    opened = Batch(handle, msg_type, priority, expires_at_ms)
     with _lock:
-        if handle in _batches:
-            raise RQPError(f"handle {handle} has a batch open already: commit or roll it back "
-                           "first")
-        _batches[handle] = opened = Batch(handle, msg_type, priority, expires_at_ms)
+        if (handle, *opened.owner) in _batches:
+            raise RQPError(f"handle {handle} has a batch open already in this thread: commit "
+                           "or roll it back first")
+        _batches[(handle, *opened.owner)] = opened
     return opened
 
 
@@ -402,11 +457,21 @@ def commitBatch(handle: int, *, timeout: float | None = None, sync: bool = False
     ``msgsnd``: all of it or nothing) and close it. Returns how many messages it held (an
     empty batch puts nothing). ``timeout`` and ``sync`` as for :func:`sendMessage`. If the
     put fails, the batch stays open (commit again, or roll it back)."""
-    conn = _connection(handle)
     _check_timeout(timeout)
-    open_batch = _batches.get(handle)
+    open_batch = _open_batch(handle)
     if open_batch is None:
-        raise RQPError(f"handle {handle} has no batch open (beginBatch first)")
+        _connection(handle)
+        raise RQPError(f"handle {handle} has no batch open in this thread (beginBatch first)")
+    return _commit(open_batch, timeout, sync)
+
+
+def _commit(open_batch: Batch, timeout: float | None, sync: bool) -> int:
+    conn = _connection(open_batch.handle)
+    if open_batch.ended is not None:
+        raise RQPError(f"this batch was {open_batch.ended} already")
+    if open_batch.owner[0] != _PID.pid:  # (a with block left in a child forked inside it)
+        raise RQPError(f"this batch was begun by process {open_batch.owner[0]}, before a "
+                       "fork: it is that process's to commit")
     if sync and open_batch.msg_type != SURE_MSG:
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if open_batch.members:
@@ -417,24 +482,23 @@ def commitBatch(handle: int, *, timeout: float | None = None, sync: bool = False
             priority=open_batch.priority, expires_at_ms=open_batch.expires_at_ms)
         conn.producer.put(record, timeout=timeout, sync=sync,
                           sync_timeout=30.0 if timeout is None else timeout)
-    with _lock:
-        _batches.pop(handle, None)
+    _end_batch(open_batch, "committed")
     return len(open_batch.members)
 
 
 def rollbackBatch(handle: int) -> int:
-    """Drop the open batch of ``handle`` (nothing of it was put). Returns how many messages it
-    held."""
+    """Drop this thread's open batch of ``handle`` (nothing of it was put). Returns how many
+    messages it held."""
     _connection(handle)
-    with _lock:
-        open_batch = _batches.pop(handle, None)
+    open_batch = _open_batch(handle)
     if open_batch is None:
-        raise RQPError(f"handle {handle} has no batch open (beginBatch first)")
+        raise RQPError(f"handle {handle} has no batch open in this thread (beginBatch first)")
+    _end_batch(open_batch, "rolled back")
     return len(open_batch.members)
 
 
 @contextlib.contextmanager
-def batch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIORITY,
+def batch(handle: int, msg_type: int = SURE_MSG, *, priority: int | None = None,
           ttl: float | None = None, expires_at: float | None = None,
           timeout: float | None = None, sync: bool = False):
     """``with rqp.batch(h) as b: b.send(data, mtype=5) ...``: committed when the block ends,
@@ -443,14 +507,13 @@ def batch(handle: int, msg_type: int = SURE_MSG, *, priority: int = DEFAULT_PRIO
     try:
         yield opened
     except BaseException:
-        with _lock:
-            _batches.pop(handle, None)
+        _end_batch(opened, "rolled back (its with block raised)")
         raise
     try:
-        commitBatch(handle, timeout=timeout, sync=sync)
+        _commit(opened, timeout, sync)
     finally:
-        with _lock:
-            _batches.pop(handle, None)
+        if opened.ended is None:
+            _end_batch(opened, "rolled back (its commit failed)")
 
 
 def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
@@ -473,6 +536,11 @@ def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
         if value in (float("inf"), float("-inf")) or abs(value) >= 1 << 64:
             raise RQPError(f"{name} {value!r} is past the year 500 million (no expiry: leave "
                            f"{name} out)")
+        if name == "expires_at" and value * 1e9 <= now_ns:  # (rqp.h's 0 means never: a
+            # trial's expires_at=0 was dead-lettered EXPIRED at once, without a word)
+            raise RQPError(f"expires_at {value!r} is already past (the time is now "
+                           f"{now_ns / 1e9:.3f}): the message would be dead-lettered EXPIRED "
+                           "at once (no expiry: leave expires_at out)")
         expires_at_ms = max(1, (base + int(value * 1e9)) // 1_000_000)
         if expires_at_ms >= 1 << 64:
             raise RQPError(f"{name} {value!r} is past the year 500 million")
@@ -483,7 +551,8 @@ def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
 def closeConnection(handle: int) -> None:
     """Close ``handle``; a batch still open on it is dropped (rolled back)."""
     with _lock:
-        _batches.pop(handle, None)
+        for key in [key for key in _batches if key[0] == handle]:
+            _batches.pop(key).ended = "dropped by closeConnection"
         if _handles.pop(handle, None) is None:
             raise HandleError(f"handle {handle!r} is not open (never opened, or closed already)")
 

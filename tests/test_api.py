@@ -6,6 +6,7 @@ MCA, and the sending MCA started by openConnection itself.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import sys
@@ -352,3 +353,113 @@ print(json.dumps([errors, rolled, got.decode(), sysv_ipc.MessageQueue(0x52510001
     assert "at most 256 messages" in errors["too_many"]
     assert rolled == 256
     assert got == "marker" and left == 0  # nothing of the rolled-back, failed or closed batches
+
+
+def test_a_batch_is_its_threads_and_ends_for_good(host):
+    """A trial, as a System V programmer: a Batch kept after commit or rollback took more
+    messages without a word, and they went nowhere; another thread's plain sendMessage on the
+    same handle joined a batch and was rolled back with it; a child forked with a batch open
+    committed it a second time. Each is refused now, or kept apart, and nothing is lost."""
+    out = run(host, """
+import os, threading
+errors = {}
+def err(name, fn):
+    try:
+        fn()
+        errors[name] = None
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+with rqp.batch(h) as b:
+    b.send(b"committed", mtype=3)
+err("after_commit", lambda: b.send(b"after commit"))
+b = rqp.beginBatch(h)
+b.send(b"rolled back")
+rqp.rollbackBatch(h)
+err("after_rollback", lambda: b.send(b"after rollback"))
+b = rqp.beginBatch(h)
+rqp.closeConnection(h)
+err("after_close", lambda: b.send(b"after close"))
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+rqp.beginBatch(h)
+rqp.sendMessage(h, b"in the batch")
+other = threading.Thread(target=lambda: rqp.sendMessage(h, b"another thread's", mtype=2))
+other.start(); other.join()
+other = threading.Thread(target=lambda: err("commit_in_thread", lambda: rqp.commitBatch(h)))
+other.start(); other.join()
+held = rqp.rollbackBatch(h)
+b = rqp.beginBatch(h, priority=None)
+b.send(b"before the fork")
+pid = os.fork()
+if pid == 0:
+    try:
+        rqp.commitBatch(h)
+        os._exit(3)  # (committed in the child: the bug)
+    except rqp.RQPError:
+        pass
+    try:
+        b.send(b"child")
+        os._exit(4)
+    except rqp.RQPError:
+        os._exit(0)
+_, status = os.waitpid(pid, 0)
+rqp.commitBatch(h)
+got = sorted(rqp.receiveMessage(0x52510001, timeout=20, with_type=True) for _ in range(3))
+import sysv_ipc
+print(json.dumps([errors, held, os.waitstatus_to_exitcode(status),
+                  [[d.decode(), t] for d, t in got],
+                  sysv_ipc.MessageQueue(0x52510001).current_messages]))
+""")
+    errors, held, child, got, left = out
+    assert "this batch was committed: nothing more can be added" in errors["after_commit"]
+    assert "this batch was rolled back" in errors["after_rollback"]
+    assert "this batch was dropped by closeConnection" in errors["after_close"]
+    assert "has no batch open in this thread" in errors["commit_in_thread"]
+    assert held == 1  # the other thread's message was not in it...
+    assert child == 0  # (the child could neither commit the parent's batch nor add to it)
+    # ...but sent on its own; the batch once, by the parent
+    assert got == [["another thread's", 2], ["before the fork", 1], ["committed", 3]]
+    assert left == 0
+
+
+def test_data_is_any_buffer_by_its_bytes_and_msg_type_no_bool(host):
+    """A trial: an array of 2,100 ints passed the size check as 2,100 bytes (it is 8,400) and
+    then failed in the kernel; True as msg_type (meant "sure") sent UNSURE_MSG; str data
+    raised a bare TypeError; expires_at=0 (rqp.h's "never") was dead-lettered EXPIRED at
+    once; beginBatch(priority=None) was refused, though sendMessage takes None as 4."""
+    out = run(host, """
+import array, ctypes, time
+errors = {}
+def err(name, fn):
+    try:
+        fn()
+        errors[name] = None
+    except Exception as exc:
+        errors[name] = [type(exc).__name__, isinstance(exc, rqp.RQPError),
+                        isinstance(exc, TypeError), str(exc)]
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+err("ints", lambda: rqp.sendMessage(h, memoryview(array.array("i", range(2100)))))
+err("true", lambda: rqp.sendMessage(h, b"x", True))
+err("float", lambda: rqp.sendMessage(h, b"x", 0.0))
+err("str", lambda: rqp.sendMessage(h, "text"))
+err("never", lambda: rqp.sendMessage(h, b"x", expires_at=0))
+err("past", lambda: rqp.sendMessage(h, b"x", expires_at=time.time() - 10))
+err("batch_priority_none", lambda: rqp.rollbackBatch(h) if rqp.beginBatch(
+    h, priority=None).priority == 4 else None)
+rqp.sendMessage(h, array.array("H", [0x4142, 0x4344]))
+rqp.sendMessage(h, (ctypes.c_char * 3)(b"x", b"y", b"z"))
+got = [rqp.receiveMessage(0x52510001, timeout=20) for _ in range(2)]
+print(json.dumps([errors, [g.hex() for g in got]]))
+""")
+    errors, got = out
+    name, is_rqp, _, text = errors["ints"]
+    assert name == "MessageTooBig" and text.startswith("message of 8400 bytes"), errors["ints"]
+    for case in ("true", "float"):
+        assert errors[case][:2] == ["RQPError", True] and "msg_type must be SURE_MSG" in \
+            errors[case][3], errors[case]
+    assert errors["str"] == ["DataTypeError", True, True,
+                             "data must be bytes, got str (encode it: text.encode())"]
+    for case in ("never", "past"):
+        assert "is already past" in errors[case][3], errors[case]
+    assert errors["batch_priority_none"] is None
+    assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex()]

@@ -133,6 +133,8 @@ def test_a_c_record_is_the_python_record_byte_for_byte(cc, kind, mtype, priority
     (["0", hex(Q1), "0", "4", "0", "x"], "Invalid argument"),  # mtype 0
     (["0", hex(Q1), "-3", "4", "0", "x"], "Invalid argument"),
     (["0", hex(Q1), "1", "10", "0", "x"], "Invalid argument"),  # priority
+    # expires_at_ms in seconds by mistake (a trial's time(NULL) + 60: dead-lettered at once)
+    (["0", hex(Q1), "1", "4", "1800000000", "x"], "Invalid argument"),
     (["0", hex(Q1), "1", "4", "0", "toolong", "66"], "Message too long"),
     (["0", "0", "1", "4", "0", "x"], "Invalid argument"),  # queue key 0: IPC_PRIVATE
 ])
@@ -186,6 +188,7 @@ AS_MSGRCV = r"""
 #include <stdio.h>
 #include <string.h>
 #include <sys/sem.h>
+#include <time.h>
 #include <rqp.h>
 /* What a System V programmer expects, each printed as "what: rc errno-name" */
 static void on_alarm(int sig) { (void)sig; }
@@ -221,6 +224,11 @@ int main(void) {
     rqp_batch_rollback(&b);
     show("begin for the DLQ", rqp_batch_begin(&b, 8192, 0, RQP_DEFAULT_DEAD_LETTER_QUEUE,
                                               NULL));
+    {   /* an expiry in seconds by mistake: refused, not a batch expired at once */
+        struct rqp_extras e = rqp_default_extras();
+        e.expires_at_ms = (uint64_t)time(NULL) + 60;
+        show("begin expiring in s", rqp_batch_begin(&b, 8192, 0, dest, &e));
+    }
     /* a blocked receive and a blocked put end with EINTR, as msgrcv and msgsnd do */
     full = msgget(dest, IPC_CREAT | 0600);
     alarm(1);
@@ -255,7 +263,7 @@ def test_c_calls_behave_as_msgsnd_and_msgrcv_do_and_refuse_the_agents_queues(cc)
     assert done.stdout.splitlines() == [
         "swapped: -1 EINVAL", "dead-letter queue: -1 EINVAL", "another's: -1 EINVAL",
         "size wraps: -1 EMSGSIZE", "begin refused: -1 EINVAL", "then msg: NULL",
-        "begin for the DLQ: -1 EINVAL", "receive: -1 EINTR", "full: -1 EAGAIN",
+        "begin for the DLQ: -1 EINVAL", "begin expiring in s: -1 EINVAL", "receive: -1 EINTR", "full: -1 EAGAIN",
         "put: -1 EINTR", "receive empty: 0 -"], done.stdout
 
 

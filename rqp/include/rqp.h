@@ -19,7 +19,8 @@
  * with its `mtype`, so msgrcv(id, &buf, size, TYPE, 0) reads it as for any System V queue.
  * rqp_receive() below is that, with the key looked up.
  *
- * Errors: functions return -1 and set errno (EINVAL: a value out of range, or a destination
+ * Errors: functions return -1 and set errno (EINVAL: a value out of range, an expires_at_ms
+ * before RQP_EXPIRES_MIN_MS (seconds by mistake), or a destination
  * that is one of the agents' own queues; EMSGSIZE: the record does not fit; anything
  * msgget/msgsnd/msgrcv set). As msgsnd and msgrcv, a call interrupted by a signal handler
  * fails with EINTR, whatever SA_RESTART says (nothing was put or taken: call it again).
@@ -59,6 +60,9 @@
 #define RQP_MAX_PRIORITY 9
 #define RQP_DEFAULT_PRIORITY 4
 #define RQP_NEVER 0 /* expires_at_ms: the message does not expire */
+/* The smallest expires_at_ms taken besides RQP_NEVER (1973 in milliseconds): a smaller one is
+ * seconds by mistake (time(NULL) + 60), EINVAL rather than a message expired at once. */
+#define RQP_EXPIRES_MIN_MS 100000000000ull
 #define RQP_FLAG_BATCH 0x0004 /* transmission record flag: the payload is a batch's members */
 #define RQP_MAX_BATCH 256
 #define RQP_MEMBER_HEADER_SIZE 12 /* int64 mtype, uint32 length, before each member's bytes */
@@ -76,6 +80,12 @@ struct rqp_extras {
     int priority;           /* 0 (lowest) .. 9 (highest), default 4 */
     uint64_t expires_at_ms; /* Unix ms after which it is dead-lettered EXPIRED; 0 = never */
 };
+
+/* Whether extras' priority and expiry are in range (mtype: checked by the caller). */
+static inline int rqp_extras_ok_(const struct rqp_extras *e) {
+    return e->priority >= RQP_MIN_PRIORITY && e->priority <= RQP_MAX_PRIORITY &&
+           (e->expires_at_ms == RQP_NEVER || e->expires_at_ms >= RQP_EXPIRES_MIN_MS);
+}
 
 /* The defaults: mtype 1, priority 4, no expiry. */
 static inline struct rqp_extras rqp_default_extras(void) {
@@ -129,8 +139,8 @@ static inline ssize_t rqp_build_record(void *buf, size_t cap, int message_type, 
     struct rqp_extras e = extras ? *extras : rqp_default_extras();
     unsigned char *p = (unsigned char *)buf;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) || e.mtype < 1 ||
-        e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY ||
-        (len && payload == NULL) || queue_key == 0 /* IPC_PRIVATE names no queue */) {
+        !rqp_extras_ok_(&e) || (len && payload == NULL) ||
+        queue_key == 0 /* IPC_PRIVATE names no queue */) {
         errno = EINVAL;
         return -1;
     }
@@ -249,7 +259,7 @@ static inline int rqp_batch_begin(struct rqp_batch *b, size_t cap, int message_t
     e.mtype = 1;
     b->msg = NULL;
     if ((message_type != RQP_SURE_MSG && message_type != RQP_UNSURE_MSG) ||
-        e.priority < RQP_MIN_PRIORITY || e.priority > RQP_MAX_PRIORITY || queue_key == 0 ||
+        !rqp_extras_ok_(&e) || queue_key == 0 ||
         cap < RQP_HEADER_SIZE + RQP_MEMBER_HEADER_SIZE || cap > (size_t)-1 - sizeof(long) ||
         rqp_agent_queue_(queue_key, 0)) {
         errno = EINVAL;
