@@ -105,6 +105,10 @@ def test_no_host_takes_it_one_dead_letter_for_the_message_not_one_per_host():
         assert dead.whole  # (its record names no destination host: replayed, to every host)
         assert all(f"{host}: QUEUE_NO" in dead.detail for host in "abc")
         assert len(h.of(Declined)) == 2 and len(h.of(FanoutEnded)) == 1
+        # every host declined it, the last one too: not "dead" at that host (a trial)
+        [row] = h.core.route_status()
+        assert {c["peer"]: (c["declined"], c["dead_lettered"]) for c in row["copies"]} == \
+            {"a": (1, 0), "b": (1, 0), "c": (1, 0)} and row["dead_lettered"] == 1, row
 
 
 def test_a_failed_copy_is_retried_to_its_own_host_only_with_the_same_key():

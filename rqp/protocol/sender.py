@@ -1906,8 +1906,12 @@ class SenderCore:
         self._actions.append(DeadLetter(msg, reason, detail, whole))
         self._fire(msg, T.DEAD_LETTERED)
         if msg.fanout is not None:
-            self._copy_info(msg.queue_key, msg.target).dead_lettered += 1
-            self._copy_ended(msg, reached=True)
+            copy = self._copy_info(msg.queue_key, msg.target)
+            if whole:  # (the last host declined too: a trial's status said "0 declined ...
+                copy.declined += 1  # 2 dead" of it, "2 declined" of the others)
+            else:
+                copy.dead_lettered += 1
+            self._copy_ended(msg, reached=not whole)
 
     def _finished(self, msg: Outgoing, outcome: str, where: object) -> None:
         """Remember how ``msg`` ended, by its key(s), for :meth:`trace`."""
