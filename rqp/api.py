@@ -12,6 +12,7 @@ the application's bytes, with the ``mtype`` given to :func:`sendMessage` (defaul
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -45,6 +46,10 @@ EXPIRES_AT_MS_LOOKALIKE = 100_000_000_000
 
 #: How long openConnection waits for a sending MCA it started to take its queue.
 START_TIMEOUT = 15.0
+#: How often (seconds) a handle that may start a sending MCA checks, when it puts, that one
+#: still serves its transmission queue (one semaphore read): a trial's sender was killed and
+#: every later sendMessage put its record there without a word, for good.
+SENDER_CHECK_INTERVAL = 1.0
 
 
 class HandleError(RQPError):
@@ -81,11 +86,15 @@ class Producer:
     handle, and ``rqpctl dlq replay`` for the records it puts back. The queue is created if
     missing, so that producers can go on putting while the sending MCA restarts."""
 
-    def __init__(self, config: SenderConfig) -> None:
+    def __init__(self, config: SenderConfig, keep_sender=None) -> None:
         self.config = config
         self.transmission_queue = LocalQueue.create(config.transmission_queue)
         #: The largest payload: kernel msgmax minus the transmission header.
         self.limit = max_payload()
+        #: Called at most every SENDER_CHECK_INTERVAL, when a put comes, to start a sending
+        #: MCA again if none serves the queue (None: the caller starts none, as replay).
+        self.keep_sender = keep_sender
+        self._checked = time.monotonic()
 
     def put(self, record: TransmissionRecord, *, timeout: float | None = None,
             sync: bool = False, sync_timeout: float = 30.0) -> None:
@@ -98,6 +107,10 @@ class Producer:
         """:meth:`put` of a record already encoded. A transmission queue removed since the
         last put (``ipcrm``, a reboot of the IPC namespace) is opened again by its key (made
         again if need be), as the sending MCA does: the handle goes on working."""
+        if self.keep_sender is not None and \
+                time.monotonic() - self._checked >= SENDER_CHECK_INTERVAL:
+            self._checked = time.monotonic()
+            self.keep_sender()
         try:
             self.transmission_queue.put(raw, block=True, timeout=timeout)
         except QueueNotFound:
@@ -290,6 +303,25 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
         return True
 
 
+def _keep_sender(config: SenderConfig, rqprc: Path, force: bool) -> None:
+    """A handle's check that its sending MCA still runs: started again (as openConnection
+    would) if it stopped or was killed, and said; on a host that runs it as a service, the
+    one warning ensure_sender gives."""
+    if sender_serving(config.transmission_queue):
+        return
+    try:
+        started = ensure_sender(config, rqprc, force=force)
+    except AgentStartError as exc:  # (the record is put all the same: it waits there)
+        log.error("no sending MCA serves transmission queue %s any more, and none could be "
+                  "started again; records wait there: %s",
+                  format_key(config.transmission_queue), exc)
+        return
+    if started:
+        log.warning("no sending MCA served transmission queue %s any more (it stopped, or was "
+                    "killed): this process started another, which sends what waits there",
+                    format_key(config.transmission_queue))
+
+
 def _tail(path: Path, lines: int = 10) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -316,9 +348,11 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
             format_key(queue_key)  # (a key by number: in hex, as everywhere, not in decimal)
         raise RQPError(f"queue {named} is {own[queue_key]} of the agents, not a destination "
                        f"(no receiving MCA offers it)")
+    keep = None
     if start_sender is not False:
         ensure_sender(config, path.resolve(), force=bool(start_sender))
-    producer = Producer(config)
+        keep = functools.partial(_keep_sender, config, path.resolve(), bool(start_sender))
+    producer = Producer(config, keep)
     with _lock:
         handle = next(_next_handle)
         _handles[handle] = _Connection(queue_key, producer)

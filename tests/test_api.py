@@ -463,3 +463,41 @@ print(json.dumps([errors, [g.hex() for g in got]]))
         assert "is already past" in errors[case][3], errors[case]
     assert errors["batch_priority_none"] is None
     assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex()]
+
+
+def test_a_handle_starts_its_sending_mca_again_when_it_was_killed(host):
+    """A trial: after kill -9 of the sending MCA, sendMessage on an open handle returned
+    success and its records waited on the transmission queue, without a word, until some
+    later openConnection. A handle that may start one checks (at most once a second, when
+    it puts) and starts it again, saying so; a handle opened with start_sender=False never
+    does."""
+    out = run(host, """
+import logging, os, signal, time
+from rqp import api
+from rqp.system.service import sender_serving, serving_pid
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("rqp.api").addHandler(Keep())
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+never = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+first = serving_pid(0x52510000)
+os.kill(first, signal.SIGKILL)
+os.waitpid(first, 0)  # (our child: openConnection started it)
+deadline = time.monotonic() + 10
+while sender_serving(0x52510000) and time.monotonic() < deadline:
+    time.sleep(0.01)
+api.SENDER_CHECK_INTERVAL = 0  # (checked at the next put, not a second later)
+rqp.sendMessage(never, b"waits", rqp.UNSURE_MSG)
+alone = serving_pid(0x52510000)
+rqp.sendMessage(h, b"after the kill", rqp.UNSURE_MSG)
+got = sorted(rqp.receiveMessage(0x52510001, timeout=20) for _ in range(2))
+print(json.dumps([first, alone, serving_pid(0x52510000), [g.decode() for g in got], said]))
+""")
+    first, alone, second, got, said = out
+    assert alone is None  # start_sender=False: none started
+    assert second not in (None, first), (first, second)
+    assert got == ["after the kill", "waits"]
+    assert any("no sending MCA served transmission queue 0x52510000 any more" in line
+               for line in said), said
