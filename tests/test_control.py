@@ -241,6 +241,12 @@ def test_a_crowd_on_the_control_socket_is_told_busy_and_status_says_it_runs(rece
         assert out.returncode == 3, out.stdout + out.stderr
         assert "is busy: 64 control connections are open" in out.stdout + out.stderr
         assert "not running" not in out.stdout + out.stderr
+        # and rqpctl queues cannot say what is offered: it says why, exit 3 (a re-check:
+        # "no receiving MCA answers", exit 0)
+        out = b.run([sys.executable, "-m", "rqp.tools.ctl", "queues", "--socket", str(sock)],
+                    check=False, timeout=60)
+        assert out.returncode == 3 and "unknown: the receiving MCA runs but does not " \
+            "answer" in out.stdout, out.stdout + out.stderr
         # the crowd's idle connections time out (CLIENT_TIMEOUT): served again
         wait_for(lambda: _status(b, sock).returncode == 0, timeout=30,
                  message="the agent did not answer again after the crowd's time-out")

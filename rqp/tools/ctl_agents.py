@@ -650,10 +650,13 @@ def queues(args) -> int:
         offered = {q["queue_key"]: f"no: {q['why_not']}" if q.get("why_not") else q["offered"]
                    for q in st["queues"]}
         offered[int(st["dead_letter_queue"], 16)] = "no (an agent's own)"
-        note = ""
+        note, code = "", 0
+    except ControlNotAnswering as exc:  # (a re-check: "no receiving MCA answers", exit 0)
+        note, code = f" (unknown: the receiving MCA runs but does not answer: {exc})", \
+            EXIT_NOT_RUNNING
     except ControlError:
-        note = " (no receiving MCA answers at its control socket: 'offered' unknown; " \
-            "--receiver-config names its config)"
+        note, code = " (no receiving MCA answers at its control socket: 'offered' unknown; " \
+            "--receiver-config names its config)", 0
     print(f"{'queue':12} {'messages':>9} {'bytes':>9} {'mode':>5} {'uid':>6} {'gid':>6} "
           f"offered{note}")
     for q in list_queues():
@@ -662,7 +665,7 @@ def queues(args) -> int:
             said if isinstance(said, str) else {True: "yes", False: "no"}.get(said, "?")
         print(f"{format_key(q.key):12} {q.messages:>9} {q.bytes:>9} {q.mode:>5o} {q.uid:>6} "
               f"{q.gid:>6} {shown}")
-    return 0
+    return code
 
 
 def send(args) -> int:
