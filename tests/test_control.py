@@ -202,21 +202,34 @@ def test_a_request_too_long_is_refused_and_the_agent_runs_on(receiver):
 
 
 SCRAPE = r"""
-import socket, sys
+import json, socket, sys
 s = socket.create_connection(("127.0.0.1", 9747))
-s.sendall(sys.argv[1].encode() * int(sys.argv[2]) + b"\r\n\r\n")
-s.shutdown(socket.SHUT_WR)
-print(s.makefile("rb").readline().decode().strip())
+end = b"\n\n" if sys.argv[3:] == ["lf"] else b"\r\n\r\n"
+s.sendall(sys.argv[1].encode() * int(sys.argv[2]) + end)
+if sys.argv[3:] != ["lf"]:
+    s.shutdown(socket.SHUT_WR)  # (a bare-LF client keeps its side open: it waits)
+s.settimeout(3)  # (well within the server's own 5 s: an answer at its time-out fails)
+head, _, body = s.makefile("rb").read().partition(b"\r\n\r\n")
+lines = head.decode().split("\r\n")
+length = [int(l.split(":")[1]) for l in lines if l.lower().startswith("content-length:")]
+print(json.dumps([lines[0], length, len(body)]))
 """
 
 
 def test_the_metrics_endpoint_answers_a_head_too_long_and_a_good_scrape(receiver):
-    """A re-check: a request head over 64 KiB got no answer at all."""
+    """A re-check: a request head over 64 KiB got no answer at all; a head ending in bare
+    LFs was answered only at the time-out; HEAD /metrics was 404."""
     b, rx, sock = receiver
-    assert b.run([sys.executable, "-c", SCRAPE, "x", "70000"]).stdout.strip() == \
-        "HTTP/1.0 400 Bad Request"
-    assert b.run([sys.executable, "-c", SCRAPE, "GET /metrics HTTP/1.0", "1"]).stdout.strip() \
-        == "HTTP/1.0 200 OK"
+
+    def scrape(*args):
+        return json.loads(b.run([sys.executable, "-c", SCRAPE, *args]).stdout)
+    assert scrape("x", "70000")[0] == "HTTP/1.0 400 Bad Request"
+    status, [length], size = scrape("GET /metrics HTTP/1.0", "1")
+    assert status == "HTTP/1.0 200 OK" and length == size > 0
+    status, [length], size = scrape("GET /metrics HTTP/1.0", "1", "lf")
+    assert status == "HTTP/1.0 200 OK" and length == size > 0
+    status, [length], size = scrape("HEAD /metrics HTTP/1.0", "1")
+    assert status == "HTTP/1.0 200 OK" and length > 0 and size == 0
     assert rx.poll() is None
 
 

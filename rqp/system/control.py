@@ -318,37 +318,58 @@ def exposition(collect: Callable[[], list[Metric]]) -> Callable[[], Awaitable[by
     return make
 
 
+async def _http_head(reader: asyncio.StreamReader) -> list[bytes] | None:
+    """The lines of an HTTP request head up to its empty line, each ending in CRLF or a bare
+    LF (a re-check's bare-LF head was answered only at the time-out); None when it is over
+    MAX_REQUEST bytes."""
+    lines, size = [], 0
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            return None
+        size += len(line)
+        if size > MAX_REQUEST:
+            return None
+        if line in (b"\r\n", b"\n"):
+            return lines
+        lines.append(line.rstrip(b"\r\n"))
+
+
 async def serve_metrics(host: str, port: int, produce: Callable[[], Awaitable[bytes]]):
-    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` answers ``await produce()``; else 404;
-    400 for a request head over 64 KiB; 503 while MAX_CLIENTS connections are open."""
+    """A minimal HTTP/1.0 endpoint: ``GET /metrics`` answers ``await produce()`` (``HEAD``:
+    without the body); else 404; 400 for a request head over 64 KiB; 503 while MAX_CLIENTS
+    connections are open."""
     clients = _Clients()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method = b""
         with clients.one(writer) as admitted:
             if not admitted:
                 body, status, kind = (f"{BUSY} {MAX_CLIENTS} connections are open\n".encode(),
                                       b"503 Service Unavailable", b"text/plain")
             else:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
-                                                  CLIENT_TIMEOUT)
-                except asyncio.LimitOverrunError:
-                    head = None
+                    head = await asyncio.wait_for(_http_head(reader), CLIENT_TIMEOUT)
                 except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                     return
-                first = head.split(b"\r\n", 1)[0].split() if head is not None else []
+                first = head[0].split() if head else []
+                method = first[0] if first else b""
                 if head is None:
                     body, status, kind = (b"request head too long\n", b"400 Bad Request",
                                           b"text/plain")
-                elif len(first) >= 2 and first[0] == b"GET" and \
+                elif len(first) >= 2 and method in (b"GET", b"HEAD") and \
                         first[1].split(b"?")[0] == b"/metrics":
                     body = await produce()
                     status, kind = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
                 else:
                     body, status, kind = (b"not found: try /metrics\n", b"404 Not Found",
                                           b"text/plain")
+            length = len(body)
+            if method == b"HEAD":  # (its length, not its body)
+                body = b""
             await clients.answer(writer, b"HTTP/1.0 " + status + b"\r\nContent-Type: " + kind
-                                 + b"\r\nContent-Length: " + str(len(body)).encode()
+                                 + b"\r\nContent-Length: " + str(length).encode()
                                  + b"\r\nConnection: close\r\n\r\n", body)
 
     return await asyncio.start_server(serve, host, port, reuse_address=True)
