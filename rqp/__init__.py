@@ -20,7 +20,8 @@ from rqp.protocol.errors import (
 )
 
 #: The API's names, imported from :mod:`rqp.api` on first use (PEP 562).
-_API = ("AgentStartError", "HandleError", "QueueEmpty", "openConnection", "sendMessage",
+_API = ("AgentStartError", "DataTypeError", "HandleError", "QueueEmpty", "openConnection",
+        "sendMessage",
         "closeConnection", "receiveMessage", "beginBatch", "commitBatch", "rollbackBatch",
         "batch", "Batch")
 
@@ -40,7 +41,7 @@ __all__ = [
     "SURE_MSG", "UNSURE_MSG", "ERROR_LIMIT", "MessageCode", "MessageType",
     "RQPError", "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "ConfigError",
     "QueueError", "QueueNotFound", "QueuePermissionDenied", "QueueFull", "MessageTooBig",
-    "RecordError", "HandleError", "AgentStartError", "QueueEmpty",
+    "RecordError", "HandleError", "AgentStartError", "DataTypeError", "QueueEmpty",
     "openConnection", "sendMessage", "closeConnection", "receiveMessage", "get_include",
     "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
 ]

@@ -27,9 +27,22 @@ def host(testbed):
     return h
 
 
+#: ``err(name, fn)``: what ``fn()`` raised, in ``errors[name]`` ("Type: message"; None).
+ERR = """
+errors = {}
+def err(name, fn):
+    try:
+        fn()
+        errors[name] = None
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+"""
+
+
 def run(host, code: str, *args, timeout: float = 60):
-    """Run ``code`` on the host with ``rqprc`` bound; it prints JSON, which is returned."""
-    prelude = "import json, sys, rqp\nrqprc = sys.argv[1]\nargs = sys.argv[2:]\n"
+    """Run ``code`` on the host with ``rqprc`` bound and :data:`ERR`; it prints JSON, which is
+    returned."""
+    prelude = "import json, sys, rqp\nrqprc = sys.argv[1]\nargs = sys.argv[2:]\n" + ERR
     return json.loads(host.python(prelude + code, str(host.rqprc), *map(str, args),
                                   timeout=timeout))
 
@@ -296,13 +309,6 @@ print(json.dumps(res))
 
 def test_batch_errors_say_what_to_do_and_put_nothing(host):
     out = run(host, """
-errors = {}
-def err(name, fn):
-    try:
-        fn()
-        errors[name] = None
-    except Exception as exc:
-        errors[name] = f"{type(exc).__name__}: {exc}"
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 err("commit_none", lambda: rqp.commitBatch(h))
 rqp.beginBatch(h, rqp.UNSURE_MSG)  # C style, no msg_type: the batch's (a trial's failed)
@@ -362,13 +368,6 @@ def test_a_batch_is_its_threads_and_ends_for_good(host):
     committed it a second time. Each is refused now, or kept apart, and nothing is lost."""
     out = run(host, """
 import os, threading
-errors = {}
-def err(name, fn):
-    try:
-        fn()
-        errors[name] = None
-    except Exception as exc:
-        errors[name] = f"{type(exc).__name__}: {exc}"
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 with rqp.batch(h) as b:
     b.send(b"committed", mtype=3)
@@ -429,14 +428,6 @@ def test_data_is_any_buffer_by_its_bytes_and_msg_type_no_bool(host):
     once; beginBatch(priority=None) was refused, though sendMessage takes None as 4."""
     out = run(host, """
 import array, ctypes, time
-errors = {}
-def err(name, fn):
-    try:
-        fn()
-        errors[name] = None
-    except Exception as exc:
-        errors[name] = [type(exc).__name__, isinstance(exc, rqp.RQPError),
-                        isinstance(exc, TypeError), str(exc)]
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 err("ints", lambda: rqp.sendMessage(h, memoryview(array.array("i", range(2100)))))
 err("true", lambda: rqp.sendMessage(h, b"x", True))
@@ -449,18 +440,18 @@ err("batch_priority_none", lambda: rqp.rollbackBatch(h) if rqp.beginBatch(
 rqp.sendMessage(h, array.array("H", [0x4142, 0x4344]))
 rqp.sendMessage(h, (ctypes.c_char * 3)(b"x", b"y", b"z"))
 got = [rqp.receiveMessage(0x52510001, timeout=20) for _ in range(2)]
-print(json.dumps([errors, [g.hex() for g in got]]))
+print(json.dumps([errors, [g.hex() for g in got],
+                  [issubclass(rqp.DataTypeError, c) for c in (rqp.RQPError, TypeError)]]))
 """)
-    errors, got = out
-    name, is_rqp, _, text = errors["ints"]
-    assert name == "MessageTooBig" and text.startswith("message of 8400 bytes"), errors["ints"]
+    errors, got, kinds = out
+    assert errors["ints"].startswith("MessageTooBig: message of 8400 bytes"), errors["ints"]
     for case in ("true", "float"):
-        assert errors[case][:2] == ["RQPError", True] and "msg_type must be SURE_MSG" in \
-            errors[case][3], errors[case]
-    assert errors["str"] == ["DataTypeError", True, True,
-                             "data must be bytes, got str (encode it: text.encode())"]
+        assert errors[case].startswith("RQPError: msg_type must be SURE_MSG"), errors[case]
+    assert errors["str"] == \
+        "DataTypeError: data must be bytes, got str (encode it: text.encode())"
+    assert kinds == [True, True]
     for case in ("never", "past"):
-        assert "is already past" in errors[case][3], errors[case]
+        assert "is already past" in errors[case], errors[case]
     assert errors["batch_priority_none"] is None
     assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex()]
 
