@@ -616,27 +616,37 @@ def metrics(args) -> int:
 
 
 def merge_expositions(texts: dict[str, str]) -> str:
-    """One Prometheus exposition of several agents' (name -> text): each family once, each
-    sample with an ``agent`` label."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[tuple[str, str], Metric] = {}  # (a counter x_total parses as x)
+    """One Prometheus exposition of several agents' (name -> text): each family's HELP and
+    TYPE once, then its samples from every agent, each with an ``agent`` label. Line by line
+    (the agents' own text format), not through a parser: a re-check's 97,000 lines took
+    5.5 s in prometheus_client's."""
+    heads: dict[str | None, list[str]] = {}
+    samples: dict[str | None, list[str]] = {}
     for agent, text in texts.items():
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault((family.name, family.type), Metric(
-                family.name, family.documentation, family.type))
-            for sample in family.samples:
-                merged.add_sample(sample.name, {**sample.labels, "agent": agent}, sample.value)
-
-    class Collector:
-        def collect(self):
-            return iter(families.values())
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collector())
-    return generate_latest(registry).decode()
+        label = 'agent="' + agent.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        family = None
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    head = heads.setdefault(family, [])
+                    samples.setdefault(family, [])
+                    if not any(h.split(None, 2)[1] == parts[1] for h in head):
+                        head.append(line)
+                continue
+            brace, space = line.find("{"), line.find(" ")
+            if brace != -1 and (space == -1 or brace < space):  # name{labels} value
+                rest = line[brace + 1:]
+                line = line[:brace + 1] + label + ("" if rest.startswith("}") else ",") + rest
+            else:  # name value
+                line = line[:space] + "{" + label + "}" + line[space:]
+            samples.setdefault(family, []).append(line)
+            heads.setdefault(family, [])
+    return "".join(line + "\n" for family in heads for line in (*heads[family],
+                                                                 *samples[family]))
 
 
 def queues(args) -> int:
