@@ -365,3 +365,21 @@ def test_show_and_resubmit_with_an_edit(testbed):
                   "NO_SUCH_QUEUE")
     assert unknown.returncode == 2 and "--to: " in unknown.stderr and "NO_SUCH_QUEUE" in \
         unknown.stderr
+
+
+def test_the_handlers_drain_meeting_another_is_no_failure(tmp_path, capsys):
+    """A trial: the handler's --drain said "drain failed ... exited with 1" each time it met
+    the drain timer's run at the lock. A drain that finds another at work exits 75 (it
+    drains): no failure for the handler; any other status still is one."""
+    from rqp.config import ReceiverConfig
+    from rqp.system.service import EXIT_DRAIN_ANOTHER_RUNS
+    from rqp.tools.ctl import _Drain
+
+    drain = _Drain(tmp_path, ReceiverConfig())
+    drain.argv = [sys.executable, "-c", f"import sys; print('busy', file=sys.stderr); "
+                  f"sys.exit({EXIT_DRAIN_ANOTHER_RUNS})"]
+    assert drain() is True and "drain failed" not in capsys.readouterr().out
+    drain.argv = [sys.executable, "-c", "import sys; print('broken', file=sys.stderr); "
+                  "sys.exit(1)"]
+    assert drain() is False
+    assert "drain failed   rqp-dlq-drain exited with 1: broken" in capsys.readouterr().out

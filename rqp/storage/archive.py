@@ -181,6 +181,10 @@ class ArchiveError(RQPError):
     """An archive file or row cannot be read or written."""
 
 
+class LockHeld(ArchiveError):
+    """Another process holds the lock (:func:`lock_file`): the work is being done."""
+
+
 # --------------------------------------------------------------------------------------------
 # Rows
 
@@ -680,7 +684,7 @@ def lock_file(path: str | os.PathLike, what: str, *, wait: float = 0.0):
                     time.sleep(0.05)  # (flock has no time-out of its own)
                     continue
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                raise ArchiveError(f"{what} already runs (pid {holder}; lock {path})") from None
+                raise LockHeld(f"{what} already runs (pid {holder}; lock {path})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

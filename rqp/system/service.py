@@ -157,7 +157,43 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-class AgentSemaphores:
+class _SemaphoreSet:
+    """Operations on a System V semaphore set (``id``) of queue ``key``."""
+
+    id: int
+    key: int
+
+    def _op(self, ops: list[tuple[int, int, int]], timeout: float | None) -> bool:
+        """Do ``ops`` (sem_num, sem_op, flags) atomically; False on EAGAIN or EINTR."""
+        buf = (_Sembuf * len(ops))(*[_Sembuf(n, o, f) for n, o, f in ops])
+        ts = None
+        if timeout is not None:
+            whole = int(timeout)
+            ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
+        if _libc.semtimedop(self.id, buf, len(ops), ts) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EINTR):
+            return False
+        raise RQPError(f"semaphores of queue {format_key(self.key)}: semtimedop: "
+                       f"{os.strerror(err)}")
+
+    def value(self, num: int) -> int:
+        return _libc.semctl(self.id, num, _GETVAL)
+
+    def last_pid(self, num: int) -> int:
+        return _libc.semctl(self.id, num, _GETPID)
+
+    def take(self, num: int, timeout: float | None) -> bool:
+        """Wait until semaphore ``num`` is 0 and make it 1, atomically, with SEM_UNDO."""
+        flags = _SEM_UNDO | (_IPC_NOWAIT if timeout == 0 else 0)
+        return self._op([(num, 0, flags), (num, 1, flags)], None if timeout == 0 else timeout)
+
+    def give(self, num: int) -> None:
+        self._op([(num, -1, _SEM_UNDO)], None)
+
+
+class AgentSemaphores(_SemaphoreSet):
     """The semaphore set of one transmission queue (see above)."""
 
     def __init__(self, transmission_queue: int) -> None:
@@ -174,35 +210,6 @@ class AgentSemaphores:
                  "group, e.g. rqp; ipcs -s -i ID shows them)") if err == errno.EACCES else ""
             raise RQPError(f"semaphores of transmission queue {format_key(transmission_queue)}:"
                            f" semget: {os.strerror(err)}{hint}")
-
-    def _op(self, ops: list[tuple[int, int, int]], timeout: float | None) -> bool:
-        """Do ``ops`` (sem_num, sem_op, flags) atomically; False on EAGAIN or EINTR."""
-        buf = (_Sembuf * len(ops))(*[_Sembuf(n, o, f) for n, o, f in ops])
-        ts = None
-        if timeout is not None:
-            whole = int(timeout)
-            ts = ctypes.byref(_Timespec(whole, int((timeout - whole) * 1e9)))
-        if _libc.semtimedop(self.id, buf, len(ops), ts) == 0:
-            return True
-        err = ctypes.get_errno()
-        if err in (errno.EAGAIN, errno.EINTR):
-            return False
-        raise RQPError(f"semaphores of transmission queue {format_key(self.key)}: semtimedop: "
-                       f"{os.strerror(err)}")
-
-    def value(self, num: int) -> int:
-        return _libc.semctl(self.id, num, _GETVAL)
-
-    def last_pid(self, num: int) -> int:
-        return _libc.semctl(self.id, num, _GETPID)
-
-    def take(self, num: int, timeout: float | None) -> bool:
-        """Wait until semaphore ``num`` is 0 and make it 1, atomically, with SEM_UNDO."""
-        flags = _SEM_UNDO | (_IPC_NOWAIT if timeout == 0 else 0)
-        return self._op([(num, 0, flags), (num, 1, flags)], None if timeout == 0 else timeout)
-
-    def give(self, num: int) -> None:
-        self._op([(num, -1, _SEM_UNDO)], None)
 
 
 def _key_t(key: int) -> int:
@@ -295,6 +302,48 @@ def mark_dead_letter_queue(key: int) -> None:
     if _libc.semget(_key_t(key), 1, _IPC_CREAT | 0o660) < 0:
         raise RQPError(f"DEAD.LETTER.Q {format_key(key)}: cannot make its marker semaphore "
                        f"(semget: {os.strerror(ctypes.get_errno())})")
+
+
+class DrainRuns(RQPError):
+    """Another drain holds the queue (see :func:`drain_lock`)."""
+
+
+#: rqp-dlq-drain's exit status when another drain holds the queue or the archive
+#: (sysexits' EX_TEMPFAIL): the other one drains; its unit counts it as success.
+EXIT_DRAIN_ANOTHER_RUNS = 75
+
+
+#: The semaphore of a DEAD.LETTER.Q's marker set that its drain holds.
+DRAINING = 0
+
+
+@contextlib.contextmanager
+def drain_lock(key: int, *, mark: bool):
+    """Hold queue ``key`` for one drain, whatever its archive (a trial: two drains into two
+    directories both ran, and 1,935 records went into both): the semaphore of its marker
+    set, with SEM_UNDO (let go when the drain ends, ``kill -9`` too), per IPC namespace as the
+    queue is. ``mark``: the queue is a configured DEAD.LETTER.Q, marked here if it was not
+    yet; another queue is held only if it is marked already (marking an application's queue,
+    drained by mistake, would keep the receiving MCA from ever offering it again). Raises
+    :class:`DrainRuns` naming the other drain's pid."""
+    if _libc.semget(_key_t(key), 3, 0) >= 0:  # (three semaphores: a transmission queue's)
+        raise RQPError(f"queue {format_key(key)} is a sending MCA's transmission queue, not a "
+                       "DEAD.LETTER.Q: not drained")
+    if mark:
+        mark_dead_letter_queue(key)
+    sem_id = _libc.semget(_key_t(key), 1, 0)
+    if sem_id < 0:
+        yield  # (not marked: the archive's own lock only)
+        return
+    sems = _SemaphoreSet()
+    sems.id, sems.key = sem_id, key
+    if not sems.take(DRAINING, timeout=0):
+        raise DrainRuns(f"another rqp-dlq-drain (pid {sems.last_pid(DRAINING)}) drains queue "
+                        f"{format_key(key)} (perhaps into another archive)")
+    try:
+        yield
+    finally:
+        sems.give(DRAINING)
 
 
 def serving_pid(transmission_queue: int) -> int | None:
