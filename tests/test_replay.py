@@ -682,6 +682,46 @@ def test_retries_are_counted_and_spaced_per_message_across_restarts(tmp_path):
     assert len(list(read_archive(archive))) == 1
 
 
+class Killed(BaseException):
+    """A kill -9 between a confirmation and the rewrite that takes its row out."""
+
+
+@pytest.mark.parametrize("rules_text", [
+    "rules:\n  - reason: NO_ROUTE\n    action: retry\n    retries: 1\n    then: forward\n"
+    "    to: PROD_THE_SPARE_COMMON\n",
+    "rules:\n  - reason: NO_ROUTE\n    action: retry\n    interval: 60s\n",
+], ids=["retries-then-forward", "interval"])
+def test_a_row_put_back_by_a_run_killed_before_the_rewrite_is_sent_again_uncounted(
+        tmp_path, rules_text):
+    """A trial: a replay killed after its messages were confirmed left their rows in the
+    archive, counted as retried: the next run gave them their 'then:' (keep; forward would
+    have sent a delivered message elsewhere) or a wait for the interval. The README says they
+    are sent again with their key (recognised where they arrived): now they are, at once,
+    counting no second retry."""
+    archive = tmp_path / "archive"
+    rules = rules_from_data(__import__("yaml").safe_load(rules_text), config=CONFIG)
+    write_archive(archive, [row(key=0x71, payload=b"confirmed, then killed")])
+
+    class KilledAfterSend(FakeSend):
+        def __call__(self, *args, **kwargs):
+            super().__call__(*args, **kwargs)
+            raise Killed()
+    first = KilledAfterSend(archive)
+    with pytest.raises(Killed):
+        Replayer(archive, rules, send=first, config=CONFIG, now_ns=NOW, out=lambda _: None).run()
+    assert first.calls == [(Q1, b"confirmed, then killed", 0x71)]
+    assert len(list(read_archive(archive))) == 1  # (the row is still there)
+    lines: list[str] = []
+    again = FakeSend(archive)
+    replayer = Replayer(archive, rules, send=again, config=CONFIG, now_ns=NOW + 10**9,
+                        out=lines.append)
+    replayer.run()
+    assert again.calls == [(Q1, b"confirmed, then killed", 0x71)], lines  # its queue, its key
+    assert dict(replayer.counts) == {"replayed": 1} and not archive_files(archive)
+    assert "again: put back at 2023-11-14T22:13:20" in lines[0], lines
+    assert RetryLedger(archive, writable=False).entries["0x0000000000000071"].retries == 1
+
+
 def test_the_ledger_survives_a_cut_line_and_compacts_itself(tmp_path, monkeypatch):
     archive = tmp_path / "archive"
     one, two = row(key=0x41), row(key=0x42)

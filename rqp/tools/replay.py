@@ -440,6 +440,9 @@ class LedgerEntry:
     last_ns: int = 0
     resent: int = 0
     resent_ns: int = 0
+    #: The ``id`` of the archive row the last retry put back: that row still in the archive
+    #: later means a run stopped before it left (see :meth:`Replay._retry_gate`).
+    row: str = ""
 
 
 def message_identity(row: Mapping) -> str:
@@ -499,10 +502,13 @@ class RetryLedger:
             try:
                 fields = json.loads(line)
                 name = fields.pop("message")
+                row = fields.pop("row", "")
+                if not isinstance(row, str):
+                    raise ValueError("row is no string")
                 values = {k: int(v) for k, v in fields.items()}
                 if not all(0 <= v <= INT64_MAX for v in values.values()):  # (a trial's
                     raise ValueError("out of range")  # retries -3 gave 5 retries of 2)
-                self.entries[name] = LedgerEntry(**values)
+                self.entries[name] = LedgerEntry(**values, row=row)
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
                 # one a crash cut short is the start of a line this class writes: no news
                 self.unreadable += not (line.startswith(b'{"message":"') and
@@ -521,6 +527,7 @@ class RetryLedger:
         if retry:
             entry.retries += 1
             entry.last_ns = now_ns
+            entry.row = str(row.get("id") or "")
         else:
             entry.resent += 1
             entry.resent_ns = now_ns
@@ -796,6 +803,7 @@ class Replayer:
         self.next_due_ns: int | None = None  # the earliest retry that waits for its interval
         self._seen: dict[str, bool] = {}  # id -> removed from the archive
         self._told: dict[str, str] = {}  # (follow) id -> the verb last said about it
+        self._again: str | None = None  # the row _retry_gate let be put back uncounted
         if not dry_run and send is None and any(
                 r.action in ("retry", "forward") or r.then == "forward" for r in rules):
             raise ValueError("a Replayer that retries or forwards needs send=")
@@ -905,6 +913,16 @@ class Replayer:
         rule = decision.rule
         entry = self.ledger.get(row)
         of = f" of {rule.retries}" if rule.retries is not None else ""
+        if entry.retries and entry.row and entry.row == row.get("id"):
+            # This very row was put back, and a run stopped before it left the archive (a
+            # trial: killed after the confirmations, its 84 delivered rows stayed, counted as
+            # retried, and got their 'then: keep'). Sent again with its key, not counted:
+            # recognised where it arrived, and delivered where it did not.
+            self._again = row.get("id")
+            return decision, (
+                f"retry {entry.retries}{of} again: put back at {iso_utc(entry.last_ns)} by a "
+                "run that stopped before its row left the archive (with its key: recognised "
+                "if it arrived)")
         if rule.retries is not None and entry.retries >= rule.retries:
             return Decision(rule.then, rule), (
                 f"its retries are used up ({entry.retries}{of}, the last at "
@@ -1023,7 +1041,8 @@ class Replayer:
             ready = getattr(self.send, "ready", None)  # (a sending MCA to take it, at all?)
             if ready is not None and (problem := ready()):
                 raise NotConfirmed(problem)
-            if action == "retry":  # counted before it is sent: never one retry too many
+            if action == "retry" and self._again != row_id:  # counted before it is sent:
+                # never one retry too many (a row put back again, see _retry_gate: not twice)
                 at = self.clock() + int(self.bucket.wait_time() * 1e9)  # (when take lets it go)
                 self.ledger.note(row, at, retry=True)
             self.bucket.take()  # (after the fsync of the note: the rate holds for the sends)
