@@ -1414,12 +1414,26 @@ def find_rqprc(
                 raise ConfigError(f"{found}: {problem} ({origin})", path=str(found))
             return found
     places = [here / ".rqprc", Path(_home_dir(env, home)) / ".rqprc", SYSTEM_RQPRC]
+    looked, unreachable = ["$RQPRC (not set)"], None
     for place in places:
         problem = _not_a_file(place)
-        if problem != "no such file":  # (one there that cannot be read is said, not skipped)
+        if problem == "no such file":
+            looked.append(str(place))
+        elif problem is not None and problem.startswith("cannot read"):
+            # A directory on the way this user may not search (root's HOME, for a service
+            # user): no .rqprc for it there, unless one comes after, which it must not be
+            # passed over for (a trial's drain, given its receiver config, was refused with
+            # "/root/.rqprc: cannot read the file (given explicitly)").
+            looked.append(f"{place} ({problem.removeprefix('cannot read the file: ')})")
+            unreachable = unreachable or (place, problem)
+        elif unreachable is not None:
+            raise ConfigError(f"{unreachable[0]}: {unreachable[1]} (the .rqprc looked at "
+                              f"before {place})", path=str(unreachable[0]))
+        elif problem is not None:  # (one there that is no file is said, not skipped)
+            raise ConfigError(f"{place}: {problem} (found as the .rqprc)", path=str(place))
+        else:
             return place
-    looked = ", ".join(["$RQPRC (not set)", *map(str, places)])
-    raise NoRqprcFound(f"no .rqprc found; looked at: {looked}")
+    raise NoRqprcFound(f"no .rqprc found; looked at: {', '.join(looked)}")
 
 
 def load_sender_config(

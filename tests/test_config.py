@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -443,6 +445,10 @@ def test_a_config_behind_a_directory_it_cannot_search_is_a_config_error(tmp_path
     hidden.mkdir()
     (hidden / "rqprc").write_text("hosts: [a]\n")
     (hidden / "r.yaml").write_text("plaintext: true\n")
+    home = Path(tempfile.mkdtemp(prefix="rqp-home-", dir="/tmp"))  # (65534 may search it)
+    home.chmod(0o755)
+    (home / ".rqprc").write_text("hosts: [a]\n")  # (a HOME's, after the hidden ./.rqprc)
+    (home / ".rqprc").chmod(0o644)
     hidden.chmod(0)
     script = (
         "import sys\nfrom rqp import config\n"
@@ -450,17 +456,26 @@ def test_a_config_behind_a_directory_it_cannot_search_is_a_config_error(tmp_path
         "    try: load(sys.argv[1] + '/' + ('rqprc' if load is config.load_sender_config "
         "else 'r.yaml'))\n"
         "    except config.ConfigError as exc: print(exc)\n"
-        "try: config.load_sender_config(env={'HOME': sys.argv[1]}, cwd=sys.argv[1])\n"
-        "except config.ConfigError as exc: print(exc)\n")
-    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                           sys.executable, "-c", script, str(hidden)], capture_output=True,
-                          text=True, timeout=60, cwd=Path(config.__file__).parent.parent)
-    hidden.chmod(0o755)
+        "for home in sys.argv[1:]:\n"
+        "    try: config.load_sender_config(env={'HOME': home}, cwd=sys.argv[1])\n"
+        "    except config.ConfigError as exc: print(exc)\n")
+    try:
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               sys.executable, "-c", script, str(hidden), str(home)],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(config.__file__).parent.parent)
+    finally:
+        hidden.chmod(0o755)
+        shutil.rmtree(home)
     assert done.returncode == 0 and done.stdout.splitlines() == [
         f"{hidden}/rqprc: cannot read the file: Permission denied (given explicitly)",
         f"{hidden}/r.yaml: cannot read the file: Permission denied",
-        # ./.rqprc that cannot be looked at is said, not passed over for another
-        f"{hidden}/.rqprc: cannot read the file: Permission denied",
+        # ./.rqprc that cannot be looked at is said, not passed over for another; with no
+        # other, it is none (a trial's drain, with its receiver config, was refused on it)
+        f"no .rqprc found; looked at: $RQPRC (not set), {hidden}/.rqprc (Permission denied), "
+        f"{hidden}/.rqprc (Permission denied), /etc/rqp/rqprc",
+        f"{hidden}/.rqprc: cannot read the file: Permission denied (the .rqprc looked at "
+        f"before {home}/.rqprc)",
     ], done.stdout + done.stderr
 
 
