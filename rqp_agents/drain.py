@@ -71,6 +71,7 @@ from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import (
     EXIT_DRAIN_ANOTHER_RUNS, DrainRuns, drain_lock, host_name, setup_logging,
 )
+from rqp_agents.daemon import RateLimitedLog
 
 log = logging.getLogger("rqp.drain")
 
@@ -83,6 +84,9 @@ def _is_spill_file(path: Path) -> bool:
 
 
 DEFAULT_BATCH = 10_000
+#: Seconds between two lines of one kind about a failure that repeats (the rest are counted
+#: in the next line).
+LOG_EVERY = 60.0
 DEFAULT_INTERVAL = 5.0
 
 
@@ -101,6 +105,8 @@ class Drain:
         self.writer = ArchiveWriter(self.archive, host=self.host)
         self.queue: LocalQueue | None = None
         self.out = out
+        #: (a trial's second reader gave 1,099 such lines, one per record)
+        self.other_reader = RateLimitedLog(log, LOG_EVERY, what="lines about another reader")
 
     def _open(self) -> LocalQueue | None:
         if self.queue is None:
@@ -155,8 +161,9 @@ class Drain:
         return batch, too_long is not None
 
     def _mismatch(self, got: bytes) -> bytes:
-        log.error("queue %s has another reader: a record taken off it was not the one copied; "
-                  "archiving it at once", format_key(self.queue_key))
+        self.other_reader.report("queue %s has another reader: a record taken off it was not "
+                                 "the one copied; archiving it at once", logging.ERROR,
+                                 format_key(self.queue_key))
         return got
 
     def _save_extras(self, extras: list[bytes]) -> None:
@@ -175,8 +182,9 @@ class Drain:
             try:
                 got = queue.get(block=False)
             except QueueEmpty:
-                log.error("queue %s has another reader: it took records the drain had copied "
-                          "(they are archived)", format_key(self.queue_key))
+                self.other_reader.report("queue %s has another reader: it took records the "
+                                         "drain had copied (they are archived)", logging.ERROR,
+                                         format_key(self.queue_key))
                 break
             if expected[got] > 0:
                 expected[got] -= 1
@@ -365,15 +373,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             log.info("draining queue %s into %s every %gs", format_key(queue_key), archive,
                      args.interval)
+            # (a trial's full archive disk: one line every 0.2 s, the poll interval)
+            failed = RateLimitedLog(log, LOG_EVERY, what="failed rounds")
             while not stop.is_set():
                 try:
                     drain.run_until_empty(stop)
                 except QueueNotFound:
                     pass  # removed meanwhile: nothing to drain until it is created again
                 except (QueueError, ArchiveError, OSError) as exc:
-                    log.error("%s (records stay on the queue; trying again in %gs)", exc,
-                              args.interval)
+                    failed.report("%s (records stay on the queue; trying again every %gs)",
+                                  logging.ERROR, exc, args.interval)
                 stop.wait(args.interval)
+            failed.flush()
+            drain.other_reader.flush()
             log.info("stopped")
             return 0
     except ConfigError as exc:

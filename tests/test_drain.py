@@ -347,3 +347,18 @@ def test_spill_files_move_into_the_archive_and_nothing_else_is_touched(host):
     assert victim.read_bytes() == b"not a spill file"
     assert not (host.archive / "spill" / victim.name).exists()
     assert not left_over.exists() and unknown.exists()
+
+
+def test_lines_about_another_reader_are_rate_limited(tmp_path, caplog):
+    """A trial: a second reader of the queue gave an ERROR line per record (1,099 of them).
+    One line a minute, the next one counting those held back."""
+    from rqp_agents.drain import Drain
+
+    drain = Drain(tmp_path / "archive", 0x5251DEAD, host="h")
+    with caplog.at_level("ERROR", logger="rqp.drain"):
+        for _ in range(500):
+            drain._mismatch(b"x")
+        drain.other_reader.flush()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "has another reader" in lines[0], lines
+    assert lines[1].startswith("499 more lines about another reader not logged since "), lines
