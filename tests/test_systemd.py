@@ -34,17 +34,20 @@ def _system_python() -> str:
 SYSTEM_PYTHON = _system_python()
 
 
-def install(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "scripts" / "install"), "--root", str(root), *args],
+def install(root: Path, *args: str, umask: str = "022") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f'umask {umask}; exec bash "$@"', "_",
+                           str(REPO / "scripts" / "install"), "--root", str(root), *args],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHON=SYSTEM_PYTHON))
 
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A scratch root the install script has installed into (once for this module)."""
+    """A scratch root the install script has installed into (once for this module), from a
+    shell whose umask is 077, as on a hardened host (a trial's venv was then unreadable for
+    rqp: the install said nothing, every unit failed)."""
     root = tmp_path_factory.mktemp("root")
-    done = install(root)
+    done = install(root, umask="077")
     assert done.returncode == 0, done.stderr
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -82,6 +85,39 @@ def test_install_lays_out_user_directories_configs_and_units(scratch):
             (REPO / "systemd" / unit).read_bytes()
     for command in ("rqp-sender", "rqp-receiver"):
         assert os.access(scratch / "opt/rqp/venv/bin" / command, os.X_OK)
+    for path in ("opt/rqp/venv", "opt/rqp/venv/bin", "opt/rqp/venv/bin/rqp-sender"):
+        assert (scratch / path).stat().st_mode & 0o755 == 0o755, path  # (umask 077 above)
+
+
+def test_install_again_mends_a_half_made_venv_and_keeps_an_edited_unit(scratch):
+    """Trial C: a venv left without pip by a run that failed (no python3-venv) was never
+    mended by the next run; a unit edited in place was overwritten without a word. A unit
+    the last run installed, and an older one of those, is just updated."""
+    venv = scratch / "opt/rqp/venv"
+    for pip in venv.glob("lib/python3*/site-packages/pip"):
+        shutil.rmtree(pip)
+    unit = scratch / "etc/systemd/system/rqp-sender.service"
+    shipped = unit.read_text()
+    unit.write_text(shipped + "Nice=5\n")  # an operator's edit
+    older = scratch / "etc/systemd/system/rqp-receiver.service"
+    older.write_text(older.read_text() + "# an older release's line\n")  # as installed...
+    manifest = scratch / "opt/rqp/units.sha256"
+    manifest.write_text(manifest.read_text() + "%s  rqp-receiver.service\n" % __import__(
+        "hashlib").sha256(older.read_bytes()).hexdigest())  # ...by the last run
+    try:
+        out = install(scratch)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "(it has no pip: an earlier run stopped half-way)" in out.stdout, out.stdout
+        assert subprocess.run([venv / "bin/python", "-m", "pip", "--version"],
+                              capture_output=True).returncode == 0
+        assert f"{unit} is not the one the last install put there (edited?)" in out.stdout
+        assert (unit.parent / "rqp-sender.service.edited").read_text().endswith("Nice=5\n")
+        assert unit.read_text() == shipped
+        assert f"updating {older}" in out.stdout and \
+            not (older.parent / "rqp-receiver.service.edited").exists()
+        assert older.read_bytes() == (REPO / "systemd/rqp-receiver.service").read_bytes()
+    finally:
+        (unit.parent / "rqp-sender.service.edited").unlink(missing_ok=True)
 
 
 def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
