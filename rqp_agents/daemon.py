@@ -213,7 +213,8 @@ class Daemon:
         self._metrics = Shared(exposition(self.metrics))
         self._status_line = Shared(lambda: _line(self.status()))
         self._metrics_line = Shared(self._metrics_answer)
-        self._servers.append(await serve_control(control_path, self._control, self._refused))
+        self._servers.append(await serve_control(control_path, self._control, self._refused,
+                                                 privileged=self.commands))
         if metrics_listen:
             self._servers.append(await serve_metrics(metrics_listen.host, metrics_listen.port,
                                                      self._metrics))
@@ -365,7 +366,8 @@ class Daemon:
         return {"error": f"unknown command {command!r} (status, metrics, trace"
                          f"{''.join(', ' + c for c in self.commands)})"}
 
-    #: The agent's own control commands (besides status, metrics and trace).
+    #: The agent's own control commands (besides status, metrics and trace): they act (stop a
+    #: route, connect to a host), so only root or the agent's user may send them.
     commands: tuple[str, ...] = ()
 
     async def command(self, command: str, request: dict) -> dict | None:

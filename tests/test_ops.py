@@ -1252,3 +1252,38 @@ def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(te
         wait_for(lambda: log_lines(host, agent, "reloaded "), timeout=20, message="no reload")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(30) == 0, host.output(agent, "stderr")[-2000:]
+
+
+def test_only_root_or_the_agents_user_may_act_on_routes(testbed):
+    """Trial C: an application user in the agents' group (as the README asks, for the queues)
+    could stop a route over the control socket (mode 0660). Status, metrics and trace stay
+    open to the group; route and ping (it connects with the agent's TLS identity) are taken
+    from root or the agent's own user only."""
+    import shutil
+    import tempfile
+
+    a, b = testbed.add_host("a"), testbed.add_host("b")
+    start_receiver(b)
+    make_queue(b, Q1)
+    shared = Path(tempfile.mkdtemp(prefix="rqp-ctl-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        sock = shared / "sender.sock"
+        rqprc = write_rqprc(a, [b], control_socket=str(sock),
+                            queues={"PROD_THE_SCHED_COMMON": Q1})
+        start_sender(a, rqprc)
+        sock.chmod(0o666)  # (uid 65534 stands for a member of the socket's group)
+        as_app = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *RQPCTL]
+        status = a.run([*as_app, "status", "--socket", str(sock)], check=False, timeout=60)
+        assert status.returncode == 0 and "sender" in status.stdout, status.stdout + \
+            status.stderr
+        for args in (["route", "stop", hex(Q1)], ["ping", f"{b.address}:{PORT}"]):
+            out = a.run([*as_app, *args, "--socket", str(sock)], check=False, timeout=60)
+            assert out.returncode == 2 and "not allowed for uid 65534: only root or the " \
+                "agent's own user may (route, ping)" in out.stdout + out.stderr, \
+                out.stdout + out.stderr
+        out = a.run([*RQPCTL, "route", "stop", hex(Q1), "--socket", str(sock)], check=False,
+                    timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

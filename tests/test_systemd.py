@@ -68,7 +68,8 @@ def test_install_lays_out_user_directories_configs_and_units(scratch):
     assert "rqp:x:" in passwd and ":/usr/sbin/nologin" in passwd
     uid = int(passwd.split("rqp:x:")[1].split(":")[0])
     assert uid < 1000  # a system user: logind's RemoveIPC= never touches its queues
-    assert (scratch / "var/lib/rqp").stat().st_mode & 0o777 == 0o770
+    # (0750: the group, the applications', may read, not change the journal and window)
+    assert (scratch / "var/lib/rqp").stat().st_mode & 0o777 == 0o750
     assert (scratch / "etc/shadow").stat().st_mode & 0o777 == 0o640
     assert not list((scratch / "etc").glob("*-"))  # (useradd's backups, not there before)
     assert (scratch / "etc/rqp").stat().st_mode & 0o777 == 0o750

@@ -141,3 +141,22 @@ def test_a_handshake_the_receiver_cut_off_says_what_may_be_why(exc):
     assert said.startswith("TLS handshake failed: ") and "Error" not in said, said
     assert "(the receiver closed the connection during the handshake: no TLS on that port" \
         in said or isinstance(exc, ConnectionResetError), said
+
+
+def test_a_key_its_group_may_read_is_said_when_others_are_in_that_group(ca):
+    """Trial C: a key 0640 root:rqp drew no warning, and the applications are in rqp (as the
+    README asks): every one of them could read the host's private key. Said now, naming
+    them; a group of the agent's user alone is fine."""
+    import grp
+    import pwd
+
+    f = files(ca)
+    os.chmod(f.key, 0o640)
+    os.chown(f.key, 0, 0)  # root's group: root's alone here (this test runs as root)
+    assert [p.pw_name for p in pwd.getpwall() if p.pw_gid == 0 and p.pw_uid != 0] == [] and \
+        grp.getgrgid(0).gr_mem in ([], ["root"])
+    assert not [w for w in check_files(f) if "private key" in w]
+    os.chown(f.key, 0, 65534)  # nogroup: nobody's primary group
+    [said] = [w for w in check_files(f) if "private key" in w]
+    assert "its group may read the private key (mode 640)" in said and "nobody" in said and \
+        "chown the key to the agent's user and chmod 600 it" in said, said

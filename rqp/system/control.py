@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,11 +79,26 @@ def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
     return Path(state_dir) / f"{name}.sock"
 
 
+def peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED), if known."""
+    sock = writer.get_extra_info("socket")
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError, struct.error):
+        return None
+    return uid
+
+
 async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | bytes]],
-                        refused: Callable[[dict, BaseException], None] | None = None):
+                        refused: Callable[[dict, BaseException], None] | None = None,
+                        privileged: tuple[str, ...] = ()):
     """Listen on ``path``; ``handler(request)`` answers each request: a dict, or its JSON line
     already made (shared by clients that ask together). ``refused(request, error)`` is told of
-    each request the handler could not take (see :func:`_handle`; by default, a DEBUG line)."""
+    each request the handler could not take (see :func:`_handle`; by default, a DEBUG line).
+    The ``privileged`` commands are taken only from root or the agent's own user: the
+    socket's group (the applications', rqp) may read (status, metrics, trace), not act (a
+    trial: an application user stopped a route)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
@@ -115,7 +131,14 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
                 except (ValueError, RecursionError) as exc:  # (a trial: '[' * 1100 stopped
                     answer = {"error": f"bad request: {exc}"}  # the agent, exit 70)
                 else:
-                    answer = await _handle(handler, req, refused or _refused)
+                    if isinstance(req, dict) and req.get("command") in privileged and \
+                            peer_uid(writer) not in (0, os.geteuid()):
+                        answer = {"error": f"{req.get('command')}: not allowed for uid "
+                                  f"{peer_uid(writer)}: only root or the agent's own user may "
+                                  f"({', '.join(privileged)}); status, metrics and trace are "
+                                  "open to the socket's group"}
+                    else:
+                        answer = await _handle(handler, req, refused or _refused)
             await clients.answer(writer, answer if isinstance(answer, bytes)
                                  else json.dumps(answer, default=str).encode() + b"\n")
 

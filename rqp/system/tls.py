@@ -39,6 +39,22 @@ class TLSFileError(RQPError):
     """A ``tls:`` file cannot be used: the message names the file and what is wrong."""
 
 
+def _group_members(gid: int) -> list[str]:
+    """The users of group ``gid`` (listed in it, or with it as their primary group) other
+    than this process's user."""
+    import grp
+    import pwd
+
+    me = os.geteuid()
+    try:
+        listed = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        return []
+    names = listed | {p.pw_name for p in pwd.getpwall() if p.pw_gid == gid}
+    own = {p.pw_name for p in pwd.getpwall() if p.pw_uid == me}
+    return sorted(names - own)
+
+
 def _read(files, field: str) -> bytes:
     path = getattr(files, field)
     try:
@@ -107,10 +123,19 @@ def check_files(files, now: datetime.datetime | None = None) -> list[str]:
             != cert.public_key().public_bytes(serialization.Encoding.DER, public)):
         raise TLSFileError(f"{files.name('key')}: the key does not match the certificate "
                            f"{files.cert} (they are from different pairs)")
-    mode = os.stat(files.key).st_mode
+    info = os.stat(files.key)
+    mode = info.st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
         warnings.append(f"{files.name('key')}: other users may read or write the private key "
-                        f"(mode {stat.S_IMODE(mode):03o}); chmod 600 or 640 it")
+                        f"(mode {stat.S_IMODE(mode):03o}); chmod 600 it (owned by the "
+                        "agent's user)")
+    elif mode & stat.S_IRGRP and (others := _group_members(info.st_gid)):
+        # (a trial: 0640 root:rqp, and the applications are in rqp, as the README asks)
+        warnings.append(f"{files.name('key')}: its group may read the private key (mode "
+                        f"{stat.S_IMODE(mode):03o}), and the group has other members than "
+                        f"this agent's user ({', '.join(others[:5])}"
+                        f"{', ...' if len(others) > 5 else ''}): chown the key to the agent's "
+                        "user and chmod 600 it")
 
     authorities = _certificates(files, "ca", "the CA certificate(s) peers are signed by")
     for ca in authorities:
