@@ -267,3 +267,17 @@ def test_a_crowd_on_the_control_socket_is_told_busy_and_status_says_it_runs(rece
         crowd.kill()
         crowd.wait(timeout=10)
     assert rx.poll() is None
+
+
+def test_a_control_socket_path_too_long_is_named(tmp_path):
+    """Trial C: a long state_dir stopped the agent with "AF_UNIX path too long", naming no
+    path and no setting."""
+    import asyncio
+
+    path = tmp_path / ("d" * 120) / "receiver.sock"
+
+    async def answer(_request):
+        return {}
+    with pytest.raises(control.ControlError, match=r"control socket .*receiver.sock: \d+ bytes "
+                       r"long, over the 107 a Unix socket's path may have: set control_socket"):
+        asyncio.run(control.serve_control(path, answer))

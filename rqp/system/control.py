@@ -60,6 +60,10 @@ ANSWER_CHUNK = 64 * 1024
 BIG_ANSWER = 1 << 20
 
 
+#: The longest path a Unix socket may have (sun_path: 108 bytes with its NUL).
+SOCKET_PATH_MAX = 107
+
+
 class ControlError(RQPError):
     """The agent could not be asked (not running, no permission, bad answer)."""
 
@@ -100,6 +104,11 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
     socket's group (the applications', rqp) may read (status, metrics, trace), not act (a
     trial: an application user stopped a route)."""
     path = Path(path)
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:  # (a trial: "AF_UNIX path too long", no path)
+        raise ControlError(f"control socket {path}: {len(os.fsencode(path))} bytes long, over "
+                           f"the {SOCKET_PATH_MAX} a Unix socket's path may have: set "
+                           "control_socket to a shorter path (or use a shorter state_dir, "
+                           "where it is made by default)")
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
         try:  # a socket left by an agent that was killed: nobody answers it any more
