@@ -1039,7 +1039,7 @@ class Bench:
             + f"; msg/s = median of {self.args.rounds} round(s); every message checked "
             "(count, bytes, SURE order)",
             "",
-            f"{'case':<22}{'RQP msg/s':>13}{'raw msg/s':>12}{'RQP/raw':>10}",
+            f"{'case':<22}{'RQP msg/s':>13}{'spread':>8}{'raw msg/s':>12}{'RQP/raw':>10}",
         ]
         several = len(self.args.variants) > 1
         rabbit = self.broker is not None
@@ -1048,8 +1048,8 @@ class Bench:
         for r in self.results:
             case = f"{r.message_type:<6} {size_label(r.size)}" + (f" {r.transport}" if several
                                                                    else "")
-            lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{r.raw_msg_per_s:>12,.0f}"
-                         f"{r.ratio:>10.3f}" + (
+            lines.append(f"{case:<22}{r.rqp_msg_per_s:>13,.0f}{_spread(r.rqp_seconds):>8}"
+                         f"{r.raw_msg_per_s:>12,.0f}{r.ratio:>10.3f}" + (
                              f"{r.rabbit_msg_per_s:>16,.0f}"
                              f"{r.rqp_msg_per_s / r.rabbit_msg_per_s:>14.3f}" if rabbit else ""))
         if rabbit:
@@ -1087,12 +1087,40 @@ class Bench:
                       f"{', ' + lat.transport if several else ''}): "
                       f"median {lat.rqp_median_ms:.3f} ms, p99 {lat.rqp_p99_ms:.3f} ms "
                       f"(raw: median {lat.raw_median_ms:.3f} ms, p99 {lat.raw_p99_ms:.3f} ms)"]
+        notes = self.caveats()
+        if notes:
+            lines += ["", *[f"NOTE: {note}" for note in notes]]
         return "\n".join(lines)
+
+    def caveats(self) -> list[str]:
+        """What makes these figures weaker than the README's (a trial: SURE 2.02x RabbitMQ at
+        3,000 messages, 1.42x at 15,000, the table silent about it)."""
+        notes = []
+        few = {s: n for s, n in self.args.count.items() if n < DEFAULT_MESSAGES.get(s, 0)}
+        if few:
+            notes.append("fewer messages per case than the defaults ("
+                         + ", ".join(f"{n} x {size_label(s)} against {DEFAULT_MESSAGES[s]}"
+                                     for s, n in few.items())
+                         + "): start-up weighs more, and the ratios move with the count; "
+                         "compare only figures of the same counts (the README says which "
+                         "each of its figures used)")
+        if self.args.rounds < DEFAULT_ROUNDS:
+            notes.append(f"{self.args.rounds} round(s) per case: the median of fewer than "
+                         f"{DEFAULT_ROUNDS}, and no spread to judge it by")
+        if self.latencies and self.args.latency_samples < 100:
+            notes.append(f"{self.args.latency_samples} latency sample(s): the p99 of fewer than "
+                         "100 is no p99")
+        cpus = os.cpu_count() or 1
+        if self.load > cpus / 2:
+            notes.append(f"load average {self.load:.2f} on {cpus} CPUs at the start: the "
+                         "machine was busy, the figures may be too")
+        return notes
 
     def figures(self) -> dict:
         return {
             "isolation": self.isolation, "msgmnb": self.msgmnb, "msgmax": self.msgmax,
             "python": platform.python_version(), "cpus": os.cpu_count(), "load_average": self.load,
+            "caveats": self.caveats(),
             "rounds": self.args.rounds, "transports": self.args.transports,
             "variants": [label for label in dict.fromkeys(r.transport for r in self.results)],
             "cases": [dict(asdict(r), rqp_msg_per_s=r.rqp_msg_per_s,
@@ -1124,6 +1152,14 @@ def _case(text: str) -> tuple[int, int]:
             f"{text!r}: a case is TYPE:SIZE, TYPE sure or unsure, SIZE one of "
             + ", ".join(str(s) for s in SIZES))
     return types[kind], int(size)
+
+
+def _spread(seconds: list[float]) -> str:
+    """Half the range of the rounds' msg/s, in % of their median ("-" for one round)."""
+    if len(seconds) < 2:
+        return "-"
+    rates = [1 / s for s in seconds]
+    return f"±{(max(rates) - min(rates)) / 2 / statistics.median(rates) * 100:.0f}%"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
