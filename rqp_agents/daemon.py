@@ -408,6 +408,19 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     raise RQPError(f"{EVENT_LOOP_VARIABLE}={name!r}: expected asyncio or uvloop")
 
 
+def check_only(log: logging.Logger, check: Callable[[], str]) -> int:
+    """``--check``: what a start would read and refuse, without starting: ``check()`` loads
+    the config and the TLS files (warnings logged) and says what would run; 0, or 1 with the
+    reason logged, as a start that fails (a trial: no way to check a file before an upgrade
+    or a reload but to start the agent, or send SIGHUP to the running one)."""
+    try:
+        print(f"OK: {check()}", flush=True)
+    except RQPError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
 def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     """Build the agent and run it; exit status 1 with the reason logged if it cannot, 70
     (EXIT_UNEXPECTED) after an unexpected error."""

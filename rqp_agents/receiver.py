@@ -40,7 +40,7 @@ from rqp.system.service import (
     config_changes, counts, host_name, make_state_dir, setup_logging, wall_ms,
 )
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, check_only, run_daemon
 from rqp_agents.delivery import NO_WAITING, LocalDelivery
 from rqp_agents.gate import EVICT_IDLE, Gate
 
@@ -1362,11 +1362,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plaintext", action="store_true",
                         help="accept plaintext RQP/1 on a non-loopback --listen (the config's "
                         "'plaintext: true'); without it such a listen needs a tls: block")
+    parser.add_argument("--check", action="store_true",
+                        help="read the config and its TLS files as a start would, say what "
+                        "would run (exit 0) or why it would not (exit 1), and start nothing")
     add_log_level(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, log_format=args.log_format)
 
-    def build() -> Receiver:
+    def configured() -> tuple[ReceiverConfig, frozenset[str]]:
         config = load_receiver_config(args.config)
         changes = {}
         if args.listen:
@@ -1378,9 +1381,21 @@ def main(argv: list[str] | None = None) -> int:
                 raise RQPError(f"--plaintext: {config.source} has a tls: block, and a port is "
                                f"either TLS or plaintext, never both")
             changes["plaintext"] = True
-        return Receiver(dataclasses.replace(config, **changes), frozenset(changes))
+        return dataclasses.replace(config, **changes), frozenset(changes)
 
-    return run_daemon(log, build)
+    def check() -> str:  # (what Receiver() refuses before it makes anything)
+        config, _ = configured()
+        problem = config.transport_problem()
+        if problem:
+            raise RQPError(problem)
+        Gate(config)  # (the TLS files read and checked: their warnings logged)
+        return (f"{config.source or 'no config file (the defaults)'}: a receiving MCA would "
+                f"listen on {config.listen} ({'TLS' if config.tls else 'plaintext'}); "
+                f"state_dir {config.state_dir}")
+
+    if args.check:
+        return check_only(log, check)
+    return run_daemon(log, lambda: Receiver(*configured()))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -46,7 +46,7 @@ from rqp.system.tls import (
     CLOSED_IN_HANDSHAKE, TLSFileError, check_files, client_context, handshake_problem,
 )
 from rqp_agents import telemetry
-from rqp_agents.daemon import Daemon, RateLimitedLog, run_daemon
+from rqp_agents.daemon import Daemon, RateLimitedLog, check_only, run_daemon
 from rqp_agents.intake import (
     NO_ROOM_WAIT, Intake, Taken, budget_size, messages_in, start_reserve_size,
 )
@@ -796,10 +796,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rqprc", metavar="FILE",
                         help="the .rqprc to use (default: $RQPRC, ./.rqprc, ~/.rqprc, "
                         "/etc/rqp/rqprc)")
+    parser.add_argument("--check", action="store_true",
+                        help="read the .rqprc and its TLS files as a start would, say what would "
+                        "run (exit 0) or why it would not (exit 1), and start nothing")
     add_log_level(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, log_format=args.log_format)
+    if args.check:
+        return check_only(log, lambda: _check(load_sender_config(args.rqprc)))
     return run_daemon(log, lambda: Sender(load_sender_config(args.rqprc)))
+
+
+def _check(config: SenderConfig) -> str:
+    """What Sender() refuses before it makes anything, and what would run."""
+    problem = config.transport_problem()
+    if problem:
+        raise RQPError(problem)
+    _tls_contexts(config)  # (the files read and checked: their warnings logged)
+    hosts = [f"{h} ({'TLS' if config.tls_for(h) is not None else 'plaintext'})"
+             for h in config.hosts]
+    return (f"{config.source}: a sending MCA for transmission queue "
+            f"{format_key(config.transmission_queue)} would send to {', '.join(hosts)}; "
+            f"state_dir {config.state_dir}")
 
 if __name__ == "__main__":
     sys.exit(main())

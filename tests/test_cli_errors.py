@@ -112,3 +112,33 @@ def test_rqpctl_whose_reader_went_away_exits_as_on_sigpipe(tmp_path):
     finally:
         os.close(write)
     assert (out.returncode, out.stderr) == (141, "")
+
+
+def test_check_reads_a_config_as_a_start_would_and_starts_nothing(tmp_path):
+    """Trial C: no way to check a file (before an upgrade, before a reload) but to start the
+    agent. --check reads it and its TLS files as a start would, says what would run (exit 0)
+    or why not (exit 1), and makes nothing: no state_dir, no queue, no socket."""
+    state = tmp_path / "state"
+    rqprc = tmp_path / "rqprc"
+    rqprc.write_text(f"hosts: [10.9.9.9]\nstate_dir: {state}\n")
+    out = run("rqp_agents.sender", "--check", "--rqprc", str(rqprc), cwd=tmp_path)
+    assert out.returncode == 1 and "plaintext RQP/1 to 10.9.9.9:7460 without saying so" in \
+        out.stderr, out.stderr
+    rqprc.write_text(f"hosts: [10.9.9.9]\nstate_dir: {state}\nplaintext: true\n")
+    out = run("rqp_agents.sender", "--check", "--rqprc", str(rqprc), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == (
+        f"OK: {rqprc}: a sending MCA for transmission queue 0x52510000 would send to "
+        f"10.9.9.9:7460 (plaintext); state_dir {state}\n"), out.stdout + out.stderr
+    config = tmp_path / "receiver.yaml"
+    config.write_text(f"listen: ':7460'\nstate_dir: {state}\noffer: {{allow: [0x52510001]}}\n"
+                      f"tls: {{cert: {tmp_path}/a.crt, key: {tmp_path}/a.key, "
+                      f"ca: {tmp_path}/ca.crt}}\n")
+    out = run("rqp_agents.receiver", "--check", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == 1 and f"{tmp_path}/a.crt" in out.stderr, out.stderr
+    config.write_text(f"listen: ':7460'\nstate_dir: {state}\nplaintext: true\n"
+                      "offer: {allow: [0x52510001]}\n")
+    out = run("rqp_agents.receiver", "--check", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == (
+        f"OK: {config}: a receiving MCA would listen on 0.0.0.0:7460 (plaintext); "
+        f"state_dir {state}\n"), out.stdout + out.stderr
+    assert not state.exists()
