@@ -2,8 +2,8 @@
 # Sourced by scripts/test and scripts/demo: makes .venv in the checkout, installs the project
 # and its dependencies into it, and checks the system tools the project needs: setup_demo for
 # the main job (Java for Spark, util-linux), setup_test for the tests as well (iproute2,
-# chromium, man-db, systemd, strace, prometheus for promtool). What apt and pip print goes to
-# out/setup.log.
+# chromium, man-db, systemd, strace, prometheus for promtool), setup_bench for the benchmarks
+# (util-linux, iproute2). What apt and pip print goes to out/setup.log.
 # Idempotent: a second run only checks.
 set -euo pipefail
 
@@ -103,6 +103,14 @@ setup_demo() {  # what the main job needs: the project, Java for Spark, unshare
     setup_venv
     check_java
     check_tool unshare util-linux "the demo runs in its own IPC namespace"
+}
+
+setup_bench() {  # what the benchmarks need: the project, unshare, ip (not the test tools:
+    # a trial's scripts/bench installed chromium, prometheus, gcc and strace it never used)
+    say "setting up (details in $RQP_SETUP_LOG)"
+    setup_venv
+    check_tool unshare util-linux "the benchmark runs in its own IPC namespace"
+    check_tool ip iproute2 "scripts/bench --scale --hosts builds network namespaces with it"
 }
 
 setup_test() {  # and what the tests need besides
