@@ -407,6 +407,7 @@ class Receiver(Daemon):
         self.host = config.host_name or host_name()
         self.msgmax = kernel_limits().msgmax
         self.max_message_size = config.max_message_size or self.msgmax
+        _say_max_over_msgmax(config, self.msgmax)
         self.dead_letters = DeadLetterWriter(config.dead_letter_queue,
                                              Path(config.state_dir) / "spill", msgmax=self.msgmax,
                                              spill_limit=config.spill_limit,
@@ -1351,6 +1352,16 @@ def _extras(message) -> dict:
     return {"mtype": mtype, "priority": priority, "expires_at_ms": expires_at_ms}
 
 
+def _say_max_over_msgmax(config: ReceiverConfig, msgmax: int) -> None:
+    """A max_message_size over this host's msgmax takes messages no queue here can hold (a
+    trial: accepted without a word; each was dead-lettered at its put)."""
+    if config.max_message_size and config.max_message_size > msgmax:
+        log.warning("%s: max_message_size %d is over this host's kernel.msgmax %d: a message "
+                    "between the two is read in full and then dead-lettered MESSAGE_TOO_BIG "
+                    "(raise kernel.msgmax, see 60-rqp-ipc.conf, or lower max_message_size)",
+                    config.source or "the config", config.max_message_size, msgmax)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rqp-receiver", description=__doc__.splitlines()[0])
     add_version(parser)
@@ -1389,6 +1400,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise RQPError(problem)
         Gate(config)  # (the TLS files read and checked: their warnings logged)
+        _say_max_over_msgmax(config, kernel_limits().msgmax)
         return (f"{config.source or 'no config file (the defaults)'}: a receiving MCA would "
                 f"listen on {config.listen} ({'TLS' if config.tls else 'plaintext'}); "
                 f"state_dir {config.state_dir}")

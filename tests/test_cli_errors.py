@@ -136,9 +136,11 @@ def test_check_reads_a_config_as_a_start_would_and_starts_nothing(tmp_path):
     out = run("rqp_agents.receiver", "--check", "--config", str(config), cwd=tmp_path)
     assert out.returncode == 1 and f"{tmp_path}/a.crt" in out.stderr, out.stderr
     config.write_text(f"listen: ':7460'\nstate_dir: {state}\nplaintext: true\n"
-                      "offer: {allow: [0x52510001]}\n")
+                      "offer: {allow: [0x52510001]}\nmax_message_size: 100000000\n")
     out = run("rqp_agents.receiver", "--check", "--config", str(config), cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == (
         f"OK: {config}: a receiving MCA would listen on 0.0.0.0:7460 (plaintext); "
         f"state_dir {state}\n"), out.stdout + out.stderr
+    # (a trial: a max_message_size over msgmax was taken without a word)
+    assert "max_message_size 100000000 is over this host's kernel.msgmax" in out.stderr
     assert not state.exists()
