@@ -28,6 +28,24 @@ _API = ("AgentStartError", "DataTypeError", "HandleError", "QueueEmpty", "openCo
 __version__ = "0.1.0"
 
 
+def _build() -> str:
+    """The commit scripts/install built this copy from (the file BUILD it writes beside this
+    module), or "": a trial could not tell two builds apart, both "0.1.0"."""
+    import os
+
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "BUILD"), encoding="utf-8") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+#: The commit this copy was installed from (scripts/install), "" if unknown.
+BUILD = _build()
+#: What --version says after the program's name: the version, and the build when known.
+VERSION_TEXT = __version__ + (f" (build {BUILD})" if BUILD else "")
+
+
 def get_include() -> str:
     """The directory holding ``rqp.h``, the header-only C API for producers and consumers
     (as ``numpy.get_include()``): ``cc -I"$(python -m rqp --include)"``."""

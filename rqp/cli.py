@@ -102,9 +102,9 @@ def log_level(text: str) -> str:
 def add_version(parser: argparse.ArgumentParser) -> None:
     """``--version``: the installed package's version, the same for every command (an
     operator asking which agents a host runs)."""
-    from rqp import __version__
+    from rqp import VERSION_TEXT
 
-    parser.add_argument("--version", action="version", version=f"%(prog)s (rqp) {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s (rqp) {VERSION_TEXT}")
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict
 
-from rqp import __version__
+from rqp import BUILD, __version__
 from rqp.protocol.constants import QUEUE_MEMORY
 from rqp.protocol.errors import QueueNotFound, RQPError
 from rqp.protocol.sender import ROUTE_CACHE, ROUTE_STATES
@@ -102,7 +102,7 @@ def _sender_figures(agent) -> dict:
     to_wall = time.time() - agent.loop.time()
     return {
         "agent": "sender", "pid": os.getpid(), "host": agent.host,
-        "version": __version__, "started_at": agent.started,
+        "version": __version__, "build": BUILD, "started_at": agent.started,
         "uptime": time.time() - agent.started,
         "source": agent.config.source, "last_reload": agent.last_reload,
         "transmission_queue": format_key(agent.config.transmission_queue),
@@ -252,7 +252,7 @@ def _agent_metrics(agent) -> list[Metric]:
     last = agent.last_reload
     return [
         Metric("rqp_build_info", "gauge", "1, labelled with the agent's rqp version").add(
-            1, version=__version__),
+            1, version=__version__, build=BUILD),
         Metric("rqp_up_seconds", "gauge", "seconds since the agent started").add(
             round(time.time() - agent.started, 3)),
         Metric("rqp_config_last_reload_successful", "gauge",
@@ -282,7 +282,7 @@ def receiver_status(agent) -> dict:
     window = agent.dedup.state()  # (first: it drops the keys past their age)
     return {
         "agent": "receiver", "pid": os.getpid(), "host": agent.host,
-        "version": __version__, "started_at": agent.started,
+        "version": __version__, "build": BUILD, "started_at": agent.started,
         "uptime": time.time() - agent.started,
         "source": agent.config.source, "last_reload": agent.last_reload,
         "listen": str(agent.config.listen),

@@ -88,6 +88,15 @@ def test_install_lays_out_user_directories_configs_and_units(scratch):
         assert os.access(scratch / "opt/rqp/venv/bin" / command, os.X_OK)
     for path in ("opt/rqp/venv", "opt/rqp/venv/bin", "opt/rqp/venv/bin/rqp-sender"):
         assert (scratch / path).stat().st_mode & 0o755 == 0o755, path  # (umask 077 above)
+    # the commit it was installed from, which --version names (a trial: every build "0.1.0")
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    [build] = scratch.glob("opt/rqp/venv/lib/python3*/site-packages/rqp/BUILD")
+    assert head and build.read_text().split("-")[0].strip() == head
+    version = subprocess.run([scratch / "opt/rqp/venv/bin/python", "-I", "-c",
+                              "import rqp; print(rqp.VERSION_TEXT)"], capture_output=True,
+                             text=True).stdout.strip()
+    assert version.startswith(f"0.1.0 (build {head}")
 
 
 def test_install_again_mends_a_half_made_venv_and_keeps_an_edited_unit(scratch):

@@ -89,7 +89,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rqp import __version__
+from rqp import VERSION_TEXT
 from rqp.report import history
 from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
@@ -289,7 +289,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Report on archived RQP dead letters: tables (Parquet and CSV), "
                     "summary.json and a self-contained report.html.")
     parser.add_argument("--version", action="version",  # (as rqp.cli.add_version: the
-                        version=f"%(prog)s (rqp) {__version__}")  # report does not import it)
+                        version=f"%(prog)s (rqp) {VERSION_TEXT}")  # report does not import it)
     parser.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB",
                         help="archive files, directories or globs (local paths or Hadoop URIs)")
     where = parser.add_mutually_exclusive_group(required=True)
