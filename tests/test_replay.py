@@ -371,6 +371,11 @@ def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, caps
     assert ctl.main(["dlq", "show", bad["id"], "--archive", str(archive)]) == 0
     assert "NOT PUT BACK       no dead-letter archive line: message_key '0xZZ' is not 0x and " \
         "1 to 16 hex digits" in capsys.readouterr().out
+    # and list names it, as replay and the report would (a trial: listed as any other)
+    assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 1
+    out, err = capsys.readouterr()
+    assert "bad key" not in out and f"{written}: line 1: no dead-letter archive line: " \
+        "message_key '0xZZ'" in err, err
 
 
 def test_dry_run_prints_every_record_and_changes_nothing(tmp_path):

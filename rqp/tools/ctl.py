@@ -348,9 +348,15 @@ def _list(args) -> int:
             unreadable.append(f"{exc} (its rows are not listed)")
             continue
         files += 1
-        for row in rows:
+        for index, row in enumerate(rows):
             if isinstance(row, UnreadableLine):
                 unreadable.append(f"{path}: line {row.number}: {row.problem} (not listed)")
+                continue
+            if (problem := row_problem(row)) is not None:  # (a trial: listed as any other,
+                # which replay and the report then refused)
+                unreadable.append(f"{path}: line {index + 1}: no "
+                                  f"dead-letter archive line: {problem} (not listed; replay "
+                                  "fails it, the report leaves it out)")
                 continue
             total += 1
             if args.limit and len(table) >= args.limit:
