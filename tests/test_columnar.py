@@ -83,6 +83,8 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
     incomplete = archive / "dlq-incomplete.jsonl"
     incomplete.write_text(json.dumps(dict(good, id="i1")) + "\n"
                           + json.dumps({"schema": 2, "id": "abc"}) + "\n")
+    # a whole gzip holding nothing: taken, with no line (a trial: left out at every run)
+    (archive / "dlq-empty.jsonl.gz").write_bytes(gzip.compress(b""))
     store = tmp_path / "store"
     err = io.StringIO()
     summary = compute.run_report(spark, [str(archive)], str(tmp_path / "out"), out=io.StringIO(),
@@ -92,7 +94,7 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
     assert "1 line(s) of archive schema 3" in left_out["dlq-newer.jsonl"]
     assert "no line could be read" in left_out["dlq-garbage.jsonl.gz"]
     assert "dlq-newer.jsonl left out" in err.getvalue()
-    assert summary["store"]["new_files"] == 3
+    assert summary["store"]["new_files"] == 4  # (the empty one too)
     assert summary["totals"]["lines"] == 2 * PER_FILE + 2  # none of newer's lines
     assert summary["totals"]["unreadable_lines"] == 1  # {"schema": 2, "id": "abc"}
 

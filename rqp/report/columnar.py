@@ -176,6 +176,22 @@ def _not_ready(uri: str) -> str | None:
     return None
 
 
+def _empty(uri: str) -> bool:
+    """Whether a local archive file holds nothing: no byte, or a whole gzip of no byte."""
+    if not uri.startswith("file:"):
+        return False
+    path = _local_path(uri)
+    try:
+        if os.path.getsize(path) == 0:
+            return True
+        if not uri.endswith(".gz"):
+            return False
+        with gzip.open(path, "rb") as f:
+            return f.read(1) == b"" and f.read() == b""
+    except (OSError, EOFError, zlib.error):
+        return False
+
+
 def per_file(rows: DataFrame) -> list:
     """Per archive file: ``lines``, ``wrong`` (lines of an archive schema the report does not
     read) and ``versions`` (those schemas); from rows with ``_file``, ``schema`` and
@@ -299,7 +315,10 @@ class Store:
         reads its schema or the file was put right. Leaving out a file of the first kind
         writes the batch again without it (its other lines must not count twice)."""
         left_out = {f: why for f in new if (why := _not_ready(f)) is not None}
-        new = [f for f in new if f not in left_out]
+        # an empty file (a gzip holding nothing, whole) is taken, with no line (a trial: left
+        # out as unreadable, and said so, at every run)
+        empty = {f: 0 for f in new if f not in left_out and _empty(f)}
+        new = [f for f in new if f not in left_out and f not in empty]
         while new:
             self._write(batch, read_archives(self.spark, [spark_path(f) for f in new]))
             checked = {r[FILE_COLUMN]: r for r in per_file(self._read([batch]))}
@@ -308,14 +327,15 @@ class Store:
                 if f not in checked:
                     left_out[f] = "no line could be read (not gzip or not text, or empty)"
             if not wrong:
-                return ({f: checked[f]["lines"] for f in new if f in checked}, left_out)
+                return ({**empty, **{f: checked[f]["lines"] for f in new if f in checked}},
+                        left_out)
             for f, r in wrong.items():
                 left_out[f] = (f"{r['wrong']} line(s) of archive schema "
                                f"{', '.join(r['versions'])}, which this report does not read "
                                f"({', '.join(map(str, READABLE_SCHEMAS))})")
             self._delete_batch(batch)
             new = [f for f in new if f not in left_out]
-        return {}, left_out
+        return empty, left_out
 
     def _write(self, batch: str, raw: DataFrame) -> None:
         columns = [f.name for f in STORE_SCHEMA.fields if f.name not in PARTITIONS]
@@ -341,6 +361,7 @@ class Store:
         """Every row of every committed batch (the archive columns the store keeps, ``_file``,
         ``day``, ``batch``); None when nothing was committed yet."""
         committed = self.committed()
-        if not committed:
-            return None
+        if not committed or not any(name.startswith("day=") for name in
+                                    files.list_names(self.spark, self.data)):
+            return None  # (nothing, or empty files only: no row yet)
         return self._read(sorted(committed))
