@@ -325,7 +325,7 @@ class Store:
             wrong = {f: r for f, r in checked.items() if r["wrong"]}
             for f in new:
                 if f not in checked:
-                    left_out[f] = "no line could be read (not gzip or not text, or empty)"
+                    left_out[f] = "no line could be read (not gzip, or not text)"
             if not wrong:
                 return ({**empty, **{f: checked[f]["lines"] for f in new if f in checked}},
                         left_out)
