@@ -12,7 +12,6 @@ the application's bytes, with the ``mtype`` given to :func:`sendMessage` (defaul
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -20,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +28,15 @@ from rqp.protocol.constants import (
     DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_PRIORITY, DEFAULT_TRANSMISSION_QUEUE, INT64_MAX, MAX_BATCH,
     SURE_MSG, UNSURE_MSG, MessageType,
 )
-from rqp.protocol.errors import MessageTooBig, QueueNotFound, RQPError
+from rqp.protocol.errors import MessageTooBig, QueueFull, QueueNotFound, RQPError
 from rqp.protocol.records import (
     BATCH_MEMBER_HEADER_SIZE, TRANSMISSION_HEADER_SIZE, TransmissionFlags, TransmissionRecord,
     check_extras, check_mtype, encode_batch, encode_transmission,
 )
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key, max_payload
-from rqp.system.service import SENDER_UNIT, sender_serving, sender_unit, spawn_lock
+from rqp.system.service import (
+    SENDER_UNIT, SpawnBusy, sender_serving, sender_unit, spawn_lock,
+)
 
 __all__ = ["openConnection", "sendMessage", "closeConnection", "receiveMessage",
            "beginBatch", "commitBatch", "rollbackBatch", "batch", "Batch",
@@ -50,6 +52,8 @@ START_TIMEOUT = 15.0
 #: still serves its transmission queue (one semaphore read): a trial's sender was killed and
 #: every later sendMessage put its record there without a word, for good.
 SENDER_CHECK_INTERVAL = 1.0
+#: The longest wait between two checks after starts that failed.
+SENDER_CHECK_MAX = 60.0
 
 
 class HandleError(RQPError):
@@ -78,6 +82,8 @@ def _payload(data) -> bytes:
     except TypeError:
         raise DataTypeError(f"data must be bytes (or bytearray, memoryview, another buffer), "
                             f"got {type(data).__name__}") from None
+    except ValueError as exc:  # (a released memoryview: a re-check's ValueError)
+        raise DataTypeError(f"data cannot be read: {exc}") from None
 
 
 class Producer:
@@ -86,15 +92,17 @@ class Producer:
     handle, and ``rqpctl dlq replay`` for the records it puts back. The queue is created if
     missing, so that producers can go on putting while the sending MCA restarts."""
 
-    def __init__(self, config: SenderConfig, keep_sender=None) -> None:
+    def __init__(self, config: SenderConfig, keep_sender: _Keeper | None = None) -> None:
         self.config = config
         self.transmission_queue = LocalQueue.create(config.transmission_queue)
         #: The largest payload: kernel msgmax minus the transmission header.
         self.limit = max_payload()
-        #: Called at most every SENDER_CHECK_INTERVAL, when a put comes, to start a sending
-        #: MCA again if none serves the queue (None: the caller starts none, as replay).
+        #: Starts a sending MCA again if none serves the queue, checked after a put when due,
+        #: and while a put waits for room (None: the caller starts none, as replay).
         self.keep_sender = keep_sender
-        self._checked = time.monotonic()
+        #: Since when a put waits for room (None: none waits), for the watcher thread.
+        self.blocked_since: float | None = None
+        self._watcher: tuple[int, threading.Thread] | None = None
 
     def put(self, record: TransmissionRecord, *, timeout: float | None = None,
             sync: bool = False, sync_timeout: float = 30.0) -> None:
@@ -107,17 +115,51 @@ class Producer:
         """:meth:`put` of a record already encoded. A transmission queue removed since the
         last put (``ipcrm``, a reboot of the IPC namespace) is opened again by its key (made
         again if need be), as the sending MCA does: the handle goes on working."""
-        if self.keep_sender is not None and \
-                time.monotonic() - self._checked >= SENDER_CHECK_INTERVAL:
-            self._checked = time.monotonic()
-            self.keep_sender()
         try:
-            self.transmission_queue.put(raw, block=True, timeout=timeout)
+            self._put(raw, timeout)
         except QueueNotFound:
             self.transmission_queue = LocalQueue.create(self.config.transmission_queue)
-            self.transmission_queue.put(raw, block=True, timeout=timeout)
+            self._put(raw, timeout)
+        if self.keep_sender is not None and self.keep_sender.due():  # (after the put: the
+            self.keep_sender()  # record is there whatever a start of the sending MCA does)
         if sync:
             self.wait_taken(raw, sync_timeout)
+
+    def _put(self, raw: bytes, timeout: float | None) -> None:
+        queue = self.transmission_queue
+        if self.keep_sender is None:
+            queue.put(raw, block=True, timeout=timeout)
+            return
+        try:
+            queue.put(raw, block=False)
+            return
+        except QueueFull:
+            pass
+        # Full: the put waits in msgsnd, and only a sending MCA taking records ends that. A
+        # re-check's producer, blocked there when the sending MCA was killed, waited for good:
+        # a thread looks meanwhile, and starts one again.
+        self._watch()
+        self.blocked_since = time.monotonic()
+        try:
+            queue.put(raw, block=True, timeout=timeout)
+        finally:
+            self.blocked_since = None
+
+    def _watch(self) -> None:
+        """The watcher thread of this process (a forked child starts its own)."""
+        if self._watcher is None or self._watcher[0] != os.getpid():
+            thread = threading.Thread(target=self._watching, name="rqp-sender-watch",
+                                      daemon=True)
+            self._watcher = (os.getpid(), thread)
+            thread.start()
+
+    def _watching(self) -> None:
+        while True:
+            time.sleep(SENDER_CHECK_INTERVAL)  # (a timer: it looks once a period)
+            since = self.blocked_since
+            if since is not None and time.monotonic() - since >= SENDER_CHECK_INTERVAL and \
+                    self.keep_sender.due():
+                self.keep_sender()
 
     def wait_taken(self, raw: bytes, timeout: float) -> None:
         """Wait until ``raw`` has left the transmission queue (see sendMessage's sync)."""
@@ -222,9 +264,42 @@ log = logging.getLogger("rqp.api")
 _batches: dict[tuple[int, int, int], Batch] = {}
 
 
+class _ThreadToken:
+    """A number for one thread, never given again (a thread's ident is: a re-check's new
+    threads, with the idents of threads that had ended with a batch open, sent their plain
+    messages into those batches). When the thread ends, its batches are dropped."""
+
+    def __init__(self) -> None:
+        self.number = next(_tokens)
+        weakref.finalize(self, _drop_thread_batches, self.number)
+
+
+_tokens = itertools.count(1)
+_thread = threading.local()
+
+
+def _drop_thread_batches(number: int) -> None:
+    with _lock:
+        for key in [key for key in _batches if key[2] == number]:
+            _batches.pop(key).ended = "dropped: the thread that began it ended"
+
+
 def _owner() -> tuple[int, int]:
     """This process and thread."""
-    return (_PID.pid, threading.get_ident())
+    token = getattr(_thread, "token", None)
+    if token is None:
+        token = _thread.token = _ThreadToken()
+    return (_PID.pid, token.number)
+
+
+def _new_lock_in_child() -> None:
+    """A lock another thread held at a fork stays held in the child for good (a re-check: 14
+    of 300 children hung in beginBatch): the child starts with a new one."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _open_batch(handle: int) -> Batch | None:
@@ -242,7 +317,7 @@ _sequence = itertools.count(1)
 
 
 def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
-                  force: bool = False, say: bool = True) -> bool:
+                  force: bool = False, say: bool = True, lock_timeout: float = 30.0) -> bool:
     """Start a sending MCA for ``config``'s transmission queue unless one serves it already,
     or this host runs it as a systemd service (:func:`~rqp.system.service.sender_unit`; a
     line says so, once a process, and the records wait on the transmission queue until the
@@ -263,7 +338,7 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
                         "journaled in one place; records wait on the queue until it runs "
                         "(systemctl start %s)", format_key(xmit), unit, SENDER_UNIT)
         return False
-    with spawn_lock(xmit):
+    with spawn_lock(xmit, timeout=lock_timeout):
         if sender_serving(xmit):
             return False
         state_dir = Path(config.state_dir)
@@ -303,23 +378,50 @@ def ensure_sender(config: SenderConfig, rqprc: Path | None = None, *,
         return True
 
 
-def _keep_sender(config: SenderConfig, rqprc: Path, force: bool) -> None:
+class _Keeper:
     """A handle's check that its sending MCA still runs: started again (as openConnection
-    would) if it stopped or was killed, and said; on a host that runs it as a service, the
-    one warning ensure_sender gives."""
-    if sender_serving(config.transmission_queue):
-        return
-    try:
-        started = ensure_sender(config, rqprc, force=force)
-    except AgentStartError as exc:  # (the record is put all the same: it waits there)
-        log.error("no sending MCA serves transmission queue %s any more, and none could be "
-                  "started again; records wait there: %s",
-                  format_key(config.transmission_queue), exc)
-        return
-    if started:
-        log.warning("no sending MCA served transmission queue %s any more (it stopped, or was "
-                    "killed): this process started another, which sends what waits there",
-                    format_key(config.transmission_queue))
+    would) if it stopped or was killed, and said; on a host that runs it as a service, the one
+    warning ensure_sender gives. Due every SENDER_CHECK_INTERVAL; after a start that failed,
+    twice as long each time up to a minute (a re-check: a broken .rqprc gave an ERROR and a
+    start each second). Never raises: the record is put whatever it finds."""
+
+    def __init__(self, config: SenderConfig, rqprc: Path, force: bool) -> None:
+        self.config, self.rqprc, self.force = config, rqprc, force
+        self.wait = SENDER_CHECK_INTERVAL
+        self.next_at = time.monotonic() + self.wait
+        self._busy = threading.Lock()
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def __call__(self) -> None:
+        if not self._busy.acquire(blocking=False):
+            return  # (the watcher thread or the producer is at it)
+        try:
+            self.next_at = time.monotonic() + self.wait
+            xmit = self.config.transmission_queue
+            if sender_serving(xmit):
+                self.wait = SENDER_CHECK_INTERVAL
+                return
+            try:  # (another process starting one holds the lock: let it, no wait of 30 s)
+                started = ensure_sender(self.config, self.rqprc, force=self.force,
+                                        lock_timeout=SENDER_CHECK_INTERVAL)
+            except SpawnBusy:
+                return  # (it is starting one: looked at again when due)
+            except RQPError as exc:
+                self.wait = min(self.wait * 2, SENDER_CHECK_MAX)
+                self.next_at = time.monotonic() + self.wait
+                log.error("no sending MCA serves transmission queue %s any more, and none "
+                          "could be started again (tried again in %gs); records wait there: "
+                          "%s", format_key(xmit), self.wait, exc)
+                return
+            self.wait = SENDER_CHECK_INTERVAL
+            if started:
+                log.warning("no sending MCA served transmission queue %s any more (it "
+                            "stopped, or was killed): this process started another, which "
+                            "sends what waits there", format_key(xmit))
+        finally:
+            self._busy.release()
 
 
 def _tail(path: Path, lines: int = 10) -> str:
@@ -351,7 +453,7 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     keep = None
     if start_sender is not False:
         ensure_sender(config, path.resolve(), force=bool(start_sender))
-        keep = functools.partial(_keep_sender, config, path.resolve(), bool(start_sender))
+        keep = _Keeper(config, path.resolve(), bool(start_sender))
     producer = Producer(config, keep)
     with _lock:
         handle = next(_next_handle)
@@ -508,15 +610,23 @@ def _commit(open_batch: Batch, timeout: float | None, sync: bool) -> int:
                        "fork: it is that process's to commit")
     if sync and open_batch.msg_type != SURE_MSG:
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
+    now_ns = time.time_ns()
+    if open_batch.expires_at_ms and open_batch.expires_at_ms <= now_ns // 1_000_000:
+        raise RQPError("the batch's expiry passed before its commit: it would be dead-lettered "
+                       "EXPIRED at once (roll it back; begin it again with a later expiry)")
+    raw = None
     if open_batch.members:
-        record = TransmissionRecord(
+        raw = TransmissionRecord(
             message_type=open_batch.msg_type, queue_key=conn.queue_key,
             payload=encode_batch(open_batch.members), flags=TransmissionFlags.BATCH,
-            producer_pid=os.getpid(), sequence=next(_sequence), enqueued_ns=time.time_ns(),
-            priority=open_batch.priority, expires_at_ms=open_batch.expires_at_ms)
-        conn.producer.put(record, timeout=timeout, sync=sync,
-                          sync_timeout=30.0 if timeout is None else timeout)
+            producer_pid=os.getpid(), sequence=next(_sequence), enqueued_ns=now_ns,
+            priority=open_batch.priority, expires_at_ms=open_batch.expires_at_ms).to_bytes()
+        conn.producer.put_raw(raw, timeout=timeout)
+    # Put: committed, whatever the sync wait below says (a re-check: a sync that timed out
+    # left the batch open, a second commit put it again, and it was delivered twice)
     _end_batch(open_batch, "committed")
+    if sync and raw is not None:
+        conn.producer.wait_taken(raw, 30.0 if timeout is None else timeout)
     return len(open_batch.members)
 
 
@@ -578,6 +688,10 @@ def expiry_ms(ttl: float | None, expires_at: float | None, now_ns: int) -> int:
         expires_at_ms = max(1, (base + int(value * 1e9)) // 1_000_000)
         if expires_at_ms >= 1 << 64:
             raise RQPError(f"{name} {value!r} is past the year 500 million")
+        if name == "expires_at" and expires_at_ms <= now_ns // 1_000_000:  # (kept in ms: a
+            # re-check's now + 0.5 ms was this very millisecond, expired when taken)
+            raise RQPError(f"expires_at {value!r} is within this millisecond: expiry is kept "
+                           "in milliseconds, so it would be dead-lettered EXPIRED at once")
         return expires_at_ms
     return 0
 

@@ -435,6 +435,15 @@ err("float", lambda: rqp.sendMessage(h, b"x", 0.0))
 err("str", lambda: rqp.sendMessage(h, "text"))
 err("never", lambda: rqp.sendMessage(h, b"x", expires_at=0))
 err("past", lambda: rqp.sendMessage(h, b"x", expires_at=time.time() - 10))
+err("this_ms", lambda: rqp.sendMessage(  # (this millisecond's start + 0.1 ms: still in it,
+    h, b"x", expires_at=int(time.time() * 1000) / 1000 + 0.0009))  # or past if it just ended)
+released = memoryview(b"gone"); released.release()
+err("released", lambda: rqp.sendMessage(h, released))
+late = rqp.beginBatch(h, ttl=0.01)
+late.send(b"too late")
+time.sleep(0.05)  # (its expiry passes: what is tested)
+err("expired_batch", lambda: rqp.commitBatch(h))
+rqp.rollbackBatch(h)
 err("batch_priority_none", lambda: rqp.rollbackBatch(h) if rqp.beginBatch(
     h, priority=None).priority == 4 else None)
 rqp.sendMessage(h, array.array("H", [0x4142, 0x4344]))
@@ -452,6 +461,10 @@ print(json.dumps([errors, [g.hex() for g in got],
     assert kinds == [True, True]
     for case in ("never", "past"):
         assert "is already past" in errors[case], errors[case]
+    assert "is within this millisecond" in errors["this_ms"] or \
+        "is already past" in errors["this_ms"], errors["this_ms"]
+    assert errors["released"].startswith("DataTypeError: data cannot be read"), errors
+    assert "the batch's expiry passed before its commit" in errors["expired_batch"], errors
     assert errors["batch_priority_none"] is None
     assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex()]
 
@@ -479,7 +492,7 @@ os.waitpid(first, 0)  # (our child: openConnection started it)
 deadline = time.monotonic() + 10
 while sender_serving(0x52510000) and time.monotonic() < deadline:
     time.sleep(0.01)
-api.SENDER_CHECK_INTERVAL = 0  # (checked at the next put, not a second later)
+api._handles[h].producer.keep_sender.next_at = 0  # (due at the next put, not a second later)
 rqp.sendMessage(never, b"waits", rqp.UNSURE_MSG)
 alone = serving_pid(0x52510000)
 rqp.sendMessage(h, b"after the kill", rqp.UNSURE_MSG)
@@ -492,3 +505,83 @@ print(json.dumps([first, alone, serving_pid(0x52510000), [g.decode() for g in go
     assert got == ["after the kill", "waits"]
     assert any("no sending MCA served transmission queue 0x52510000 any more" in line
                for line in said), said
+
+
+def test_a_batch_put_but_not_synced_is_committed_and_never_put_twice(host):
+    """A re-check: commitBatch(sync=True) that timed out waiting for the journal left the
+    batch open though it was put; committed again, it was delivered twice (a debit and a
+    credit, twice). It is committed once put: a second commit or a rollback finds none."""
+    out = run(host, """
+import sysv_ipc
+from rqp.protocol.records import TransmissionRecord
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)  # (no sending MCA)
+b = rqp.beginBatch(h)
+b.send(b"debit 42", mtype=2)
+b.send(b"credit 42", mtype=3)
+err("sync", lambda: rqp.commitBatch(h, sync=True, timeout=0.3))
+err("again", lambda: rqp.commitBatch(h))
+err("rollback", lambda: rqp.rollbackBatch(h))
+err("with", lambda: [w.send(b"x") for w in [rqp.batch(h, sync=True, timeout=0.3).__enter__()]])
+q = sysv_ipc.MessageQueue(0x52510000)
+print(json.dumps([errors, b.ended, q.current_messages]))
+""")
+    errors, ended, records = out
+    assert errors["sync"].startswith("RQPError: sync: the sending MCA has not journaled"), errors
+    assert "has no batch open in this thread" in errors["again"], errors
+    assert "has no batch open in this thread" in errors["rollback"], errors
+    assert ended == "committed" and records == 1
+
+
+def test_a_producer_blocked_on_a_full_queue_starts_its_killed_sending_mca(host):
+    """A re-check: a producer that outran its sending MCA sat in msgsnd on the full
+    transmission queue when the MCA was killed, and was never woken: the check came before
+    each put only. A thread looks while a put waits, and starts one again."""
+    out = run(host, """
+import os, signal, time
+from rqp.system.service import sender_serving, serving_pid
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+filler = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+first = serving_pid(0x52510000)
+os.kill(first, signal.SIGKILL)
+os.waitpid(first, 0)
+deadline = time.monotonic() + 10
+while sender_serving(0x52510000) and time.monotonic() < deadline:
+    time.sleep(0.01)
+n = 0
+try:
+    while True:  # (nothing takes them now: the queue fills)
+        rqp.sendMessage(filler, b"filler!", rqp.UNSURE_MSG, timeout=0)  # (as long as the next)
+        n += 1
+except rqp.QueueFull:
+    pass
+rqp.sendMessage(h, b"blocked", rqp.UNSURE_MSG)  # waits in msgsnd until a sending MCA runs
+got = [rqp.receiveMessage(0x52510001, timeout=30) for _ in range(n + 1)]
+print(json.dumps([first, serving_pid(0x52510000), n, got[-1].decode()]))
+""", timeout=90)
+    first, second, filled, last = out
+    assert filled > 0 and second not in (None, first) and last == "blocked", out
+
+
+def test_a_new_thread_never_inherits_the_batch_of_one_that_ended(host):
+    """A re-check: batches were keyed by the thread's ident, which new threads reuse: the
+    plain messages of 20 new threads went into the batches that ended threads had left open,
+    and vanished. A thread's batch dies with it."""
+    out = run(host, """
+import gc, sysv_ipc, threading
+from rqp import api
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+def opens():
+    rqp.beginBatch(h)
+    rqp.sendMessage(h, b"in a batch never committed")
+for _ in range(5):
+    t = threading.Thread(target=opens); t.start(); t.join()
+gc.collect()
+left = len(api._batches)
+def plain(i):
+    rqp.sendMessage(h, b"plain %d" % i)
+threads = [threading.Thread(target=plain, args=(i,)) for i in range(20)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps([left, sysv_ipc.MessageQueue(0x52510000).current_messages]))
+""")
+    assert out == [0, 20]

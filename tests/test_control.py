@@ -228,6 +228,8 @@ def test_the_metrics_endpoint_answers_a_head_too_long_and_a_good_scrape(receiver
     assert status == "HTTP/1.0 200 OK" and length == size > 0
     status, [length], size = scrape("GET /metrics HTTP/1.0", "1", "lf")
     assert status == "HTTP/1.0 200 OK" and length == size > 0
+    status, [length], size = scrape("\r\nGET /metrics HTTP/1.0", "1")  # (a leading CRLF)
+    assert status == "HTTP/1.0 200 OK" and length == size > 0
     status, [length], size = scrape("HEAD /metrics HTTP/1.0", "1")
     assert status == "HTTP/1.0 200 OK" and length > 0 and size == 0
     assert rx.poll() is None

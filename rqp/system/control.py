@@ -364,6 +364,8 @@ async def _http_head(reader: asyncio.StreamReader) -> list[bytes] | None:
         if size > MAX_REQUEST:
             return None
         if line in (b"\r\n", b"\n"):
+            if not lines:  # (empty lines before the request line are passed over: RFC 9112)
+                continue
             return lines
         lines.append(line.rstrip(b"\r\n"))
 

@@ -369,14 +369,18 @@ class ServingLock:
         self._sems.give(SERVING)
 
 
+class SpawnBusy(RQPError):
+    """Another process held the spawn lock longer than we would wait: it starts the MCA."""
+
+
 @contextlib.contextmanager
 def spawn_lock(transmission_queue: int, timeout: float = 30.0):
     sems = AgentSemaphores(transmission_queue)
     deadline = time.monotonic() + timeout
     while not sems.take(SPAWNING, max(deadline - time.monotonic(), 0.001)):
         if time.monotonic() >= deadline:
-            raise RQPError(f"timed out after {timeout:g}s waiting for another process that is "
-                           f"starting the sending MCA of {format_key(transmission_queue)}")
+            raise SpawnBusy(f"timed out after {timeout:g}s waiting for another process that "
+                            f"is starting the sending MCA of {format_key(transmission_queue)}")
     try:
         yield
     finally:
