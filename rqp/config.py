@@ -1413,7 +1413,8 @@ def find_rqprc(
             if problem := _not_a_file(found):
                 raise ConfigError(f"{found}: {problem} ({origin})", path=str(found))
             return found
-    places = [here / ".rqprc", Path(_home_dir(env, home)) / ".rqprc", SYSTEM_RQPRC]
+    places = list(dict.fromkeys(  # (the working directory may be HOME: looked at once)
+        [here / ".rqprc", Path(_home_dir(env, home)) / ".rqprc", SYSTEM_RQPRC]))
     looked, unreachable = ["$RQPRC (not set)"], None
     for place in places:
         problem = _not_a_file(place)
@@ -1506,6 +1507,6 @@ def load_optional_rqprc(path: str | os.PathLike | None = None):
     if not path and not os.environ.get("RQPRC"):
         try:
             path = find_rqprc()
-        except ConfigError:
-            return None
+        except NoRqprcFound:  # (only that: a re-check's drain passed over an error naming a
+            return None  # .rqprc it could not reach, and drained the default queue instead)
     return load_sender_config(path)

@@ -473,7 +473,7 @@ def test_a_config_behind_a_directory_it_cannot_search_is_a_config_error(tmp_path
         # ./.rqprc that cannot be looked at is said, not passed over for another; with no
         # other, it is none (a trial's drain, with its receiver config, was refused on it)
         f"no .rqprc found; looked at: $RQPRC (not set), {hidden}/.rqprc (Permission denied), "
-        f"{hidden}/.rqprc (Permission denied), /etc/rqp/rqprc",
+        "/etc/rqp/rqprc",  # (./.rqprc is ~/.rqprc here: looked at once)
         f"{hidden}/.rqprc: cannot read the file: Permission denied (the .rqprc looked at "
         f"before {home}/.rqprc)",
     ], done.stdout + done.stderr
@@ -912,3 +912,21 @@ def test_stall_after_and_heartbeat_interval_have_a_floor(tmp_path: Path, key, va
     message = str(sender_error(tmp_path, f"hosts: [rqp1]\n{key}: {value}\n"))
     assert f"key '{key}': bad value '{value}': expected a duration of at least 1 s" in message
     assert load_sender(tmp_path, f"hosts: [rqp1]\n{key}: 1s\n").__getattribute__(key) == 1.0
+
+
+def test_the_archive_tools_say_a_rqprc_they_cannot_reach_and_do_not_pass_it_over(monkeypatch):
+    """A re-check: load_optional_rqprc took any error of find_rqprc for 'no .rqprc', so a
+    drain whose ./.rqprc could not be searched, with /etc/rqp/rqprc behind it, drained the
+    default queue, not that file's, without a word. Only 'none found' is none."""
+    def unreachable(*args, **kwargs):
+        raise config.ConfigError("/root/.rqprc: cannot read the file: Permission denied "
+                                 "(the .rqprc looked at before /etc/rqp/rqprc)")
+    monkeypatch.delenv("RQPRC", raising=False)
+    monkeypatch.setattr(config, "find_rqprc", unreachable)
+    with pytest.raises(config.ConfigError, match="looked at before /etc/rqp/rqprc"):
+        config.load_optional_rqprc()
+
+    def none(*args, **kwargs):
+        raise config.NoRqprcFound("no .rqprc found; looked at: ...")
+    monkeypatch.setattr(config, "find_rqprc", none)
+    assert config.load_optional_rqprc() is None

@@ -172,7 +172,9 @@ def test_merged_expositions_are_each_agents_samples_with_its_label():
                 + "".join(f'rqp_x_total{{queue="0x{i:08x}",name="a \\"q\\" \\\\ {{}}"}} {i}\n'
                           for i in range(n))
                 + "# HELP rqp_x a gauge\n# TYPE rqp_x gauge\nrqp_x 2.5\n"
-                + "# HELP rqp_z empty braces\n# TYPE rqp_z gauge\nrqp_z{} 1\n")
+                + "# HELP rqp_z empty braces\n# TYPE rqp_z gauge\nrqp_z{} 1\n"
+                # (a certificate's name with U+2028 in it: str.splitlines cut the sample)
+                + "# HELP rqp_p by peer\n# TYPE rqp_p gauge\nrqp_p{peer=\"CN=a\u2028b\"} 2\n")
     texts = {"sender": exposition(3), "receiver": exposition(2)}
     merged = merge_expositions(texts)
 

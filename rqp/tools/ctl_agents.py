@@ -625,8 +625,8 @@ def merge_expositions(texts: dict[str, str]) -> str:
     for agent, text in texts.items():
         label = 'agent="' + agent.replace("\\", "\\\\").replace('"', '\\"') + '"'
         family = None
-        for line in text.splitlines():
-            if not line:
+        for line in text.split("\n"):  # (not splitlines: a label value may hold U+2028,
+            if not line:  # \x1c..\x1e, which it splits at and the text format does not)
                 continue
             if line.startswith("#"):
                 parts = line.split(None, 3)
