@@ -54,6 +54,8 @@ START_TIMEOUT = 15.0
 SENDER_CHECK_INTERVAL = 1.0
 #: The longest wait between two checks after starts that failed.
 SENDER_CHECK_MAX = 60.0
+#: Periods without a put waiting after which a producer's watcher thread ends.
+WATCH_IDLE = 10
 
 
 class HandleError(RQPError):
@@ -103,6 +105,7 @@ class Producer:
         #: Since when a put waits for room (None: none waits), for the watcher thread.
         self.blocked_since: float | None = None
         self._watcher: tuple[int, threading.Thread] | None = None
+        self._watch_lock = threading.Lock()
 
     def put(self, record: TransmissionRecord, *, timeout: float | None = None,
             sync: bool = False, sync_timeout: float = 30.0) -> None:
@@ -138,27 +141,40 @@ class Producer:
         # Full: the put waits in msgsnd, and only a sending MCA taking records ends that. A
         # re-check's producer, blocked there when the sending MCA was killed, waited for good:
         # a thread looks meanwhile, and starts one again.
+        self.blocked_since = time.monotonic()  # (before _watch: see _watching)
         self._watch()
-        self.blocked_since = time.monotonic()
         try:
             queue.put(raw, block=True, timeout=timeout)
         finally:
             self.blocked_since = None
 
     def _watch(self) -> None:
-        """The watcher thread of this process (a forked child starts its own)."""
-        if self._watcher is None or self._watcher[0] != os.getpid():
-            thread = threading.Thread(target=self._watching, name="rqp-sender-watch",
-                                      daemon=True)
-            self._watcher = (os.getpid(), thread)
-            thread.start()
+        """The watcher thread of this producer (a forked child starts its own)."""
+        with self._watch_lock:
+            if self._watcher is None or self._watcher[0] != os.getpid():
+                thread = threading.Thread(target=self._watching, name="rqp-sender-watch",
+                                          daemon=True)
+                self._watcher = (os.getpid(), thread)
+                thread.start()
 
     def _watching(self) -> None:
+        """Once a period while a put waits, the keeper; after WATCH_IDLE periods with none
+        waiting, the thread ends (one per handle would pile up otherwise). It decides to end
+        under the lock _watch takes, and a put sets blocked_since before it calls _watch:
+        so either this thread sees the put, or _watch sees it gone and starts another."""
+        idle = 0
         while True:
             time.sleep(SENDER_CHECK_INTERVAL)  # (a timer: it looks once a period)
             since = self.blocked_since
-            if since is not None and time.monotonic() - since >= SENDER_CHECK_INTERVAL and \
-                    self.keep_sender.due():
+            if since is None:
+                idle += 1
+                with self._watch_lock:
+                    if idle >= WATCH_IDLE and self.blocked_since is None:
+                        self._watcher = None
+                        return
+                continue
+            idle = 0
+            if time.monotonic() - since >= SENDER_CHECK_INTERVAL and self.keep_sender.due():
                 self.keep_sender()
 
     def wait_taken(self, raw: bytes, timeout: float) -> None:

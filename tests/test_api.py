@@ -554,12 +554,20 @@ try:
         n += 1
 except rqp.QueueFull:
     pass
+from rqp import api
+import threading
+api.WATCH_IDLE = 1  # (the watcher ends a period after the wait, not ten)
 rqp.sendMessage(h, b"blocked", rqp.UNSURE_MSG)  # waits in msgsnd until a sending MCA runs
 got = [rqp.receiveMessage(0x52510001, timeout=30) for _ in range(n + 1)]
-print(json.dumps([first, serving_pid(0x52510000), n, got[-1].decode()]))
+watching = lambda: [t for t in threading.enumerate() if t.name == "rqp-sender-watch"]
+deadline = time.monotonic() + 20
+while watching() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps([first, serving_pid(0x52510000), n, got[-1].decode(), len(watching())]))
 """, timeout=90)
-    first, second, filled, last = out
+    first, second, filled, last, watchers = out
     assert filled > 0 and second not in (None, first) and last == "blocked", out
+    assert watchers == 0  # (its watcher thread ended once nothing waited)
 
 
 def test_a_new_thread_never_inherits_the_batch_of_one_that_ended(host):
