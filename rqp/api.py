@@ -328,6 +328,8 @@ def _end_batch(opened: Batch, how: str) -> None:
         if _batches.get((opened.handle, *opened.owner)) is opened:
             del _batches[(opened.handle, *opened.owner)]
         opened.ended = how
+
+
 _next_handle = itertools.count(1)
 _sequence = itertools.count(1)
 
