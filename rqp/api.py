@@ -102,11 +102,6 @@ class Producer:
         #: Starts a sending MCA again if none serves the queue, checked after a put when due,
         #: and while a put waits for room (None: the caller starts none, as replay).
         self.keep_sender = keep_sender
-        #: Since when a put waits for room (None: none waits), for the watcher thread.
-        self.blocked_since: float | None = None
-        self._watcher: tuple[int, threading.Thread] | None = None
-        self._watch_lock = threading.Lock()
-
     def put(self, record: TransmissionRecord, *, timeout: float | None = None,
             sync: bool = False, sync_timeout: float = 30.0) -> None:
         """Put ``record`` (waiting up to ``timeout`` for room, None: as long as it takes);
@@ -140,42 +135,14 @@ class Producer:
             pass
         # Full: the put waits in msgsnd, and only a sending MCA taking records ends that. A
         # re-check's producer, blocked there when the sending MCA was killed, waited for good:
-        # a thread looks meanwhile, and starts one again.
-        self.blocked_since = time.monotonic()  # (before _watch: see _watching)
-        self._watch()
+        # the process's watcher thread looks meanwhile, and starts one again.
+        waiting = (self, object())  # (one entry per put that waits: threads share handles)
+        _waiting[waiting] = time.monotonic()  # (before _watch: see _watching)
+        _watch()
         try:
             queue.put(raw, block=True, timeout=timeout)
         finally:
-            self.blocked_since = None
-
-    def _watch(self) -> None:
-        """The watcher thread of this producer (a forked child starts its own)."""
-        with self._watch_lock:
-            if self._watcher is None or self._watcher[0] != os.getpid():
-                thread = threading.Thread(target=self._watching, name="rqp-sender-watch",
-                                          daemon=True)
-                self._watcher = (os.getpid(), thread)
-                thread.start()
-
-    def _watching(self) -> None:
-        """Once a period while a put waits, the keeper; after WATCH_IDLE periods with none
-        waiting, the thread ends (one per handle would pile up otherwise). It decides to end
-        under the lock _watch takes, and a put sets blocked_since before it calls _watch:
-        so either this thread sees the put, or _watch sees it gone and starts another."""
-        idle = 0
-        while True:
-            time.sleep(SENDER_CHECK_INTERVAL)  # (a timer: it looks once a period)
-            since = self.blocked_since
-            if since is None:
-                idle += 1
-                with self._watch_lock:
-                    if idle >= WATCH_IDLE and self.blocked_since is None:
-                        self._watcher = None
-                        return
-                continue
-            idle = 0
-            if time.monotonic() - since >= SENDER_CHECK_INTERVAL and self.keep_sender.due():
-                self.keep_sender()
+            _waiting.pop(waiting, None)
 
     def wait_taken(self, raw: bytes, timeout: float) -> None:
         """Wait until ``raw`` has left the transmission queue (see sendMessage's sync)."""
@@ -199,6 +166,46 @@ class Producer:
                     "sending MCA running?)")
             time.sleep(wait)  # waiting on another process, with a deadline
             wait = min(wait * 2, 0.01)
+
+
+#: The puts that wait for room in a full transmission queue: (producer, a token) -> since.
+_waiting: dict[tuple[Producer, object], float] = {}
+_watch_lock = threading.Lock()
+#: The process whose watcher thread runs (None: none runs).
+_watcher_pid: int | None = None
+
+
+def _watch() -> None:
+    """Start this process's watcher thread, if it runs no longer (or in a forked child)."""
+    global _watcher_pid
+    with _watch_lock:
+        if _watcher_pid != os.getpid():
+            _watcher_pid = os.getpid()
+            threading.Thread(target=_watching, name="rqp-sender-watch", daemon=True).start()
+
+
+def _watching() -> None:
+    """One thread a process (a re-check: one a handle piled up to 296): once a period, the
+    keeper of each producer whose put has waited that long. After WATCH_IDLE periods with
+    none waiting it ends, deciding so under the lock _watch takes; a put enters _waiting
+    before it calls _watch, so either this thread sees it, or _watch starts another."""
+    global _watcher_pid
+    idle = 0
+    while True:
+        time.sleep(SENDER_CHECK_INTERVAL)  # (a timer: it looks once a period)
+        now = time.monotonic()
+        waits = list(_waiting.items())
+        if not waits:
+            idle += 1
+            with _watch_lock:
+                if idle >= WATCH_IDLE and not _waiting:
+                    _watcher_pid = None
+                    return
+            continue
+        idle = 0
+        for producer in {p for (p, _), since in waits if now - since >= SENDER_CHECK_INTERVAL}:
+            if producer.keep_sender.due():
+                producer.keep_sender()
 
 
 @dataclass(frozen=True)
@@ -294,8 +301,20 @@ _tokens = itertools.count(1)
 _thread = threading.local()
 
 
+#: The tokens of threads that ended: their batches are dropped at the next beginBatch. (Not
+#: at once: a thread's local data is also freed in a forked child, inside fork, before the
+#: child's lock is made anew; taking the lock there hung 32 of 51 children, a re-check.)
+_ended_threads: list[int] = []
+
+
 def _drop_thread_batches(number: int) -> None:
-    with _lock:
+    _ended_threads.append(number)  # (atomic: no lock)
+
+
+def _reap_ended_threads() -> None:
+    """Drop the batches of threads that ended (with _lock held)."""
+    while _ended_threads:
+        number = _ended_threads.pop()
         for key in [key for key in _batches if key[2] == number]:
             _batches.pop(key).ended = "dropped: the thread that began it ended"
 
@@ -310,9 +329,13 @@ def _owner() -> tuple[int, int]:
 
 def _new_lock_in_child() -> None:
     """A lock another thread held at a fork stays held in the child for good (a re-check: 14
-    of 300 children hung in beginBatch): the child starts with a new one."""
-    global _lock
+    of 300 children hung in beginBatch): the child starts with new ones, no watcher thread
+    (it did not come along) and no puts waiting (those were other threads')."""
+    global _lock, _watch_lock, _watcher_pid
     _lock = threading.Lock()
+    _watch_lock = threading.Lock()
+    _watcher_pid = None
+    _waiting.clear()
 
 
 os.register_at_fork(after_in_child=_new_lock_in_child)
@@ -407,14 +430,17 @@ class _Keeper:
         self.config, self.rqprc, self.force = config, rqprc, force
         self.wait = SENDER_CHECK_INTERVAL
         self.next_at = time.monotonic() + self.wait
-        self._busy = threading.Lock()
+        #: The process in which a check runs now (a pid, not a lock: a lock held at a fork
+        #: would stay held in the child, and its checks never run).
+        self._running: int | None = None
 
     def due(self) -> bool:
         return time.monotonic() >= self.next_at
 
     def __call__(self) -> None:
-        if not self._busy.acquire(blocking=False):
+        if self._running == os.getpid():
             return  # (the watcher thread or the producer is at it)
+        self._running = os.getpid()
         try:
             self.next_at = time.monotonic() + self.wait
             xmit = self.config.transmission_queue
@@ -439,7 +465,7 @@ class _Keeper:
                             "stopped, or was killed): this process started another, which "
                             "sends what waits there", format_key(xmit))
         finally:
-            self._busy.release()
+            self._running = None
 
 
 def _tail(path: Path, lines: int = 10) -> str:
@@ -599,6 +625,7 @@ def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int | None = 
     expires_at_ms = expiry_ms(ttl, expires_at, time.time_ns())
     opened = Batch(handle, msg_type, priority, expires_at_ms)
     with _lock:
+        _reap_ended_threads()
         if (handle, *opened.owner) in _batches:
             raise RQPError(f"handle {handle} has a batch open already in this thread: commit "
                            "or roll it back first")

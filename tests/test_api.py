@@ -584,6 +584,7 @@ def opens():
 for _ in range(5):
     t = threading.Thread(target=opens); t.start(); t.join()
 gc.collect()
+rqp.beginBatch(h); rqp.rollbackBatch(h)  # (the next beginBatch drops ended threads' batches)
 left = len(api._batches)
 def plain(i):
     rqp.sendMessage(h, b"plain %d" % i)
@@ -593,3 +594,83 @@ for t in threads: t.join()
 print(json.dumps([left, sysv_ipc.MessageQueue(0x52510000).current_messages]))
 """)
     assert out == [0, 20]
+
+
+def test_one_watcher_a_process_and_a_timed_out_put_does_not_end_anothers_watch(host):
+    """Re-check 2: a put on a shared handle that timed out cleared the handle's one 'waiting
+    since', and another thread, blocked on the same handle, was never watched again (no
+    sending MCA after 12 s); and each handle had a watcher thread of its own (296 threads).
+    One watcher a process, one entry a waiting put."""
+    out = run(host, """
+import os, signal, threading, time
+from rqp import api
+from rqp.system.service import sender_serving, serving_pid
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+others = [rqp.openConnection(0x52510001, rqprc=rqprc) for _ in range(20)]
+first = serving_pid(0x52510000)
+os.kill(first, signal.SIGKILL)
+os.waitpid(first, 0)
+deadline = time.monotonic() + 10
+while sender_serving(0x52510000) and time.monotonic() < deadline:
+    time.sleep(0.01)
+filler = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+n = 0
+try:
+    while True:
+        rqp.sendMessage(filler, b"filler!", rqp.UNSURE_MSG, timeout=0)
+        n += 1
+except rqp.QueueFull:
+    pass
+blocked = threading.Thread(target=lambda: rqp.sendMessage(h, b"blocked", rqp.UNSURE_MSG))
+blocked.start()
+while not api._waiting and time.monotonic() < deadline:  # (until it waits)
+    time.sleep(0.01)
+timed_out = 0
+for other in others:  # (each put waits a moment and gives up: QueueFull)
+    try:
+        rqp.sendMessage(other, b"filler!", rqp.UNSURE_MSG, timeout=0.05)
+    except rqp.QueueFull:
+        timed_out += 1
+watchers = len([t for t in threading.enumerate() if t.name == "rqp-sender-watch"])
+blocked.join(30)
+got = [rqp.receiveMessage(0x52510001, timeout=30) for _ in range(n + 1)]
+print(json.dumps([timed_out, watchers, blocked.is_alive(), serving_pid(0x52510000) not in
+                  (None, first), got[-1].decode()]))
+""", timeout=120)
+    timed_out, watchers, still_blocked, restarted, last = out
+    assert timed_out >= 1 and watchers == 1, out
+    assert not still_blocked and restarted and last == "blocked", out
+
+
+def test_a_fork_while_threads_use_batches_never_hangs_the_child(host):
+    """Re-check 2: a thread's batches were dropped, under the API's lock, when its local data
+    was freed, which a forked child does inside fork, before its lock is made anew: 32 of 51
+    children hung. The drop takes no lock now."""
+    out = run(host, """
+import os, threading, time
+h = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+stop = threading.Event()
+def churn():
+    while not stop.is_set():
+        rqp.beginBatch(h)
+        rqp.rollbackBatch(h)
+threads = [threading.Thread(target=churn) for _ in range(2)]
+for t in threads: t.start()
+hung = 0
+for _ in range(40):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 5
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+stop.set()
+for t in threads: t.join()
+print(json.dumps(hung))
+""", timeout=300)
+    assert out == 0
