@@ -204,8 +204,12 @@ def _watching() -> None:
             continue
         idle = 0
         for producer in {p for (p, _), since in waits if now - since >= SENDER_CHECK_INTERVAL}:
-            if producer.keep_sender.due():
-                producer.keep_sender()
+            try:
+                if producer.keep_sender.due():
+                    producer.keep_sender()
+            except Exception:  # noqa: BLE001 - a bug there must not end the watching
+                log.exception("checking the sending MCA of transmission queue %s failed",
+                              format_key(producer.config.transmission_queue))
 
 
 @dataclass(frozen=True)

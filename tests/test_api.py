@@ -674,3 +674,47 @@ for t in threads: t.join()
 print(json.dumps(hung))
 """, timeout=300)
     assert out == 0
+
+
+def test_a_keeper_that_raises_does_not_end_the_watching(monkeypatch, caplog):
+    """The watcher thread serves every waiting put of the process: an unexpected error in one
+    producer's check is logged, and the others are still looked after."""
+    import threading
+
+    from rqp import api
+    from tests.testbed import wait_for
+
+    monkeypatch.setattr(api, "SENDER_CHECK_INTERVAL", 0.01)
+    monkeypatch.setattr(api, "WATCH_IDLE", 1)
+
+    class Keeper:
+        def __init__(self, broken: bool) -> None:
+            self.broken, self.calls = broken, 0
+
+        def due(self) -> bool:
+            return True
+
+        def __call__(self) -> None:
+            self.calls += 1
+            if self.broken:
+                raise ValueError("a bug")
+
+    class Producer:
+        def __init__(self, broken: bool) -> None:
+            self.keep_sender = Keeper(broken)
+            self.config = type("Config", (), {"transmission_queue": 0x52519999})()
+
+    broken, working = Producer(True), Producer(False)
+    entries = [(broken, object()), (working, object())]
+    try:
+        for entry in entries:
+            api._waiting[entry] = 0.0
+        api._watch()
+        wait_for(lambda: broken.keep_sender.calls >= 3 and working.keep_sender.calls >= 3,
+                 timeout=20, message="the watcher stopped looking")
+    finally:
+        for entry in entries:
+            api._waiting.pop(entry, None)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "rqp-sender-watch"],
+             timeout=20, message="the watcher did not end once nothing waited")
+    assert "checking the sending MCA of transmission queue 0x52519999 failed" in caplog.text
