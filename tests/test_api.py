@@ -532,6 +532,28 @@ print(json.dumps([errors, b.ended, q.current_messages]))
     assert ended == "committed" and records == 1
 
 
+#: Script lines: kill -9 the sending MCA that serves (``first``), and fill the transmission
+#: queue with records the length of the next test message (``n`` of them), nothing taking them.
+KILL_SENDER_AND_FILL = """
+import os, signal, time
+from rqp.system.service import sender_serving, serving_pid
+first = serving_pid(0x52510000)
+os.kill(first, signal.SIGKILL)
+os.waitpid(first, 0)
+deadline = time.monotonic() + 10
+while sender_serving(0x52510000) and time.monotonic() < deadline:
+    time.sleep(0.01)
+filler = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
+n = 0
+try:
+    while True:  # (nothing takes them now: the queue fills)
+        rqp.sendMessage(filler, b"filler!", rqp.UNSURE_MSG, timeout=0)  # (as long as the next)
+        n += 1
+except rqp.QueueFull:
+    pass
+"""
+
+
 def test_a_producer_blocked_on_a_full_queue_starts_its_killed_sending_mca(host):
     """A re-check: a producer that outran its sending MCA sat in msgsnd on the full
     transmission queue when the MCA was killed, and was never woken: the check came before
@@ -540,20 +562,7 @@ def test_a_producer_blocked_on_a_full_queue_starts_its_killed_sending_mca(host):
 import os, signal, time
 from rqp.system.service import sender_serving, serving_pid
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
-filler = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
-first = serving_pid(0x52510000)
-os.kill(first, signal.SIGKILL)
-os.waitpid(first, 0)
-deadline = time.monotonic() + 10
-while sender_serving(0x52510000) and time.monotonic() < deadline:
-    time.sleep(0.01)
-n = 0
-try:
-    while True:  # (nothing takes them now: the queue fills)
-        rqp.sendMessage(filler, b"filler!", rqp.UNSURE_MSG, timeout=0)  # (as long as the next)
-        n += 1
-except rqp.QueueFull:
-    pass
+""" + KILL_SENDER_AND_FILL + """
 from rqp import api
 import threading
 api.WATCH_IDLE = 1  # (the watcher ends a period after the wait, not ten)
@@ -607,20 +616,7 @@ from rqp import api
 from rqp.system.service import sender_serving, serving_pid
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 others = [rqp.openConnection(0x52510001, rqprc=rqprc) for _ in range(20)]
-first = serving_pid(0x52510000)
-os.kill(first, signal.SIGKILL)
-os.waitpid(first, 0)
-deadline = time.monotonic() + 10
-while sender_serving(0x52510000) and time.monotonic() < deadline:
-    time.sleep(0.01)
-filler = rqp.openConnection(0x52510001, rqprc=rqprc, start_sender=False)
-n = 0
-try:
-    while True:
-        rqp.sendMessage(filler, b"filler!", rqp.UNSURE_MSG, timeout=0)
-        n += 1
-except rqp.QueueFull:
-    pass
+""" + KILL_SENDER_AND_FILL + """
 blocked = threading.Thread(target=lambda: rqp.sendMessage(h, b"blocked", rqp.UNSURE_MSG))
 blocked.start()
 while not api._waiting and time.monotonic() < deadline:  # (until it waits)
