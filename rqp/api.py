@@ -114,14 +114,21 @@ class Producer:
         last put (``ipcrm``, a reboot of the IPC namespace) is opened again by its key (made
         again if need be), as the sending MCA does: the handle goes on working."""
         try:
-            self._put(raw, timeout)
-        except QueueNotFound:
-            self.transmission_queue = LocalQueue.create(self.config.transmission_queue)
-            self._put(raw, timeout)
-        if self.keep_sender is not None and self.keep_sender.due():  # (after the put: the
-            self.keep_sender()  # record is there whatever a start of the sending MCA does)
+            try:
+                self._put(raw, timeout)
+            except QueueNotFound:
+                self.transmission_queue = LocalQueue.create(self.config.transmission_queue)
+                self._put(raw, timeout)
+        except QueueFull:  # (a put that gave up, too: a re-check's producer with a 0.5 s
+            self._keep()   # timeout, backing off and trying again, never had it restarted)
+            raise
+        self._keep()  # (after the put: the record is there whatever the check does)
         if sync:
             self.wait_taken(raw, sync_timeout)
+
+    def _keep(self) -> None:
+        if self.keep_sender is not None and self.keep_sender.due():
+            self.keep_sender()
 
     def _put(self, raw: bytes, timeout: float | None) -> None:
         queue = self.transmission_queue
@@ -138,8 +145,8 @@ class Producer:
         # the process's watcher thread looks meanwhile, and starts one again.
         waiting = (self, object())  # (one entry per put that waits: threads share handles)
         _waiting[waiting] = time.monotonic()  # (before _watch: see _watching)
-        _watch()
         try:
+            _watch()
             queue.put(raw, block=True, timeout=timeout)
         finally:
             _waiting.pop(waiting, None)
@@ -181,7 +188,13 @@ def _watch() -> None:
     with _watch_lock:
         if _watcher_pid != os.getpid():
             _watcher_pid = os.getpid()
-            threading.Thread(target=_watching, name="rqp-sender-watch", daemon=True).start()
+            try:
+                threading.Thread(target=_watching, name="rqp-sender-watch",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # (no thread to be had: the put waits unwatched,
+                _watcher_pid = None      # and the next one tries again; a re-check's put
+                log.warning("cannot start the thread that watches puts waiting for room: "
+                            "%s; this put is not watched", exc)  # raised, and none was again)
 
 
 def _watching() -> None:
@@ -445,23 +458,26 @@ class _Keeper:
         if self._running == os.getpid():
             return  # (the watcher thread or the producer is at it)
         self._running = os.getpid()
+        xmit = self.config.transmission_queue
         try:
             self.next_at = time.monotonic() + self.wait
-            xmit = self.config.transmission_queue
-            if sender_serving(xmit):
-                self.wait = SENDER_CHECK_INTERVAL
-                return
             try:  # (another process starting one holds the lock: let it, no wait of 30 s)
+                if sender_serving(xmit):
+                    self.wait = SENDER_CHECK_INTERVAL
+                    return
                 started = ensure_sender(self.config, self.rqprc, force=self.force,
                                         lock_timeout=SENDER_CHECK_INTERVAL)
             except SpawnBusy:
                 return  # (it is starting one: looked at again when due)
-            except RQPError as exc:
+            except Exception as exc:  # noqa: BLE001 - never out of sendMessage once its
+                # record is put (a re-check: a foreign semaphore set made sender_serving raise
+                # there, and an application that retried would have sent it twice)
                 self.wait = min(self.wait * 2, SENDER_CHECK_MAX)
                 self.next_at = time.monotonic() + self.wait
-                log.error("no sending MCA serves transmission queue %s any more, and none "
-                          "could be started again (tried again in %gs); records wait there: "
-                          "%s", format_key(xmit), self.wait, exc)
+                log.error("no sending MCA serves transmission queue %s any more, or it cannot "
+                          "be told, and none could be started again (tried again in %gs); "
+                          "records wait there: %s", format_key(xmit), self.wait, exc,
+                          exc_info=not isinstance(exc, RQPError))
                 return
             self.wait = SENDER_CHECK_INTERVAL
             if started:

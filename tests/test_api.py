@@ -10,6 +10,7 @@ import array
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -714,3 +715,53 @@ def test_a_keeper_that_raises_does_not_end_the_watching(monkeypatch, caplog):
     wait_for(lambda: not [t for t in threading.enumerate() if t.name == "rqp-sender-watch"],
              timeout=20, message="the watcher did not end once nothing waited")
     assert "checking the sending MCA of transmission queue 0x52519999 failed" in caplog.text
+
+
+def test_the_keeper_never_raises_and_a_watcher_it_cannot_start_is_tried_again(monkeypatch,
+                                                                              caplog):
+    """Re-check 3: a foreign semaphore set made the keeper's first look raise, out of
+    sendMessage after its record was put (an application retrying would send it twice), and
+    out of the watcher thread, which ended for good; a watcher thread that could not be
+    started raised out of the put and was never tried again."""
+    import threading
+
+    from rqp import api
+    from rqp.config import sender_config_from_mapping
+
+    from rqp import RQPError
+
+    def foreign(_key):
+        raise RQPError("semaphores of transmission queue 0x52510000: semget: Invalid "
+                           "argument")
+    monkeypatch.setattr(api, "sender_serving", foreign)
+    keeper = api._Keeper(sender_config_from_mapping({"hosts": ["a"], "plaintext": True}),
+                         Path("/nonexistent/rqprc"), False)
+    keeper()  # (no exception)
+    assert keeper.wait == 2 * api.SENDER_CHECK_INTERVAL and not keeper.due()
+    assert "or it cannot be told" in caplog.text and "semget: Invalid argument" in caplog.text
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    monkeypatch.setattr(api, "_watcher_pid", None)
+    api._watch()  # (no exception)
+    assert api._watcher_pid is None  # (the next put tries again)
+    assert "cannot start the thread that watches puts" in caplog.text
+
+
+def test_a_put_that_gives_up_on_a_full_queue_starts_the_killed_sending_mca(host):
+    """Re-check 3: producers with a timeout under a second (give up, back off, try again) never
+    had a killed sending MCA started again: the check ran after a put that went in only."""
+    out = run(host, """
+from rqp import api
+h = rqp.openConnection(0x52510001, rqprc=rqprc)
+""" + KILL_SENDER_AND_FILL + """
+api._handles[h].producer.keep_sender.next_at = 0  # (due now)
+try:
+    rqp.sendMessage(h, b"gives up", rqp.UNSURE_MSG, timeout=0.2)
+    gave_up = False
+except rqp.QueueFull:
+    gave_up = True
+print(json.dumps([gave_up, serving_pid(0x52510000) not in (None, first)]))
+""", timeout=90)
+    assert out == [True, True]
