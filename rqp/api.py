@@ -254,9 +254,7 @@ class Batch:
         if self.ended is not None:  # (a trial's send after commit returned, and went nowhere)
             raise RQPError(f"this batch was {self.ended}: nothing more can be added to it "
                            "(begin another)")
-        if self.owner[0] != _PID.pid:
-            raise RQPError("this batch was begun by process "
-                           f"{self.owner[0]}, before a fork: it is that process's to commit")
+        self.check_process()
         data = _payload(data)
         try:
             check_mtype(mtype)
@@ -277,6 +275,12 @@ class Batch:
                 "the README)", size=size, limit=limit)
         self.members.append((mtype, data))
         self.size = size
+
+    def check_process(self) -> None:
+        """RQPError in a child forked with this batch open: it is the parent's to commit."""
+        if self.owner[0] != _PID.pid:
+            raise RQPError(f"this batch was begun by process {self.owner[0]}, before a fork: "
+                           "it is that process's to commit")
 
     def __len__(self) -> int:
         return len(self.members)
@@ -670,9 +674,7 @@ def _commit(open_batch: Batch, timeout: float | None, sync: bool) -> int:
     conn = _connection(open_batch.handle)
     if open_batch.ended is not None:
         raise RQPError(f"this batch was {open_batch.ended} already")
-    if open_batch.owner[0] != _PID.pid:  # (a with block left in a child forked inside it)
-        raise RQPError(f"this batch was begun by process {open_batch.owner[0]}, before a "
-                       "fork: it is that process's to commit")
+    open_batch.check_process()  # (a with block left in a child forked inside it)
     if sync and open_batch.msg_type != SURE_MSG:
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     now_ns = time.time_ns()

@@ -1424,7 +1424,7 @@ def find_rqprc(
             # A directory on the way this user may not search (root's HOME, for a service
             # user): no .rqprc for it there, unless one comes after, which it must not be
             # passed over for (a trial's drain, given its receiver config, was refused with
-            # "/root/.rqprc: cannot read the file (given explicitly)").
+            # "~/.rqprc: cannot read the file (given explicitly)", HOME being root's).
             looked.append(f"{place} ({problem.removeprefix('cannot read the file: ')})")
             unreachable = unreachable or (place, problem)
         elif unreachable is not None:

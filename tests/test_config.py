@@ -919,7 +919,7 @@ def test_the_archive_tools_say_a_rqprc_they_cannot_reach_and_do_not_pass_it_over
     drain whose ./.rqprc could not be searched, with /etc/rqp/rqprc behind it, drained the
     default queue, not that file's, without a word. Only 'none found' is none."""
     def unreachable(*args, **kwargs):
-        raise config.ConfigError("/root/.rqprc: cannot read the file: Permission denied "
+        raise config.ConfigError("./.rqprc: cannot read the file: Permission denied "
                                  "(the .rqprc looked at before /etc/rqp/rqprc)")
     monkeypatch.delenv("RQPRC", raising=False)
     monkeypatch.setattr(config, "find_rqprc", unreachable)

@@ -140,10 +140,11 @@ async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | b
                 except (ValueError, RecursionError) as exc:  # (a trial: '[' * 1100 stopped
                     answer = {"error": f"bad request: {exc}"}  # the agent, exit 70)
                 else:
-                    if isinstance(req, dict) and req.get("command") in privileged and \
-                            peer_uid(writer) not in (0, os.geteuid()):
+                    uid = peer_uid(writer) if isinstance(req, dict) and \
+                        req.get("command") in privileged else 0
+                    if uid not in (0, os.geteuid()):
                         answer = {"error": f"{req.get('command')}: not allowed for uid "
-                                  f"{peer_uid(writer)}: only root or the agent's own user may "
+                                  f"{uid}: only root or the agent's own user may "
                                   f"({', '.join(privileged)}); status, metrics and trace are "
                                   "open to the socket's group"}
                     else:
