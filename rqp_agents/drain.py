@@ -71,7 +71,7 @@ from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import (
     EXIT_DRAIN_ANOTHER_RUNS, DrainRuns, drain_lock, host_name, setup_logging,
 )
-from rqp_agents.daemon import RateLimitedLog
+from rqp_agents.daemon import RateLimitedLog, flush_held_lines
 
 log = logging.getLogger("rqp.drain")
 
@@ -384,8 +384,6 @@ def main(argv: list[str] | None = None) -> int:
                     failed.report("%s (records stay on the queue; trying again every %gs)",
                                   logging.ERROR, exc, args.interval)
                 stop.wait(args.interval)
-            failed.flush()
-            drain.other_reader.flush()
             log.info("stopped")
             return 0
     except ConfigError as exc:
@@ -398,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RQPError, OSError) as exc:
         log.error("%s", exc)
         return 1
+    finally:  # (every way out, --once too: what the limits held back is said, once)
+        flush_held_lines()
 
 
 if __name__ == "__main__":

@@ -365,6 +365,26 @@ def test_lines_about_another_reader_are_rate_limited(tmp_path, caplog):
     assert lines[1].startswith("499 more lines about another reader not logged since "), lines
 
 
+def test_a_drain_once_says_what_it_held_back(host):
+    """Left alone a round ago: a ``--once`` run exited without the count of the lines about
+    another reader it had held back (only the polling drain said it, at its stop)."""
+    code = (
+        "import sys\n"
+        "from rqp_agents import drain\n"
+        "def meets_another_reader(self, stop=None):\n"
+        "    for _ in range(5):\n"
+        "        self._mismatch(b'x')\n"
+        "    return 0\n"
+        "drain.Drain.run_until_empty = meets_another_reader\n"
+        "sys.exit(drain.main(sys.argv[1:]))\n")
+    done = host.run([sys.executable, "-c", code, "--rqprc", str(host.rqprc),
+                     "--archive", str(host.archive), "--once"])
+    lines = done.stderr.splitlines()
+    assert sum("has another reader" in line for line in lines) == 1, done.stderr
+    assert any("4 more lines about another reader not logged since " in line
+               for line in lines), done.stderr
+
+
 def test_a_marker_another_user_made_does_not_stop_the_drain(host):
     """A re-check: a drain run by root on a host that only receives made the queue's marker
     semaphore (0660, root's): every later drain as rqp then failed, exit 1, until ipcrm. It
