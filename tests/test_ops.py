@@ -76,6 +76,15 @@ def test_status_of_healthy_agents(site):
     # (and where it looked, and how to name one run with a config elsewhere)
     assert "no receiver config at /etc/rqp/receiver.yaml, and no receiving MCA at " in \
         out.stdout and "--receiver-config FILE, or --socket PATH" in out.stdout, out.stdout
+    # trace and metrics say it too (left alone a round ago: they left the receiver out
+    # without a word); metrics as a comment, so the exposition stays valid
+    out = rqpctl(a, "trace", "0x1", "--rqprc", str(rqprc))
+    assert out.returncode == 1 and "receiver: none answers here" in out.stdout and \
+        ": knows nothing of key 0x0000000000000001" in out.stdout, out.stdout
+    out = rqpctl(a, "metrics", "--rqprc", str(rqprc))
+    assert out.returncode == 0 and out.stdout.startswith("# receiver: none answers here ("), \
+        out.stdout[:300]
+    assert "\nrqp_" in out.stdout, out.stdout[:300]
     out = rqpctl(b, "status", "--agent", "receiver", "--receiver-config",
                  str(b.workdir / "receiver.yaml"), "--json")
     st = next(iter(json.loads(out.stdout).values()))

@@ -480,9 +480,11 @@ def trace(args) -> int:
         except ControlError as exc:
             answers[name] = {"running": isinstance(exc, ControlNotAnswering),
                              "answering": False, "error": str(exc)}
-            if _optional(args, targets, name, exc) is not None:
+            if (none := _optional(args, targets, name, exc)) is not None:
                 answers[name]["configured"] = False
-                continue  # (a sending-only host, or a receiving-only one)
+                if not args.json:  # (a sending-only host, or a receiving-only one: said, as
+                    print(none)    # status says it)
+                continue
             unasked = True
             if not args.json:
                 print(_not_answering(args, name, exc))
@@ -603,7 +605,8 @@ def metrics(args) -> int:
             agent = Path(name).name.removesuffix(".sock").split("-")[0]  # sender, receiver
             texts[agent if agent not in texts else name] = ask(candidates, "metrics")["text"]
         except ControlError as exc:
-            if _optional(args, targets, name, exc) is not None:
+            if (none := _optional(args, targets, name, exc)) is not None:
+                notes.append(f"# {none}")  # (a comment: the exposition stays valid)
                 continue
             notes.append(f"# {_not_answering(args, name, exc)}")
             code = EXIT_NOT_RUNNING
