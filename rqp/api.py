@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import os
 import subprocess
 import sys
@@ -70,22 +71,32 @@ class DataTypeError(RQPError, TypeError):
     """A message's data that is no bytes-like object (a ``str``: encode it first)."""
 
 
-def _payload(data) -> bytes:
-    """The bytes of a message: ``bytes`` as they are, any other buffer (``bytearray``,
-    ``memoryview``, ``array``, a ctypes array) byte for byte, whatever its item size (a
-    trial's array of 2,100 ints passed the size check as 2,100 bytes: it is 8,400)."""
+def _payload_size(data) -> int:
+    """The size in bytes of a message, checked before :func:`_payload` copies it (a buffer
+    of a gigabyte is refused as too big without a copy of it first): ``bytes``, or any other
+    buffer (``bytearray``, ``memoryview``, ``array``, a ctypes array) whatever its item size
+    (a trial's array of 2,100 ints passed the size check as 2,100 bytes: it is 8,400)."""
     if isinstance(data, bytes):
-        return data
+        return len(data)
     if isinstance(data, str):
         raise DataTypeError("data must be bytes, got str (encode it: text.encode())")
     try:
         with memoryview(data) as view:
-            return view.tobytes()
+            return view.nbytes
     except TypeError:
         raise DataTypeError(f"data must be bytes (or bytearray, memoryview, another buffer), "
                             f"got {type(data).__name__}") from None
     except ValueError as exc:  # (a released memoryview: a re-check's ValueError)
         raise DataTypeError(f"data cannot be read: {exc}") from None
+
+
+def _payload(data) -> bytes:
+    """The bytes of a message whose :func:`_payload_size` was taken: ``bytes`` as they are,
+    any other buffer copied byte for byte."""
+    if isinstance(data, bytes):
+        return data
+    with memoryview(data) as view:
+        return view.tobytes()
 
 
 class Producer:
@@ -255,7 +266,7 @@ class Batch:
             raise RQPError(f"this batch was {self.ended}: nothing more can be added to it "
                            "(begin another)")
         self.check_process()
-        data = _payload(data)
+        length = _payload_size(data)
         try:
             check_mtype(mtype)
         except ValueError as exc:
@@ -264,16 +275,16 @@ class Batch:
             raise RQPError(f"a batch holds at most {MAX_BATCH} messages (spec section 6); "
                            "commit this one and begin another")
         limit = _connection(self.handle).producer.limit
-        size = self.size + BATCH_MEMBER_HEADER_SIZE + len(data)
+        size = self.size + BATCH_MEMBER_HEADER_SIZE + length
         if size > limit:
             raise MessageTooBig(
-                f"the batch would be {size} bytes with this {len(data)}-byte message (each "
+                f"the batch would be {size} bytes with this {length}-byte message (each "
                 f"message takes {BATCH_MEMBER_HEADER_SIZE} bytes more), over the {limit}-byte "
                 f"limit of one System V message (kernel msgmax {limit + TRANSMISSION_HEADER_SIZE}"
                 f" minus the {TRANSMISSION_HEADER_SIZE}-byte header): a batch is one record, so "
                 "that its commit is atomic; commit a smaller one, or raise kernel.msgmax (see "
                 "the README)", size=size, limit=limit)
-        self.members.append((mtype, data))
+        self.members.append((mtype, _payload(data)))
         self.size = size
 
     def check_process(self) -> None:
@@ -569,7 +580,7 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
     open_batch = _open_batch(handle)
     if msg_type is None:
         msg_type = SURE_MSG if open_batch is None else open_batch.msg_type
-    _check_msg_type(msg_type)
+    msg_type = _msg_type(msg_type)
     if timeout is not None:
         _check_timeout(timeout)
     if open_batch is not None:  # between beginBatch and commitBatch: into the batch
@@ -591,15 +602,16 @@ def sendMessage(handle: int, data: bytes, msg_type: int | None = None, *,
         raise RQPError("sync=True is for SURE messages: UNSURE ones are never journaled")
     if priority is None:
         priority = DEFAULT_PRIORITY
-    data = _payload(data)
+    length = _payload_size(data)
     limit = conn.producer.limit
-    if len(data) > limit:
+    if length > limit:
         raise MessageTooBig(
-            f"message of {len(data)} bytes is over the {limit}-byte limit of one System V "
+            f"message of {length} bytes is over the {limit}-byte limit of one System V "
             f"message (kernel msgmax {limit + TRANSMISSION_HEADER_SIZE} minus the "
             f"{TRANSMISSION_HEADER_SIZE}-byte transmission header); "
             "split it, or raise kernel.msgmax on every host (see the README)",
-            size=len(data), limit=limit)
+            size=length, limit=limit)
+    data = _payload(data)
     now_ns = time.time_ns()
     try:  # in words that name them
         check_extras(mtype, priority)
@@ -622,11 +634,20 @@ def _check_timeout(timeout) -> None:
                        f"got {timeout!r}")
 
 
-def _check_msg_type(msg_type) -> None:
-    # (not True/False, nor 1.0: a trial's True, meant as "sure", sent UNSURE_MSG, 1)
-    if type(msg_type) not in (int, MessageType) or msg_type not in (SURE_MSG, UNSURE_MSG):
+def _msg_type(msg_type) -> int:
+    """``msg_type`` checked, as an int: SURE_MSG or UNSURE_MSG, or any integer of those values
+    (an application's own IntEnum, a numpy integer), but not True/False, nor 1.0 (a trial's
+    True, meant as "sure", sent UNSURE_MSG, 1)."""
+    value = msg_type
+    if type(msg_type) not in (int, MessageType):
+        try:
+            value = -1 if isinstance(msg_type, bool) else operator.index(msg_type)
+        except TypeError:
+            value = -1
+    if value not in (SURE_MSG, UNSURE_MSG):
         raise RQPError(f"msg_type must be SURE_MSG ({SURE_MSG}) or UNSURE_MSG ({UNSURE_MSG}), "
                        f"got {msg_type!r}")
+    return value
 
 
 def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int | None = None,
@@ -639,7 +660,7 @@ def beginBatch(handle: int, msg_type: int = SURE_MSG, *, priority: int | None = 
     ``mtype``. The batch is this thread's: another thread's ``sendMessage`` on the same
     handle is sent on its own, and a child forked meanwhile cannot commit it."""
     _connection(handle)
-    _check_msg_type(msg_type)
+    msg_type = _msg_type(msg_type)
     if priority is None:
         priority = DEFAULT_PRIORITY
     try:

@@ -428,7 +428,7 @@ def test_data_is_any_buffer_by_its_bytes_and_msg_type_no_bool(host):
     raised a bare TypeError; expires_at=0 (rqp.h's "never") was dead-lettered EXPIRED at
     once; beginBatch(priority=None) was refused, though sendMessage takes None as 4."""
     out = run(host, """
-import array, ctypes, time
+import array, ctypes, enum, time, tracemalloc
 h = rqp.openConnection(0x52510001, rqprc=rqprc)
 err("ints", lambda: rqp.sendMessage(h, memoryview(array.array("i", range(2100)))))
 err("true", lambda: rqp.sendMessage(h, b"x", True))
@@ -449,11 +449,22 @@ err("batch_priority_none", lambda: rqp.rollbackBatch(h) if rqp.beginBatch(
     h, priority=None).priority == 4 else None)
 rqp.sendMessage(h, array.array("H", [0x4142, 0x4344]))
 rqp.sendMessage(h, (ctypes.c_char * 3)(b"x", b"y", b"z"))
-got = [rqp.receiveMessage(0x52510001, timeout=20) for _ in range(2)]
-print(json.dumps([errors, [g.hex() for g in got],
+class Kind(enum.IntEnum):  # (an application's own: refused a round ago, as not an int)
+    SURE = 0
+    UNSURE = 1
+rqp.sendMessage(h, b"own enum", Kind.UNSURE)
+huge = bytearray(64 << 20)  # (refused by its size before any copy of it: left alone a round
+tracemalloc.start()         # ago, a buffer was copied whole first)
+err("huge", lambda: rqp.sendMessage(h, huge))
+copied = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+got = [rqp.receiveMessage(0x52510001, timeout=20) for _ in range(3)]
+print(json.dumps([errors, [g.hex() for g in got], copied,
                   [issubclass(rqp.DataTypeError, c) for c in (rqp.RQPError, TypeError)]]))
 """)
-    errors, got, kinds = out
+    errors, got, copied, kinds = out
+    assert errors["huge"].startswith(f"MessageTooBig: message of {64 << 20} bytes"), errors
+    assert copied < 1 << 20, copied
     assert errors["ints"].startswith("MessageTooBig: message of 8400 bytes"), errors["ints"]
     for case in ("true", "float"):
         assert errors[case].startswith("RQPError: msg_type must be SURE_MSG"), errors[case]
@@ -467,7 +478,8 @@ print(json.dumps([errors, [g.hex() for g in got],
     assert errors["released"].startswith("DataTypeError: data cannot be read"), errors
     assert "the batch's expiry passed before its commit" in errors["expired_batch"], errors
     assert errors["batch_priority_none"] is None
-    assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex()]
+    assert got == [array.array("H", [0x4142, 0x4344]).tobytes().hex(), b"xyz".hex(),
+                   b"own enum".hex()]
 
 
 def test_a_handle_starts_its_sending_mca_again_when_it_was_killed(host):
