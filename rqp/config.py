@@ -14,6 +14,7 @@ The value parsers (:func:`parse_duration`, :func:`parse_queue_key`, :func:`parse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -1339,6 +1340,9 @@ def _node_lines(node: yaml.Node | None, file: str) -> dict[str, int]:
                     raise ConfigError(message, path=file, key=path)
                 first[key_node.value] = line
                 lines[path] = line
+                if key_node.tag != "tag:yaml.org,2002:str":  # ('yes:' is the key True:
+                    with contextlib.suppress(yaml.YAMLError):   # its line, by that name too)
+                        lines.setdefault(prefix + str(yaml.safe_load(key_node.value)), line)
                 walk(value_node, path + ".")
         elif isinstance(node, yaml.SequenceNode):
             base = prefix[:-1]

@@ -437,6 +437,15 @@ def test_sender_errors(tmp_path: Path) -> None:
         assert (error.path, error.key) == (path, key), line
 
 
+def test_a_key_yaml_reads_as_another_type_is_named_with_its_line(tmp_path: Path) -> None:
+    """Left alone a round ago: a queue named ``yes`` (YAML's True) was refused without the
+    line, as its line was kept under 'yes' and the error names 'True'."""
+    for key, name in (("yes", "True"), ("0x10", "16"), ("~", "None")):
+        error = sender_error(tmp_path, f"hosts: [a]\nqueues:\n  GOOD: 0x52510001\n  {key}: 5\n")
+        assert str(error).endswith("(line 4)"), (key, str(error))
+        assert error.key == f"queues.{name}", (key, error.key)
+
+
 def test_a_config_behind_a_directory_it_cannot_search_is_a_config_error(tmp_path: Path) -> None:
     """A trial: a config whose directory could not be searched raised PermissionError out of
     a reload (exit status 70). Run as uid 65534, as an agent's user would be."""
