@@ -130,6 +130,42 @@ def test_install_again_mends_a_half_made_venv_and_keeps_an_edited_unit(scratch):
         (unit.parent / "rqp-sender.service.edited").unlink(missing_ok=True)
 
 
+def test_install_knows_earlier_releases_units_and_keeps_every_edit(scratch):
+    """Left alone a round ago: an upgrade from a release before units.sha256 (be67f36) called
+    each unit it changed "edited" and kept a copy; a second edit's copy overwrote the first's."""
+    units = scratch / "etc/systemd/system"
+    manifest = scratch / "opt/rqp/units.sha256"
+    kept = manifest.read_text()
+    drain = units / "rqp-dlq-drain.service"
+    sender = units / "rqp-sender.service"
+    shipped = sender.read_text()
+    try:
+        manifest.unlink()  # (as that release left the host)
+        drain.write_bytes(subprocess.run(
+            ["git", "-C", str(REPO), "show", "be67f36:systemd/rqp-dlq-drain.service"],
+            capture_output=True, check=True).stdout)
+        sender.write_text(shipped + "Nice=5\n")  # an edit, and later another
+        out = install(scratch)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"updating {drain}" in out.stdout, out.stdout
+        assert not (units / "rqp-dlq-drain.service.edited").exists()
+        assert drain.read_bytes() == (REPO / "systemd/rqp-dlq-drain.service").read_bytes()
+        sender.write_text(shipped + "Nice=7\n")
+        out = install(scratch)
+        assert f"kept as {sender}.edited.2;" in out.stdout, out.stdout
+        assert (units / "rqp-sender.service.edited").read_text().endswith("Nice=5\n")
+        assert (units / "rqp-sender.service.edited.2").read_text().endswith("Nice=7\n")
+        sender.write_text(shipped + "Nice=7\n")  # the same edit again: its copy is there
+        out = install(scratch)
+        assert f"kept as {sender}.edited.2;" in out.stdout, out.stdout
+        assert not (units / "rqp-sender.service.edited.3").exists()
+        assert sender.read_text() == shipped
+    finally:
+        for copy in units.glob("rqp-sender.service.edited*"):
+            copy.unlink()
+        manifest.write_text(kept)
+
+
 def test_install_is_idempotent_and_keeps_the_operators_config(scratch):
     rqprc = scratch / "etc/rqp/rqprc"
     template = rqprc.read_text()
