@@ -87,6 +87,37 @@ class RateLimitedLog:
         return note
 
 
+class KeyedRateLimitedLog:
+    """A :class:`RateLimitedLog` for each key (a handshake's reason, a peer), so that one
+    key's flood does not hide another's lines (a trial: a scanner's "no certificate" every
+    10 s kept a real host's "certificate has expired" out of the log for good). At most
+    ``keys`` of them; lines of further keys share one more limit."""
+
+    def __init__(self, log: logging.Logger, interval: float, *, what: str, others: str,
+                 keys: int = 64) -> None:
+        self.log, self.interval, self.keys = log, interval, keys
+        self.what, self.others = what, others  # (of one key, of the keys beyond ``keys``)
+        self._limits: dict[str, RateLimitedLog] = {}
+        self._others: RateLimitedLog | None = None
+
+    def report(self, key: str, text: str, level: int = logging.WARNING) -> None:
+        limit = self._limits.get(key)
+        if limit is None:
+            if len(self._limits) < self.keys:
+                limit = self._limits[key] = RateLimitedLog(self.log, self.interval,
+                                                           what=self.what)
+            else:
+                if self._others is None:
+                    self._others = RateLimitedLog(self.log, self.interval, what=self.others)
+                limit = self._others
+        limit.report(text, level)
+
+    @property
+    def count(self) -> int:
+        return sum(limit.count for limit in self._limits.values()) + (
+            self._others.count if self._others is not None else 0)
+
+
 class SpellLog:
     """Lines for a condition that comes and goes (a full disk): a spell's start is logged at
     most once per ``again`` seconds, but a spell that lasts ``lasting`` seconds is logged all

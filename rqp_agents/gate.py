@@ -25,7 +25,7 @@ from rqp.protocol.errors import RQPError
 from rqp.system.service import release_free_memory
 from rqp.system.tls import ALPN, TLSFileError, bound_read_buffers, check_files, \
     handshake_problem, peer_names, server_context
-from rqp_agents.daemon import RateLimitedLog
+from rqp_agents.daemon import KeyedRateLimitedLog, RateLimitedLog
 
 __all__ = ["Gate"]
 
@@ -75,15 +75,19 @@ class Gate:
         self.header_only: collections.Counter[str] = collections.Counter()
         self.suppressed: collections.Counter[str] = collections.Counter()
         self._budget = DeadLetterBudget(config.dead_letter_rate, config.dead_letter_burst)
-        self._budget_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
-                                          what="dead letters over dead_letter_rate")
+        # (per peer, and per reason: one peer's or one reason's flood hides no other's)
+        self._budget_log = KeyedRateLimitedLog(
+            log, REFUSAL_LOG_INTERVAL, what="dead letters of this peer over dead_letter_rate",
+            others="dead letters of other peers over dead_letter_rate")
         self._grants: dict[Peer, Grant] = {}
         self._limit_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
                                          what="connections refused by limits")
-        self._handshake_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
-                                             what="failed handshakes")
-        self._denied_log = RateLimitedLog(log, REFUSAL_LOG_INTERVAL,
-                                          what="requests denied by peers rules")
+        self._handshake_log = KeyedRateLimitedLog(
+            log, REFUSAL_LOG_INTERVAL, what="failed handshakes for this reason",
+            others="failed handshakes for other reasons")
+        self._denied_log = KeyedRateLimitedLog(
+            log, REFUSAL_LOG_INTERVAL, what="requests of this peer denied by peers rules",
+            others="requests of other peers denied by peers rules")
 
     @staticmethod
     def _context(config: ReceiverConfig) -> ssl.SSLContext | None:
@@ -176,7 +180,7 @@ class Gate:
 
     def _refuse_handshake(self, where: str, why: str) -> None:
         _count(self.handshake_failures, why)
-        self._handshake_log.report(f"refusing the connection from {where}: {why}")
+        self._handshake_log.report(why, f"refusing the connection from {where}: {why}")
 
     # --- what it may use --------------------------------------------------------------------
 
@@ -196,8 +200,8 @@ class Gate:
         """Count and (rate-limited) log a request refused because ``peer`` may not use the
         queue: nothing else of it is kept anywhere."""
         _count(self.denied, peer.label)
-        self._denied_log.report(f"refused {what} from {peer.label} ({peer.address}): "
-                                f"{self.grant(peer).describe()}")
+        self._denied_log.report(peer.label, f"refused {what} from {peer.label} "
+                                            f"({peer.address}): {self.grant(peer).describe()}")
 
 
     # --- what its dead letters may cost --------------------------------------------------------
@@ -211,6 +215,7 @@ class Gate:
         _count(self.header_only if allowance is Allowance.HEADER_ONLY else self.suppressed,
                peer.label)
         self._budget_log.report(
+            peer.label,
             f"dead letters from {peer.label} over dead_letter_rate "
             f"{self.config.dead_letter_rate:g}/s (dead_letter_burst "
             f"{self.config.dead_letter_burst}): {what} "

@@ -84,3 +84,31 @@ def test_a_condition_that_comes_and_goes_is_said_once_a_while_and_when_it_lasts(
                     ("ERROR", "full"), ("WARNING", "free again")]
     spells.over("free again")  # (not in a spell: nothing)
     assert len([r for r in caplog.records if r.levelno > logging.DEBUG]) == 6
+
+
+def test_a_keyed_limit_lets_each_key_be_heard_and_bounds_the_keys(monkeypatch, caplog):
+    """A trial: one limit for every failed handshake let a scanner's reason hide a real
+    host's. One limit per key; keys beyond the bound share one more."""
+    from rqp_agents.daemon import KeyedRateLimitedLog
+
+    now = [100.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: now[0])
+    log = logging.getLogger("rqp.test-keyed")
+    lines = KeyedRateLimitedLog(log, 10.0, what="of this kind", others="of other kinds",
+                                keys=2)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for _ in range(3):
+            lines.report("scan", "no certificate")
+        lines.report("expired", "certificate has expired")
+        lines.report("third", "a third reason")  # beyond the bound: the shared limit
+        lines.report("fourth", "a fourth reason")  # held back with it
+        now[0] += 10.0
+        lines.report("scan", "no certificate")
+        lines.report("fifth", "a fifth reason")
+    got = [r.getMessage() for r in caplog.records]
+    assert got[:3] == ["no certificate", "certificate has expired", "a third reason"], got
+    assert re.fullmatch(r"no certificate \(2 more of this kind not logged since "
+                        r"\d\d:\d\d:\d\d\)", got[3]), got
+    assert re.fullmatch(r"a fifth reason \(1 more of other kinds not logged since "
+                        r"\d\d:\d\d:\d\d\)", got[4]), got
+    assert lines.count == 8 and len(got) == 5
