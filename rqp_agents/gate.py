@@ -207,21 +207,28 @@ class Gate:
     # --- what its dead letters may cost --------------------------------------------------------
 
     def dead_letter_allowance(self, peer: Peer, what: str) -> Allowance:
-        """How much of a dead letter for ``peer`` may be written now (counted, and logged at
-        most once per interval, when it is less than all)."""
+        """How much of a dead letter for ``peer`` may be written now; none is counted, and
+        logged at most once per interval, here; header-only is when it was written
+        (:meth:`written_header_only`: a trial's status counted 102 "written without their
+        payload" that DEAD.LETTER.Q, full, never took)."""
         allowance = self._budget.take(peer.label, time.monotonic())
-        if allowance is Allowance.FULL:
-            return allowance
-        _count(self.header_only if allowance is Allowance.HEADER_ONLY else self.suppressed,
-               peer.label)
+        if allowance is Allowance.NONE:
+            self._over_budget(self.suppressed, peer, what,
+                              "not written (answered DELIVERED_ERROR)")
+        return allowance
+
+    def written_header_only(self, peer: Peer, what: str) -> None:
+        """A dead letter of ``peer`` over its budget was written without its payload."""
+        self._over_budget(self.header_only, peer, what, "written without its payload")
+
+    def _over_budget(self, counter: collections.Counter, peer: Peer, what: str,
+                     done: str) -> None:
+        _count(counter, peer.label)
         self._budget_log.report(
             peer.label,
             f"dead letters from {peer.label} over dead_letter_rate "
             f"{self.config.dead_letter_rate:g}/s (dead_letter_burst "
-            f"{self.config.dead_letter_burst}): {what} "
-            + ("written without its payload" if allowance is Allowance.HEADER_ONLY
-               else "not written (answered DELIVERED_ERROR)"))
-        return allowance
+            f"{self.config.dead_letter_burst}): {what} {done}")
 
 
 def _timeout_aware(exc: BaseException, timeout: float) -> str:

@@ -1236,8 +1236,8 @@ class Receiver(Daemon):
                 "dead letter (repeat, not written again) reason=%s queue=%s key=%#018x from=%s",
                 logging.INFO, reason.name, format_key(message.queue_key), message.key, peer)
             return False
-        allowance = self.gate.dead_letter_allowance(
-            who, f"key={message.key:#018x} queue {format_key(message.queue_key)}")
+        what = f"key={message.key:#018x} queue {format_key(message.queue_key)}"
+        allowance = self.gate.dead_letter_allowance(who, what)
         if allowance is Allowance.NONE:
             return False
         header_only = isinstance(message, OversizedMessage) or \
@@ -1279,6 +1279,8 @@ class Receiver(Daemon):
                        "reason": reason.name, "queue_key": format_key(message.queue_key),
                        "message_key": f"{message.key:#018x}"})
             return False
+        if allowance is Allowance.HEADER_ONLY:
+            self.gate.written_header_only(who, what)
         if sure:
             self._noticed[noticed] = None
             if len(self._noticed) > NOTICE_MEMORY:

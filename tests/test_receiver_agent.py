@@ -1042,6 +1042,33 @@ def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(t
     assert 1 <= len(lines) <= 3, lines  # rate-limited
 
 
+def test_dead_letters_dead_letter_q_could_not_take_are_not_counted_header_only(testbed):
+    """A trial: with DEAD.LETTER.Q full, status said "dead letters 102 written without their
+    payload" of a flood none of whose dead letters was written: the count came before the
+    write. Only those written are counted header-only; the others are counted no_room."""
+    def fill_dead_letter_q(qa):  # past the receiver's three quarters of it
+        qa.create(DLQ, 0o600)
+        for _ in range(2):
+            qa.put(DLQ, b"j" * 7000)
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "dead_letter_rate": 0.01, "dead_letter_burst": 2,
+                      "control_socket": str(sock)}, queues={Q1: 0o660},
+            before_start=fill_dead_letter_q)
+    connect(r.pb, "flood", r)
+    got = r.pb.exchange("flood", [msg(MISSING, b"x" * 100, key=n, type=UNSURE)
+                                  for n in range(1, 11)], timeout=30)
+    assert answers(got) == ["DELIVERED_ERROR"] * 10
+    st = json.loads(r.a.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent",
+                             "receiver", "--socket", str(sock), "--json"],
+                            check=False, timeout=60).stdout)
+    st = next(iter(st.values()))
+    limited = st["dead_letters_limited"]
+    # (the burst in full, about as many header-only, then none: none of them written)
+    assert limited["header_only"] == {} and limited["no_room"][r.b.address] >= 3, limited
+    assert limited["no_room"][r.b.address] + limited["suppressed"][r.b.address] == 10, limited
+    assert "written without its payload" not in r.log()
+
+
 # --- 10. configurations ---------------------------------------------------------------------------
 
 
