@@ -61,6 +61,42 @@ def _metrics(path) -> dict[str, float]:
             re.findall(r"^(rqp_\w+) (\S+)$", path.read_text(), re.M)}
 
 
+def test_an_archive_the_report_user_cannot_read_is_an_error_not_an_empty_one():
+    """A trial: an archive directory the report's user could not read was "empty", and with
+    --allow-empty (the daily unit's) each run a success: no report, no alert. Now exit 2,
+    naming it; so is a host's directory in it, and a file behind one. (As uid 65534: root
+    reads everything.)"""
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="rqp-unreadable-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        closed, open_ = top / "closed", top / "open"
+        for d in (closed, open_, open_ / "host-b"):
+            d.mkdir()
+            d.chmod(0o755)
+        (closed / "dl.jsonl").write_text("{}\n")
+        (open_ / "dl.jsonl").write_text("{}\n")
+        (open_ / "dl.jsonl").chmod(0o644)
+        closed.chmod(0o700)
+        (open_ / "host-b").chmod(0o700)
+        script = ("import sys\nfrom rqp.report import job\n"
+                  "for path in sys.argv[1:]:\n"
+                  "    try: job.check_local_inputs([path]); print('taken')\n"
+                  "    except job.ReportError as exc: print(type(exc).__name__, exc)\n")
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+             "-c", script, str(closed), str(open_), str(closed / "dl.jsonl")],
+            capture_output=True, text=True, timeout=60, cwd=Path(job.__file__).parents[2])
+    finally:
+        shutil.rmtree(top)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, lines
+    for line, path in zip(lines, (closed, open_ / "host-b", closed / "dl.jsonl")):
+        assert line.startswith(f"ReportError cannot read the input: {path}: Permission denied "
+                               "(this report runs as nobody)"), line
+
+
 def test_the_report_job_records_each_runs_outcome_for_its_alerts(spark, tmp_path, capsys):
     """A failed or missed daily report was seen by nobody: each run now leaves its outcome in
     --metrics-file (node_exporter's textfile collector), whatever it is, and the rules

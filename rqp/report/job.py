@@ -111,9 +111,12 @@ class EmptyArchive(ReportError):
 
 
 def check_local_inputs(inputs: Sequence[str]) -> None:
-    """Before Spark starts (seconds): local inputs that do not exist, or that hold no archive
-    file at all (an empty archive: :class:`EmptyArchive`), are an error naming them. URIs are
-    left to Spark."""
+    """Before Spark starts (seconds): local inputs that do not exist, or a directory of them
+    this user cannot read (a trial's unreadable archive was "empty", and with --allow-empty,
+    as the daily unit runs, a success every day: no report, no alert), or that hold no
+    archive file at all (an empty archive: :class:`EmptyArchive`), are an error naming them.
+    An archive file the user cannot read is left out later, named (taken once it can be).
+    URIs are left to Spark."""
     local = [local_path(p) for p in inputs]
     if any(p is None for p in local):
         return
@@ -121,20 +124,48 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
     for path in local:
         if glob.has_magic(path):
             matches = glob.glob(path)
-        elif not os.path.exists(path):
-            raise ReportError(f"cannot read the input: {path} does not exist")
         else:
+            try:
+                os.stat(path)
+            except FileNotFoundError:
+                raise ReportError(f"cannot read the input: {path} does not exist") from None
+            except OSError as exc:
+                raise _cannot_read(path, exc) from None
             matches = [path]
         for match in matches:
-            if os.path.isfile(match) or any(
-                    not any(part.startswith(".") for part in f.relative_to(match).parts)
-                    for pattern in ("*.jsonl", "*.jsonl.gz")
-                    for f in Path(match).rglob(pattern)):
-                found = True
+            found = _holds_archive_files(match) or found
     if not found:
         raise EmptyArchive(f"no archive files ({ARCHIVE_FILE_GLOB}) in {' '.join(inputs)}: "
                           "the archive is empty, there are no dead letters to report (Spark "
                           "was not started, nothing was written)")
+
+
+def _holds_archive_files(path: str) -> bool:
+    """Whether ``path`` is a file, or a directory holding an archive file outside hidden
+    directories (``.incoming``, ``.state``); a ReportError for a directory in it that this
+    user cannot read."""
+    if not os.path.isdir(path):
+        return True
+
+    def unreadable(exc: OSError) -> None:
+        raise _cannot_read(exc.filename or path, exc)
+    found = False
+    for _root, dirs, files in os.walk(path, onerror=unreadable):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found = found or any(not f.startswith(".") and f.endswith((".jsonl", ".jsonl.gz"))
+                             for f in files)
+    return found
+
+
+def _cannot_read(path: str, exc: OSError) -> ReportError:
+    import pwd
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = f"uid {os.geteuid()}"
+    return ReportError(f"cannot read the input: {path}: {exc.strerror or exc} (this report runs "
+                       f"as {user}): the dead letters in it would be missed; let that user "
+                       "read it (the group rqp, on an installed host)")
 
 
 def load_compute():
