@@ -966,6 +966,21 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
                      rf"{re.escape(str(rqprc))}: .*ask_timout", out.stdout), out.stdout
     metrics = rqpctl(a, "metrics", "--agent", "sender", "--rqprc", str(api_rqprc)).stdout
     assert "\nrqp_config_last_reload_successful 0.0\n" in metrics, metrics
+    # and with the file itself, the mistake and all (a trial: exit 2 at the file's mistake,
+    # nothing of the running agent shown)
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert out.stdout.startswith(f"sender: CONFIG HAS A MISTAKE: {rqprc}: ") and \
+        "ask_timout" in out.stdout.splitlines()[0], out.stdout
+    assert "RELOAD REFUSED" in out.stdout, out.stdout
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc), "--json")
+    st = next(iter(json.loads(out.stdout).values()))
+    assert out.returncode == 4 and "ask_timout" in st["config_mistake"], out.stdout
+    # a file with a mistake whose agent does not run: the mistake, exit 2, as ever
+    stray = rqprc.with_name("stray.yaml")
+    stray.write_text(with_c + "ask_timout: 1s\n")
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(stray))
+    assert out.returncode == 2 and f"{stray}: " in out.stderr, out.stdout + out.stderr
     rqprc.write_text(with_c)  # put right: the next reload is taken, and the status healthy
     sender.send_signal(signal.SIGHUP)
     wait_for(lambda: len(log_lines(a, sender, "reloaded")) == 2, timeout=20, message="no reload")

@@ -18,11 +18,14 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from rqp import RQPError
 from rqp.cli import msgtyp, mtype, number, positive_int, seconds
 from rqp.config import (
-    QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, NoRqprcFound, ReceiverConfig, find_rqprc,
-    load_receiver_config, load_sender_config, parse_host, parse_queue_key, receiver_config_path,
+    QUEUE_NAME_RE, SYSTEM_RECEIVER_CONFIG, ConfigError, NoRqprcFound, ReceiverConfig,
+    default_state_dir, find_rqprc, load_receiver_config, load_sender_config, parse_host,
+    parse_queue_key, receiver_config_path,
 )
 from rqp.system.control import (
     NOT_RUNNING_HERE, ControlError, ControlNotAnswering, ControlRefused, request,
@@ -110,7 +113,11 @@ def ask(candidates: list[Path], command: str, **args) -> dict:
     raise ControlError("; ".join(dict.fromkeys(errors)))
 
 
-def _targets(args) -> list[tuple[str, list[Path]]]:
+def _targets(args, mistakes: dict[str, ConfigError] | None = None) -> list[tuple[str, list[Path]]]:
+    """Each agent to ask, and where. ``mistakes`` (status): a config with a mistake is no
+    error here; the agent is asked where it would listen, and the mistake kept there by
+    agent (a trial: `rqpctl status` exited 2 at the config's mistake, where the README says
+    the running agent's RELOAD REFUSED, exit 4)."""
     if args.socket:
         return [(path, [Path(path)]) for path in args.socket]
     out = []
@@ -123,9 +130,55 @@ def _targets(args) -> list[tuple[str, list[Path]]]:
             # (a receiving-only host; or this user finds none, and the unit's agent runs:
             # it is asked where the unit's listens. A trial's status left it out silently.)
             out.append(("sender", [Path(SENDER_UNIT_SOCKET)]))
+        except ConfigError as exc:
+            if mistakes is None or exc.path is None:
+                raise
+            mistakes["sender"] = exc
+            out.append(("sender", _despite(exc.path, SENDER_UNIT_SOCKET, "sender-*")))
     if args.agent in ("all", "receiver"):
-        out.append(receiver_socket(args.receiver_config))
+        try:
+            out.append(receiver_socket(args.receiver_config))
+        except ConfigError as exc:
+            if mistakes is None or exc.path is None:
+                raise
+            mistakes["receiver"] = exc
+            out.append(("receiver", _despite(exc.path, RECEIVER_UNIT_SOCKET, "receiver")))
     return out
+
+
+def _despite(path: str, runtime: str, name: str) -> list[Path]:
+    """Where the agent of config ``path``, which has a mistake, may listen: its
+    ``control_socket`` or ``state_dir`` if they can be read from it, and the defaults
+    (``name`` a pattern: a sending MCA's is named after its transmission queue)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        data = None
+    data = data if isinstance(data, dict) else {}
+    here, control, state = os.path.dirname(os.path.abspath(path)), \
+        data.get("control_socket"), data.get("state_dir")
+    out = [Path(here, control)] if isinstance(control, str) and control else []
+    for directory in ([Path(here, state)] if isinstance(state, str) and state else []) + \
+            [Path(default_state_dir())]:
+        out += sorted(directory.glob(f"{name}.sock"))
+    return [*out, Path(runtime)]
+
+
+def _ask_of_file(candidates: list[Path], mistake: ConfigError) -> dict:
+    """The status of the agent that runs the config file of ``mistake`` (the candidates
+    asked in turn: another agent's answer is not its); ControlError if none does."""
+    mine, others = os.path.realpath(mistake.path), []
+    for path in candidates:
+        try:
+            st = request(path, "status")
+        except ControlError as exc:
+            others.append(str(exc))
+            continue
+        if st.get("source") and os.path.realpath(st["source"]) == mine:
+            return st
+        others.append(f"{path}: its agent runs {st.get('source') or 'no file'}")
+    raise ControlError(f"no agent of {mine} answers ({'; '.join(others)})")
 
 
 def _ago(then: float | None, now: float) -> str:
@@ -437,12 +490,18 @@ def _serving(st: dict, config) -> dict:
 
 
 def _status_once(args) -> int:
-    code, answers = 0, {}
-    targets = _targets(args)
+    code, answers, mistakes = 0, {}, {}
+    targets = _targets(args, mistakes)
     for name, candidates in targets:
         try:
-            answers[name] = st = _serving(ask(candidates, "status"), _named_config(args, name))
+            if name in mistakes:  # (only the agent of that very file: its status says it)
+                answers[name] = st = _ask_of_file(candidates, mistakes[name])
+            else:
+                answers[name] = st = _serving(ask(candidates, "status"),
+                                              _named_config(args, name))
         except ControlError as exc:
+            if name in mistakes:  # (none of its own runs: the mistake is the answer, as ever)
+                raise mistakes[name] from None
             answers[name] = {"agent": name, "running": isinstance(exc, ControlNotAnswering),
                              "error": str(exc)}
             if (none := _optional(args, targets, name, exc)) is not None:
@@ -461,7 +520,13 @@ def _status_once(args) -> int:
                 or _no_room(st) or _state_trouble(st) or _reload_refused(st)) \
                 and code != EXIT_NOT_RUNNING:
             code = EXIT_UNHEALTHY  # (dead letters held or not written: a drain down; a disk)
+        if name in mistakes:  # (it runs what the file no longer says: a restart would fail)
+            st["config_mistake"] = str(mistakes[name])
+            code = code if code == EXIT_NOT_RUNNING else EXIT_UNHEALTHY
         if not args.json:
+            if name in mistakes:
+                print(f"{name}: CONFIG HAS A MISTAKE: {mistakes[name]} (the running agent "
+                      "keeps the config it had; it would not start with the file as it is)")
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
         print(json.dumps(answers, indent=2, default=str))
