@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import queue
 import socket
 import sys
@@ -561,16 +562,24 @@ class Receiver(Daemon):
     def trace(self, key: int) -> dict | None:
         """Whether a SURE message with RQP key ``key`` was put here, from which peer and when
         (its key in the de-duplication window, for each peer this receiver has served since
-        it started); None if no peer's window holds it (an UNSURE message leaves no trace)."""
+        it started); None if no peer's window holds it (an UNSURE message leaves no trace).
+        Keys are each peer's own: where more than one peer used the key, the latest is the
+        answer and the others are under ``also`` (a trial: a hostile peer's put of another
+        peer's coming key was the only one named)."""
+        found = []
         for peer in reversed(self._peer_labels):
             scoped = scoped_key(peer, key)
             if scoped in self._putting:
-                return {"state": "being put", "peer": peer}
+                found.append({"state": "being put", "peer": peer})
+                continue
             at = self.dedup.recorded_at(scoped)
             if at is not None:
-                return {"state": "put (SURE; its key is in the de-duplication window)",
-                        "peer": peer, "at": at}
-        return None
+                found.append({"state": "put (SURE; its key is in the de-duplication window)",
+                              "peer": peer, "at": at})
+        if not found:
+            return None
+        found.sort(key=lambda t: t.get("at", math.inf), reverse=True)  # (being put: first)
+        return {**found[0], "also": found[1:]} if len(found) > 1 else found[0]
 
     def metrics(self) -> list:
         return telemetry.receiver_metrics(self)

@@ -557,7 +557,7 @@ def test_status_watch_refreshes_until_interrupted(site):
     assert bad.returncode == 2 and "--watch shows the table" in bad.stderr
 
 
-def test_trace_follows_messages_by_key(site):
+def test_trace_follows_messages_by_key(site, testbed):
     """Issue 15: rqpctl trace KEY says where one message is, on the sending host (waiting, in
     flight, confirmed by which host, dead-lettered with which reason) and on the receiving
     host (a SURE message put, from which peer). Keys are the sending MCA's incarnation << 32
@@ -578,6 +578,22 @@ def test_trace_follows_messages_by_key(site):
     assert code == 0 and t["state"] == "confirmed" and t["detail"] == f"{b.address}:{PORT}", t
     code, t = trace(b, base + 1, "--agent", "receiver", "--receiver-config", receiver_config)
     assert code == 0 and t["state"].startswith("put") and t["peer"] == a.address, t
+    # another peer puts a SURE message under the same key (each peer's keys are its own):
+    # both are named, the latest first (a trial: only the other peer's was)
+    from tests.rqp_peer import Peer, answers, ask, msg
+    c = testbed.add_host("c")
+    other = Peer.start(c)
+    assert other.connect("same-key", b.address, PORT)["connected"]
+    assert answers(other.exchange("same-key", [ask(Q1), msg(Q1, b"same key", key=base + 1)])) \
+        == ["QUEUE_YES", "DELIVERED_YES"]
+    assert receive(b, Q1, 1) == ["same key"]
+    code, t = trace(b, base + 1, "--agent", "receiver", "--receiver-config", receiver_config)
+    assert code == 0 and t["peer"] == c.address, t
+    assert [u["peer"] for u in t["also"]] == [a.address], t
+    text = rqpctl(b, "trace", hex(base + 1), "--agent", "receiver", "--receiver-config",
+                  receiver_config).stdout
+    assert f", from {c.address}, " in text and f"; also put (SURE; its key is in the " \
+        f"de-duplication window), from {a.address}, " in text, text
     send(a, rqprc, Q2, ["nowhere"], mtype=1)  # key 2: UNSURE, no host offers Q2
     code, t = wait_for(lambda: (got := trace(a, base + 2, "--agent", "sender", "--rqprc",
                                               str(rqprc)))[1] and got, timeout=20,

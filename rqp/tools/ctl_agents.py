@@ -581,9 +581,11 @@ def _trace_line(t: dict, now: float) -> str:
                 f"{t['priority']}" + (f", next try in {max(t['retry_at'] - now, 0):.0f}s"
                                       if t.get("retry_at") else "")
                 + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
-    if "peer" in t:  # the receiving MCA
-        return f"{state}, from {t['peer']}" + (f", {_ago(t['at'], now)} ago" if t.get("at")
-                                                else "")
+    if "peer" in t:  # the receiving MCA (each peer's keys are its own: all that used it)
+        return "; also ".join(
+            f"{u['state']}, from {u['peer']}" + (f", {_ago(u['at'], now)} ago" if u.get("at")
+                                                  else "")
+            for u in (t, *t.get("also", ())))
     held = (f"; held in memory, not yet on DEAD.LETTER.Q ({t['held_in_memory']}): lost if "
             "the sending MCA stops, unless SURE" if t.get("held_in_memory") else "")
     return f"{state}, queue {queue}, {_ago(t['at'], now)} ago: {t['detail']}{held}"
