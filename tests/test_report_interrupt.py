@@ -127,12 +127,16 @@ def test_ctrl_c_while_the_report_runs_says_so_in_a_line_and_stops_spark(archive,
     assert not (out / "summary.json").exists()
 
 
-def test_sigterm_with_a_metrics_file_ends_the_run_and_says_so_there(archive, tmp_path):
+@pytest.mark.parametrize("metrics", [True, False], ids=["metrics-file", "no-metrics-file"])
+def test_sigterm_ends_the_run_says_so_and_leaves_no_temporary_files(archive, tmp_path,
+                                                                    metrics):
     """A re-check: SIGTERM (systemctl stop, the unit's time-out) killed the run at once, and
-    --metrics-file still said the last run had succeeded: no RQPDeadLetterReportFailed."""
-    prom = tmp_path / "rqp-dlq-report.prom"
-    proc = _start(archive, tmp_path / "out", "--metrics-file", str(prom),
-                  TMPDIR=str(tmp_path))
+    --metrics-file still said the last run had succeeded: no RQPDeadLetterReportFailed. A
+    trial: without --metrics-file it still did, leaving the JVM's temporary files."""
+    prom, temp = tmp_path / "rqp-dlq-report.prom", tmp_path / "tmp"
+    temp.mkdir()
+    proc = _start(archive, tmp_path / "out",
+                  *(("--metrics-file", str(prom)) if metrics else ()), TMPDIR=str(temp))
     lines = []
     try:
         for line in proc.stderr:
@@ -146,7 +150,9 @@ def test_sigterm_with_a_metrics_file_ends_the_run_and_says_so_there(archive, tmp
     assert code == 143, err
     assert "rqp-dlq-report: interrupted (signal SIGTERM)" in err
     assert "Traceback" not in err, err
-    assert "\nrqp_dlq_report_last_run_exit_status 143\n" in prom.read_text()
+    assert sorted(temp.iterdir()) == [], err
+    if metrics:
+        assert "\nrqp_dlq_report_last_run_exit_status 143\n" in prom.read_text()
 
 
 def test_ctrl_c_while_spark_starts_waits_for_it_and_leaves_no_jvm(archive, tmp_path):

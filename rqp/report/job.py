@@ -244,7 +244,7 @@ METRICS = (
     ("rqp_dlq_report_last_run_timestamp_seconds", "When the last run of rqp-dlq-report ended "
      "(Unix time)."),
     ("rqp_dlq_report_last_run_exit_status", "The last run's exit status: 0 done (or nothing "
-     "to report), 1 Spark failed, 2 an error it named, 130 interrupted."),
+     "to report), 1 Spark failed, 2 an error it named, 130 interrupted, 143 SIGTERM."),
     ("rqp_dlq_report_last_run_duration_seconds", "How long the last run took."),
     (LAST_SUCCESS, "When a run last ended with exit status 0 (Unix time; 0: never)."),
 )
@@ -422,9 +422,9 @@ def _metrics_file_in(argv: Sequence[str]) -> str | None:
 
 
 def _stop_on_sigterm(signum, _frame) -> None:
-    """With --metrics-file: SIGTERM (systemctl stop, the unit's time-out, a shutdown) ends the
-    run as Ctrl-C does, so that its outcome is written (a re-check: killed at once, the file
-    still said the last run had succeeded)."""
+    """SIGTERM (systemctl stop, the unit's time-out, a shutdown) ends the run as Ctrl-C does:
+    its outcome written in --metrics-file (a re-check: killed at once, the file still said
+    the last run had succeeded), the JVM's temporary files removed (a trial's stayed)."""
     raise signals.raising(KeyboardInterrupt("signal SIGTERM"))
 
 
@@ -441,9 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_metrics_file(metrics, 2, started)
         raise
     signals.let_stops_through()
+    signals.handle(_stop_on_sigterm, (signal.SIGTERM,))
     if args.metrics_file is None:
         return _run(args)
-    signals.handle(_stop_on_sigterm, (signal.SIGTERM,))
     try:
         check_metrics_file(args.metrics_file)
     except ReportError as exc:

@@ -1,4 +1,4 @@
-"""rqp-demo: the whole path on one machine, in a few seconds.
+"""rqp-demo: the whole path on one machine, in about a minute (most of it Spark's start).
 
 Starts a receiving MCA on loopback, sends SURE and UNSURE messages through ``openConnection``
 (which starts the sending MCA), shows them arriving in the destination System V queue,
