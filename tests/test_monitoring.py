@@ -97,6 +97,24 @@ def test_an_archive_the_report_user_cannot_read_is_an_error_not_an_empty_one():
                                "(this report runs as nobody)"), line
 
 
+def test_a_full_disk_under_the_output_is_named_in_the_error_line(spark, tmp_path, capsys):
+    """A trial: a report onto a full filesystem ended in 'Spark failed: ... TASK_WRITE_FAILED
+    ...', "No space left on device" only in the stack traces above it. The root cause is
+    in the line now."""
+    archive = tmp_path / "archive"
+    generate_archive(archive, files=1)
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        assert job.main(["--input", str(archive), "--output", str(full / "out"),
+                         "--no-store"]) == 1
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+    [line] = [l for l in capsys.readouterr().err.splitlines() if "Spark failed:" in l]
+    assert "; at its root: " in line and "No space left on device" in line, line
+
+
 def test_the_report_job_records_each_runs_outcome_for_its_alerts(spark, tmp_path, capsys):
     """A failed or missed daily report was seen by nobody: each run now leaves its outcome in
     --metrics-file (node_exporter's textfile collector), whatever it is, and the rules

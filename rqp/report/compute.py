@@ -891,7 +891,27 @@ def explain_failure(spark: SparkSession, exc: BaseException, master: str | None)
             f"{master or spark.sparkContext.master}): no master answered at that address, the "
             f"cluster had no worker with the cores and memory asked for, or the driver ran out "
             f"of memory; Spark's log above says which ({_first_line(exc)})")
-    return SparkFailed(f"Spark failed: {_first_line(exc)} (Spark's log is above)")
+    root = _root_cause(exc)
+    cause = f"; at its root: {root}" if root else ""
+    return SparkFailed(f"Spark failed: {_first_line(exc)}{cause} (Spark's log is above)")
+
+
+def _root_cause(exc: BaseException) -> str | None:
+    """The first line of the deepest Java cause under ``exc``, if it has one (a trial's full
+    disk: the line said TASK_WRITE_FAILED, and "No space left on device" was only in the
+    359 lines of stack traces above it)."""
+    java = getattr(exc, "java_exception", None)
+    try:
+        cause = java.getCause() if java is not None else None
+        for _ in range(32):  # (a loop of causes is possible in Java: bounded)
+            deeper = cause.getCause() if cause is not None else None
+            if deeper is None or deeper.equals(cause):
+                break
+            cause = deeper
+        text = str(cause.toString()).strip() if cause is not None else ""
+    except Exception:
+        return None
+    return text.splitlines()[0] if text else None
 
 
 def is_spark_failure(exc: BaseException) -> bool:
