@@ -223,6 +223,17 @@ def test_a_glob_input_is_read_without_a_java_stack_trace(generated, tmp_path):
         2 * PER_FILE
 
 
+def test_a_file_the_store_leaves_out_is_said_in_one_line_without_java(generated, tmp_path):
+    """A trial: each file that is not gzip gave ~50 lines of a Java stack trace at every
+    run, above the store's own line saying it was left out."""
+    archive = archive_of(tmp_path, generated[:1])
+    (archive / "dlq-garbage.jsonl.gz").write_bytes(os.urandom(4096))
+    done = _job(archive, tmp_path / "out", tmp_path / "store")
+    assert done.returncode == 0, done.stderr
+    assert "dlq-garbage.jsonl.gz left out" in done.stderr, done.stderr
+    assert "\tat " not in done.stderr and "not a gzip file" not in done.stderr, done.stderr
+
+
 def test_a_kill_between_writing_and_recording_counts_nothing_twice(spark, generated, tmp_path):
     archive = archive_of(tmp_path, generated[:2])
     store = tmp_path / "store"

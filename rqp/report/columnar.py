@@ -192,6 +192,23 @@ def _empty(uri: str) -> bool:
         return False
 
 
+#: What logs a file Spark could not read (not gzip) with its stack trace: the store leaves
+#: such a file out and says so in one line (a trial's run: ~50 lines of Java a file, each run).
+SKIPPED_FILE_LOGGER = "org.apache.spark.sql.execution.datasources.FileScanRDD"
+
+
+@contextmanager
+def _quiet(spark: SparkSession, name: str):
+    """Logger ``name`` at ERROR for the time of the block, then as it was."""
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+    before = log4j.LogManager.getLogger(name).getLevel()
+    log4j.core.config.Configurator.setLevel(name, log4j.Level.ERROR)
+    try:
+        yield
+    finally:
+        log4j.core.config.Configurator.setLevel(name, before)
+
+
 def per_file(rows: DataFrame) -> list:
     """Per archive file: ``lines``, ``wrong`` (lines of an archive schema the report does not
     read) and ``versions`` (those schemas); from rows with ``_file``, ``schema`` and
@@ -320,7 +337,8 @@ class Store:
         empty = {f: 0 for f in new if f not in left_out and _empty(f)}
         new = [f for f in new if f not in left_out and f not in empty]
         while new:
-            self._write(batch, read_archives(self.spark, [spark_path(f) for f in new]))
+            with _quiet(self.spark, SKIPPED_FILE_LOGGER):  # (left out below, in one line)
+                self._write(batch, read_archives(self.spark, [spark_path(f) for f in new]))
             checked = {r[FILE_COLUMN]: r for r in per_file(self._read([batch]))}
             wrong = {f: r for f, r in checked.items() if r["wrong"]}
             for f in new:
