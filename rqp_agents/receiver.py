@@ -12,6 +12,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import logging
 import math
 import queue
@@ -93,6 +94,11 @@ CONNECTION_LOG_BURST = 20
 NOTICE_MEMORY = 100_000
 #: Peers remembered for rqpctl trace (a key is looked up in the window once per peer).
 PEER_MEMORY = 1024
+#: Where they are kept (JSON strings, one a line, the most recent last), so that trace finds
+#: the keys a restart kept in the window (a trial: "knows nothing" of a key it had, until its
+#: peer came again); written at most once per PEERS_SAVE_INTERVAL seconds, and at a stop.
+PEERS_FILE = "peers.seen"
+PEERS_SAVE_INTERVAL = 10.0
 
 
 #: In state_dir: the Unix time of the last dead letter DEAD.LETTER.Q had no room for (a third
@@ -109,6 +115,25 @@ def _read_time(path: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return at if 0 < at <= time.time() else None
+
+
+def _read_peers(path: Path) -> dict[str, None]:
+    """The peer labels kept in ``path`` (:data:`PEERS_FILE`), the most recent last; none if
+    it cannot be read, and any line that is not a JSON string skipped."""
+    labels: dict[str, None] = {}
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return labels
+    for line in lines[-PEER_MEMORY:]:
+        try:
+            label = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(label, str):
+            labels.pop(label, None)
+            labels[label] = None
+    return labels
 
 
 #: What a put without waiting did (Receiver._put_at_once).
@@ -452,8 +477,10 @@ class Receiver(Daemon):
             default_socket(state, "receiver")
         self._peers: dict[asyncio.Task, dict] = {}  # per connection: peer, since, counts
         self._who: dict[asyncio.Task, Peer] = {}  # per connection: who it is
-        #: Every peer label served since the start, most recent last (rqpctl trace).
-        self._peer_labels: dict[str, None] = {}
+        #: Every peer label served, most recent last (rqpctl trace); kept in state_dir.
+        self._peers_file = Path(config.state_dir) / PEERS_FILE
+        self._peer_labels: dict[str, None] = _read_peers(self._peers_file)
+        self._peers_save: asyncio.TimerHandle | None = None
         self._comings = RateLimitedLog(log, *limit, what="connections opened")
         self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
         self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
@@ -549,10 +576,21 @@ class Receiver(Daemon):
             log.debug("stopping: connections still closing after %gs", STOP_GRACE)
         expiry.cancel()
         window_retry.cancel()
+        if self._peers_save is not None:
+            self._peers_save.cancel()
+            self._save_peers()
         self.stop_service()
         await self.commits.drain()
         self.dedup.close(commit=not self.dedup.broken)
         log.info("stopped: %s", counts({**self.stats, "dead_letters": self.dead_letters.written}))
+
+    def _save_peers(self) -> None:
+        self._peers_save = None
+        data = "".join(json.dumps(label) + "\n" for label in self._peer_labels)
+        try:
+            write_file_atomically(self._peers_file, data.encode(), 0o640)
+        except OSError as exc:  # (trace finds their keys after a restart only: no more)
+            log.debug("cannot keep the peers served in %s: %s", self._peers_file, exc)
 
     # --- reload, status, metrics ---------------------------------------------------------------
 
@@ -685,10 +723,13 @@ class Receiver(Daemon):
             "peer": peer, "identity": who.identity, "since": time.time(), "frames": 0,
             "messages": 0, "dead_letters": 0, "asks": 0, "refused": 0, "repeats": 0}
         self._who[task] = who  # (what it may use is read at each status: a reload changes it)
-        self._peer_labels.pop(who.label, None)
+        known = self._peer_labels.pop(who.label, 0) is None
         self._peer_labels[who.label] = None
         if len(self._peer_labels) > PEER_MEMORY:
             del self._peer_labels[next(iter(self._peer_labels))]
+        if not known and self._peers_save is None:
+            self._peers_save = asyncio.get_running_loop().call_later(
+                PEERS_SAVE_INTERVAL, self._save_peers)
         self._comings.report("connection from %s%s", logging.INFO, peer,
                              f" ({who.identity})" if who.identity else "",
                              extra={"event": "connection_opened", "peer": who.label,

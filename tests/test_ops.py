@@ -636,6 +636,15 @@ def test_trace_follows_messages_by_key(site, testbed):
     assert code == 0 and t["state"].startswith("put"), t
     out = rqpctl(a, "trace", hex(base + 99), "--agent", "sender", "--rqprc", str(rqprc))
     assert out.returncode == 1 and "knows nothing of key" in out.stdout
+    # a restart keeps the window, and the peers whose keys are in it (a trial: "knows
+    # nothing" of a key the window had, until its peer came again)
+    assert b.stop(receiver, timeout=30) == 0
+    start_receiver(b, config=Path(receiver_config).read_text())
+    code, t = trace(b, base + 1, "--agent", "receiver", "--receiver-config", receiver_config)
+    assert code == 0 and {t["peer"], *(u["peer"] for u in t["also"])} == \
+        {a.address, c.address}, t
+    code, t = trace(b, base + 3, "--agent", "receiver", "--receiver-config", receiver_config)
+    assert code == 0 and t["peer"] == a.address, t
 
 
 def test_route_retry_ends_the_back_off_and_ping_times_a_receiver(testbed):
