@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -469,7 +470,8 @@ def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
         log.error("%s", exc)
         return 1
     except OSError as exc:  # (binding the listening socket, opening the control socket)
-        log.error("cannot start: %s", exc)
+        log.error("cannot start: %s%s", exc, " (another program, or another agent, listens "
+                  "there: ss -ltnp shows which)" if exc.errno == errno.EADDRINUSE else "")
         return 1
     except Exception:  # noqa: BLE001 - a bug on the way in or out: say so, with the traceback
         log.critical("unexpected error: exit status %d", EXIT_UNEXPECTED, exc_info=True)

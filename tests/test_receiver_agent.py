@@ -875,7 +875,9 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
     # the count only grows: a check sees the fault as it is now, for NO_ROOM_RECENT after
     assert re.search(r"\n  DEAD.LETTER.Q had NO ROOM for a dead letter \d+s ago \(answered "
                      r"DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one is "
-                     r"lost\): is rqp-dlq-drain running\?\n", status.stdout), status.stdout
+                     r"lost\): is rqp-dlq-drain running, and is DEAD.LETTER.Q large enough "
+                     r"for a burst of dead letters \(kernel.msgmnb before it is made: "
+                     r"config/60-rqp-ipc.conf\)\?\n", status.stdout), status.stdout
     assert status.returncode == EXIT_UNHEALTHY, status.stdout + status.stderr
     # ... and after a restart too (a third trial: status exited 0 and the gauge said 0, so the
     # alert ended at once, or never fired)
@@ -1875,6 +1877,14 @@ def test_with_no_config_it_listens_on_loopback_only_and_says_how_to_open_it(test
     assert qa.connect("near", "127.0.0.1", PORT)["connected"]
     # (as root and with no offer.allow, nothing is offered: see the test above)
     assert answers(qa.exchange("near", [ask(Q1)])) == ["QUEUE_NO"]
+    # a second one on that port: says what to look for (a trial: 'address already in use')
+    other = a.workdir / "other-state"
+    other.mkdir()
+    second = a.popen([sys.executable, "-m", "rqp_agents.receiver", "--state-dir", str(other)])
+    assert second.wait(20) == 1
+    err = a.output(second, "stderr")
+    assert "cannot start: " in err and "address already in use (another program, or another " \
+        "agent, listens there: ss -ltnp shows which)" in err, err
     rx.send_signal(signal.SIGTERM)
     assert rx.wait(20) == 0
 

@@ -309,6 +309,12 @@ def _window_line(w: dict) -> str:
     return line
 
 
+#: What to look at when DEAD.LETTER.Q had no room: its drain, or its size (a trial's drain ran
+#: every 3 s, and bursts of refused messages still filled a queue of 16 KiB).
+DRAIN_HINT = ("is rqp-dlq-drain running, and is DEAD.LETTER.Q large enough for a burst of dead "
+              "letters (kernel.msgmnb before it is made: config/60-rqp-ipc.conf)?")
+
+
 def _no_room(st: dict) -> str | None:
     """What a receiving MCA's status says of DEAD.LETTER.Q having no room for its dead letters,
     now or within NO_ROOM_RECENT (unhealthy); None if it had room all along."""
@@ -316,13 +322,13 @@ def _no_room(st: dict) -> str | None:
     if room < NO_ROOM_BYTES:
         return (f"DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now ({room} bytes "
                 "left of the three quarters it may fill): a message to dead-letter is answered "
-                "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost); is "
-                "rqp-dlq-drain running?")
+                "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost): "
+                f"{DRAIN_HINT}")
     at = st.get("dead_letters_no_room_at")
     if at is not None and st["now"] - at < NO_ROOM_RECENT:
         return (f"DEAD.LETTER.Q had NO ROOM for a dead letter {_ago(at, st['now'])} ago "
                 "(answered DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one "
-                "is lost): is rqp-dlq-drain running?")
+                f"is lost): {DRAIN_HINT}")
     return None
 
 
