@@ -94,6 +94,10 @@ def test_files_it_cannot_read_are_left_out_and_taken_later(spark, generated, tmp
     assert "1 line(s) of archive schema 3" in left_out["dlq-newer.jsonl"]
     assert "no line could be read" in left_out["dlq-garbage.jsonl.gz"]
     assert "dlq-newer.jsonl left out" in err.getvalue()
+    page = (tmp_path / "out" / "report.html").read_text()  # (a trial: on stderr only)
+    assert 'id="left-out">2 archive file(s) left out of this report' in page, page[:3000]
+    assert "dlq-newer.jsonl: 1 line(s) of archive schema 3" in page and \
+        "dlq-garbage.jsonl.gz: no line could be read" in page
     assert summary["store"]["new_files"] == 4  # (the empty one too)
     assert summary["totals"]["lines"] == 2 * PER_FILE + 2  # none of newer's lines
     assert summary["totals"]["unreadable_lines"] == 1  # {"schema": 2, "id": "abc"}

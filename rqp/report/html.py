@@ -81,6 +81,10 @@ class Timeline:
     rows: tuple[tuple[str, str, int], ...]
 
 
+#: Files left out named on the page (summary.json has them all).
+LEFT_OUT_SHOWN = 20
+
+
 def safe_text(value, limit: int | None = None) -> str:
     """``value`` as text fit for HTML: hidden characters made visible, cut to ``limit``
     characters (with an ellipsis), escaped."""
@@ -568,6 +572,17 @@ def render(summary: dict, timeline: Timeline, samples: list[dict],
             'letter(s) dated before 2000 or more than a day after this report (a host\'s '
             'clock?) are counted, but left out of first and last seen, the timeline and the '
             'trends.</p>')
+    left_out = {**(summary.get("left_out") or {}),
+                **((summary.get("store") or {}).get("left_out") or {})}
+    if left_out:  # (a trial: named on stderr and in summary.json only, not on the page)
+        shown = sorted(left_out.items())[:LEFT_OUT_SHOWN]
+        more = len(left_out) - len(shown)
+        add(f'<p class="note" id="left-out">{_num(len(left_out))} archive file(s) left out of '
+            'this report, their dead letters not counted (taken by a later run once they '
+            'can be read):</p><ul class="note" id="left-out-files">'
+            + "".join(f"<li>{_e(name, 300)}: {_e(why, 300)}</li>" for name, why in shown)
+            + (f"<li>and {_num(more)} more (summary.json names them all)</li>" if more else "")
+            + "</ul>")
     cards = [
         ("total-dead-letters", "dead letters", _num(totals["dead_letters"])),
         ("total-lines", "archive lines read", _num(totals["lines"])),

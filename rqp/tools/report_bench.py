@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         from rqp.report import compute
 
         master = args.master
+        # (its driver on loopback, as the report's: a trial saw it bind to the host's
+        # interface address, which the hostname resolved to)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         if args.cluster:
             from rqp.tools.spark_standalone import StandaloneCluster
 
@@ -140,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
                                         memory=args.executor_memory,
                                         workdir=os.path.join(tmp, "cluster")).start()
             master = cluster.url
-            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         t0 = time.monotonic()
         builder = (
             SparkSession.builder.master(master).appName("rqp-dlq-report-bench")
