@@ -135,6 +135,12 @@ def test_the_report_job_records_each_runs_outcome_for_its_alerts(spark, tmp_path
     assert job.main(["--input", str(empty), "--output", str(tmp_path / "o1"), "--allow-empty",
                      "--metrics-file", str(prom)]) == 0
     assert "no archive files" in capsys.readouterr().err
+    # a name the textfile collector would not read: said (a trial's typo went unseen)
+    assert job.main(["--input", str(empty), "--output", str(tmp_path / "o1"), "--allow-empty",
+                     "--metrics-file", str(prom.with_suffix(".txt"))]) == 0
+    assert "does not end in .prom: node_exporter's textfile collector reads only *.prom" in \
+        capsys.readouterr().err
+    prom.with_suffix(".txt").unlink()
     assert not (tmp_path / "o1").exists()  # Spark was not started, nothing written
     first = _metrics(prom)
     assert first["rqp_dlq_report_last_run_exit_status"] == 0

@@ -260,6 +260,9 @@ def check_metrics_file(path: str) -> None:
         raise ReportError(f"--metrics-file {path}: {directory} is not a directory")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ReportError(f"--metrics-file {path}: no permission to write in {directory}")
+    if not path.endswith(".prom"):  # (a typo would never alert: a warning, it may be meant)
+        print(f"{PROG}: warning: --metrics-file {path} does not end in .prom: node_exporter's "
+              "textfile collector reads only *.prom files", file=sys.stderr)
 
 
 def _last_success(path: str) -> float:
