@@ -355,7 +355,7 @@ def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, caps
     (archive / "dlq-broken-20260101T000000.000000Z-1-000001.jsonl.gz").write_bytes(b"no gzip")
     assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 1
     out, err = capsys.readouterr()
-    assert "listed too" in out and "2 dead letter(s) in 1 file(s)" in out, out
+    assert "listed too" in out and "2 archive row(s) in 1 file(s)" in out, out
     assert "dlq-broken-" in err and "(its rows are not listed)" in err, err
     assert f"{path}: line 2: not a JSON object (not listed)" in err, err
     # show finds a row beside them (a trial: one bad line anywhere disabled show and resubmit)

@@ -378,7 +378,8 @@ def _list(args) -> int:
     for line in [header, *table]:
         _say("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
     more = f"; showing the first {len(table)} (--limit 0 shows all)" if len(table) < total else ""
-    _say(f"{total} dead letter(s) in {files} file(s){more}")
+    _say(f"{total} archive row(s) in {files} file(s){more}")  # (rows: a dead letter archived
+    # twice is two, which the report counts once -- a trial compared the two counts)
     if any(row[4].endswith("*") for row in table):
         _say("SURE*: a notice, written by a receiving MCA: the sending MCA of its host keeps "
              "the message and sends it again itself (replay keeps the row; resubmit asks for "
