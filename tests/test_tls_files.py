@@ -143,6 +143,21 @@ def test_a_handshake_the_receiver_cut_off_says_what_may_be_why(exc):
         in said or isinstance(exc, ConnectionResetError), said
 
 
+@pytest.mark.parametrize("message", ["unable to get local issuer certificate",
+                                     "self-signed certificate in certificate chain",
+                                     "self-signed certificate"])
+def test_a_certificate_of_another_ca_is_named_so(message):
+    """A trial: a receiver whose certificate chained to another CA (its root sent along) was
+    'certificate verify failed: self-signed certificate in certificate chain' at the sender,
+    with none of the hint the other case had."""
+    from rqp.system.tls import handshake_problem
+
+    exc = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    exc.verify_message = message
+    assert handshake_problem(exc) == (f"certificate verify failed: {message} (the peer's "
+                                      "certificate is not from the CA in this host's tls.ca)")
+
+
 def test_a_key_its_group_may_read_is_said_when_others_are_in_that_group(ca):
     """Trial C: a key 0640 root:rqp drew no warning, and the applications are in rqp (as the
     README asks): every one of them could read the host's private key. Said now, naming

@@ -251,7 +251,9 @@ def handshake_problem(exc: BaseException) -> str:
             hint = (" (the receiver's certificate does not name the host as this sender dials "
                     "it: list that name or address in hosts, or issue the receiver a "
                     "certificate with it: rqpctl tls issue HOST --dns NAME --ip ADDRESS)")
-        elif "issuer" in (exc.verify_message or ""):
+        elif any(word in (exc.verify_message or "") for word in ("issuer", "self-signed")):
+            # (another CA's chain, its root sent along: "self-signed certificate in
+            # certificate chain", which a trial's sender said with no hint)
             hint = " (the peer's certificate is not from the CA in this host's tls.ca)"
         return f"certificate verify failed: {exc.verify_message}{hint}"
     if isinstance(exc, ssl.SSLError):
