@@ -4,6 +4,7 @@ the metrics endpoint, reload on SIGHUP, and the command-line entry."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import errno
 import json
@@ -42,9 +43,12 @@ class RateLimitedLog:
     connection closed and one timed out). :attr:`count` counts them all."""
 
     def __init__(self, log: logging.Logger, interval: float, burst: int = 1, *,
-                 what: str = "lines like it") -> None:
+                 what: str = "lines like it",
+                 held_detail: Callable[[], str] | None = None) -> None:
         self.log = log
         self.what = what
+        #: What more to say of the lines held back, when their count is said (then reset).
+        self.held_detail = held_detail
         _LIMITS.add(self)
         self.interval = interval
         self.burst = burst
@@ -56,9 +60,9 @@ class RateLimitedLog:
         self._held_level = logging.INFO
 
     def report(self, text: str, level: int = logging.WARNING, *args: object,
-               extra: dict | None = None) -> None:
+               extra: dict | None = None) -> bool:
         """Log ``text % args`` at ``level`` (``extra``: the event's fields, for JSON logs),
-        unless this kind is over its burst."""
+        unless this kind is over its burst: whether it was logged."""
         self.count += 1
         now = time.monotonic()
         if now - self._window >= self.interval:
@@ -68,12 +72,13 @@ class RateLimitedLog:
                 self._held_since = time.time()
             self._held += 1
             self._held_level = level
-            return
+            return False
         self._logged += 1
         message = text % args if args else text
         if self._held:
             message += f" ({self._take_held()})"
         self.log.log(level, "%s", message, extra=extra)
+        return True
 
     def flush(self) -> None:
         """Log how many lines are held back, if any (they would be said with the next line
@@ -85,37 +90,71 @@ class RateLimitedLog:
         """'N more <what> not logged since HH:MM:SS', and the count starts again."""
         since = time.strftime("%H:%M:%S", time.localtime(self._held_since))
         note, self._held = f"{self._held} more {self.what} not logged since {since}", 0
-        return note
+        detail = self.held_detail() if self.held_detail is not None else ""
+        return f"{note}: {detail}" if detail else note
 
 
 class KeyedRateLimitedLog:
     """A :class:`RateLimitedLog` for each key (a handshake's reason, a peer), so that one
     key's flood does not hide another's lines (a trial: a scanner's "no certificate" every
     10 s kept a real host's "certificate has expired" out of the log for good). At most
-    ``keys`` of them; lines of further keys share one more limit."""
+    ``keys`` of them, a key idle for three intervals giving its place to a new one; lines of
+    further keys share one more limit, whose count of lines held back names their keys, up
+    to ``keys`` of them (a re-check's peer made 65 reasons: the 66th, a real host's, was
+    only counted)."""
 
     def __init__(self, log: logging.Logger, interval: float, *, what: str, others: str,
                  keys: int = 64) -> None:
         self.log, self.interval, self.keys = log, interval, keys
         self.what, self.others = what, others  # (of one key, of the keys beyond ``keys``)
         self._limits: dict[str, RateLimitedLog] = {}
+        self._used: dict[str, float] = {}  # key -> when it was last reported (monotonic)
         self._others: RateLimitedLog | None = None
+        self._others_held: collections.Counter[str] = collections.Counter()
+        self._others_beyond = 0  # lines held back of keys beyond those named
+        self._gone = 0  # lines of keys given up (for count)
 
     def report(self, key: str, text: str, level: int = logging.WARNING) -> None:
+        now = time.monotonic()
         limit = self._limits.get(key)
-        if limit is None:
-            if len(self._limits) < self.keys:
-                limit = self._limits[key] = RateLimitedLog(self.log, self.interval,
-                                                           what=self.what)
+        if limit is None and len(self._limits) >= self.keys:
+            self._give_up_idle(now)
+        if limit is None and len(self._limits) < self.keys:
+            limit = self._limits[key] = RateLimitedLog(self.log, self.interval, what=self.what)
+        if limit is not None:
+            self._used[key] = now
+            limit.report(text, level)
+            return
+        if self._others is None:
+            self._others = RateLimitedLog(self.log, self.interval, what=self.others,
+                                          held_detail=self._others_detail)
+        if not self._others.report(text, level):
+            if key in self._others_held or len(self._others_held) < self.keys:
+                self._others_held[key] += 1
             else:
-                if self._others is None:
-                    self._others = RateLimitedLog(self.log, self.interval, what=self.others)
-                limit = self._others
-        limit.report(text, level)
+                self._others_beyond += 1
+
+    def _give_up_idle(self, now: float) -> None:
+        """Free the places of keys not reported for three intervals (what they held back
+        said first)."""
+        for key, at in list(self._used.items()):
+            if now - at >= 3 * self.interval:
+                limit = self._limits.pop(key)
+                del self._used[key]
+                limit.flush()
+                self._gone += limit.count
+
+    def _others_detail(self) -> str:
+        held = ", ".join(f"{n} of {key!r}" for key, n in self._others_held.most_common())
+        if self._others_beyond:
+            held += f", {self._others_beyond} of other kinds still"
+        self._others_held.clear()
+        self._others_beyond = 0
+        return held
 
     @property
     def count(self) -> int:
-        return sum(limit.count for limit in self._limits.values()) + (
+        return self._gone + sum(limit.count for limit in self._limits.values()) + (
             self._others.count if self._others is not None else 0)
 
 

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import queue
 import socket
 import sys
@@ -117,12 +118,20 @@ def _read_time(path: Path) -> float | None:
     return at if 0 < at <= time.time() else None
 
 
+#: The longest peer label kept in PEERS_FILE (an address, or a certificate's name), and so
+#: the most of it read (a re-check's 400 MB line was read whole, and kept).
+PEER_LABEL_MOST = 1024
+
+
 def _read_peers(path: Path) -> dict[str, None]:
     """The peer labels kept in ``path`` (:data:`PEERS_FILE`), the most recent last; none if
-    it cannot be read, and any line that is not a JSON string skipped."""
+    it cannot be read, and any line that is not a JSON string of a label skipped."""
     labels: dict[str, None] = {}
+    most = PEER_MEMORY * (PEER_LABEL_MOST * 6 + 3)  # (a label's JSON: \u escapes at worst)
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - most, 0))
+            lines = f.read(most).decode("utf-8", errors="replace").splitlines()
     except OSError:
         return labels
     for line in lines[-PEER_MEMORY:]:
@@ -130,7 +139,7 @@ def _read_peers(path: Path) -> dict[str, None]:
             label = json.loads(line)
         except ValueError:
             continue
-        if isinstance(label, str):
+        if isinstance(label, str) and len(label) <= PEER_LABEL_MOST:
             labels.pop(label, None)
             labels[label] = None
     return labels
@@ -481,6 +490,7 @@ class Receiver(Daemon):
         self._peers_file = Path(config.state_dir) / PEERS_FILE
         self._peer_labels: dict[str, None] = _read_peers(self._peers_file)
         self._peers_save: asyncio.TimerHandle | None = None
+        self._peers_trouble = RateLimitedLog(log, 3600.0, what="failures to keep the peers")
         self._comings = RateLimitedLog(log, *limit, what="connections opened")
         self._goings = RateLimitedLog(log, *limit, what="connections closed, lost or timed out")
         self._errors = RateLimitedLog(log, *limit, what="connections closed for errors")
@@ -586,11 +596,15 @@ class Receiver(Daemon):
 
     def _save_peers(self) -> None:
         self._peers_save = None
-        data = "".join(json.dumps(label) + "\n" for label in self._peer_labels)
+        data = "".join(json.dumps(label) + "\n" for label in self._peer_labels
+                       if len(label) <= PEER_LABEL_MOST)
         try:
             write_file_atomically(self._peers_file, data.encode(), 0o640)
-        except OSError as exc:  # (trace finds their keys after a restart only: no more)
-            log.debug("cannot keep the peers served in %s: %s", self._peers_file, exc)
+        except OSError as exc:  # (trace finds their keys after a restart only: no more; a
+            self._peers_trouble.report(  # re-check saw it at DEBUG only)
+                "cannot keep the peers served in %s (rqpctl trace after a restart finds "
+                "their keys only once they connect again): %s", logging.WARNING,
+                self._peers_file, exc)
 
     # --- reload, status, metrics ---------------------------------------------------------------
 

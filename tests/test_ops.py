@@ -1336,3 +1336,32 @@ def test_only_root_or_the_agents_user_may_act_on_routes(testbed):
         assert out.returncode == 0, out.stdout + out.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_metrics_comments_stay_one_line_and_trace_names_a_few_peers():
+    """Re-check: a path with a newline split a '# ... none answers here' comment of rqpctl
+    metrics in two (promtool failed on the second half); trace's line of a key 1,024 peers
+    used was 86 KB long."""
+    from rqp.tools.ctl_agents import TRACE_ALSO_SHOWN, _comment, _trace_line
+
+    assert _comment("no .rqprc in /tmp/a\nb\\c\r") == "# no .rqprc in /tmp/a\\nb\\\\c\\r"
+    put = "put (SURE; its key is in the de-duplication window)"
+    also = [{"state": put, "peer": f"10.0.0.{i}", "at": 90.0} for i in range(7)]
+    line = _trace_line({"state": put, "peer": "10.0.0.99", "at": 95.0, "also": also}, 100.0)
+    assert line.count("; also ") == TRACE_ALSO_SHOWN and \
+        line.endswith("; and 2 more peer(s) (--json lists them)"), line
+
+
+def test_a_config_with_a_mistake_is_asked_where_its_tilde_paths_lead(tmp_path, monkeypatch):
+    """Re-check: a config with a mistake and state_dir "~/sc" (which the agents expand) was
+    looked for in ./~/sc: its running agent was not found, exit 2."""
+    from rqp.tools.ctl_agents import _despite
+
+    home = tmp_path / "home"
+    (home / "sc").mkdir(parents=True)
+    (home / "sc" / "receiver.sock").touch()
+    monkeypatch.setenv("HOME", str(home))
+    config = tmp_path / "r.yaml"
+    config.write_text('state_dir: "~/sc"\ncontrol_socket: "~/ctl.sock"\ntypo: 1\n')
+    got = _despite(str(config), "/run/rqp/receiver/control.sock", "receiver")
+    assert got[:2] == [home / "ctl.sock", home / "sc" / "receiver.sock"], got

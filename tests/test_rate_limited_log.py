@@ -110,5 +110,24 @@ def test_a_keyed_limit_lets_each_key_be_heard_and_bounds_the_keys(monkeypatch, c
     assert re.fullmatch(r"no certificate \(2 more of this kind not logged since "
                         r"\d\d:\d\d:\d\d\)", got[3]), got
     assert re.fullmatch(r"a fifth reason \(1 more of other kinds not logged since "
-                        r"\d\d:\d\d:\d\d\)", got[4]), got
+                        r"\d\d:\d\d:\d\d: 1 of 'fourth'\)", got[4]), got
     assert lines.count == 8 and len(got) == 5
+    # a re-check: a peer that made more reasons than places kept a new one, a real host's,
+    # to the shared limit for good. Keys idle for three intervals give their places up...
+    now[0] += 30.0
+    with caplog.at_level(logging.INFO, logger=log.name):
+        caplog.clear()
+        lines.report("sixth", "a sixth reason")  # (scan and expired idle 30 s: freed)
+        lines.report("seventh", "a seventh reason")
+        lines.report("seventh", "a seventh reason")  # (held by its own limit)
+        lines.report("eighth", "an eighth reason")  # (no place now: the shared limit...)
+        lines.report("ninth", "a ninth reason")  # (...which holds this one back, named)
+        got = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        daemon.flush_held_lines()
+        held = sorted(r.getMessage() for r in caplog.records if r.name == log.name)
+    assert got == ["a sixth reason", "a seventh reason", "an eighth reason"], got
+    assert [re.sub(r"\d\d:\d\d:\d\d", "T", line) for line in held] == [
+        "1 more of other kinds not logged since T: 1 of 'ninth'",
+        "1 more of this kind not logged since T"], held
+    assert lines.count == 13

@@ -877,7 +877,8 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
                      r"DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one is "
                      r"lost\): is rqp-dlq-drain running, and is DEAD.LETTER.Q large enough "
                      r"for a burst of dead letters \(kernel.msgmnb before it is made: "
-                     r"config/60-rqp-ipc.conf\)\?\n", status.stdout), status.stdout
+                     r"/etc/sysctl.d/60-rqp-ipc.conf, which scripts/install puts there\)\?\n",
+                     status.stdout), status.stdout
     assert status.returncode == EXIT_UNHEALTHY, status.stdout + status.stderr
     # ... and after a restart too (a third trial: status exited 0 and the gauge said 0, so the
     # alert ended at once, or never fired)
@@ -1909,3 +1910,27 @@ def test_protocol_errors_and_every_dead_letter_are_counted_in_the_metrics(testbe
     for queue in ("0x52510001", "0x00000000", "0x52510099"):
         assert (f'rqp_receiver_messages_total{{outcome="dead_lettered",queue="{queue}"}} 1.0\n'
                 in metrics), metrics
+
+
+def test_the_peers_kept_for_trace_are_read_within_bounds(tmp_path):
+    """A re-check: a peers.seen of one 400 MB line was read whole, and the label kept. Only
+    its end is read, a label is at most PEER_LABEL_MOST long, and a line that is no JSON
+    string is skipped."""
+    import tracemalloc
+
+    from rqp_agents.receiver import PEER_MEMORY, _read_peers
+
+    path = tmp_path / "peers.seen"
+    with open(path, "w") as f:
+        f.write(json.dumps("h" * (20 << 20)) + "\n")  # (20 MiB: one line)
+        f.write("".join(json.dumps(f"10.0.{i // 256}.{i % 256}") + "\n" for i in range(1500)))
+        f.write("[1, 2]\nnot json\n" + json.dumps("a.example") + "\n")
+    tracemalloc.start()
+    labels = _read_peers(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    assert list(labels)[-1] == "a.example" and len(labels) == PEER_MEMORY - 2
+    assert all(len(label) <= 1024 for label in labels)
+    path.write_bytes(b"\x00\xff" * 1000)
+    assert _read_peers(path) == {}

@@ -156,11 +156,12 @@ def _despite(path: str, runtime: str, name: str) -> list[Path]:
     except (OSError, ValueError, yaml.YAMLError):
         data = None
     data = data if isinstance(data, dict) else {}
-    here, control, state = os.path.dirname(os.path.abspath(path)), \
-        data.get("control_socket"), data.get("state_dir")
-    out = [Path(here, control)] if isinstance(control, str) and control else []
-    for directory in ([Path(here, state)] if isinstance(state, str) and state else []) + \
-            [Path(default_state_dir())]:
+    here = os.path.dirname(os.path.abspath(path))
+    # (~ as the agents read it: a re-check's state_dir "~/sc" was not found)
+    control, state = (os.path.expanduser(v) if isinstance(v, str) and v else None
+                      for v in (data.get("control_socket"), data.get("state_dir")))
+    out = [Path(here, control)] if control else []
+    for directory in ([Path(here, state)] if state else []) + [Path(default_state_dir())]:
         out += sorted(directory.glob(f"{name}.sock"))
     return [*out, Path(runtime)]
 
@@ -312,7 +313,8 @@ def _window_line(w: dict) -> str:
 #: What to look at when DEAD.LETTER.Q had no room: its drain, or its size (a trial's drain ran
 #: every 3 s, and bursts of refused messages still filled a queue of 16 KiB).
 DRAIN_HINT = ("is rqp-dlq-drain running, and is DEAD.LETTER.Q large enough for a burst of dead "
-              "letters (kernel.msgmnb before it is made: config/60-rqp-ipc.conf)?")
+              "letters (kernel.msgmnb before it is made: /etc/sysctl.d/60-rqp-ipc.conf, which "
+              "scripts/install puts there)?")
 
 
 def _no_room(st: dict) -> str | None:
@@ -573,6 +575,10 @@ def trace(args) -> int:
     return 0 if found else EXIT_NOT_RUNNING if unasked else 1
 
 
+#: Other peers that used a key named on trace's line (a re-check's 1,024 made 86 KB of it).
+TRACE_ALSO_SHOWN = 5
+
+
 def _trace_line(t: dict, now: float) -> str:
     queue = t.get("queue", "") + (f" {t['name']}" if t.get("name") else "")
     state = t["state"]
@@ -588,10 +594,13 @@ def _trace_line(t: dict, now: float) -> str:
                                       if t.get("retry_at") else "")
                 + (f"; last error: {t['last_error']}" if t["last_error"] else ""))
     if "peer" in t:  # the receiving MCA (each peer's keys are its own: all that used it)
+        also = t.get("also", ())
+        more = len(also) - TRACE_ALSO_SHOWN
         return "; also ".join(
             f"{u['state']}, from {u['peer']}" + (f", {_ago(u['at'], now)} ago" if u.get("at")
                                                   else "")
-            for u in (t, *t.get("also", ())))
+            for u in (t, *also[:TRACE_ALSO_SHOWN])) + (
+            f"; and {more} more peer(s) (--json lists them)" if more > 0 else "")
     held = (f"; held in memory, not yet on DEAD.LETTER.Q ({t['held_in_memory']}): lost if "
             "the sending MCA stops, unless SURE" if t.get("held_in_memory") else "")
     return f"{state}, queue {queue}, {_ago(t['at'], now)} ago: {t['detail']}{held}"
@@ -679,9 +688,9 @@ def metrics(args) -> int:
             texts[agent if agent not in texts else name] = ask(candidates, "metrics")["text"]
         except ControlError as exc:
             if (none := _optional(args, targets, name, exc)) is not None:
-                notes.append(f"# {none}")  # (a comment: the exposition stays valid)
+                notes.append(_comment(none))  # (a comment: the exposition stays valid)
                 continue
-            notes.append(f"# {_not_answering(args, name, exc)}")
+            notes.append(_comment(_not_answering(args, name, exc)))
             code = EXIT_NOT_RUNNING
     print("\n".join(notes), end="\n" if notes else "")
     if len(texts) == 1 and len(targets) == 1:
@@ -689,6 +698,12 @@ def metrics(args) -> int:
     elif texts:
         print(merge_expositions(texts), end="")
     return code
+
+
+def _comment(text: str) -> str:
+    """``text`` as one comment line of an exposition (a re-check's path with a newline in
+    it split it, and promtool failed on the second half)."""
+    return "# " + text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def merge_expositions(texts: dict[str, str]) -> str:
