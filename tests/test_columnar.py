@@ -232,10 +232,15 @@ def test_a_file_the_store_leaves_out_is_said_in_one_line_without_java(generated,
     run, above the store's own line saying it was left out."""
     archive = archive_of(tmp_path, generated[:1])
     (archive / "dlq-garbage.jsonl.gz").write_bytes(os.urandom(4096))
+    os.mkfifo(archive / "dlq-fifo.jsonl")  # (a re-check: the report waited on it for good)
     done = _job(archive, tmp_path / "out", tmp_path / "store")
     assert done.returncode == 0, done.stderr
     assert "dlq-garbage.jsonl.gz left out" in done.stderr, done.stderr
+    assert "dlq-fifo.jsonl left out (not taken into the store; tried again next run): not a " \
+        "regular file" in done.stderr, done.stderr
     assert "\tat " not in done.stderr and "not a gzip file" not in done.stderr, done.stderr
+    # (nor the INFO lines a level restored as the reading's own let through: a re-check)
+    assert " INFO " not in done.stderr, done.stderr
 
 
 def test_a_kill_between_writing_and_recording_counts_nothing_twice(spark, generated, tmp_path):

@@ -193,7 +193,7 @@ def test_a_second_ctrl_c_while_spark_starts_ends_it_at_once_and_leaves_nothing(a
         for line in proc.stderr:  # (what it says at the first: it waits for Spark)
             if "stopping once Spark has started" in line:
                 break
-        assert "Ctrl-C again: end it now" in line, line
+        assert "Ctrl-C or SIGTERM again: end it now" in line, line
     except BaseException:
         _interrupt(proc, seen | set(descendants(proc.pid)))
         raise

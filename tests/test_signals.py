@@ -225,3 +225,18 @@ def _cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def test_the_unraisable_hook_holds_at_the_interpreters_end(monkeypatch):
+    """A re-check: a second SIGTERM at the end of a report printed "TypeError: 'NoneType'
+    object is not iterable" from the hook, the module's globals gone."""
+    import types
+
+    from rqp.system import signals as module
+
+    seen = []
+    monkeypatch.setattr(module, "_raised", None)  # (as at the interpreter's end)
+    monkeypatch.setattr(module, "_unraisable_before", seen.append)
+    info = types.SimpleNamespace(exc_value=ValueError("x"))
+    module._unraisable(info)
+    assert seen == [info]

@@ -52,6 +52,7 @@ import gzip
 import json
 import os
 import secrets
+import stat
 import time
 import urllib.parse
 import zlib
@@ -143,8 +144,11 @@ def unreadable(uri: str) -> str | None:
     file it may read, or one not on this host's disk."""
     if not uri.startswith("file:"):
         return None
+    path = _local_path(uri)
     try:
-        with open(_local_path(uri), "rb"):
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a re-check's FIFO named *.jsonl: the
+            return "not a regular file (a FIFO? a device?)"  # open below waited for good)
+        with open(path, "rb"):
             return None
     except PermissionError as exc:
         return f"cannot be read by this user ({exc.strerror}); taken once it can be"
@@ -199,14 +203,23 @@ SKIPPED_FILE_LOGGER = "org.apache.spark.sql.execution.datasources.FileScanRDD"
 
 @contextmanager
 def _quiet(spark: SparkSession, name: str):
-    """Logger ``name`` at ERROR for the time of the block, then as it was."""
+    """Logger ``name`` at ERROR for the time of the block, then as it was: a level of its own
+    only if it had one (a re-check: restored to the INFO it inherited, as a level of its own,
+    it passed the shell's WARN threshold, and each store run logged ~60 INFO lines)."""
     log4j = spark.sparkContext._jvm.org.apache.logging.log4j
-    before = log4j.LogManager.getLogger(name).getLevel()
+    context = log4j.LogManager.getContext(False)
+    config = context.getConfiguration()
+    own = config.getLoggerConfig(name)
+    before = own.getLevel() if own.getName() == name else None
     log4j.core.config.Configurator.setLevel(name, log4j.Level.ERROR)
     try:
         yield
     finally:
-        log4j.core.config.Configurator.setLevel(name, before)
+        if before is not None:
+            log4j.core.config.Configurator.setLevel(name, before)
+        else:
+            config.removeLogger(name)
+            context.updateLoggers()
 
 
 def per_file(rows: DataFrame) -> list:

@@ -663,7 +663,8 @@ def _made_aside(make: Callable[[], SparkSession]) -> SparkSession:
             again = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (rqp-demo
             # takes one stop only, and cleans up after it)
             print(f"{PROG}: stopping once Spark has started" + (
-                " (Ctrl-C again: end it now)" if again else ""), file=sys.stderr, flush=True)
+                " (Ctrl-C or SIGTERM again: end it now)" if again else ""),
+                file=sys.stderr, flush=True)
             done.wait()
         except KeyboardInterrupt:
             # The making ends with the processes it started, and its clean-up runs (PySpark's

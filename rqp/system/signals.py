@@ -99,9 +99,11 @@ def raising(exc: BaseException) -> BaseException:
     return exc
 
 
-def _unraisable(info) -> None:
-    if not any(info.exc_value is each for each in _raised):
-        (_unraisable_before or sys.__unraisablehook__)(info)
+def _unraisable(info, _sys=sys) -> None:
+    # (at the interpreter's end this module's globals may be None already: a re-check's
+    # second SIGTERM gave "TypeError: 'NoneType' object is not iterable" here)
+    if not any(info.exc_value is each for each in _raised or ()):
+        (_unraisable_before or _sys.__unraisablehook__)(info)
 
 
 def raise_if_stopped() -> None:
