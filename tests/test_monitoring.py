@@ -79,22 +79,48 @@ def test_an_archive_the_report_user_cannot_read_is_an_error_not_an_empty_one():
         (open_ / "dl.jsonl").chmod(0o644)
         closed.chmod(0o700)
         (open_ / "host-b").chmod(0o700)
+        # (re-check: a glob into it, a directory listed but not searchable, a link to a
+        # host's directory, and a link loop)
+        listed = top / "listed"
+        (listed / "host-c").mkdir(parents=True)
+        (listed / "host-c" / "dl.jsonl").write_text("{}\n")
+        listed.chmod(0o744)
+        linked = top / "linked"
+        linked.mkdir()
+        linked.chmod(0o755)
+        (linked / "host-a").symlink_to(top / "shared")
+        (top / "shared").mkdir()
+        (top / "shared").chmod(0o755)
+        (top / "shared" / "dl.jsonl").write_text("{}\n")
+        (top / "shared" / "dl.jsonl").chmod(0o644)
+        looped = top / "looped"
+        (looped / "host-d").mkdir(parents=True)
+        for d in (looped, looped / "host-d"):
+            d.chmod(0o755)
+        (looped / "host-d" / "dl.jsonl").write_text("{}\n")
+        (looped / "host-d" / "dl.jsonl").chmod(0o644)
+        (looped / "host-d" / "loop").symlink_to("..")
         script = ("import sys\nfrom rqp.report import job\n"
                   "for path in sys.argv[1:]:\n"
                   "    try: job.check_local_inputs([path]); print('taken')\n"
                   "    except job.ReportError as exc: print(type(exc).__name__, exc)\n")
         done = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-             "-c", script, str(closed), str(open_), str(closed / "dl.jsonl")],
+             "-c", script, str(closed), str(open_), str(closed / "dl.jsonl"), f"{closed}/*",
+             f"{top}/*/*.jsonl", str(listed), str(linked), str(looped)],
             capture_output=True, text=True, timeout=60, cwd=Path(job.__file__).parents[2])
     finally:
         shutil.rmtree(top)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 3, lines
-    for line, path in zip(lines, (closed, open_ / "host-b", closed / "dl.jsonl")):
-        assert line.startswith(f"ReportError cannot read the input: {path}: Permission denied "
-                               "(this report runs as nobody)"), line
+    assert len(lines) == 8, lines
+    for line, paths in zip(lines, ([closed], [open_ / "host-b"], [closed / "dl.jsonl"],
+                                   [closed], [closed, listed], [listed])):
+        assert any(line.startswith(f"ReportError cannot read the input: {path}: Permission "
+                                   "denied (this report runs as nobody)") for path in paths), line
+    assert lines[6] == "taken", lines
+    assert lines[7].startswith(f"ReportError cannot read the input: {looped}/host-d/loop is "
+                               f"{looped} again, through a symbolic link"), lines[7]
 
 
 def test_a_full_disk_under_the_output_is_named_in_the_error_line(spark, tmp_path, capsys):

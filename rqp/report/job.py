@@ -78,6 +78,8 @@ if not __package__:
 
 import argparse
 import contextlib
+import errno
+import fnmatch
 import glob
 import importlib
 import importlib.util
@@ -123,6 +125,7 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
     found = False
     for path in local:
         if glob.has_magic(path):
+            _check_glob_directories(path)  # (glob passes over those it cannot read)
             matches = glob.glob(path)
         else:
             try:
@@ -142,19 +145,57 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
 
 def _holds_archive_files(path: str) -> bool:
     """Whether ``path`` is a file, or a directory holding an archive file outside hidden
-    directories (``.incoming``, ``.state``); a ReportError for a directory in it that this
-    user cannot read."""
+    directories (``.incoming``, ``.state``), symbolic links followed as Spark follows them; a
+    ReportError for a directory in it that this user cannot read, or that a link leads to
+    twice (a re-check: a link to the host's directory made the archive look empty, and a
+    loop had Spark read one file 41 times)."""
     if not os.path.isdir(path):
         return True
 
     def unreadable(exc: OSError) -> None:
         raise _cannot_read(exc.filename or path, exc)
-    found = False
-    for _root, dirs, files in os.walk(path, onerror=unreadable):
+    found, seen = False, {}
+    for root, dirs, files in os.walk(path, onerror=unreadable, followlinks=True):
+        _searchable(root)
+        st = os.stat(root)
+        if (first := seen.setdefault((st.st_dev, st.st_ino), root)) != root:
+            raise ReportError(f"cannot read the input: {root} is {first} again, through a "
+                              "symbolic link: Spark would read its files twice or more (a "
+                              "loop: for ever); remove the link, or give the directories apart")
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found = found or any(not f.startswith(".") and f.endswith((".jsonl", ".jsonl.gz"))
                              for f in files)
     return found
+
+
+def _searchable(directory: str) -> None:
+    """A ReportError if this user may list ``directory`` but not reach what is in it (mode
+    r without x: a re-check's files were found, then Spark read none)."""
+    if not os.access(directory, os.R_OK | os.X_OK, effective_ids=True):
+        raise _cannot_read(directory, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+
+
+def _check_glob_directories(pattern: str) -> None:
+    """Every directory a glob ``pattern`` goes through can be read (glob passes over those it
+    cannot, and a re-check's archive behind one was "empty": with --allow-empty a success)."""
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    level = [os.path.join(*parts[:first]) if first else "."]
+    for i in range(first, len(parts)):
+        below = []
+        for directory in level:
+            try:
+                with os.scandir(directory) as entries:
+                    names = [e.name for e in entries]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise _cannot_read(directory, exc) from None
+            _searchable(directory)
+            below += [os.path.join(directory, n) for n in names
+                      if fnmatch.fnmatch(n, parts[i]) and os.path.isdir(os.path.join(directory, n))
+                      and (not n.startswith(".") or parts[i].startswith("."))]
+        level = below
 
 
 def _cannot_read(path: str, exc: OSError) -> ReportError:
