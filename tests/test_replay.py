@@ -358,6 +358,15 @@ def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, caps
     assert "listed too" in out and "2 archive row(s) in 1 file(s)" in out, out
     assert "dlq-broken-" in err and "(its rows are not listed)" in err, err
     assert f"{path}: line 2: not a JSON object (not listed)" in err, err
+    # a file of many lines it cannot list: three named, the rest counted (a re-check: one
+    # error line per line of a file of schema 3)
+    many = archive / "dlq-many-20260101T000000.000000Z-1-000002.jsonl.gz"
+    many.write_bytes(gzip.compress(b"[1]\n" * 50))
+    assert ctl.main(["dlq", "list", "--archive", str(archive)]) == 1
+    err = capsys.readouterr().err
+    assert err.count(f"{many}: line ") == 3 and \
+        f"{many}: 47 more line(s) not listed, as those above" in err, err
+    many.unlink()
     # show finds a row beside them (a trial: one bad line anywhere disabled show and resubmit)
     [listed] = [line for line in out.splitlines() if "listed too" in line]
     assert ctl.main(["dlq", "show", listed.split()[0], "--archive", str(archive)]) == 0

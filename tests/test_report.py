@@ -1001,3 +1001,15 @@ def test_generate_writes_schema_valid_rows(spark, tmp_path):
     check = job.check_archives(analysis.normalize(job.prepare(raw)), files=2)
     assert (check.lines, check.unreadable_lines) == (2000, 0)
     assert check.dead_letters + check.duplicates == 2000 and check.duplicates > 0
+
+
+def test_a_long_file_name_left_out_keeps_its_end_on_the_page():
+    """A re-check: the page cut a left-out file's name at 300 characters from its start, so
+    a long path lost the file name."""
+    from rqp.report.html import _middle
+
+    name = "file:/archive/" + "deep/" * 80 + "dlq-host-IMPORTANT-TAIL.jsonl.gz"
+    cut = _middle(name, 300)
+    assert len(cut) == 300 and cut.startswith("file:/archive/deep/") and \
+        cut.endswith("/dlq-host-IMPORTANT-TAIL.jsonl.gz") and "\u2026" in cut
+    assert _middle("file:/a.jsonl", 300) == "file:/a.jsonl"

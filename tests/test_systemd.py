@@ -53,6 +53,29 @@ def scratch(tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_staged_install_makes_nothing_in_the_hosts_opt(tmp_path):
+    """A re-check: --root (even --dry-run) made /opt/rqp on the host itself, as the mount
+    point of the staged one, and removed it again: a read-only /opt would fail it. A mkdir
+    of /opt/rqp anywhere but on a tmpfs fails here, as on such a host."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    real = shutil.which("mkdir")
+    (shims / "mkdir").write_text(
+        "#!/bin/sh\nfor a; do case $a in /opt/rqp|/opt/rqp/) [ \"$(stat -f -c %T /opt)\" = "
+        f"tmpfs ] || {{ echo \"mkdir $a on the host\" >&2; exit 1; }};; esac; done\n"
+        f'exec {real} "$@"\n')
+    (shims / "mkdir").chmod(0o755)
+    existed = Path("/opt/rqp").exists()
+    done = subprocess.run(["bash", str(REPO / "scripts" / "install"), "--root",
+                           str(tmp_path / "root")], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=SYSTEM_PYTHON,
+                                   PATH=f"{shims}:{os.environ['PATH']}"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "on the host" not in done.stderr, done.stderr
+    assert Path("/opt/rqp").exists() == existed
+    assert (tmp_path / "root/opt/rqp/venv/bin/rqp-sender").exists()
+
+
 def test_dry_run_changes_nothing_and_says_everything(tmp_path):
     root = tmp_path / "root"
     out = install(root, "--dry-run")

@@ -100,6 +100,15 @@ def safe_text(value, limit: int | None = None) -> str:
 _e = safe_text
 
 
+def _middle(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters in its middle: a path keeps its file name (a
+    re-check's long path lost it, cut at its end)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head] + "\u2026" + text[len(text) - (limit - head - 1):]
+
+
 def _num(n) -> str:
     if n is None:
         return "-"
@@ -580,7 +589,8 @@ def render(summary: dict, timeline: Timeline, samples: list[dict],
         add(f'<p class="note" id="left-out">{_num(len(left_out))} archive file(s) left out of '
             'this report, their dead letters not counted (taken by a later run once they '
             'can be read):</p><ul class="note" id="left-out-files">'
-            + "".join(f"<li>{_e(name, 300)}: {_e(why, 300)}</li>" for name, why in shown)
+            + "".join(f"<li>{_e(_middle(name, 300))}: {_e(why, 300)}</li>"
+                      for name, why in shown)
             + (f"<li>and {_num(more)} more (summary.json names them all)</li>" if more else "")
             + "</ul>")
     cards = [
