@@ -613,8 +613,9 @@ class Receiver(Daemon):
 
     def trace(self, key: int) -> dict | None:
         """Whether a SURE message with RQP key ``key`` was put here, from which peer and when
-        (its key in the de-duplication window, for each peer this receiver has served since
-        it started); None if no peer's window holds it (an UNSURE message leaves no trace).
+        (its key in the de-duplication window, for each peer this receiver has served, as
+        kept in ``peers.seen`` across restarts); None if no peer's window holds it (an UNSURE
+        message leaves no trace).
         Keys are each peer's own: where more than one peer used the key, the latest is the
         answer and the others are under ``also`` (a trial: a hostile peer's put of another
         peer's coming key was the only one named)."""
