@@ -44,9 +44,11 @@ class RateLimitedLog:
 
     def __init__(self, log: logging.Logger, interval: float, burst: int = 1, *,
                  what: str = "lines like it",
-                 held_detail: Callable[[], str] | None = None) -> None:
+                 held_detail: Callable[[], str] | None = None, name: str = "") -> None:
         self.log = log
         self.what = what
+        #: What its lines are about, said before a count flushed on its own (at a stop).
+        self.name = name
         #: What more to say of the lines held back, when their count is said (then reset).
         self.held_detail = held_detail
         _LIMITS.add(self)
@@ -84,7 +86,8 @@ class RateLimitedLog:
         """Log how many lines are held back, if any (they would be said with the next line
         of the limit, which may never come: at exit, or when a flood stops)."""
         if self._held:
-            self.log.log(self._held_level, "%s", self._take_held())
+            held = self._take_held()
+            self.log.log(self._held_level, "%s", f"{self.name}: {held}" if self.name else held)
 
     def _take_held(self) -> str:
         """'N more <what> not logged since HH:MM:SS', and the count starts again."""
@@ -120,7 +123,8 @@ class KeyedRateLimitedLog:
         if limit is None and len(self._limits) >= self.keys:
             self._give_up_idle(now)
         if limit is None and len(self._limits) < self.keys:
-            limit = self._limits[key] = RateLimitedLog(self.log, self.interval, what=self.what)
+            limit = self._limits[key] = RateLimitedLog(  # (named: a re-check's count said
+                self.log, self.interval, what=self.what, name=key)  # at a stop named none)
         if limit is not None:
             self._used[key] = now
             limit.report(text, level)

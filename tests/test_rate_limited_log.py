@@ -129,5 +129,5 @@ def test_a_keyed_limit_lets_each_key_be_heard_and_bounds_the_keys(monkeypatch, c
     assert got == ["a sixth reason", "a seventh reason", "an eighth reason"], got
     assert [re.sub(r"\d\d:\d\d:\d\d", "T", line) for line in held] == [
         "1 more of other kinds not logged since T: 1 of 'ninth'",
-        "1 more of this kind not logged since T"], held
+        "seventh: 1 more of this kind not logged since T"], held
     assert lines.count == 13

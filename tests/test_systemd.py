@@ -56,7 +56,8 @@ def scratch(tmp_path_factory):
 def test_a_staged_install_makes_nothing_in_the_hosts_opt(tmp_path):
     """A re-check: --root (even --dry-run) made /opt/rqp on the host itself, as the mount
     point of the staged one, and removed it again: a read-only /opt would fail it. A mkdir
-    of /opt/rqp anywhere but on a tmpfs fails here, as on such a host."""
+    of /opt/rqp anywhere but on a tmpfs fails here, as on such a host. (And /opt keeps what
+    it has meanwhile: a re-check's pip found no wheels under a bare tmpfs on /opt.)"""
     shims = tmp_path / "bin"
     shims.mkdir()
     real = shutil.which("mkdir")

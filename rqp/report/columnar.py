@@ -138,6 +138,10 @@ def spark_path(uri: str) -> str:
     return urllib.parse.unquote(uri) if uri.startswith("file:") else uri
 
 
+#: The first bytes of every gzip file.
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def unreadable(uri: str) -> str | None:
     """Why this user may not read a local archive file (a re-check: Spark failed the whole
     report over one such file, "File does not exist" and 338 lines of Java); None for a
@@ -148,7 +152,11 @@ def unreadable(uri: str) -> str | None:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # (a re-check's FIFO named *.jsonl: the
             return "not a regular file (a FIFO? a device?)"  # open below waited for good)
-        with open(path, "rb"):
+        with open(path, "rb") as f:
+            if path.endswith(".gz") and f.read(2) not in (b"", GZIP_MAGIC):
+                # (read without the store, Spark skipped it with 40 lines of Java, and
+                # counted it as read: a re-check)
+                return "not gzip, though named .gz"
             return None
     except PermissionError as exc:
         return f"cannot be read by this user ({exc.strerror}); taken once it can be"

@@ -199,6 +199,9 @@ def _check_glob_directories(pattern: str) -> None:
 
 
 def _cannot_read(path: str, exc: OSError) -> ReportError:
+    if exc.errno == errno.ELOOP:  # (a re-check: told to let the user read a link loop)
+        return ReportError(f"cannot read the input: {path}: {exc.strerror} (a symbolic link "
+                           "loop): remove the link")
     import pwd
     try:
         user = pwd.getpwuid(os.geteuid()).pw_name
