@@ -217,6 +217,11 @@ class Gate:
                               "not written (answered DELIVERED_ERROR)")
         return allowance
 
+    def not_written(self, peer: Peer) -> None:
+        """A dead letter :meth:`dead_letter_allowance` allowed found no room: it costs
+        ``peer`` nothing."""
+        self._budget.refund(peer.label)
+
     def written_header_only(self, peer: Peer, what: str) -> None:
         """A dead letter of ``peer`` over its budget was written without its payload."""
         self._over_budget(self.header_only, peer, what, "written without its payload")

@@ -1324,6 +1324,7 @@ class Receiver(Daemon):
         except (RQPError, OSError) as exc:
             if data is not None:
                 self.dead_letters.discard(data)  # no spill file that no record names
+            self.gate.not_written(who)
             self.no_room[peer] += 1
             self.no_room_at = time.time()
             if self.no_room_at - self._no_room_saved >= NO_ROOM_SAVE_INTERVAL:

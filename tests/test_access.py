@@ -215,6 +215,15 @@ def test_dead_letter_budget_per_peer():
     assert budget.take("p", 1.1) is Allowance.HEADER_ONLY  # -2.8
     assert budget.take("p", 60.0) is Allowance.FULL  # refilled, never beyond the burst
     assert [budget.take("p", 60.0) for _ in range(3)][-1] is Allowance.HEADER_ONLY
+    # a dead letter that could not be written is given back: it spent nothing
+    spent = DeadLetterBudget(rate=0.0, burst=2)
+    for _ in range(5):
+        assert spent.take("p", 0.0) is Allowance.FULL
+        spent.refund("p")
+    spent.refund("p")  # (never beyond the burst)
+    assert [spent.take("p", 0.0) for _ in range(3)] == [Allowance.FULL] * 2 + \
+        [Allowance.HEADER_ONLY]
+    spent.refund("nobody")  # (a peer it does not know: nothing to give back)
     small = DeadLetterBudget(rate=1.0, burst=1, memory=2)
     small.take("a", 0.0), small.take("b", 0.0), small.take("c", 0.0)  # "a" forgotten
     assert small.take("a", 0.0) is Allowance.FULL

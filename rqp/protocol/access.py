@@ -193,3 +193,12 @@ class DeadLetterBudget:
         if len(self._buckets) > self.memory:
             del self._buckets[next(iter(self._buckets))]
         return allowance
+
+    def refund(self, label: str) -> None:
+        """Give back the token of a dead letter :meth:`take` allowed that could not be
+        written (``DEAD.LETTER.Q`` had no room): only what is written spends the budget, else
+        a peer's SURE messages retried into a full queue used it up, and once the queue had
+        room their dead letters came without payload."""
+        if (bucket := self._buckets.get(label)) is not None:
+            tokens, when = bucket
+            self._buckets[label] = (min(float(self.burst), tokens + 1), when)
