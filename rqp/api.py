@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rqp.config import SenderConfig, find_rqprc, load_sender_config
 from rqp.protocol.constants import (
-    DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_PRIORITY, DEFAULT_TRANSMISSION_QUEUE, INT64_MAX, MAX_BATCH,
+    DEFAULT_PRIORITY, INT64_MAX, MAX_BATCH,
     SURE_MSG, UNSURE_MSG, MessageType,
 )
 from rqp.protocol.errors import MessageTooBig, QueueFull, QueueNotFound, RQPError
@@ -520,14 +520,10 @@ def openConnection(queue, *, rqprc: str | os.PathLike | None = None,
     path = find_rqprc(rqprc)
     config = load_sender_config(path)
     queue_key = config.resolve_queue(queue)
-    own = {DEFAULT_TRANSMISSION_QUEUE: "the default transmission queue",
-           DEFAULT_DEAD_LETTER_QUEUE: "the default DEAD.LETTER.Q",
-           config.transmission_queue: "the transmission queue",
-           config.dead_letter_queue: "DEAD.LETTER.Q"}
-    if queue_key in own:  # no receiving MCA offers them: a SURE message would wait forever
+    if (own := config.agent_queue(queue_key)) is not None:
         named = f"{queue!r} ({format_key(queue_key)})" if isinstance(queue, str) else \
             format_key(queue_key)  # (a key by number: in hex, as everywhere, not in decimal)
-        raise RQPError(f"queue {named} is {own[queue_key]} of the agents, not a destination "
+        raise RQPError(f"queue {named} is {own} of the agents, not a destination "
                        f"(no receiving MCA offers it)")
     keep = None
     if start_sender is not False:

@@ -94,6 +94,7 @@ __all__ = [
     "ReceiverConfig",
     "SenderConfig",
     "TLSFiles",
+    "agent_queue",
     "default_state_dir",
     "find_rqprc",
     "is_loopback",
@@ -700,6 +701,10 @@ class SenderConfig:
     def resolve_queue(self, name_or_key: object) -> int:
         """The key of a configured or built-in queue name, or a queue key given as such."""
         return _resolve_queue(self, name_or_key)
+
+    def agent_queue(self, key: int) -> str | None:
+        """:func:`agent_queue` with this config's queues."""
+        return agent_queue(key, self)
 
     def queue_name(self, key: int) -> str | None:
         """The first name configured for ``key``, else its built-in name, else None."""
@@ -1439,6 +1444,19 @@ def find_rqprc(
         else:
             return place
     raise NoRqprcFound(f"no .rqprc found; looked at: {', '.join(looked)}")
+
+
+def agent_queue(key: int, config: SenderConfig | None = None) -> str | None:
+    """Which of the agents' own queues ``key`` is ("the transmission queue", "DEAD.LETTER.Q",
+    or the default one of either; ``config``'s or, with none, the defaults), or None for an
+    application's queue. No receiving MCA offers them, so nothing may be sent there: a SURE
+    message for one waited for ever (``openConnection``, a replay rule's ``to``,
+    ``resubmit --to``)."""
+    xmit, dead = (DEFAULT_TRANSMISSION_QUEUE, DEFAULT_DEAD_LETTER_QUEUE) if config is None \
+        else (config.transmission_queue, config.dead_letter_queue)
+    return {DEFAULT_TRANSMISSION_QUEUE: "the default transmission queue",
+            DEFAULT_DEAD_LETTER_QUEUE: "the default DEAD.LETTER.Q",
+            xmit: "the transmission queue", dead: "DEAD.LETTER.Q"}.get(key)
 
 
 def load_sender_config(

@@ -97,6 +97,12 @@ def rules_file(tmp_path: Path, text: str) -> Path:
     ("rules:\n  - action: forward\n    to: 'web-2:0x52510002'\n",
      r"rules\[0\]: key 'to': .*RQP cannot pin a host, the sending MCA sends to the first host "
      r"that offers the queue \(QUEUE_ASK\)"),
+    # (a trial's rule forwarded to DEAD.LETTER.Q: the rows left the archive and waited for ever)
+    ("rules:\n  - action: forward\n    to: DEAD.LETTER.Q\n",
+     r"rules\[0\]: key 'to': bad value 'DEAD.LETTER.Q': expected an application's queue: "
+     r"0x5251dead is DEAD.LETTER.Q of the agents, which no receiving MCA offers"),
+    ("rules:\n  - action: retry\n    retries: 1\n    then: forward\n    to: 0x52510000\n",
+     r"rules\[0\]: key 'to': .*0x52510000 is the transmission queue of the agents"),
     ("rules:\n  - action: forward\n    to: 0x52510002\n    retires: 2\n",
      r"rules\[0\]: unknown key 'retires' \(did you mean 'retries'\?\)"),
     ("rules:\n  - action: keep\n  - older_than: soon\n    action: keep\n",
@@ -486,6 +492,10 @@ def test_bad_command_lines_name_what_is_wrong(tmp_path, capsys):
                      str(rqprc), "--to", "otherhost:7460"]) == 2
     assert "--to otherhost:7460: expected a queue (key or .rqprc name): RQP cannot pin a " \
         "host" in capsys.readouterr().err
+    assert ctl.main(["dlq", "resubmit", "abcdef", "--archive", str(archive), "--rqprc",
+                     str(rqprc), "--to", "RQP.XMIT.Q"]) == 2
+    assert "--to RQP.XMIT.Q: 0x52510000 is the transmission queue of the agents, not a " \
+        "destination" in capsys.readouterr().err
 
 
 def test_duplicates_held_batches_and_the_limit(tmp_path):
@@ -508,6 +518,34 @@ def test_duplicates_held_batches_and_the_limit(tmp_path):
     replayer, _ = replay(archive, RULES, FakeSend(archive), limit=3)
     assert replayer.acted == 3 and "stopped at --limit 3" in replayer.summary()
     assert len(archive_files(archive)) == 3
+
+
+def test_a_dead_letter_for_an_agents_queue_is_not_put_back_there(tmp_path):
+    """A record a program put for DEAD.LETTER.Q with its own msgsnd (the API refuses it) is
+    dead-lettered NO_ROUTE: retried, it would leave the archive and wait for ever, as a trial's
+    forward did. Retry (dry run too) and resubmit refuse it; forwarding it elsewhere goes."""
+    archive = tmp_path / "archive"
+    stray = row(ReasonCode.NO_ROUTE, queue_key=0x5251DEAD, key=0x61, payload=b"stray",
+                mtype=SURE_MSG, agent=AgentKind.SENDER)
+    write_archive(archive, [stray])
+    rules = rules_from_data({"rules": [{"reason": "NO_ROUTE", "action": "retry"}]},
+                            config=CONFIG)
+    for dry_run in (True, False):
+        send, lines = FakeSend(archive), []
+        Replayer(archive, rules, send=send, out=lines.append, config=CONFIG, now_ns=NOW,
+                 dry_run=dry_run).run()
+        assert send.calls == []
+        [said] = [line for line in lines if "of the agents" in line]
+        assert said.startswith("would fail" if dry_run else "failed"), said
+        assert "queue 0x5251dead is DEAD.LETTER.Q of the agents, not a destination" in said
+    assert list(read_archive(archive)) == [stray]  # kept
+    lines, calls = [], []
+    assert resubmit(archive, [stray["id"]], lambda *a, **k: calls.append(a), config=CONFIG,
+                    out=lines.append) == {"failed": 1}
+    assert not calls and "DEAD.LETTER.Q of the agents" in lines[0]
+    assert resubmit(archive, [stray["id"]], lambda *a, **k: calls.append(a), to=Q2,
+                    config=CONFIG, out=lines.append) == {"resubmitted": 1}
+    assert [queue for queue, *_ in calls] == [Q2]
 
 
 def test_a_broadcast_copy_is_not_put_back_on_its_broadcast_queue(tmp_path):

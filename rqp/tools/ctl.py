@@ -320,6 +320,9 @@ def _resubmit(args) -> int:
             to = config.resolve_queue(args.to)
         except ConfigError as exc:
             raise ConfigError(f"--to: {exc}") from None
+        if (agents := config.agent_queue(to)) is not None:
+            raise ConfigError(f"--to {args.to}: {to:#010x} is {agents} of the agents, not a "
+                              "destination (no receiving MCA offers it)")
     if args.edit:
         _editor()  # (before anything is read)
     counts = resubmit(archive, args.ids, _LazyPutter(config, config.source), to=to,

@@ -74,6 +74,7 @@ import collections
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -86,7 +87,8 @@ from pathlib import Path
 
 from rqp import api
 from rqp.config import (
-    QUEUE_NAME_RE, SenderConfig, did_you_mean, parse_queue_key, read_yaml, show_value,
+    QUEUE_NAME_RE, SenderConfig, agent_queue, did_you_mean, parse_queue_key, read_yaml,
+    show_value,
 )
 from rqp.protocol import reasons
 from rqp.protocol.constants import DEFAULT_PRIORITY, INT64_MAX, SURE_MSG, UINT64_MAX
@@ -259,13 +261,15 @@ def rules_from_data(data: object, *, source: str = "<rules>", config: SenderConf
     if not isinstance(raw_rules, list):
         check.fail("rules", f"bad value {show_value(raw_rules)}: expected a list of rules")
     names = {**config.queues, **config.builtin_queues} if config is not None else None
+    own = functools.partial(agent_queue, config=config)
     rules = []
     for index, raw in enumerate(raw_rules):
-        rules.append(_rule(check, index, raw, names))
+        rules.append(_rule(check, index, raw, names, own))
     return rules
 
 
-def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | None) -> Rule:
+def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | None,
+          own: Callable[[int], str | None]) -> Rule:
     path = f"rules[{index}]"
     if not isinstance(raw, Mapping):
         check.fail(path, f"bad value {show_value(raw)}: expected a mapping with an 'action' and "
@@ -379,6 +383,10 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
         if (problem := names_a_host(to)) is not None:
             bad("to", to, problem)
         fields["to"] = queue_key("to", to)
+        if (agents := own(fields["to"])) is not None:
+            bad("to", to, f"expected an application's queue: {fields['to']:#010x} is "
+                f"{agents} of the agents, which no receiving MCA offers (forwarded there, a "
+                "dead letter would wait for ever)")
         if raw.get("header") is not None:
             header = raw["header"]
             if isinstance(header, str) and header.strip().lower() in ("yes", "no"):
@@ -568,6 +576,21 @@ class RetryLedger:
 
 class ReplayRefused(RQPError):
     """This record cannot be put back (the message says why); it is kept in the archive."""
+
+
+def check_destination(row: Mapping, queue_key: int, config: SenderConfig | None,
+                      instead: str) -> None:
+    """:class:`ReplayRefused` unless ``row`` may be put back on ``queue_key``: a System V key,
+    none of the agents' own queues (no receiving MCA offers them: a trial's row for
+    ``DEAD.LETTER.Q`` left the archive and waited for ever), no broadcast copy
+    (:func:`refuse_broadcast_copy`). ``instead``: what to do then (a rule's or ``--to``)."""
+    if not 0 < queue_key <= 0xFFFFFFFF:
+        raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a System V queue: "
+                            f"{instead}")
+    if (agents := agent_queue(queue_key, config)) is not None:
+        raise ReplayRefused(f"queue {format_key(queue_key)} is {agents} of the agents, not a "
+                            f"destination (no receiving MCA offers it): {instead}")
+    refuse_broadcast_copy(row, queue_key, config)
 
 
 def refuse_broadcast_copy(row: Mapping, queue_key: int, config: SenderConfig | None) -> None:
@@ -1014,10 +1037,8 @@ class Replayer:
             if action == "retry":
                 payload = replay_payload(row, self.archive)
                 queue_key = int(row["queue_key"])
-                if not 0 < queue_key <= 0xFFFFFFFF:
-                    raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
-                                        "System V queue: forward it to a queue instead")
-                refuse_broadcast_copy(row, queue_key, self.config)
+                check_destination(row, queue_key, self.config,
+                                  "forward it to an application's queue instead")
                 replay_key = int(row["message_key"], 16)
             elif decision.header:  # a new message: the dead letter, with type 1
                 payload, queue_key, replay_key, mtype = header_payload(row), decision.to, 0, 1
@@ -1298,10 +1319,7 @@ def resubmit(archive: str | os.PathLike, ids: list[str], send: Callable[..., Non
             try:
                 if any(path.name in held for path, _, _ in places):
                     raise ReplayRefused(HELD)
-                if not 0 < queue_key <= 0xFFFFFFFF:
-                    raise ReplayRefused(f"queue key {format_key(queue_key)} cannot name a "
-                                        "System V queue: give --to QUEUE")
-                refuse_broadcast_copy(row, queue_key, config)
+                check_destination(row, queue_key, config, "give --to QUEUE")
                 extras = row_extras(row)
                 send(queue_key, payload, int(row["message_key"], 16),
                      mtype=max(1, extras["mtype"]), priority=min(max(extras["priority"], 0), 9))
