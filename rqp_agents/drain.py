@@ -33,7 +33,7 @@ Nothing else may take records from ``DEAD.LETTER.Q`` meanwhile
 (only put them: agents append at the tail, the drain works at the head). A lock
 (``{archive}/.state/{host}.lock``) keeps a second drain of the same host out of the archive,
 and the semaphore of the queue's marker (:func:`rqp.system.service.drain_lock`) a second drain
-of the queue into another archive. A drain that meets another exits EXIT_DRAIN_ANOTHER_RUNS
+of the queue into another archive. A drain that meets another exits EXIT_ANOTHER_RUNS
 (75, EX_TEMPFAIL), which its unit counts as success: the other one drains.
 
 Records that are not dead-letter records are archived as ``MALFORMED`` (raw bytes kept), never
@@ -69,7 +69,7 @@ from rqp.system import signals
 from rqp.system.files import write_file_atomically
 from rqp.system.queues import LocalQueue, QueueEmpty, format_key
 from rqp.system.service import (
-    EXIT_DRAIN_ANOTHER_RUNS, DrainRuns, drain_lock, host_name, setup_logging,
+    EXIT_ANOTHER_RUNS, DrainRuns, drain_lock, host_name, setup_logging,
 )
 from rqp_agents.daemon import RateLimitedLog, flush_held_lines
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DrainRuns, LockHeld) as exc:  # (the other drain does the work: no failure for
         # a timer's drain that meets the handler's, a trial's unit 'failed' each time)
         log.warning("%s: nothing done", exc)
-        return EXIT_DRAIN_ANOTHER_RUNS
+        return EXIT_ANOTHER_RUNS
     except (RQPError, OSError) as exc:
         log.error("%s", exc)
         return 1

@@ -372,12 +372,12 @@ def test_the_handlers_drain_meeting_another_is_no_failure(tmp_path, capsys):
     the drain timer's run at the lock. A drain that finds another at work exits 75 (it
     drains): no failure for the handler; any other status still is one."""
     from rqp.config import ReceiverConfig
-    from rqp.system.service import EXIT_DRAIN_ANOTHER_RUNS
+    from rqp.system.service import EXIT_ANOTHER_RUNS
     from rqp.tools.ctl import _Drain
 
     drain = _Drain(tmp_path, ReceiverConfig())
     drain.argv = [sys.executable, "-c", f"import sys; print('busy', file=sys.stderr); "
-                  f"sys.exit({EXIT_DRAIN_ANOTHER_RUNS})"]
+                  f"sys.exit({EXIT_ANOTHER_RUNS})"]
     assert drain() is True and "drain failed" not in capsys.readouterr().out
     drain.argv = [sys.executable, "-c", "import sys; print('broken', file=sys.stderr); "
                   "sys.exit(1)"]

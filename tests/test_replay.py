@@ -6,7 +6,10 @@ from __future__ import annotations
 import base64
 import gzip
 import dataclasses
+import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +31,8 @@ from rqp.storage.archive import (
 from rqp.tools import ctl
 from rqp.report.schema import row_problem
 from rqp.tools.replay import (
-    Follower, NotConfirmed, Replayer, RetryLedger, TokenBucket, decide, load_rules, resubmit,
+    Follower, NotConfirmed, Replayer, RetryLedger, RulesFile, TokenBucket, decide, load_rules,
+    replay_lock, resubmit,
     rules_from_data,
 )
 from tests.agents import PORT, receive, start_receiver, start_sender, write_rqprc, make_queue
@@ -1015,6 +1019,147 @@ def test_follow_waits_with_a_bounded_backoff_and_wakes_for_work(tmp_path):
         in lines
     assert follower.summary() == \
         "replayed 1, forwarded 0, discarded 0, kept 1, failed 0 (stopped by a signal)"
+
+
+def test_follow_waits_for_a_replay_by_hand_instead_of_failing(tmp_path):
+    """A trial: the handler (`--follow`) met a replay run by hand holding the lock and exited
+    1 at once (its unit, restarting every 5 s, gives up after 5 tries). It now says so once,
+    waits --poll between tries, and goes on once the lock is free."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x61, payload=b"after the other")])
+    send = FakeSend(archive)
+    lines: list[str] = []
+    replayer = Replayer(archive, rules_from_data({"rules": [{"action": "retry"}]}), send=send,
+                        out=lines.append, follow=True)
+    other = replay_lock(archive)
+    other.__enter__()  # (another open of the lock file: flock conflicts as across processes)
+    waits: list[float] = []
+
+    def wait(seconds: float) -> bool:
+        waits.append(seconds)
+        if len(waits) == 3:
+            other.__exit__(None, None, None)  # the replay by hand ends
+        if send.calls:
+            replayer.stop.set()
+        return replayer.stop.is_set()
+
+    Follower(replayer, poll=0.4, out=lines.append, wait=wait).run()
+    assert waits[:3] == [0.4] * 3 and send.calls == [(Q1, b"after the other", 0x61)]
+    waiting = [line for line in lines if line.startswith("waiting ")]
+    assert len(waiting) == 1 and f"already runs (pid {os.getpid()};" in waiting[0] \
+        and waiting[0].endswith("trying again every 0.4s"), lines
+    assert "resumed        the other replay has ended" in lines
+
+
+def test_a_replay_meeting_another_exits_75_as_a_drain_does(tmp_path, capsys):
+    archive = tmp_path / "archive"
+    write_archive(archive, [row()])
+    rules = rules_file(tmp_path, "rules:\n  - action: discard\n")
+    with replay_lock(archive):
+        assert ctl.main(["dlq", "replay", "--archive", str(archive), "--rules",
+                         str(rules)]) == 75
+    assert "an rqpctl dlq replay or resubmit of" in capsys.readouterr().err
+    assert len(list(read_archive(archive))) == 1  # nothing done
+
+
+def test_follow_reads_its_rules_again_when_the_file_changes_or_on_request(tmp_path):
+    """A trial: a rule added to the handler's file was never applied (a dead letter it
+    matched stayed kept), and SIGHUP ended the handler without a word. The file is read again
+    when it changes, or when asked (SIGHUP); one with a mistake is said once and the rules it
+    had are kept."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(key=0x61, payload=b"no rule yet")])
+    path = rules_file(tmp_path, "rules:\n  - reason: QUEUE_FULL\n    action: discard\n")
+    rules = RulesFile(path, CONFIG)
+    send = FakeSend(archive)
+    lines: list[str] = []
+    replayer = Replayer(archive, load_rules(path, config=CONFIG), send=send, out=lines.append,
+                        follow=True, config=CONFIG)
+    script = [
+        lambda: path.write_text("rules:\n  - action: forward\n    to: nowhere_q\n"),  # a typo
+        lambda: None,
+        lambda: path.write_text("rules:\n  - action: forward\n    to: PROD_THE_SPARE_COMMON\n"),
+        lambda: None, rules.request, lambda: None, replayer.stop.set]
+    def wait(seconds: float) -> bool:
+        script.pop(0)()
+        return replayer.stop.is_set()
+
+    follower = Follower(replayer, poll=0.4, out=lines.append, wait=wait, rules=rules)
+    follower.run()
+    assert send.calls == [(Q2, b"no rule yet", 0x61)]
+    said = [line for line in lines if line.startswith(("reloaded", "not reloaded"))]
+    assert len(said) == 3, lines  # the mistake once, the fixed file, the request
+    assert said[0].startswith("not reloaded") and "key 'to': bad value 'nowhere_q'" in said[0] \
+        and said[0].endswith("still applying the rules it had")
+    assert said[1] == said[2] == f"reloaded       {path} (1 rule(s))"
+    assert follower.rounds == 4  # each change woke a round: start, mistake, fixed, request
+
+
+def test_sighup_reads_a_handlers_rules_again_and_stops_a_replay_with_its_summary(tmp_path):
+    """The real command, signals and all: SIGHUP (`systemctl reload`) makes `--follow` read
+    its rules again and go on; a replay that does not follow stops at it as at SIGTERM, with
+    its summary (a trial's died of it without a word: Python's default for SIGHUP)."""
+    archive = tmp_path / "archive"
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x61, payload=b"discard me later")])
+    rules = rules_file(tmp_path, "rules:\n  - action: keep\n")
+    out = tmp_path / "out.txt"
+    command = [sys.executable, "-m", "rqp.tools.ctl", "dlq", "replay", "--archive", str(archive),
+               "--rules", str(rules)]
+    with out.open("wb") as sink:
+        proc = subprocess.Popen([*command, "--follow", "--poll", "60"], stdout=sink,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "following" in out.read_text(), timeout=60, message="no start")
+        rules.write_text("rules:\n  - action: discard\n")
+        os.utime(rules, ns=(1, 1))  # (the mtime alone would not do: the request must)
+        wait_for(lambda: "reloaded" in out.read_text(), timeout=60, interval=0.2,
+                 message="the change was not seen")  # (the file changed: found by itself)
+        wait_for(lambda: not list(read_archive(archive)), timeout=60, message="not discarded")
+        rules.write_text("rules:\n  - action: keep\n")
+        os.utime(rules, ns=(1, 1))
+        before = out.read_text().count("reloaded")
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: out.read_text().count("reloaded") > before, timeout=60,
+                 message="SIGHUP did not reload")
+        assert proc.poll() is None  # still following
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert "replayed 0, forwarded 0, discarded 1, kept 0, failed 0 (stopped by a signal)" in text
+    write_archive(archive, [row(ReasonCode.QUEUE_FULL, key=0x100 + n, payload=b"kept")
+                            for n in range(20_000)])
+    lock = os.open(archive / ".state" / "rqpctl-replay.lock", os.O_RDONLY)
+    with out.open("wb") as sink:  # a replay that does not follow, stopped by SIGHUP
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:  # SIGHUP while it runs: stopped (SIGSTOP) while it holds the replay lock
+        wait_for(lambda: _held(lock), timeout=60, interval=0.001, message="no start")
+        proc.send_signal(signal.SIGSTOP)
+        assert _held(lock), "the replay ended before it was stopped: give it more rows"
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(lock)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert "SIGHUP: stopping after the record in hand" in text and \
+        "(stopped by a signal)" in text.splitlines()[-1], text
+
+
+def _held(fd: int) -> bool:
+    """Whether another open file holds an flock on the file of ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def test_follow_handles_a_file_another_host_wrote_while_a_round_ran(tmp_path):

@@ -97,7 +97,7 @@ from rqp.report.common import JAVA, PROG, SPARK_EXTRA, ReportError, local_path
 from rqp.report.schema import ARCHIVE_FILE_GLOB, ArchiveSchemaError
 from rqp.system import signals
 from rqp.system.files import write_file_atomically
-from rqp.system.service import EXIT_DRAIN_ANOTHER_RUNS
+from rqp.system.service import EXIT_ANOTHER_RUNS
 
 __all__ = ["PROG", "ReportError", "ArchiveSchemaError", "EmptyArchive", "METRICS",
            "check_metrics_file", "write_metrics_file", "check_local_inputs",
@@ -350,7 +350,7 @@ def run_drain(archive: str) -> None:
             "rqp-dlq-drain command); install it, or drain separately and run without --drain")
     cmd = [sys.executable, "-m", "rqp_agents.drain", "--once", "--archive", archive]
     status = subprocess.run(cmd).returncode
-    if status == EXIT_DRAIN_ANOTHER_RUNS:  # (another drain is at it: what it archived is read)
+    if status == EXIT_ANOTHER_RUNS:  # (another drain is at it: what it archived is read)
         return
     if status != 0:
         raise ReportError(f"--drain: {' '.join(cmd)} failed (exit status {status})")

@@ -308,9 +308,10 @@ class DrainRuns(RQPError):
     """Another drain holds the queue (see :func:`drain_lock`)."""
 
 
-#: rqp-dlq-drain's exit status when another drain holds the queue or the archive
-#: (sysexits' EX_TEMPFAIL): the other one drains; its unit counts it as success.
-EXIT_DRAIN_ANOTHER_RUNS = 75
+#: The exit status of rqp-dlq-drain when another drain holds the queue or the archive (its
+#: unit counts it as success: the other one drains), and of rqpctl when another replay or
+#: resubmit holds the archive: sysexits' EX_TEMPFAIL, "try again later", not "failed".
+EXIT_ANOTHER_RUNS = 75
 
 
 #: The semaphore of a DEAD.LETTER.Q's marker set that its drain holds.

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rqp.cli import add_version, count, number, positive_seconds
@@ -40,19 +41,19 @@ from rqp.protocol.errors import ConfigError, QueueError, RQPError
 from rqp.config import TEMPLATE_KEY, ReceiverConfig, load_names_config, load_optional_rqprc
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
-    ROW_KEYS, ArchiveError, UnreadableLine, archive_files, archived_spill, find_rows,
+    ROW_KEYS, ArchiveError, LockHeld, UnreadableLine, archive_files, archived_spill, find_rows,
     id_problem, iso_utc, read_archive_lines, row_payload,
 )
 from rqp.system import signals
 from rqp.system.control import ControlError
 from rqp.system.queues import LocalQueue, format_key
-from rqp.system.service import EXIT_DRAIN_ANOTHER_RUNS, sender_serving
+from rqp.system.service import EXIT_ANOTHER_RUNS, sender_serving
 from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
     DEFAULT_POLL, DEFAULT_RATE, NOTICE_REFUSED, Follower, NotConfirmed, Replayer,
-    ReplayRefused, RetryLedger, TransmissionPutter, is_notice, load_rules, names_a_host,
-    resubmit,
+    ReplayRefused, RetryLedger, Rule, RulesFile, TransmissionPutter, is_notice, load_rules,
+    names_a_host, resubmit,
 )
 
 log = logging.getLogger("rqp.tools.ctl")
@@ -102,16 +103,22 @@ def _archive(args) -> Path:
     return archive
 
 
-def _stop_on_signals() -> threading.Event:
+def _stop_on_signals(hangup: Callable[[], None] | None = None) -> threading.Event:
+    """SIGTERM and SIGINT stop after the record in hand (a second: at once); SIGHUP calls
+    ``hangup`` (``--follow``: read the rules again), or without one stops as they do (a
+    trial's replay died of it without a word or a summary)."""
     stop = threading.Event()
 
     def on_signal(sig, _frame):
+        if sig == signal.SIGHUP and hangup is not None:
+            hangup()
+            return
         if stop.is_set():
             raise KeyboardInterrupt
         _say(f"{signal.Signals(sig).name}: stopping after the record in hand")
         stop.set()
 
-    signals.handle(on_signal, (signal.SIGTERM, signal.SIGINT))
+    signals.handle(on_signal, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     return stop
 
 
@@ -152,7 +159,7 @@ class _Drain:
                 _say(line)
         error = (done.stderr.strip().splitlines() or [""])[-1]
         # (75: another drain holds the queue, the drain timer's: it drains, no failure)
-        ok = done.returncode in (0, EXIT_DRAIN_ANOTHER_RUNS)
+        ok = done.returncode in (0, EXIT_ANOTHER_RUNS)
         self._once("" if ok else f"drain failed   rqp-dlq-drain exited with "
                    f"{done.returncode}: {error}")
         return ok
@@ -167,29 +174,37 @@ def _replay(args) -> int:
         if exc.key != TEMPLATE_KEY:  # handler may still discard and keep, not send)
             raise
         config, template = None, exc
-    rules = load_rules(args.rules, config=config)
     if args.poll is not None and not args.follow:
         raise ConfigError("--poll is for --follow")
-    send = None
-    if not args.dry_run and any(r.action in ("retry", "forward") or r.then == "forward"
-                                for r in rules):
+
+    def can_send(rules: list[Rule]) -> None:
+        if args.dry_run or not any(r.action in ("retry", "forward") or r.then == "forward"
+                                   for r in rules):
+            return
         if template is not None:
             raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
                               f"queue of a .rqprc: {template}")
         if config is None:
             raise ConfigError(f"{args.rules}: retry and forward put messages on the transmission "
                               "queue of a .rqprc: give --rqprc (none was found)")
+
+    rules = load_rules(args.rules, config=config)
+    can_send(rules)
+    send = None
+    if config is not None and template is None and not args.dry_run:
         # --follow is a service beside rqp-sender.service: a sending MCA it started would be
-        # its child (stopped with it); while none takes records, it pauses
+        # its child (stopped with it); while none takes records, it pauses. (Lazy: nothing
+        # is started nor opened until a rule, maybe one a reload brings, puts a record.)
         send = _LazyPutter(config, config.source, start_sender=not args.follow)
-    stop = _stop_on_signals()
+    rules_file = RulesFile(args.rules, config, can_send) if args.follow else None
+    stop = _stop_on_signals(rules_file.request if rules_file is not None else None)
     drain = _Drain(archive, config) if args.drain and not args.dry_run else None
     replayer = Replayer(archive, rules, send=send, dry_run=args.dry_run, rate=args.rate,
                         limit=args.limit or None, config=config, out=_say, stop=stop,
                         follow=args.follow)
     if args.follow:
         follower = Follower(replayer, drain=drain, pending=drain and drain.pending,
-                            poll=args.poll or DEFAULT_POLL, out=_say)
+                            poll=args.poll or DEFAULT_POLL, out=_say, rules=rules_file)
         _say(f"following {archive}" + (f", draining {format_key(drain.queue)} into it"
                                        if drain else "") + f" ({len(rules)} rule(s))")
         follower.run()
@@ -496,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     except ControlError as exc:
         print(f"rqpctl: {exc}", file=sys.stderr)
         return 3
+    except LockHeld as exc:  # (as a drain that meets another: "try again later", not "failed")
+        print(f"rqpctl: {exc}", file=sys.stderr)
+        return EXIT_ANOTHER_RUNS
     except (ArchiveError, RQPError, OSError) as exc:
         print(f"rqpctl: {exc}", file=sys.stderr)
         return 1

@@ -97,7 +97,8 @@ from rqp.protocol.records import TransmissionFlags, TransmissionRecord
 from rqp.protocol.sender import broadcast_queue
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
-    MALFORMED, STATE, SUFFIX, ArchiveError, UnreadableLine, all_drain_states, archive_files,
+    MALFORMED, STATE, SUFFIX, ArchiveError, LockHeld, UnreadableLine, all_drain_states,
+    archive_files,
     archived_spill, find_rows, iso_utc, lock_file, read_archive_lines,
     rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
@@ -106,7 +107,7 @@ from rqp.system.queues import format_key
 
 __all__ = [
     "ACTIONS", "RULE_KEYS", "Decision", "Follower", "LedgerEntry", "ReplayRefused", "Replayer",
-    "RetryLedger", "Rule", "TokenBucket", "TransmissionPutter", "decide", "header_payload",
+    "RetryLedger", "Rule", "RulesFile", "TokenBucket", "TransmissionPutter", "decide", "header_payload",
     "load_rules", "message_identity", "parse_age", "replay_payload", "resubmit",
     "rules_from_data",
 ]
@@ -1158,10 +1159,12 @@ class Follower:
     def __init__(self, replayer: Replayer, *, drain: Callable[[], bool | None] | None = None,
                  pending: Callable[[], bool] | None = None, poll: float = DEFAULT_POLL,
                  out: Callable[[str], None] = print,
-                 wait: Callable[[float], bool] | None = None) -> None:
+                 wait: Callable[[float], bool] | None = None,
+                 rules: RulesFile | None = None) -> None:
         self.replayer = replayer
         self.drain = drain
         self.pending = pending
+        self.rules = rules
         self.poll = max(poll, MIN_POLL)
         self.out = out
         self.stop = replayer.stop
@@ -1176,14 +1179,27 @@ class Follower:
                             stopped_by=self.replayer.stopped_by)
 
     def run(self) -> collections.Counter:
-        was_paused = False
+        was_paused, other = False, None
         while not self.stop.is_set():
+            if self.rules is not None and self.rules.changed():
+                if (rules := self.rules.load(self.out)) is not None:
+                    self.replayer.rules = rules
             if self.drain is not None:
                 pending = self.pending is None or self.pending()
                 self.drain_failed = pending and self.drain() is False
             before = self._signature()  # (after our drain: its files are the round's)
-            with self.replayer.locked():
-                counts = self.replayer.run_round()
+            try:
+                with self.replayer.locked():
+                    counts = self.replayer.run_round()
+            except LockHeld as exc:  # (a replay or resubmit by hand: a trial's handler
+                if other is None:  # exited 1 at once, and its unit would give up)
+                    self.out(f"waiting        {exc}: trying again every {self.poll:g}s")
+                other = exc
+                self.wait(self.poll)
+                continue
+            if other is not None:
+                self.out("resumed        the other replay has ended")
+                other = None
             self.rounds += 1
             for key in ("replayed", "forwarded", "discarded"):
                 self.totals[key] += counts[key]
@@ -1244,7 +1260,52 @@ class Follower:
                 return
             if self._signature() != seen:
                 return
+            if self.rules is not None and self.rules.changed():
+                return
             delay = min(delay * 2, self.poll)
+
+
+class RulesFile:
+    """The rules file of a ``--follow``, read again when it changes or on SIGHUP
+    (:meth:`request`): a trial's handler went on applying the rules it started with, and
+    a SIGHUP (``systemctl reload``) ended it without a word. A file with a mistake is said
+    once, and the rules it had are kept."""
+
+    def __init__(self, path: str | os.PathLike, config: SenderConfig | None,
+                 check: Callable[[list[Rule]], None] | None = None) -> None:
+        self.path, self.config, self.check = Path(path), config, check
+        self._requested = threading.Event()
+        self._seen = self._signature()
+
+    def _signature(self) -> tuple | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns
+
+    def request(self) -> None:
+        """Read it again before the next round (SIGHUP; safe in a signal handler)."""
+        self._requested.set()
+
+    def changed(self) -> bool:
+        return self._requested.is_set() or self._signature() != self._seen
+
+    def load(self, out: Callable[[str], None]) -> list[Rule] | None:
+        """The rules as the file says them now, or None (said why) to keep the old ones."""
+        asked = self._requested.is_set()
+        self._requested.clear()
+        seen, self._seen = self._seen, self._signature()
+        try:
+            rules = load_rules(self.path, config=self.config)
+            if self.check is not None:
+                self.check(rules)
+        except (ConfigError, OSError) as exc:
+            if asked or self._seen != seen:
+                out(f"not reloaded   {exc}; still applying the rules it had")
+            return None
+        out(f"reloaded       {self.path} ({len(rules)} rule(s))")
+        return rules
 
 
 def _changed_beside(before: tuple, after: tuple) -> bool:
