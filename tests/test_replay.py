@@ -803,7 +803,7 @@ def test_the_ledger_survives_a_cut_line_and_compacts_itself(tmp_path, monkeypatc
     assert (ledger.get(one).retries, ledger.get(two).retries, ledger.get(old).retries) == \
         (2, 3, 0)
     assert RetryLedger(archive, writable=False).entries == ledger.entries
-    assert ledger.unreadable == 0  # (a line a crash cut short is no news)
+    assert (ledger.unreadable, ledger.cut_short) == (0, 1)  # (as read, before it compacted)
 
 
 @pytest.mark.parametrize("follow", [False, True])
@@ -815,7 +815,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
     RetryLedger(archive).note(row(key=0x52), NOW, retry=True)
     path = archive / ".state" / RetryLedger.NAME
     with open(path, "ab") as f:
-        f.write(b'{"message":"0x0000000000000053","retries":1,"la\n')  # a crash's: no news
+        f.write(b'{"message":"0x0000000000000053","retries":1,"la\n')  # a crash's: said apart
         f.write(b'garbage\n[1]\n{"message":"0x54","retries":1e400}\n')  # (1e400: a trial's
         # stopped every run, OverflowError; -3: gave a rule of 2 five retries)
         f.write(b'{"message":"0x0000000000000052","retries":-3,"last_ns":0}\n')
@@ -827,7 +827,9 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
         f"warning        {path}: 4 line(s) cannot be read: the retries and forwards they "
-        "counted are not counted"]
+        "counted are not counted",
+        f"warning        {path}: 1 line(s) cut short, as by a replay killed while it wrote "
+        "one (its message was not put back then): not counted"]
 
 
 def test_used_up_retries_then_forward_the_dead_letter_itself(tmp_path):

@@ -501,9 +501,12 @@ class RetryLedger:
             raise ArchiveError(f"{self.path}: cannot read the replay ledger: "
                                f"{exc.strerror or exc}") from None
         lines = 0
-        #: Lines that could not be read, but a last one a crash cut short (its message was
-        #: not put back): the retries they counted are not counted (a trial: skipped unsaid).
+        #: Lines that could not be read, but one a crash cut short (its message was not put
+        #: back): the retries they counted are not counted (a trial: skipped unsaid).
         self.unreadable = 0
+        #: Lines cut short, as by a crash while one was written (its message was not put
+        #: back then), or damaged so: said too (a trial's damaged line passed unsaid).
+        self.cut_short = 0
         for line in data.split(b"\n"):
             if not line.strip():
                 continue
@@ -519,9 +522,11 @@ class RetryLedger:
                     raise ValueError("out of range")  # retries -3 gave 5 retries of 2)
                 self.entries[name] = LedgerEntry(**values, row=row)
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
-                # one a crash cut short is the start of a line this class writes: no news
-                self.unreadable += not (line.startswith(b'{"message":"') and
-                                        not line.rstrip().endswith(b"}"))
+                # one a crash cut short is the start of a line this class writes
+                if line.startswith(b'{"message":"') and not line.rstrip().endswith(b"}"):
+                    self.cut_short += 1
+                else:
+                    self.unreadable += 1
         self._torn = bool(data) and not data.endswith(b"\n")
         if writable and lines > 2 * len(self.entries) + self.SLACK:
             self._compact(time.time_ns() if now_ns is None else now_ns)
@@ -878,10 +883,17 @@ class Replayer:
         ledger is read again: a resubmit may have run between two rounds."""
         self.now_ns = self.clock()
         self.ledger = RetryLedger(self.archive, writable=not self.dry_run, now_ns=self.now_ns)
-        if self.ledger.unreadable and self._told.get("\0ledger") != self.ledger.unreadable:
-            self._told["\0ledger"] = self.ledger.unreadable  # (--follow: once, until it changes)
-            self.out(f"warning        {self.ledger.path}: {self.ledger.unreadable} line(s) "
-                     "cannot be read: the retries and forwards they counted are not counted")
+        ledger = self.ledger
+        bad = (ledger.unreadable, ledger.cut_short)
+        if any(bad) and self._told.get("\0ledger") != bad:
+            self._told["\0ledger"] = bad  # (--follow: once, until it changes)
+            if ledger.unreadable:
+                self.out(f"warning        {ledger.path}: {ledger.unreadable} line(s) cannot be "
+                         "read: the retries and forwards they counted are not counted")
+            if ledger.cut_short:
+                self.out(f"warning        {ledger.path}: {ledger.cut_short} line(s) cut short, "
+                         "as by a replay killed while it wrote one (its message was not put "
+                         "back then): not counted")
         self.counts = collections.Counter()
         self._seen = {}
         self.paused = False
