@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_names_config(args.rqprc, args.receiver_config, say=log.info)
         queue_key = resolve_queue(args.queue, config)
         archive = Path(args.archive)
+        if archive.exists() and not archive.is_dir():  # (mkdir said "File exists": a trial)
+            raise ConfigError(f"--archive {archive}: is not a directory (the archive is a "
+                              "directory, its files are made in it)")
         try:
             archive.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -184,6 +184,12 @@ def test_a_host_that_only_receives_drains_the_receivers_dead_letter_queue(host):
     out = drain(host, host.archive, "--rqprc", str(template), "--receiver-config",
                 str(receiver), check=False)
     assert out.returncode == 2 and str(template) in out.stderr, out.stderr
+    # an --archive that is a file (a trial's said "cannot create the directory: File exists")
+    a_file = host.archive.parent / "archive.jsonl.gz"
+    a_file.write_bytes(b"")
+    out = drain(host, a_file, "--receiver-config", str(receiver), check=False)
+    assert out.returncode == 2 and f"--archive {a_file}: is not a directory" in out.stderr, \
+        out.stderr
 
 
 def test_a_record_longer_than_a_lowered_msgmax_is_archived_and_the_drain_moves_on(host):
