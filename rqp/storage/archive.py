@@ -123,12 +123,15 @@ __all__ = [
     "DrainState",
     "MALFORMED",
     "MALFORMED_CODE",
+    "NOTICE_AGENT",
+    "NOTICE_MESSAGE_TYPE",
     "ROW_KEYS",
     "SCHEMA_VERSION",
     "archive_files",
     "archived_ids",
     "find_rows",
     "is_drain_file_name",
+    "is_notice",
     "iso_utc",
     "lock_file",
     "payload_preview",
@@ -263,6 +266,20 @@ def record_to_row(raw: bytes, *, archived_by: str, queue_names: Mapping[str, int
         priority=r.priority, expires_at_ms=r.expires_at_ms,
     )
     return row
+
+
+#: A notice's row: a receiving MCA's (``agent``) of a SURE message (``message_type``).
+NOTICE_AGENT, NOTICE_MESSAGE_TYPE = "receiver", "SURE"
+
+
+def is_notice(row: Mapping) -> bool:
+    """A receiving MCA's row of a SURE message: a notice (README, reason codes). Its sender
+    was answered DELIVERED_ERROR, keeps the message and sends it until a receiver puts it (or
+    dead-letters it on its own host, RETRY_BUDGET_EXHAUSTED, when its retry budget runs out):
+    put back from here as well, the message would arrive twice (a trial saw it), since a
+    receiving MCA knows a repeat only from the peer that sent it first. The report neither
+    counts it as likely recoverable (the same test, on columns: ``rqp.report.analysis``)."""
+    return row.get("agent") == NOTICE_AGENT and row.get("message_type") == NOTICE_MESSAGE_TYPE
 
 
 def row_extras(row: Mapping) -> dict:

@@ -42,7 +42,7 @@ from rqp.config import TEMPLATE_KEY, ReceiverConfig, load_names_config, load_opt
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     ROW_KEYS, ArchiveError, LockHeld, UnreadableLine, archive_files, archived_spill, find_rows,
-    id_problem, iso_utc, read_archive_lines, row_payload,
+    id_problem, is_notice, iso_utc, read_archive_lines, row_payload,
 )
 from rqp.system import signals
 from rqp.system.control import ControlError
@@ -52,8 +52,8 @@ from rqp.tools import tls as tls_tool
 from rqp.tools.ctl_agents import add_commands
 from rqp.tools.replay import (
     DEFAULT_POLL, DEFAULT_RATE, NOTICE_REFUSED, Follower, NotConfirmed, Replayer,
-    ReplayRefused, RetryLedger, Rule, RulesFile, TransmissionPutter, is_notice, load_rules,
-    names_a_host, resubmit,
+    ReplayRefused, RetryLedger, Rule, RulesFile, TransmissionPutter, load_rules, names_a_host,
+    resubmit,
 )
 
 log = logging.getLogger("rqp.tools.ctl")

@@ -99,7 +99,7 @@ from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, LockHeld, UnreadableLine, all_drain_states,
     archive_files,
-    archived_spill, find_rows, iso_utc, lock_file, read_archive_lines,
+    archived_spill, find_rows, is_notice, iso_utc, lock_file, read_archive_lines,
     rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
 from rqp.system.files import fsync_dir, write_file_atomically
@@ -1110,15 +1110,6 @@ class Replayer:
     def _remove(self, current: _File, index: int) -> None:
         if not self.dry_run:
             current.removed.add(index)
-
-
-def is_notice(row: Mapping) -> bool:
-    """A receiving MCA's row of a SURE message: a notice (README, reason codes). Its sender
-    was answered DELIVERED_ERROR, keeps the message and sends it until a receiver puts it (or
-    dead-letters it on its own host, RETRY_BUDGET_EXHAUSTED, when its retry budget runs out):
-    put back from here as well, the message would arrive twice (a trial saw it), since a
-    receiving MCA knows a repeat only from the peer that sent it first."""
-    return row.get("agent") == "receiver" and row.get("message_type") == "SURE"
 
 
 NOTICE_KEPT = ("a notice: the sending MCA of the source host keeps this SURE message and "
