@@ -46,6 +46,7 @@ from rqp_agents import telemetry
 from rqp_agents.daemon import Daemon, RateLimitedLog, check_only, run_daemon
 from rqp_agents.delivery import NO_WAITING, LocalDelivery
 from rqp_agents.gate import EVICT_IDLE, Gate
+from rqp_agents.links import keepalive
 
 log = logging.getLogger("rqp.receiver")
 
@@ -707,8 +708,11 @@ class Receiver(Daemon):
         if sock is not None:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ANSWER_SEND_BUFFER)
+                # a sender gone without a word: a trial's stayed listed, a dead connection
+                # holding frames its sender had given up, until they came 108 s later
+                keepalive(sock)
             except OSError:
-                pass  # (the kernel's default, then)
+                pass  # (the kernel's defaults, then)
         try:
             self._idle[task] = asyncio.get_running_loop().time()  # (a handshake: nothing
             who = await self.gate.identify(writer, peer_host, _peer(address))  # in flight)

@@ -397,7 +397,7 @@ class Sender(Daemon):
         # Still unanswered after the grace: the connections end, which the core treats as
         # "not confirmed" (SURE ones go back to pending, UNSURE ones are counted lost).
         for host in self.links:
-            self.links.close(host)
+            self.links.close(host, reset=True)  # (unanswered: never to arrive later)
             self.core.connection_lost(host, STOPPING, self.loop.time(), clean=True)
         self._run_actions()
         # SURE messages not confirmed stay in the journal: the next start sends them first, in
@@ -425,7 +425,7 @@ class Sender(Daemon):
         """After an unexpected error: nothing the core holds is trusted. SURE messages stay in
         the journal (sent again at the next start); UNSURE ones held in memory are lost."""
         await self.intake.stop()
-        self.links.close_all()
+        self.links.close_all(reset=True)
         self.stop_service()
         self.intake.journal.close()
         log.error("stopped after an unexpected error: %d message(s) held, %d SURE in the "
@@ -519,7 +519,7 @@ class Sender(Daemon):
                         "closing connection to %s: %s", act.host, act.reason,
                         extra={"event": "connection_closing", "peer": str(act.host),
                                "reason": act.reason})
-                self.links.close(act.host)
+                self.links.close(act.host, reset=not act.orderly)
             elif kind is Lost:
                 self.stats["unconfirmed_at_close" if act.likely_put else "lost"] += \
                     act.message.count

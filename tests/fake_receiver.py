@@ -25,6 +25,11 @@ It prints {"confirmed": BODY} for each MESSAGE it answers with DELIVERED_YES.
               the mode becomes "yes" for every later frame
     close-each D  so at every connection's first MESSAGE, for ever; answers asks with
               QUEUE_YES after D seconds
+    stall     QUEUE_YES to asks; at the first MESSAGE prints {"stalled": true} and reads
+              nothing more (what the sender writes waits in the kernels' buffers, as on a
+              link gone dark) until the mode is "drain": then reads on, answering nothing,
+              and prints {"ended": "eof"} or {"ended": "reset"} (the sender reset the
+              connection: what its kernel held never came)
 """
 
 import json
@@ -64,7 +69,7 @@ def set_mode(path, how):
 
 def serve(conn, mode_path, lock):
     pending = []
-    early = closing = False
+    early = closing = stalled = False
     try:
         while True:
             code = read_exact(conn, 1)[0]
@@ -94,7 +99,13 @@ def serve(conn, mode_path, lock):
                 with lock:
                     print(json.dumps({"late": frame}), flush=True)
                 continue
-            if how[0] == "silent" or early:
+            if how[0] == "stall" and code == 1:
+                with lock:
+                    print(json.dumps({"stalled": True}), flush=True)
+                while mode(mode_path)[0] == "stall":  # (the mode file is the test's lever)
+                    time.sleep(0.05)
+                stalled = True
+            if how[0] in ("silent", "drain") or early or stalled:
                 continue
             if how[0] == "early" and code == 4:
                 conn.sendall(b"\x05\x00" + b"\x02\x00" * int(how[1]))
@@ -126,7 +137,15 @@ def serve(conn, mode_path, lock):
                 conn.sendall(b"\x02\x00")
                 with lock:
                     print(json.dumps({"confirmed": frame["body"]}), flush=True)
-    except (EOFError, OSError):
+    except EOFError:
+        if stalled:
+            with lock:
+                print(json.dumps({"ended": "eof"}), flush=True)
+    except ConnectionResetError:
+        if stalled:
+            with lock:
+                print(json.dumps({"ended": "reset"}), flush=True)
+    except OSError:
         pass
     finally:
         with lock:

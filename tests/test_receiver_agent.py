@@ -1076,6 +1076,17 @@ def test_dead_letters_dead_letter_q_could_not_take_are_not_counted_header_only(t
 # --- 10. configurations ---------------------------------------------------------------------------
 
 
+def test_the_receivers_connections_have_tcp_keepalive(testbed):
+    """A trial: a connection whose sender had reset it from the far side of a dead link
+    stayed listed, holding frames the sender had given up, until they came 108 s later; with
+    keepalive the kernel finds such a peer gone within about a minute and a half."""
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660})
+    connect(r.pb, "c", r)
+    assert answers(r.pb.exchange("c", [ask(Q1)])) == ["QUEUE_YES"]
+    out = r.a.run(["ss", "-tnoH", "state", "established", f"( sport = :{PORT} )"]).stdout
+    assert out.strip() and "timer:(keepalive," in out, out
+
+
 def test_runs_with_no_config_file_at_all(testbed):
     t0 = time.time_ns()
     a, b = testbed.add_host("a"), testbed.add_host("b")

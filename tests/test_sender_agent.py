@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from rqp import SURE_MSG, UNSURE_MSG
-from tests.agents import PORT, dead_letters, log_lines, send, start_sender, write_rqprc
+from tests.agents import (
+    PORT, dead_letters, log_lines, send, send_sequence, start_sender, write_rqprc,
+)
 from tests.testbed import wait_for
 
 Q1 = 0x52510001
@@ -67,6 +69,30 @@ def test_overdue_confirmation_ends_the_connection_and_the_sure_message_keeps_its
     assert len({m["key"] for m in sent}) == 1  # re-sent with the same unique key (spec 5.6)
     assert len(fake.events("closed")) >= 1 and len(fake.events("connected")) >= 2
     assert len(fake.events("QUEUE_ASK")) >= 2  # every retry starts from asking
+
+
+def test_a_connection_given_up_is_reset_so_what_it_held_never_arrives_late(pair):
+    """A trial on a link gone dark for a minute: the sending MCA gave up the connection at
+    confirm_timeout and counted its UNSURE messages lost, but closing the socket left them in
+    the kernel, which sent them once the link came back: 108 s late, put behind newer ones
+    (order broken). Given up, a connection is now reset: what the kernel still held is
+    dropped, and the receiving side sees the reset instead of those frames."""
+    a, fake = pair
+    fake.set("stall")
+    rqprc = write_rqprc(a, [fake.host], confirm_timeout="1s")
+    sender = start_sender(a, rqprc)
+    count = 200  # 800 KB: more than the stalled side's kernel takes in
+    send_sequence(a, rqprc, Q1, "." * 4000, count, UNSURE_MSG)
+    wait_for(lambda: fake.events("stalled"), timeout=30, message="no MESSAGE came")
+    wait_for(lambda: log_lines(a, sender, "no answer to MESSAGE"), timeout=30,
+             message="the connection was not given up")
+    fake.set("drain")
+    [ended] = wait_for(lambda: fake.events("ended"), timeout=30, message="not ended")
+    assert ended["ended"] == "reset"
+    got = len(fake.events("MESSAGE"))
+    assert got < count, f"all {got} frames came after the connection was given up"
+    sender.send_signal(signal.SIGTERM)
+    assert sender.wait(30) == 0
 
 
 def test_garbage_answer_closes_and_the_sender_reconnects(pair):
