@@ -193,7 +193,7 @@ def test_a_broken_route_shows_in_status_exit_code_and_metrics(site):
     # metrics' peer label, follow the route wherever it goes next)
     [peer] = wait_for(lambda: [h["host"] for h in status()["hosts"] if h["failed_tries"]],
                       timeout=20, message="no host counted the refused message's failed try")
-    assert re.search(rf"{re.escape(peer)} .*\(\d+ failed tr(y|ies)\)",
+    assert re.search(rf"{re.escape(peer)} .*\(\d+ failed message tr(y|ies)\)",
                      rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc)).stdout)
     route = wait_for(lambda: (r := state())["state"] in ("retrying", "no route") and r,
                      timeout=20, message="the broken route never showed")

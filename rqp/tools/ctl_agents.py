@@ -214,7 +214,8 @@ def _trouble(st: dict) -> str:
 
 def _host_line(h: dict, now: float) -> str:
     """A host of the sending MCA's status: its connection, then what failed there."""
-    failed = [f"{h['failed_tries']} failed tr{'y' if h['failed_tries'] == 1 else 'ies'}"
+    # (of messages, said so: a trial read "256 failed tries" as 256 connection attempts)
+    failed = [f"{h['failed_tries']} failed message tr{'y' if h['failed_tries'] == 1 else 'ies'}"
               ] if h.get("failed_tries") else []
     if h.get("heartbeat_failures"):
         failed.append(f"{h['heartbeat_failures']} heartbeat(s) unanswered, the last "
