@@ -1342,7 +1342,7 @@ class Receiver(Daemon):
                 "DEAD.LETTER.Q %s cannot take the dead letter of key=%#018x from %s (queue %s, "
                 "reason %s): %s -- answered DELIVERED_ERROR: %s", logging.ERROR,
                 format_key(self.config.dead_letter_queue), message.key, peer,
-                format_key(message.queue_key), reason.name, exc,
+                format_key(message.queue_key), reason.name, self.dead_letters.unmade or exc,
                 "the SURE message stays with its sender" if sure else
                 "the UNSURE message is lost",
                 extra={"event": "dead_letter_not_written", "peer": peer,

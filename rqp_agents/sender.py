@@ -416,6 +416,7 @@ class Sender(Daemon):
             log.error("%d dead letter(s) held in memory are lost: %s (the SURE messages "
                       "among them stay journaled: sent again at the next start)",
                       len(self._dead_letter_backlog), self._spill_trouble or
+                      self.dead_letters.unmade or
                       f"DEAD.LETTER.Q {format_key(self.config.dead_letter_queue)} is still full")
         self._release_journaled()
         self.intake.journal.close()
@@ -685,7 +686,7 @@ class Sender(Daemon):
         """Why dead letters are held in memory (status), None if none is."""
         if not self._dead_letter_backlog:
             return None
-        return self._spill_trouble or "it was full"
+        return self._spill_trouble or self.dead_letters.unmade or "it was full"
 
     def _put_dead_letter(self, record: DeadLetterRecord, seq=None) -> None:
         """Onto DEAD.LETTER.Q; a journaled message is released once the record is there

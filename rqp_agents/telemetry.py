@@ -309,6 +309,7 @@ def receiver_status(agent) -> dict:
         "dead_letters_no_room_at": agent.no_room_at,
         "state_dir_trouble": _state_dir_trouble(agent),
         "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
+        "dead_letter_queue_unmade": agent.dead_letters.unmade,
         "open_connections": agent.gate.open,  # (those in "connections", and handshakes)
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),

@@ -151,3 +151,37 @@ def test_a_dead_letter_queue_it_may_not_write_holds_the_dead_letters(make_queue,
     assert len(lines) == 1 and "permission denied" in lines[0] and \
         "dead letters wait until this agent may write to DEAD.LETTER.Q" in lines[0], lines
 
+
+
+UNMADE = r"""
+import json, sys, sysv_ipc
+from rqp.storage.deadletters import DeadLetterWriter
+from rqp.protocol.records import AgentKind, DeadLetterRecord
+from rqp.protocol.reasons import ReasonCode
+writer = DeadLetterWriter(0x5251DEAD, sys.argv[1])
+data = writer.encode(DeadLetterRecord(reason=ReasonCode.NO_ROUTE, message_type=0,
+                                      agent=AgentKind.SENDER, host="h", payload=b"x"))
+sysv_ipc.MessageQueue(0x5251DEAD).remove()
+with open("/proc/sys/kernel/msgmni", "w") as f:  # (this host's IPC namespace only)
+    f.write("1\n")
+other = sysv_ipc.MessageQueue(0x7A11000F, sysv_ipc.IPC_CREX, 0o600)  # the one queue there is
+out = {"full": writer.try_put(data), "unmade": writer.unmade}
+other.remove()
+out["after"], out["unmade_after"] = writer.try_put(data), writer.unmade
+out["there"] = len(sysv_ipc.MessageQueue(0x5251DEAD).receive(block=False)[0]) > 0
+sysv_ipc.MessageQueue(0x5251DEAD).remove()
+print(json.dumps(out))
+"""
+
+
+def test_a_removed_dead_letter_queue_that_cannot_be_made_again_holds_the_dead_letters(testbed):
+    """A trial: DEAD.LETTER.Q removed while the system's kernel.msgmni queues were all taken:
+    making it again raised, the sending MCA stopped (exit 70) and the UNSURE messages it held
+    were lost. A put then fails as into a full queue (the caller holds the record), says why
+    (``unmade``, in the status), and goes once the queue can be made."""
+    import json
+    a = testbed.add_host("a")
+    out = json.loads(a.python(UNMADE, str(a.workdir / "spill")))
+    assert out["full"] is False
+    assert out["unmade"].startswith("DEAD.LETTER.Q was removed and cannot be made again: ")
+    assert out["after"] is True and out["unmade_after"] is None and out["there"]

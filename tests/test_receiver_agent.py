@@ -1045,6 +1045,35 @@ def test_a_peer_flooding_dead_letters_cannot_fill_dead_letter_q_for_the_others(t
     assert 1 <= len(lines) <= 3, lines  # rate-limited
 
 
+def test_a_dead_letter_queue_that_cannot_be_made_again_is_said_so(testbed):
+    """A trial: DEAD.LETTER.Q removed with the system's kernel.msgmni queues all taken; the
+    status said "no room", where the log named the cause. The receiver goes on, answers
+    DELIVERED_ERROR, and says why, in the log and the status; once a queue is freed, the
+    next dead letter makes it again."""
+    t0 = time.time_ns()
+    sock = testbed.workdir / "a" / "receiver.sock"
+    r = rig(testbed, {**BASE_CONFIG, "control_socket": str(sock)}, queues={Q1: 0o660})
+    r.qa.remove(DLQ)
+    queues = len(r.a.run(["cat", "/proc/sysvipc/msg"]).stdout.splitlines()) - 1
+    r.a.sysctl("kernel.msgmni", queues + 1)
+    r.qa.create(Q2, 0o600)  # the last queue there may be
+    connect(r.pb, "c", r)
+    got = r.pb.exchange("c", [msg(MISSING, b"lost", key=0x9C, type=UNSURE)], timeout=10)
+    assert answers(got) == ["DELIVERED_ERROR"]
+    assert any("DEAD.LETTER.Q was removed and cannot be made again: " in line and
+               "the UNSURE message is lost" in line for line in r.log().splitlines()), r.log()
+    status = r.rqpctl("status")
+    assert "\n  DEAD.LETTER.Q was removed and cannot be made again: " in status.stdout and \
+        "raise kernel.msgmni" in status.stdout, status.stdout
+    assert r.rx.poll() is None
+    r.qa.remove(Q2)
+    got = r.pb.exchange("c", [msg(MISSING, b"kept", key=0x9D, type=UNSURE)], timeout=10)
+    assert answers(got) == ["DELIVERED_ERROR"]
+    [rec] = r.qa.dead_letters()
+    check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0x9D,
+                 message_type=UNSURE, source=r.b.address, payload=b"kept", since_ns=t0)
+
+
 def test_dead_letters_dead_letter_q_could_not_take_are_not_counted_header_only(testbed):
     """A trial: with DEAD.LETTER.Q full, status said "dead letters 102 written without their
     payload" of a flood none of whose dead letters was written: the count came before the

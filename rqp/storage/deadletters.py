@@ -65,6 +65,9 @@ class DeadLetterWriter:
         self._refitted: dict[bytes, bytes] = {}
         self._too_small_said = False  # (the ERROR line, once until a put succeeds)
         self._denied_said = False  # (the same)
+        #: Why DEAD.LETTER.Q, removed, cannot be made again (the system's kernel.msgmni
+        #: queues all taken), or None: dead letters wait, as for a full queue, until it can.
+        self.unmade: str | None = None
 
     @property
     def written(self) -> int:
@@ -167,9 +170,18 @@ class DeadLetterWriter:
                 data = self._refitted[given] = refitted
                 continue
             except QueueNotFound:
-                log.error("DEAD.LETTER.Q %s was removed: creating it again",
-                          format_key(self.queue_key))
-                self.queue = LocalQueue.create(self.queue_key)
+                if self.unmade is None:
+                    log.error("DEAD.LETTER.Q %s was removed: creating it again",
+                              format_key(self.queue_key))
+                try:
+                    self.queue = LocalQueue.create(self.queue_key)
+                except RQPError as exc:  # (a trial: msgmni reached; the sending MCA stopped,
+                    why = f"DEAD.LETTER.Q was removed and cannot be made again: {exc}"  # 70)
+                    if why != self.unmade:
+                        log.error("%s -- dead letters wait until it can (kernel.msgmni is the "
+                                  "system's number of queues: ipcs -q lists them)", why)
+                    self.unmade = why
+                    return False
                 continue
             except QueuePermissionDenied as exc:  # (a trial: the sending MCA stopped, exit
                 if not self._denied_said:  # 70, and again at every start)
@@ -179,6 +191,7 @@ class DeadLetterWriter:
                 return False
             self._refitted.pop(given, None)
             self._too_small_said = self._denied_said = False
+            self.unmade = None
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
 

@@ -321,6 +321,10 @@ DRAIN_HINT = ("is rqp-dlq-drain running, and is DEAD.LETTER.Q large enough for a
 def _no_room(st: dict) -> str | None:
     """What a receiving MCA's status says of DEAD.LETTER.Q having no room for its dead letters,
     now or within NO_ROOM_RECENT (unhealthy); None if it had room all along."""
+    if unmade := st.get("dead_letter_queue_unmade"):  # (not "no room": a trial's said so)
+        return (f"{unmade}: a message to dead-letter is answered DELIVERED_ERROR (a SURE one "
+                "stays with its sender, an UNSURE one is lost) until it can; free a queue "
+                "(ipcs -q) or raise kernel.msgmni")
     room = st.get("dead_letter_room", NO_ROOM_BYTES)
     if room < NO_ROOM_BYTES:
         return (f"DEAD.LETTER.Q has NO ROOM for this receiver's dead letters now ({room} bytes "
