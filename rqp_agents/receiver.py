@@ -658,6 +658,15 @@ class Receiver(Daemon):
             raise RQPError(f"dedup_window_keys/dedup_window_age: {exc}") from None
         changes = config_changes(self.config, new, replaced=self.files_replaced((new.tls,)))
         self.config = self.delivery.config = new
+        # (kernel.msgmax read again: a trial raised it and reloaded, and the old limit held
+        # until a restart, where max_message_size's default says "msgmax at run time")
+        msgmax = kernel_limits().msgmax
+        if msgmax != self.msgmax:
+            log.info("kernel.msgmax is now %d (was %d)%s", msgmax, self.msgmax,
+                     "" if new.max_message_size else ": so is max_message_size, for the "
+                     "connections made from now on")
+        self.msgmax = self.dead_letters.msgmax = msgmax
+        _say_max_over_msgmax(new, msgmax)
         self.max_message_size = new.max_message_size or self.msgmax
         self.dead_letters.spill_limit = new.spill_limit
         log.info("reloaded %s: %s%s", new.source, changes,

@@ -1152,6 +1152,25 @@ def test_runs_with_no_config_file_at_all(testbed):
     assert (state / "receiver.dedup").exists()
 
 
+def test_a_reload_reads_kernel_msgmax_again(testbed):
+    """A trial raised kernel.msgmax on the receiving host and reloaded: the receiver kept
+    refusing the bigger messages until a restart, though max_message_size's default is
+    "msgmax at run time". A reload reads it again; connections made from then on take them."""
+    r = rig(testbed, BASE_CONFIG, queues={Q1: 0o660}, sysctls={"kernel.msgmnb": 1 << 20})
+    big = b"b" * 20_000
+    connect(r.pb, "before", r)
+    assert answers(r.pb.exchange("before", [msg(Q1, big, key=1, type=SURE)])) == \
+        ["DELIVERED_ERROR"]
+    r.a.sysctl("kernel.msgmax", 65536)
+    r.rx.send_signal(signal.SIGHUP)
+    wait_for(lambda: "kernel.msgmax is now 65536 (was 8192): so is max_message_size" in r.log(),
+             timeout=20, message="the reload did not see the new msgmax")
+    connect(r.pb, "after", r)
+    assert answers(r.pb.exchange("after", [msg(Q1, big, key=2, type=SURE)])) == \
+        ["DELIVERED_YES"]
+    assert r.qa.drain(Q1) == [(1, big)]
+
+
 def test_a_reload_whose_config_directory_cannot_be_searched_is_refused(testbed):
     """A trial: ``chmod 000`` of the directory holding the config, then SIGHUP, stopped the
     receiving MCA (and the sending one) with exit status 70, an unexpected PermissionError;
