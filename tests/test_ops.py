@@ -1058,6 +1058,22 @@ def test_sighup_reload_keeps_connections_and_refuses_a_bad_file(site, testbed):
         out = rqpctl(host, "status", "--agent", agent, *config)  # (found, and running...)
         assert out.returncode == 4, out.stdout + out.stderr  # (...what its file no longer says)
         assert "RELOAD REFUSED" in out.stdout and "cannot change while running" in out.stdout
+    # ...and with the moved files themselves, which say to look where nothing listens (a
+    # trial: "not running", exit 3): the agent that runs that file is found where it listens
+    for host, agent, config in ((a, "sender", ["--rqprc", str(rqprc)]),
+                                (b, "receiver", ["--receiver-config",
+                                                 str(b.workdir / "receiver.yaml")])):
+        out = rqpctl(host, "status", "--agent", agent, *config)
+        assert out.returncode == 4, out.stdout + out.stderr
+        assert out.stdout.startswith(f"{agent}: RUNS AN EARLIER ") and "RELOAD REFUSED" in \
+            out.stdout and "a restart takes it" in out.stdout.splitlines()[0], out.stdout
+    # a file that is no YAML at all, whose agent keeps its state_dir out of the defaults (a
+    # trial: exit 2 and the YAML mistake alone)
+    rqprc.write_text("hosts: [b, \n")
+    out = rqpctl(a, "status", "--agent", "sender", "--rqprc", str(rqprc))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert out.stdout.startswith(f"sender: CONFIG HAS A MISTAKE: {rqprc}: line 2, column 1: "
+                                 "invalid YAML") and "\nsender   pid " in out.stdout, out.stdout
 
 
 def test_rqpctl_send_starts_a_sending_mca_as_the_api_does(testbed):

@@ -166,20 +166,63 @@ def _despite(path: str, runtime: str, name: str) -> list[Path]:
     return [*out, Path(runtime)]
 
 
-def _ask_of_file(candidates: list[Path], mistake: ConfigError) -> dict:
-    """The status of the agent that runs the config file of ``mistake`` (the candidates
-    asked in turn: another agent's answer is not its); ControlError if none does."""
-    mine, others = os.path.realpath(mistake.path), []
-    for path in candidates:
+def _ask_of_file(candidates: list[Path], source: str, name: str) -> dict:
+    """The status of the agent (``name``: receiver, or a sender's) that runs config file
+    ``source``: the candidates asked in turn, then the agents of that kind listening on this
+    host (:func:`listening_agents`: where the file says no longer holds when a reload was
+    refused for ``state_dir``, or a YAML mistake hides it; a trial's status said "not
+    running"); another agent's answer is not its. ControlError if none does."""
+    mine, others = os.path.realpath(source), []
+    kind = "receiver" if name == "receiver" else "sender"  # (a sender's: sender-52510000)
+    for path in [*candidates, *(p for p in listening_agents(kind) if p not in candidates)]:
         try:
             st = request(path, "status")
         except ControlError as exc:
             others.append(str(exc))
             continue
         if st.get("source") and os.path.realpath(st["source"]) == mine:
+            st["asked_at"] = str(path)
             return st
         others.append(f"{path}: its agent runs {st.get('source') or 'no file'}")
     raise ControlError(f"no agent of {mine} answers ({'; '.join(others)})")
+
+
+def listening_agents(name: str) -> list[Path]:
+    """The control sockets of the agents of kind ``name`` (sender, receiver) that listen in
+    this network namespace, found by the names the agents give them (``sender-*.sock``,
+    ``receiver.sock``, the units'): the listening Unix sockets of /proc/net/unix."""
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
+    except OSError:
+        return []
+    found = set()
+    for line in lines:
+        fields = line.split(None, 7)  # Num RefCount Protocol Flags Type St Inode Path
+        if len(fields) < 8 or not int(fields[3], 16) & _ACCEPTING:
+            continue
+        path = fields[7]
+        base = os.path.basename(path)
+        if (name == "sender" and (path == SENDER_UNIT_SOCKET or
+                                  base.startswith("sender-") and base.endswith(".sock"))) or \
+                (name == "receiver" and (path == RECEIVER_UNIT_SOCKET or base == "receiver.sock")):
+            found.add(Path(path))
+    return sorted(found)
+
+
+#: /proc/net/unix's flag of a listening socket (__SO_ACCEPTCON).
+_ACCEPTING = 0x10000
+
+
+def _config_file(args, name: str) -> str | None:
+    """The config file agent ``name`` would be asked by, if any (status's fallback)."""
+    if args.socket:
+        return None
+    if name == "receiver":
+        return receiver_config_path(args.receiver_config)
+    try:
+        return str(find_rqprc(args.rqprc))
+    except ConfigError:
+        return None
 
 
 def _ago(then: float | None, now: float) -> str:
@@ -502,16 +545,40 @@ def _serving(st: dict, config) -> dict:
     return st
 
 
+def _where_the_file_says_or_elsewhere(args, name: str, candidates: list[Path]) -> dict:
+    """The status of agent ``name`` where its config says it listens; else, if one runs
+    that config file but listens elsewhere (the file changed state_dir, control_socket or
+    transmission_queue since it started: a trial's reload was refused for it, and status
+    said "not running"), its status, with ``listens_elsewhere`` saying so."""
+    try:
+        return _serving(ask(candidates, "status"), _named_config(args, name))
+    except ControlNotAnswering:
+        raise
+    except ControlError as exc:
+        source = _config_file(args, name)
+        if source is None:
+            raise
+        try:  # (the candidates again: one may have answered as the agent of another file,
+            # serving the transmission queue this file named before)
+            st = _ask_of_file([], source, name)
+        except ControlError:
+            raise exc from None
+        st["listens_elsewhere"] = (
+            f"RUNS AN EARLIER {source}: found at {st['asked_at']}, not where the file says now ({', '.join(map(str, candidates))}): the file changed "
+            "what only a start applies (state_dir, control_socket, transmission_queue); a "
+            "restart takes it")
+        return st
+
+
 def _status_once(args) -> int:
     code, answers, mistakes = 0, {}, {}
     targets = _targets(args, mistakes)
     for name, candidates in targets:
         try:
             if name in mistakes:  # (only the agent of that very file: its status says it)
-                answers[name] = st = _ask_of_file(candidates, mistakes[name])
+                answers[name] = st = _ask_of_file(candidates, mistakes[name].path, name)
             else:
-                answers[name] = st = _serving(ask(candidates, "status"),
-                                              _named_config(args, name))
+                answers[name] = st = _where_the_file_says_or_elsewhere(args, name, candidates)
         except ControlError as exc:
             if name in mistakes:  # (none of its own runs: the mistake is the answer, as ever)
                 raise mistakes[name] from None
@@ -536,10 +603,14 @@ def _status_once(args) -> int:
         if name in mistakes:  # (it runs what the file no longer says: a restart would fail)
             st["config_mistake"] = str(mistakes[name])
             code = code if code == EXIT_NOT_RUNNING else EXIT_UNHEALTHY
+        elif st.get("listens_elsewhere"):  # (as with a mistake: a restart changes it)
+            code = code if code == EXIT_NOT_RUNNING else EXIT_UNHEALTHY
         if not args.json:
             if name in mistakes:
                 print(f"{name}: CONFIG HAS A MISTAKE: {mistakes[name]} (the running agent "
                       "keeps the config it had; it would not start with the file as it is)")
+            elif elsewhere := st.get("listens_elsewhere"):  # (by its kind: a sending MCA's
+                print(f"{st.get('agent', name)}: {elsewhere}")  # name is the file's, no more)
             (_print_sender if st["agent"] == "sender" else _print_receiver)(st)
     if args.json:
         print(json.dumps(answers, indent=2, default=str))
