@@ -303,7 +303,8 @@ class Sender(Daemon):
                     "connect_ms": round((t1 - t0) * 1000, 3), "rtt_ms": round((t2 - t1) * 1000, 3)}
         except asyncio.TimeoutError:
             return {**out, "problem": f"connected, but no answer to QUEUE_ASK within "
-                    f"{self.config.ask_timeout:g}s (ask_timeout; not an RQP receiver?)"
+                    f"{self.config.ask_timeout:g}s (ask_timeout: a slow or lossy link, a busy "
+                    "receiver, or not an RQP receiver)"
                     if writer is not None else f"cannot connect within "
                     f"{self.config.connect_timeout:g}s (connect_timeout)"}
         except asyncio.IncompleteReadError as exc:
