@@ -195,14 +195,21 @@ def test_a_copy_for_a_host_gone_before_it_was_journaled_says_nothing_of_a_send()
     assert "no longer in .rqprc" in dead.detail and "may have been sent" not in dead.detail
 
 
-def test_a_host_removed_by_reload_gets_its_waiting_sure_copies_dead_lettered():
+def test_a_host_removed_by_reload_gets_its_waiting_copies_dead_lettered():
+    """Its SURE copies, and the UNSURE ones waiting in order behind them (which were counted
+    "declined", which that host never said, and kept nowhere)."""
     h = cast()
     h.submit(BQ, payload=b"r")
+    h.submit(BQ, payload=b"u", message_type=UNSURE_MSG)
     h.serve({"a": {BQ}, "b": {BQ}, "c": {BQ}}, down={"c"})
     h.core.update_settings(Settings(hosts=("a", "b"), broadcast=frozenset({BQ})), h.now)
-    [dead] = h.of(DeadLetter)
-    assert dead.message.target == "c" and dead.reason is ReasonCode.NO_ROUTE
-    assert len(h.of(FanoutEnded)) == 1 and h.core.held == 0
+    dead = h.of(DeadLetter)
+    assert [(d.message.payload, d.message.target, d.reason) for d in dead] == [
+        (b"r", "c", ReasonCode.NO_ROUTE), (b"u", "c", ReasonCode.NO_ROUTE)]
+    assert len(h.of(FanoutEnded)) == 2 and h.core.held == 0
+    [row] = h.core.route_status()
+    assert {c["peer"]: (c["declined"], c["dead_lettered"]) for c in row["copies"]}["c"] == \
+        (0, 2)
 
 
 def test_order_within_a_host_and_priority_overtaking_per_host():

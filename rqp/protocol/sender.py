@@ -1378,13 +1378,15 @@ class SenderCore:
 
     def _decline(self, lane: _Lane, why: str) -> None:
         """A copies lane's host said QUEUE_NO: its waiting copies are done. If it has left
-        ``.rqprc``, its waiting SURE copies are dead-lettered (never dropped unseen)."""
+        ``.rqprc``, its waiting copies are dead-lettered (never dropped unseen: a trial's
+        UNSURE ones were counted "declined", which the host never said), as a message no host
+        is asked for is."""
         removed = not self._hosts_for(lane)
         self._note(NoteKind.NO_ROUTE, lane.queue_key, lane.target, f"no copy: {why}")
         while lane.pending:
             msg = lane.pending.popleft()
             self._asked_for(msg)
-            if removed and msg.message_type == SURE_MSG:
+            if removed:
                 self._fire(msg, T.NO_HOST_TAKES_COPY)
                 self._dead_letter(msg, ReasonCode.NO_ROUTE, "the host is no longer in .rqprc"
                                   + ("" if "no longer in .rqprc" in why else f" ({why})")
