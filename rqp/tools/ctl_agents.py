@@ -564,9 +564,9 @@ def _where_the_file_says_or_elsewhere(args, name: str, candidates: list[Path]) -
         except ControlError:
             raise exc from None
         st["listens_elsewhere"] = (
-            f"RUNS AN EARLIER {source}: found at {st['asked_at']}, not where the file says now ({', '.join(map(str, candidates))}): the file changed "
-            "what only a start applies (state_dir, control_socket, transmission_queue); a "
-            "restart takes it")
+            f"RUNS AN EARLIER {source}: found at {st['asked_at']}, not where the file says "
+            f"now ({', '.join(map(str, candidates))}): the file changed what only a start "
+            "applies (state_dir, control_socket, transmission_queue); a restart takes it")
         return st
 
 

@@ -98,8 +98,7 @@ from rqp.protocol.sender import broadcast_queue
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, LockHeld, UnreadableLine, all_drain_states,
-    archive_files,
-    archived_spill, find_rows, is_notice, iso_utc, lock_file, read_archive_lines,
+    archive_files, archived_spill, find_rows, is_notice, iso_utc, lock_file, read_archive_lines,
     rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
 from rqp.system.files import fsync_dir, write_file_atomically
@@ -107,9 +106,9 @@ from rqp.system.queues import format_key
 
 __all__ = [
     "ACTIONS", "RULE_KEYS", "Decision", "Follower", "LedgerEntry", "ReplayRefused", "Replayer",
-    "RetryLedger", "Rule", "RulesFile", "TokenBucket", "TransmissionPutter", "decide", "header_payload",
-    "load_rules", "message_identity", "parse_age", "replay_payload", "resubmit",
-    "rules_from_data",
+    "RetryLedger", "Rule", "RulesFile", "TokenBucket", "TransmissionPutter", "decide",
+    "header_payload", "load_rules", "message_identity", "parse_age", "replay_payload",
+    "resubmit", "rules_from_data",
 ]
 
 ACTIONS = ("retry", "forward", "discard", "keep", "ignore")
