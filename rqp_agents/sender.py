@@ -397,8 +397,9 @@ class Sender(Daemon):
             waited += 0.05
         # Still unanswered after the grace: the connections end, which the core treats as
         # "not confirmed" (SURE ones go back to pending, UNSURE ones are counted lost).
+        unanswered = bool(self.core.in_flight)  # (reset: never to arrive later; else FIN)
         for host in self.links:
-            self.links.close(host, reset=True)  # (unanswered: never to arrive later)
+            self.links.close(host, reset=unanswered)
             self.core.connection_lost(host, STOPPING, self.loop.time(), clean=True)
         self._run_actions()
         # SURE messages not confirmed stay in the journal: the next start sends them first, in
