@@ -106,7 +106,8 @@ def rules_file(tmp_path: Path, text: str) -> Path:
      r"rules\[0\]: key 'to': bad value 'DEAD.LETTER.Q': expected an application's queue: "
      r"0x5251dead is DEAD.LETTER.Q of the agents, which no receiving MCA offers"),
     ("rules:\n  - action: retry\n    retries: 1\n    then: forward\n    to: 0x52510000\n",
-     r"rules\[0\]: key 'to': .*0x52510000 is the transmission queue of the agents"),
+     r"rules\[0\]: key 'to': bad value '0x52510000': .*0x52510000 is the transmission queue of "
+     r"the agents"),
     ("rules:\n  - action: forward\n    to: 0x52510002\n    retires: 2\n",
      r"rules\[0\]: unknown key 'retires' \(did you mean 'retries'\?\)"),
     ("rules:\n  - action: keep\n  - older_than: soon\n    action: keep\n",
@@ -488,6 +489,8 @@ def test_bad_command_lines_name_what_is_wrong(tmp_path, capsys):
     assert "rqpctl: --poll is for --follow" in capsys.readouterr().err
     assert ctl.main(["dlq", "show", "abcdef", "--archive", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such directory (--archive)" in capsys.readouterr().err
+    assert ctl.main(["dlq", "list", "--archive", str(rules)]) == 2  # (a file: a re-check's
+    assert "rules.yaml: is not a directory (--archive)" in capsys.readouterr().err  # said none)
     with pytest.raises(SystemExit):
         ctl.main([*base, "--follow", "--poll", "0"])
     assert "--poll: expected a number of seconds > 0, got '0'" in capsys.readouterr().err
@@ -819,6 +822,9 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         f.write(b'garbage\n[1]\n{"message":"0x54","retries":1e400}\n')  # (1e400: a trial's
         # stopped every run, OverflowError; -3: gave a rule of 2 five retries)
         f.write(b'{"message":"0x0000000000000052","retries":-3,"last_ns":0}\n')
+        # (a re-check's: a line of no count set 3 retries back to 0; true read as 1)
+        f.write(b'{"message":"0x0000000000000052"}\n{"message":"0x52","retries":true}\n')
+    assert RetryLedger(archive).get(row(key=0x52)).retries == 1  # the good line's count
     lines: list[str] = []
     replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
                         follow=follow)
@@ -826,7 +832,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         for _ in range(2 if follow else 1):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
-        f"warning        {path}: 4 line(s) cannot be read: the retries and forwards they "
+        f"warning        {path}: 6 line(s) cannot be read: the retries and forwards they "
         "counted are not counted",
         f"warning        {path}: 1 line(s) cut short, as by a replay killed while it wrote "
         "one (its message was not put back then): not counted"]

@@ -97,8 +97,9 @@ def _archive(args) -> Path:
     archive = Path(args.archive)
     if getattr(args, "drain", False) and not archive.exists():
         archive.mkdir(parents=True)  # as the drain would: it fills it
-    if not archive.is_dir():
-        raise ConfigError(f"{archive}: {'is not a directory' if archive.exists() else 'no such directory'}"
+    if not archive.is_dir():  # (list's said "no such directory" of a file: a re-check)
+        raise ConfigError(f"{archive}: "
+                          f"{'is not a directory' if archive.exists() else 'no such directory'}"
                           " (--archive)")
     return archive
 
@@ -352,9 +353,7 @@ def _cut(text: str, width: int) -> str:
 
 
 def _list(args) -> int:
-    archive = Path(args.archive)
-    if not archive.is_dir():
-        raise ConfigError(f"{archive}: no such directory (--archive)")
+    archive = _archive(args)
     header = ("ID", "TIMESTAMP", "REASON", "QUEUE", "TYPE", "MTYPE", "PRIO", "MESSAGE KEY", "HOST",
               "BYTES", "PREVIEW")
     table, unreadable = [], []

@@ -383,8 +383,9 @@ def _rule(check: _Checker, index: int, raw: object, names: Mapping[str, int] | N
         if (problem := names_a_host(to)) is not None:
             bad("to", to, problem)
         fields["to"] = queue_key("to", to)
-        if (agents := own(fields["to"])) is not None:
-            bad("to", to, f"expected an application's queue: {fields['to']:#010x} is "
+        if (agents := own(fields["to"])) is not None:  # (YAML's 0x5251dead is an int: hex)
+            bad("to", f"{to:#x}" if type(to) is int else to,
+                f"expected an application's queue: {fields['to']:#010x} is "
                 f"{agents} of the agents, which no receiving MCA offers (forwarded there, a "
                 "dead letter would wait for ever)")
         if raw.get("header") is not None:
@@ -516,7 +517,10 @@ class RetryLedger:
                 row = fields.pop("row", "")
                 if not isinstance(row, str):
                     raise ValueError("row is no string")
-                values = {k: int(v) for k, v in fields.items()}
+                if not isinstance(name, str) or "retries" not in fields or any(
+                        type(v) is not int for v in fields.values()):  # (a re-check's line
+                    raise ValueError("not a ledger line")  # of no count set it back to 0,
+                values = fields  # and "retries": true read as 1)
                 if not all(0 <= v <= INT64_MAX for v in values.values()):  # (a trial's
                     raise ValueError("out of range")  # retries -3 gave 5 retries of 2)
                 self.entries[name] = LedgerEntry(**values, row=row)
