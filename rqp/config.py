@@ -1393,6 +1393,8 @@ def read_yaml(path: Path) -> tuple[object, dict[str, int]]:
             node, data = _compose_and_construct(text, _FAST_LOADER)
         except yaml.YAMLError:  # (said in the words of the Python loader, as always)
             node, data = _compose_and_construct(text, yaml.SafeLoader)
+    except RecursionError:
+        raise ConfigError(f"{file}: nested too deeply to be a config file", path=file) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -1405,7 +1407,10 @@ def read_yaml(path: Path) -> tuple[object, dict[str, int]]:
         raise ConfigError(message, path=file) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: invalid YAML: {exc}", path=file) from None
-    return data, _node_lines(node, file)
+    try:
+        return data, _node_lines(node, file)
+    except RecursionError:  # (a re-check's 1,000 nested lists: a traceback, no ConfigError)
+        raise ConfigError(f"{file}: nested too deeply to be a config file", path=file) from None
 
 
 def _not_a_file(path: Path) -> str | None:

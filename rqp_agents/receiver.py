@@ -403,7 +403,9 @@ class _Answers:
         try:
             async with asyncio.timeout(self._patience):
                 await self._writer.drain()
-        except TimeoutError:
+        except TimeoutError as exc:
+            if exc.errno is not None:  # (ETIMEDOUT: the kernel gave the peer up, not us)
+                raise
             self._stuck = True
             raise PeerNotReading(f"it left its answers unread for {self._patience:g}s "
                                  "(idle_timeout)") from None
@@ -509,6 +511,9 @@ class Receiver(Daemon):
         self.no_room: collections.Counter[str] = collections.Counter()
         self._no_room_file = Path(config.state_dir) / NO_ROOM_FILE
         self.no_room_at: float | None = _read_time(self._no_room_file)
+        #: Why the last dead letter not written was not (DeadLetterWriter.unmade), or None:
+        #: DEAD.LETTER.Q had no room (a re-check's status gave the drain advice for both).
+        self.no_room_why: str | None = None
         self._no_room_saved = 0.0
         logging.getLogger("asyncio").addFilter(_no_ssl_half_close_warning)
         self.figures = telemetry.QueueFigures()  # per queue key, for the metrics
@@ -661,10 +666,11 @@ class Receiver(Daemon):
         # (kernel.msgmax read again: a trial raised it and reloaded, and the old limit held
         # until a restart, where max_message_size's default says "msgmax at run time")
         msgmax = kernel_limits().msgmax
-        if msgmax != self.msgmax:
-            log.info("kernel.msgmax is now %d (was %d)%s", msgmax, self.msgmax,
-                     "" if new.max_message_size else ": so is max_message_size, for the "
-                     "connections made from now on")
+        if msgmax != self.msgmax:  # (said in the reloaded line: not "nothing changed")
+            said = f"kernel.msgmax {self.msgmax} -> {msgmax}" + (
+                "" if new.max_message_size else " (so is max_message_size, for the "
+                "connections made from now on)")
+            changes = said if changes == "nothing changed" else f"{changes}, {said}"
         self.msgmax = self.dead_letters.msgmax = msgmax
         _say_max_over_msgmax(new, msgmax)
         self.max_message_size = new.max_message_size or self.msgmax
@@ -792,7 +798,10 @@ class Receiver(Daemon):
                     async with (asyncio.timeout(wait) if framed else
                                 asyncio.timeout_at(first_due)):
                         data = await reader.read(READ_SIZE)
-                except TimeoutError:
+                except TimeoutError as exc:
+                    if exc.errno is not None:  # ETIMEDOUT, an OSError: the kernel gave the
+                        raise  # peer up (keepalive, TCP_USER_TIMEOUT): lost, not idle (a
+                        # re-check's log said "idle for 600s" 91 s into a dark link)
                     self.stats["timed_out_connections"] += 1
                     self._goings.report("closing connection from %s: %s", logging.INFO, peer,
                                         f"idle for {wait:g}s (idle_timeout)" if framed else
@@ -1340,6 +1349,7 @@ class Receiver(Daemon):
             self.gate.not_written(who)
             self.no_room[peer] += 1
             self.no_room_at = time.time()
+            self.no_room_why = self.dead_letters.unmade  # (None: it was full)
             if self.no_room_at - self._no_room_saved >= NO_ROOM_SAVE_INTERVAL:
                 self._no_room_saved = self.no_room_at
                 try:

@@ -173,6 +173,7 @@ class Sender(Daemon):
         self._dead_letter_retry: asyncio.TimerHandle | None = None
         self._dead_letter_delay = DEAD_LETTER_AGAIN  # (the next retry's, while none goes)
         self._dead_letters_full_since: float | None = None  # (loop time)
+        self._dead_letters_full_why = "full"  # (or DeadLetterWriter.unmade, when it began)
         #: Why the next dead letter's spill file cannot be written (its directory full or
         #: broken), while that holds the dead letters; None: DEAD.LETTER.Q full, if any held.
         self._spill_trouble: str | None = None
@@ -733,9 +734,12 @@ class Sender(Daemon):
             if not self.dead_letters.try_put(data):
                 if self._dead_letters_full_since is None:
                     self._dead_letters_full_since = self.loop.time()
-                    log.error("DEAD.LETTER.Q %s is full: dead letters are held in memory "
+                    self._dead_letters_full_why = self.dead_letters.unmade or "full"
+                    log.error("DEAD.LETTER.Q %s is %s: dead letters are held in memory "
                               "until it takes them (rqpctl status counts them), tried again "
                               "at least every %gs", format_key(self.config.dead_letter_queue),
+                              "full" if self.dead_letters.unmade is None else
+                              "gone (" + self.dead_letters.unmade + ")",
                               DEAD_LETTER_RETRY, extra={"event": "dead_letter_queue_full"})
                 if wrote:
                     self._dead_letter_delay = DEAD_LETTER_AGAIN
@@ -752,7 +756,9 @@ class Sender(Daemon):
                 self._releases.append(seq)
         if self._dead_letters_full_since is not None:
             log.warning("DEAD.LETTER.Q %s takes dead letters again: every one held is written "
-                        "(it was full for %.1fs)", format_key(self.config.dead_letter_queue),
+                        "(it was %s for %.1fs)", format_key(self.config.dead_letter_queue),
+                        "full" if self._dead_letters_full_why == "full" else
+                        "gone, and could not be made again",  # (a re-check: "full", of that)
                         self.loop.time() - self._dead_letters_full_since)
             self._dead_letters_full_since = None
             self._dead_letters_capped = False

@@ -307,6 +307,7 @@ def receiver_status(agent) -> dict:
                   "dead_letters_suppressed": sum(agent.gate.suppressed.values()),
                   "dead_letters_no_room": sum(agent.no_room.values())},
         "dead_letters_no_room_at": agent.no_room_at,
+        "dead_letters_no_room_why": agent.no_room_why,
         "state_dir_trouble": _state_dir_trouble(agent),
         "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
         "dead_letter_queue_unmade": agent.dead_letters.unmade,

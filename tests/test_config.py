@@ -613,6 +613,12 @@ def test_yaml_unclosed_bracket(tmp_path: Path) -> None:
     assert "invalid YAML" in message and "line " in message
 
 
+def test_yaml_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    """A re-check: 1,000 nested lists raised RecursionError (a traceback from --check)."""
+    message = str(sender_error(tmp_path, "hosts: " + "[" * 1000 + "1" + "]" * 1000 + "\n"))
+    assert message.endswith(".rqprc: nested too deeply to be a config file"), message
+
+
 def test_python_tags_are_refused(tmp_path: Path) -> None:
     message = str(sender_error(tmp_path, "hosts: !!python/object/apply:os.system ['true']\n"))
     assert "line 1" in message and "invalid YAML" in message

@@ -1381,3 +1381,18 @@ def test_a_config_with_a_mistake_is_asked_where_its_tilde_paths_lead(tmp_path, m
     config.write_text('state_dir: "~/sc"\ncontrol_socket: "~/ctl.sock"\ntypo: 1\n')
     got = _despite(str(config), "/run/rqp/receiver/control.sock", "receiver")
     assert got[:2] == [home / "ctl.sock", home / "sc" / "receiver.sock"], got
+
+
+def test_status_looks_for_an_agent_only_among_sockets_of_root_this_user_or_rqp(tmp_path):
+    """A re-check: a socket named receiver.sock that user nobody made answered for the
+    running agent (its pid and host forged), when status looked beyond where the config
+    says. Only sockets made by root, the user running rqpctl, or the agents' user count."""
+    import socket as _socket
+    from rqp.tools.ctl_agents import listening_agents
+    path = tmp_path / "receiver.sock"
+    with _socket.socket(_socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        sock.listen()
+        assert path in listening_agents("receiver")
+        os.chown(path, 65534, 65534)  # as if user nobody had made it
+        assert path not in listening_agents("receiver")

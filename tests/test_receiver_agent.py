@@ -870,8 +870,8 @@ def test_when_dead_letter_q_is_full_the_message_is_refused_and_the_connection_go
     assert 'rqp_receiver_messages_total{outcome="dead_lettered",queue="0x52510099"} 1.0\n' \
         in metrics.stdout, metrics.stdout
     status = r.rqpctl("status")
-    assert "  dead letters 2 not written: no room in DEAD.LETTER.Q\n" in status.stdout, \
-        status.stdout
+    assert "  dead letters 2 not written: no room in DEAD.LETTER.Q, or it was gone\n" in \
+        status.stdout, status.stdout
     # the count only grows: a check sees the fault as it is now, for NO_ROOM_RECENT after
     assert re.search(r"\n  DEAD.LETTER.Q had NO ROOM for a dead letter \d+s ago \(answered "
                      r"DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one is "
@@ -1072,6 +1072,11 @@ def test_a_dead_letter_queue_that_cannot_be_made_again_is_said_so(testbed):
     [rec] = r.qa.dead_letters()
     check_record(rec, reason=ReasonCode.UNKNOWN_QUEUE, queue_key=MISSING, key=0x9D,
                  message_type=UNSURE, source=r.b.address, payload=b"kept", since_ns=t0)
+    status = r.rqpctl("status")  # (for 5 minutes: why the last was not written, not the
+    assert re.search(r"\n  a dead letter was not written \d+s ago: DEAD.LETTER.Q was removed "
+                     r"and cannot be made again: .*it has been made again since",  # drain advice)
+                     status.stdout), status.stdout
+    assert "is rqp-dlq-drain running" not in status.stdout, status.stdout
 
 
 def test_dead_letters_dead_letter_q_could_not_take_are_not_counted_header_only(testbed):
@@ -1163,8 +1168,9 @@ def test_a_reload_reads_kernel_msgmax_again(testbed):
         ["DELIVERED_ERROR"]
     r.a.sysctl("kernel.msgmax", 65536)
     r.rx.send_signal(signal.SIGHUP)
-    wait_for(lambda: "kernel.msgmax is now 65536 (was 8192): so is max_message_size" in r.log(),
-             timeout=20, message="the reload did not see the new msgmax")
+    wait_for(lambda: ": kernel.msgmax 8192 -> 65536 (so is max_message_size, for the "
+             "connections made from now on)" in r.log(), timeout=20,
+             message="the reload did not see the new msgmax")
     connect(r.pb, "after", r)
     assert answers(r.pb.exchange("after", [msg(Q1, big, key=2, type=SURE)])) == \
         ["DELIVERED_YES"]

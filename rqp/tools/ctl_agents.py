@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import sys
 import time
 from pathlib import Path
@@ -190,7 +191,9 @@ def _ask_of_file(candidates: list[Path], source: str, name: str) -> dict:
 def listening_agents(name: str) -> list[Path]:
     """The control sockets of the agents of kind ``name`` (sender, receiver) that listen in
     this network namespace, found by the names the agents give them (``sender-*.sock``,
-    ``receiver.sock``, the units'): the listening Unix sockets of /proc/net/unix."""
+    ``receiver.sock``, the units'): the listening Unix sockets of /proc/net/unix, made by
+    root, this user or the agents' user ``rqp`` (:func:`_trusted`: a re-check's user
+    ``nobody`` made one and answered for the agent)."""
     try:
         lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
     except OSError:
@@ -205,8 +208,28 @@ def listening_agents(name: str) -> list[Path]:
         if (name == "sender" and (path == SENDER_UNIT_SOCKET or
                                   base.startswith("sender-") and base.endswith(".sock"))) or \
                 (name == "receiver" and (path == RECEIVER_UNIT_SOCKET or base == "receiver.sock")):
-            found.add(Path(path))
+            if _trusted(path):
+                found.add(Path(path))
     return sorted(found)
+
+
+def _trusted(path: str) -> bool:
+    """Whether the socket file ``path`` was made by root, this user or the user ``rqp`` (a
+    socket's file belongs to the process that bound it)."""
+    try:
+        owner = os.lstat(path).st_uid
+    except OSError:
+        return False
+    if owner in (0, os.geteuid()):
+        return True
+    try:
+        return owner == pwd.getpwnam(AGENTS_USER).pw_uid
+    except KeyError:
+        return False
+
+
+#: The agents' system user (scripts/install makes it; the units run as it).
+AGENTS_USER = "rqp"
 
 
 #: /proc/net/unix's flag of a listening socket (__SO_ACCEPTCON).
@@ -375,6 +398,10 @@ def _no_room(st: dict) -> str | None:
                 "DELIVERED_ERROR (a SURE one stays with its sender, an UNSURE one is lost): "
                 f"{DRAIN_HINT}")
     at = st.get("dead_letters_no_room_at")
+    if at is not None and st["now"] - at < NO_ROOM_RECENT and st.get("dead_letters_no_room_why"):
+        return (f"a dead letter was not written {_ago(at, st['now'])} ago: "
+                f"{st['dead_letters_no_room_why']} (answered DELIVERED_ERROR: a SURE message "
+                "stays with its sender, an UNSURE one is lost); it has been made again since")
     if at is not None and st["now"] - at < NO_ROOM_RECENT:
         return (f"DEAD.LETTER.Q had NO ROOM for a dead letter {_ago(at, st['now'])} ago "
                 "(answered DELIVERED_ERROR: a SURE message stays with its sender, an UNSURE one "
@@ -421,7 +448,7 @@ def _print_receiver(st: dict) -> None:
     limited = [(stats.get(k, 0), what) for k, what in (
         ("dead_letters_header_only", "written without their payload (dead_letter_rate)"),
         ("dead_letters_suppressed", "not written (dead_letter_rate)"),
-        ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q"))]
+        ("dead_letters_no_room", "not written: no room in DEAD.LETTER.Q, or it was gone"))]
     if any(n for n, _ in limited):
         print("  dead letters " + "; ".join(f"{n} {what}" for n, what in limited if n))
     if no_room := _no_room(st):
