@@ -180,8 +180,6 @@ def _failure(exc: BaseException) -> str:
 #: heartbeats do the same at the RQP level; keepalive also covers a connection while the
 #: sending MCA itself is stopped, and the receiving MCA's end).
 KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 3
-#: How long data sent may go unacknowledged before the kernel gives the connection up (ms).
-UNACKNOWLEDGED_MS = (KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT) * 1000
 
 
 def _reset_on_close(transport: asyncio.Transport) -> None:
@@ -198,15 +196,18 @@ def _reset_on_close(transport: asyncio.Transport) -> None:
 LINGER_RESET = struct.pack("ii", 1, 0)
 
 
-def keepalive(sock: socket.socket) -> None:
+def keepalive(sock: socket.socket, unacknowledged: float | None = None) -> None:
     """TCP keepalive on ``sock``: a peer gone without a word (its host down, a reset lost on
-    the way) is found within about a minute and a half of silence; and as long for data it
-    does not acknowledge (``TCP_USER_TIMEOUT``: keepalive probes only a connection with
-    nothing to send, and a re-check's receiver with answers unacknowledged kept one past
-    160 s of a dark link, for ``tcp_retries2``'s 15 minutes or ``idle_timeout``)."""
+    the way) is found within about a minute and a half of silence. Keepalive probes only a
+    connection with nothing to send: ``unacknowledged`` (seconds) bounds how long data sent
+    may stay unacknowledged, or the peer's window shut (``TCP_USER_TIMEOUT``; a re-check's
+    receiver with answers unacknowledged kept a connection past 160 s of a dark link, for
+    ``tcp_retries2``'s 15 minutes)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
-                          ("TCP_KEEPCNT", KEEPALIVE_COUNT),
-                          ("TCP_USER_TIMEOUT", UNACKNOWLEDGED_MS)):
+    options = [("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+               ("TCP_KEEPCNT", KEEPALIVE_COUNT)]
+    if unacknowledged is not None:
+        options.append(("TCP_USER_TIMEOUT", max(1, int(unacknowledged * 1000))))
+    for option, value in options:
         if hasattr(socket, option):  # (Linux; elsewhere the system's defaults)
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

@@ -724,8 +724,10 @@ class Receiver(Daemon):
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ANSWER_SEND_BUFFER)
                 # a sender gone without a word: a trial's stayed listed, a dead connection
-                # holding frames its sender had given up, until they came 108 s later
-                keepalive(sock)
+                # holding frames its sender had given up, until they came 108 s later; and
+                # answers it does not acknowledge (or read: its window shut) past idle_timeout
+                # (a margin after it: the agent's own "answers unread" says it first)
+                keepalive(sock, unacknowledged=self.config.idle_timeout + KERNEL_MARGIN)
             except OSError:
                 pass  # (the kernel's defaults, then)
         try:
@@ -1382,6 +1384,11 @@ class Receiver(Daemon):
                    "queue_key": format_key(message.queue_key),
                    "message_key": f"{message.key:#018x}"})
         return True
+
+
+#: How long after idle_timeout the kernel gives up a connection whose answers stay
+#: unacknowledged (TCP_USER_TIMEOUT), seconds.
+KERNEL_MARGIN = 30.0
 
 
 def _end_writing(writer: asyncio.StreamWriter) -> bool:
