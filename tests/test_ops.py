@@ -1396,3 +1396,53 @@ def test_status_looks_for_an_agent_only_among_sockets_of_root_this_user_or_rqp(t
         assert path in listening_agents("receiver")
         os.chown(path, 65534, 65534)  # as if user nobody had made it
         assert path not in listening_agents("receiver")
+
+
+def _forge(path: Path, source: Path, ready: int) -> None:
+    """In a forked child, as user nobody: listen on ``path`` and answer as the agent of
+    ``source`` (say so on the pipe ``ready``), until killed."""
+    import socket as _socket
+    os.setgid(65534)
+    os.setuid(65534)
+    srv = _socket.socket(_socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen()
+    os.write(ready, b"!")
+    while True:
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.sendall(json.dumps({"agent": "receiver", "pid": os.getpid(),
+                                 "source": str(source)}).encode())
+        conn.close()
+
+
+def test_status_does_not_take_the_answer_of_a_process_of_another_user(tmp_path):
+    """A re-check: the owner of a socket's path was checked, then the path swapped (a link in
+    a world-writable directory) to one bound by user nobody, which answered as the agent.
+    The process that answers must run as root, this user or rqp (SO_PEERCRED)."""
+    import shutil
+    import tempfile
+    from rqp.system.control import ControlError
+    from rqp.tools.ctl_agents import _ask_of_file
+    shared = Path(tempfile.mkdtemp(prefix="rqp-forge-", dir="/tmp"))  # (nobody may reach it)
+    shared.chmod(0o777)
+    path, source = shared / "receiver.sock", tmp_path / "receiver.yaml"
+    source.write_text("listen: [not yaml\n")
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            _forge(path, source, ready_w)
+        finally:
+            os._exit(1)
+    try:
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"!"
+        os.chown(path, 0, 0)  # (as if the path now led to root's socket: the swap)
+        with pytest.raises(ControlError, match=r"runs as uid 65534, not as an agent's user"):
+            _ask_of_file([], str(source), "receiver")
+    finally:
+        os.close(ready_r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        shutil.rmtree(shared)

@@ -222,14 +222,23 @@ class _Clients:
 NOT_RUNNING_HERE = "no agent is running here"
 
 
-def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args) -> dict:
-    """Ask the agent on ``path``; :class:`ControlError` says why it could not be asked."""
+def request(path: str | os.PathLike, command: str, timeout: float = 5.0,
+            peer_uids: frozenset[int] | None = None, **args) -> dict:
+    """Ask the agent on ``path``; :class:`ControlError` says why it could not be asked.
+    ``peer_uids``: the users the process that answers may run as (``SO_PEERCRED`` of the
+    connection, not the owner of a path another user could swap: a re-check's); the
+    answer's ``peer_pid`` is that process's pid."""
     connected = False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(str(path))
             connected = True
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if peer_uids is not None and uid not in peer_uids:
+                raise ControlError(f"the process on {path} (pid {pid}) runs as uid {uid}, not "
+                                   "as an agent's user: not asked")
             try:
                 sock.sendall(json.dumps({"command": command, **args}).encode() + b"\n")
             except (BrokenPipeError, ConnectionResetError):
@@ -270,6 +279,8 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0, **args)
         if str(answer["error"]).startswith(BUSY):
             raise ControlNotAnswering(f"the agent on {path} is {answer['error']}")
         raise ControlRefused(f"the agent on {path}: {answer['error']}")
+    if peer_uids is not None and isinstance(answer, dict):
+        answer["peer_pid"] = pid
     return answer
 
 

@@ -175,11 +175,16 @@ def _ask_of_file(candidates: list[Path], source: str, name: str) -> dict:
     running"); another agent's answer is not its. ControlError if none does."""
     mine, others = os.path.realpath(source), []
     kind = "receiver" if name == "receiver" else "sender"  # (a sender's: sender-52510000)
-    for path in [*candidates, *(p for p in listening_agents(kind) if p not in candidates)]:
-        try:
-            st = request(path, "status")
+    found = [p for p in listening_agents(kind) if p not in candidates]
+    for path in [*candidates, *found]:
+        try:  # (one found so: its process must run as a trusted user, and be the agent)
+            st = request(path, "status", **({"peer_uids": _trusted_uids()} if path in found
+                                            else {}))
         except ControlError as exc:
             others.append(str(exc))
+            continue
+        if path in found and st.get("pid") != st.get("peer_pid"):
+            others.append(f"{path}: answered for pid {st.get('pid')} by pid {st.get('peer_pid')}")
             continue
         if st.get("source") and os.path.realpath(st["source"]) == mine:
             st["asked_at"] = str(path)
@@ -215,17 +220,21 @@ def listening_agents(name: str) -> list[Path]:
 
 def _trusted(path: str) -> bool:
     """Whether the socket file ``path`` was made by root, this user or the user ``rqp`` (a
-    socket's file belongs to the process that bound it)."""
+    socket's file belongs to the process that bound it; only a first sieve: the process that
+    answers is checked too, :func:`_trusted_uids`, as a path can be swapped meanwhile)."""
     try:
-        owner = os.lstat(path).st_uid
+        return os.lstat(path).st_uid in _trusted_uids()
     except OSError:
         return False
-    if owner in (0, os.geteuid()):
-        return True
+
+
+def _trusted_uids() -> frozenset[int]:
+    """Root, this user, and the agents' user ``rqp`` if there is one."""
     try:
-        return owner == pwd.getpwnam(AGENTS_USER).pw_uid
+        rqp_uid = {pwd.getpwnam(AGENTS_USER).pw_uid}
     except KeyError:
-        return False
+        rqp_uid = set()
+    return frozenset({0, os.geteuid(), *rqp_uid})
 
 
 #: The agents' system user (scripts/install makes it; the units run as it).
