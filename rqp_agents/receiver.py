@@ -27,7 +27,7 @@ from rqp import SURE_MSG, RQPError
 from rqp.cli import add_log_level, add_version, listen_address
 from rqp.config import ReceiverConfig, is_loopback, load_receiver_config, parse_host
 from rqp.protocol.access import Allowance, Peer
-from rqp.protocol.errors import LocalProtocolError
+from rqp.protocol.errors import LocalProtocolError, QueueError
 from rqp.protocol.events import MessageEx, OversizedMessage
 from rqp.protocol.frames import ANSWER_SIZE, CLOSED, NEED_DATA
 from rqp.protocol.reasons import ReasonCode
@@ -1312,6 +1312,16 @@ class Receiver(Daemon):
         self.figures.count(message.queue_key, _PUT_FIGURE, len(message.message))
         return conn.answer_put(request, True)
 
+    def _put_dead_letter(self, data: bytes) -> bool:
+        """One try to put a dead letter (False: DEAD.LETTER.Q full); a DEAD.LETTER.Q that
+        cannot be made raises at once (a re-check's waited 1 s for it as for a full queue,
+        and the log said "full" beside "cannot be made again")."""
+        if self.dead_letters.try_put(data):
+            return True
+        if self.dead_letters.unmade is not None:
+            raise QueueError(self.dead_letters.unmade)
+        return False
+
     async def _dead_letter(self, message, reason: ReasonCode, detail: str, who: Peer) -> bool:
         """Write the dead letter of ``message`` (within ``who``'s dead-letter budget, and
         within this agent's share of DEAD.LETTER.Q): whether one was written (not for a SURE
@@ -1343,7 +1353,7 @@ class Receiver(Daemon):
         data = None
         try:
             data = self.dead_letters.encode(record, share=RECEIVER_SHARE)
-            await self.delivery.retrying(lambda: self.dead_letters.try_put(data), 1.0,
+            await self.delivery.retrying(lambda: self._put_dead_letter(data), 1.0,
                                          "DEAD.LETTER.Q")
         except (RQPError, OSError) as exc:
             if data is not None:

@@ -310,7 +310,7 @@ def receiver_status(agent) -> dict:
         "dead_letters_no_room_why": agent.no_room_why,
         "state_dir_trouble": _state_dir_trouble(agent),
         "dead_letter_room": agent.dead_letters.room_within(RECEIVER_SHARE),
-        "dead_letter_queue_unmade": agent.dead_letters.unmade,
+        "dead_letter_queue_unmade": _unmade(agent.dead_letters),
         "open_connections": agent.gate.open,  # (those in "connections", and handshakes)
         "handshake_failures": dict(agent.gate.handshake_failures),
         "denied": dict(agent.gate.denied),
@@ -419,3 +419,10 @@ def receiver_metrics(agent) -> list[Metric]:
         m["rqp_receiver_queue_depth"].add(q["depth"], queue=q["queue"])
         m["rqp_receiver_queue_offered"].add(int(q["offered"]), queue=q["queue"])
     return [*m.values(), *_agent_metrics(agent)]
+
+
+def _unmade(dead_letters) -> str | None:
+    """Why DEAD.LETTER.Q cannot be made, if it still cannot (looked at again: another agent
+    may have made it meanwhile)."""
+    dead_letters.look_again()
+    return dead_letters.unmade

@@ -617,6 +617,12 @@ def test_yaml_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
     """A re-check: 1,000 nested lists raised RecursionError (a traceback from --check)."""
     message = str(sender_error(tmp_path, "hosts: " + "[" * 1000 + "1" + "]" * 1000 + "\n"))
     assert message.endswith(".rqprc: nested too deeply to be a config file"), message
+    # rqpctl status, which reads a file with a mistake once more to find its agent, too
+    out = subprocess.run([sys.executable, "-m", "rqp.tools.ctl", "status", "--agent", "sender",
+                          "--rqprc", str(tmp_path / ".rqprc")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and \
+        out.stderr.strip().endswith("nested too deeply to be a config file"), out.stderr
 
 
 def test_python_tags_are_refused(tmp_path: Path) -> None:

@@ -1066,7 +1066,11 @@ def test_a_dead_letter_queue_that_cannot_be_made_again_is_said_so(testbed):
     assert "\n  DEAD.LETTER.Q was removed and cannot be made again: " in status.stdout and \
         "raise kernel.msgmni" in status.stdout, status.stdout
     assert r.rx.poll() is None
+    assert "DEAD.LETTER.Q full" not in r.log()  # (not waited for as a full one, nor said so)
     r.qa.remove(Q2)
+    r.qa.create(DLQ, 0o660)  # made by another agent (a re-check: status went on saying it
+    status = r.rqpctl("status")  # could not be made, until the receiver's own next one)
+    assert "it has been made again since" in status.stdout, status.stdout
     got = r.pb.exchange("c", [msg(MISSING, b"kept", key=0x9D, type=UNSURE)], timeout=10)
     assert answers(got) == ["DELIVERED_ERROR"]
     [rec] = r.qa.dead_letters()

@@ -195,6 +195,18 @@ class DeadLetterWriter:
             self.by_reason[reason_name(DeadLetterRecord.peek_reason(data))] += 1
             return True
 
+    def look_again(self) -> None:
+        """If DEAD.LETTER.Q could not be made (:attr:`unmade`): whether it is there now (made
+        by another agent meanwhile), without making it (status: a re-check's said "cannot
+        be made again" of a queue the sending MCA had made and written to)."""
+        if self.unmade is None:
+            return
+        try:
+            self.queue = LocalQueue.open(self.queue_key)
+        except RQPError:
+            return
+        self.unmade = None
+
     def _refit(self, data: bytes) -> bytes | None:
         """``data`` fitted to DEAD.LETTER.Q's size now (its payload spilled, as by
         :meth:`encode`, unless a spill file has it already); None if even its header is

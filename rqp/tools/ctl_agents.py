@@ -154,8 +154,8 @@ def _despite(path: str, runtime: str, name: str) -> list[Path]:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError):
-        data = None
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # (nested too deeply: a
+        data = None  # re-check's traceback)
     data = data if isinstance(data, dict) else {}
     here = os.path.dirname(os.path.abspath(path))
     # (~ as the agents read it: a re-check's state_dir "~/sc" was not found)
