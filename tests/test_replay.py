@@ -824,6 +824,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         f.write(b'{"message":"0x0000000000000052","retries":-3,"last_ns":0}\n')
         # (a re-check's: a line of no count set 3 retries back to 0; true read as 1)
         f.write(b'{"message":"0x0000000000000052"}\n{"message":"0x52","retries":true}\n')
+        f.write(b'{"message":"0x0000000000000052","retries":1,"retries":0}\n')  # (read as 0)
     assert RetryLedger(archive).get(row(key=0x52)).retries == 1  # the good line's count
     lines: list[str] = []
     replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
@@ -832,7 +833,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         for _ in range(2 if follow else 1):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
-        f"warning        {path}: 6 line(s) cannot be read: the retries and forwards they "
+        f"warning        {path}: 7 line(s) cannot be read: the retries and forwards they "
         "counted are not counted",
         f"warning        {path}: 1 line(s) cut short, as by a replay killed while it wrote "
         "one (its message was not put back then): not counted"]
@@ -1102,10 +1103,33 @@ def test_follow_reads_its_rules_again_on_sighup_only(tmp_path):
                                                        "rules changed"))]
     changed = f"rules changed  {path} changed since it was read; not applied until SIGHUP " \
         "(systemctl reload rqp-dlq-handler)"
-    assert said[:2] == [changed, changed], lines  # (the half-written file, then the typo)
-    assert said[2].startswith("not reloaded") and "key 'to': bad value 'nowhere_q'" in said[2] \
-        and said[2].endswith("still applying the rules it had")
-    assert said[3:] == [changed, f"reloaded       {path} (1 rule(s))"], lines
+    assert said[0] == changed, lines  # (once for both writes, the half file and the typo)
+    assert said[1].startswith("not reloaded") and "key 'to': bad value 'nowhere_q'" in said[1] \
+        and said[1].endswith("still applying the rules it had")
+    assert said[2:] == [changed, f"reloaded       {path} (1 rule(s))"], lines
+
+
+def test_a_sighup_ends_a_followers_wait(tmp_path):
+    """A re-check: idle, with --poll 30, the reload came 11 s after the SIGHUP (the wait was
+    on the stop event alone). The wait ends at the request; a stop still ends it."""
+    import threading
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    path = rules_file(tmp_path, "rules:\n  - action: keep\n")
+    rules = RulesFile(path, CONFIG)
+    replayer = Replayer(archive, load_rules(path, config=CONFIG), out=print, follow=True)
+    follower = Follower(replayer, poll=30, out=print, rules=rules)
+    for end, expected in ((rules.request, False), (replayer.stop.set, True)):
+        result: list[bool] = []
+        waiter = threading.Thread(target=lambda: result.append(follower.wait(30)))
+        waiter.start()
+        end()
+        waiter.join(10)  # (not a measure: 30 s without the fix, against 10)
+        replayer.stop.set()  # (so that a waiter still there ends)
+        waiter.join()
+        assert result == [expected]
+        rules.load(print)
+        replayer.stop.clear()
 
 
 def test_a_sighup_ends_a_round_after_the_record_in_hand(tmp_path):

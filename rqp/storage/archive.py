@@ -134,6 +134,7 @@ __all__ = [
     "is_notice",
     "iso_utc",
     "lock_file",
+    "no_duplicate_keys",
     "payload_preview",
     "read_archive",
     "read_archive_file",
@@ -523,7 +524,7 @@ class UnreadableLine:
     problem: str
 
 
-def _no_duplicate_keys(pairs: list) -> dict:
+def no_duplicate_keys(pairs: list) -> dict:
     """A JSON object whose keys are each given once (a trial's row with a second "mtype" was
     put with it, its id no longer that of its content)."""
     row = dict(pairs)
@@ -546,7 +547,7 @@ def read_archive_lines(path: str | os.PathLike) -> Iterator[ArchiveRow | Unreada
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+                    row = json.loads(line, object_pairs_hook=no_duplicate_keys)
                 except ValueError as exc:
                     yield UnreadableLine(number, line, f"not JSON: {exc}")
                     continue

@@ -167,6 +167,10 @@ class _Drain:
 
 
 def _replay(args) -> int:
+    # SIGHUP taken first (a re-check's handler died of a reload 0.2 s after its start, as
+    # Python's default: with --follow, a reload request kept for its rules; else a stop)
+    hangup = threading.Event()
+    stop = _stop_on_signals(hangup.set if args.follow else None)
     archive = _archive(args)
     template = None
     try:
@@ -197,8 +201,8 @@ def _replay(args) -> int:
         # its child (stopped with it); while none takes records, it pauses. (Lazy: nothing
         # is started nor opened until a rule, maybe one a reload brings, puts a record.)
         send = _LazyPutter(config, config.source, start_sender=not args.follow)
-    rules_file = RulesFile(args.rules, config, can_send) if args.follow else None
-    stop = _stop_on_signals(rules_file.request if rules_file is not None else None)
+    rules_file = RulesFile(args.rules, config, can_send, requested=hangup) if args.follow \
+        else None
     drain = _Drain(archive, config) if args.drain and not args.dry_run else None
     replayer = Replayer(archive, rules, send=send, dry_run=args.dry_run, rate=args.rate,
                         limit=args.limit or None, config=config, out=_say, stop=stop,

@@ -98,8 +98,8 @@ from rqp.protocol.sender import broadcast_queue
 from rqp.report.schema import row_problem
 from rqp.storage.archive import (
     MALFORMED, STATE, SUFFIX, ArchiveError, LockHeld, UnreadableLine, all_drain_states,
-    archive_files, archived_spill, find_rows, is_notice, iso_utc, lock_file, read_archive_lines,
-    rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
+    archive_files, archived_spill, find_rows, is_notice, iso_utc, lock_file, no_duplicate_keys,
+    read_archive_lines, rewrite_archive_file, row_extras, row_payload, row_raw_bytes,
 )
 from rqp.system.files import fsync_dir, write_file_atomically
 from rqp.system.queues import format_key
@@ -512,8 +512,8 @@ class RetryLedger:
                 continue
             lines += 1
             try:
-                fields = json.loads(line)
-                name = fields.pop("message")
+                fields = json.loads(line, object_pairs_hook=no_duplicate_keys)  # (a key
+                name = fields.pop("message")  # given twice read as the last: a re-check)
                 row = fields.pop("row", "")
                 if not isinstance(row, str):
                     raise ValueError("row is no string")
@@ -1178,10 +1178,21 @@ class Follower:
         self.poll = max(poll, MIN_POLL)
         self.out = out
         self.stop = replayer.stop
-        self.wait = wait or self.stop.wait  # (True: stopped)
+        self.wait = wait or self._wait_or_reload  # (True: stopped)
         self.totals: collections.Counter = collections.Counter()
         self.rounds = 0
         self.drain_failed = False
+
+    def _wait_or_reload(self, seconds: float) -> bool:
+        """Wait ``seconds``, or until stopped (True) or asked to read the rules again (a
+        SIGHUP, which the stop event does not wake: a re-check's reload came 11 s late)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.stop.wait(min(left, RELOAD_LOOK)):
+                return True
+            if self.rules is not None and self.rules.changed():
+                return False
+        return self.stop.is_set()
 
     def summary(self) -> str:
         """What was done over all rounds; kept and failed as the last round left them."""
@@ -1284,6 +1295,10 @@ class Follower:
             delay = min(delay * 2, self.poll)
 
 
+#: How often a --follow that waits looks whether a SIGHUP asked for its rules (seconds).
+RELOAD_LOOK = 0.1
+
+
 class RulesFile:
     """The rules file of a ``--follow``, read again on SIGHUP (:meth:`request`, ``systemctl
     reload``): a trial's handler went on applying the rules it started with, and a SIGHUP
@@ -1292,11 +1307,13 @@ class RulesFile:
     said once (:meth:`edited`); one with a mistake is said, and the rules it had are kept."""
 
     def __init__(self, path: str | os.PathLike, config: SenderConfig | None,
-                 check: Callable[[list[Rule]], None] | None = None) -> None:
+                 check: Callable[[list[Rule]], None] | None = None,
+                 requested: threading.Event | None = None) -> None:
+        """``requested``: the event a SIGHUP sets (one set before: read again at once)."""
         self.path, self.config, self.check = Path(path), config, check
-        self._requested = threading.Event()
+        self._requested = requested or threading.Event()
         self._seen = self._signature()
-        self._edit_said = self._seen
+        self._edit_said = False
 
     def _signature(self) -> tuple | None:
         try:
@@ -1314,17 +1331,17 @@ class RulesFile:
         return self._requested.is_set()
 
     def edited(self, out: Callable[[str], None]) -> None:
-        """Say once that the file changed since it was read and is not applied yet."""
-        now = self._signature()
-        if now != self._seen and now != self._edit_said:
-            self._edit_said = now
+        """Say once that the file changed since it was read and is not applied yet (once
+        until the next reload, however many writes: a re-check's slow write said it 3 times)."""
+        if not self._edit_said and self._signature() != self._seen:
+            self._edit_said = True
             out(f"rules changed  {self.path} changed since it was read; not applied until "
                 "SIGHUP (systemctl reload rqp-dlq-handler)")
 
     def load(self, out: Callable[[str], None]) -> list[Rule] | None:
         """The rules as the file says them now, or None (said why) to keep the old ones."""
         self._requested.clear()
-        self._seen = self._edit_said = self._signature()
+        self._seen, self._edit_said = self._signature(), False
         try:
             rules = load_rules(self.path, config=self.config)
             if self.check is not None:
