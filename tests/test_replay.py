@@ -335,6 +335,7 @@ def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path)
     # (a row with a key given twice, mtype 99 after its own: it was put with 99, a trial)
     twice = good[1].rstrip(b"}\n") + b',"mtype":99}\n'
     bad.append(twice)
+    bad.append(b'{"a":' * 200_000 + b"\n")  # (nested too deeply: a re-check's traceback)
     path.write_bytes(gzip.compress(good[0] + b"".join(bad) + good[1]))
     send = FakeSend(archive)
     lines: list[str] = []
@@ -346,13 +347,14 @@ def test_a_line_that_is_no_json_object_fails_alone_and_stays_as_it_was(tmp_path)
     assert send.calls == [(Q1, b"before", 0x91), (Q1, b"after", 0x92)]
     failed = [line for line in lines if line.startswith("failed")]
     assert [f.split(": line ")[1].split(" is no")[0] for f in failed] == ["2", "3", "4",
-                                                                          "5", "6"], lines
+                                                                          "5", "6", "7"], lines
     assert "line 2 is no dead-letter archive line: not a JSON object; kept" in failed[0]
     assert "line 3 is no dead-letter archive line: not JSON: " in failed[1]
     assert "line 6 is no dead-letter archive line: not JSON: the key 'mtype' is given " \
         "twice" in failed[4]
+    assert "line 7 is no dead-letter archive line: nested too deeply" in failed[5]
     assert gzip.decompress(path.read_bytes()) == b"".join(bad)  # kept, byte for byte
-    assert dict(replayer.counts) == {"failed": 5}  # (the second round's)
+    assert dict(replayer.counts) == {"failed": 6}  # (the second round's)
 
 
 def test_dlq_list_shows_the_readable_files_beside_one_that_is_not(tmp_path, capsys):
@@ -825,6 +827,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         # (a re-check's: a line of no count set 3 retries back to 0; true read as 1)
         f.write(b'{"message":"0x0000000000000052"}\n{"message":"0x52","retries":true}\n')
         f.write(b'{"message":"0x0000000000000052","retries":1,"retries":0}\n')  # (read as 0)
+        f.write(b'{"message":"0x52","row":' + b"[" * 200_000 + b'}\n')  # (a traceback)
     assert RetryLedger(archive).get(row(key=0x52)).retries == 1  # the good line's count
     lines: list[str] = []
     replayer = Replayer(archive, [], out=lines.append, config=CONFIG, now_ns=NOW,
@@ -833,7 +836,7 @@ def test_ledger_lines_that_cannot_be_read_are_said_once(tmp_path, follow):
         for _ in range(2 if follow else 1):
             replayer.run_round()
     assert [line for line in lines if line.startswith("warning")] == [
-        f"warning        {path}: 7 line(s) cannot be read: the retries and forwards they "
+        f"warning        {path}: 8 line(s) cannot be read: the retries and forwards they "
         "counted are not counted",
         f"warning        {path}: 1 line(s) cut short, as by a replay killed while it wrote "
         "one (its message was not put back then): not counted"]
@@ -1102,7 +1105,7 @@ def test_follow_reads_its_rules_again_on_sighup_only(tmp_path):
     said = [line for line in lines if line.startswith(("reloaded", "not reloaded",
                                                        "rules changed"))]
     changed = f"rules changed  {path} changed since it was read; not applied until SIGHUP " \
-        "(systemctl reload rqp-dlq-handler)"
+        "(systemctl reload rqp-dlq-handler.service)"
     assert said[0] == changed, lines  # (once for both writes, the half file and the typo)
     assert said[1].startswith("not reloaded") and "key 'to': bad value 'nowhere_q'" in said[1] \
         and said[1].endswith("still applying the rules it had")

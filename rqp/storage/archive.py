@@ -551,6 +551,9 @@ def read_archive_lines(path: str | os.PathLike) -> Iterator[ArchiveRow | Unreada
                 except ValueError as exc:
                     yield UnreadableLine(number, line, f"not JSON: {exc}")
                     continue
+                except RecursionError:  # (a re-check's: a traceback from dlq list)
+                    yield UnreadableLine(number, line, "nested too deeply")
+                    continue
                 if not isinstance(row, dict):
                     yield UnreadableLine(number, line, "not a JSON object")
                     continue

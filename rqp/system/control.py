@@ -225,9 +225,10 @@ NOT_RUNNING_HERE = "no agent is running here"
 def request(path: str | os.PathLike, command: str, timeout: float = 5.0,
             peer_uids: frozenset[int] | None = None, **args) -> dict:
     """Ask the agent on ``path``; :class:`ControlError` says why it could not be asked.
-    ``peer_uids``: the users the process that answers may run as (``SO_PEERCRED`` of the
-    connection, not the owner of a path another user could swap: a re-check's); the
-    answer's ``peer_pid`` is that process's pid."""
+    ``peer_uids``: the users the process that listens may run as (``SO_PEERCRED`` of the
+    connection, not the owner of a path another user could swap: a re-check's). It is the
+    user of the process that called ``listen()``: a root process that listens and hands the
+    connections to another user's is trusted as root."""
     connected = False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -279,8 +280,6 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0,
         if str(answer["error"]).startswith(BUSY):
             raise ControlNotAnswering(f"the agent on {path} is {answer['error']}")
         raise ControlRefused(f"the agent on {path}: {answer['error']}")
-    if peer_uids is not None and isinstance(answer, dict):
-        answer["peer_pid"] = pid
     return answer
 
 

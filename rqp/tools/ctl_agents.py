@@ -177,14 +177,12 @@ def _ask_of_file(candidates: list[Path], source: str, name: str) -> dict:
     kind = "receiver" if name == "receiver" else "sender"  # (a sender's: sender-52510000)
     found = [p for p in listening_agents(kind) if p not in candidates]
     for path in [*candidates, *found]:
-        try:  # (one found so: its process must run as a trusted user, and be the agent)
+        try:  # (one found so: the process that listens must run as a trusted user; not its
+            # pid against the status's: an agent in a pid namespace of its own, a re-check's)
             st = request(path, "status", **({"peer_uids": _trusted_uids()} if path in found
                                             else {}))
         except ControlError as exc:
             others.append(str(exc))
-            continue
-        if path in found and st.get("pid") != st.get("peer_pid"):
-            others.append(f"{path}: answered for pid {st.get('pid')} by pid {st.get('peer_pid')}")
             continue
         if st.get("source") and os.path.realpath(st["source"]) == mine:
             st["asked_at"] = str(path)

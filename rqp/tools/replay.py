@@ -524,7 +524,8 @@ class RetryLedger:
                 if not all(0 <= v <= INT64_MAX for v in values.values()):  # (a trial's
                     raise ValueError("out of range")  # retries -3 gave 5 retries of 2)
                 self.entries[name] = LedgerEntry(**values, row=row)
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+                    RecursionError):  # (nested too deeply: a re-check's stopped the handler)
                 # one a crash cut short is the start of a line this class writes
                 if line.startswith(b'{"message":"') and not line.rstrip().endswith(b"}"):
                     self.cut_short += 1
@@ -1336,7 +1337,7 @@ class RulesFile:
         if not self._edit_said and self._signature() != self._seen:
             self._edit_said = True
             out(f"rules changed  {self.path} changed since it was read; not applied until "
-                "SIGHUP (systemctl reload rqp-dlq-handler)")
+                "SIGHUP (systemctl reload rqp-dlq-handler.service)")
 
     def load(self, out: Callable[[str], None]) -> list[Rule] | None:
         """The rules as the file says them now, or None (said why) to keep the old ones."""
