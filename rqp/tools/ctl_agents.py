@@ -219,7 +219,7 @@ def listening_agents(name: str) -> list[Path]:
 def _trusted(path: str) -> bool:
     """Whether the socket file ``path`` was made by root, this user or the user ``rqp`` (a
     socket's file belongs to the process that bound it; only a first sieve: the process that
-    answers is checked too, :func:`_trusted_uids`, as a path can be swapped meanwhile)."""
+    listens is checked too, by ``SO_PEERCRED``, as a path can be swapped meanwhile)."""
     try:
         return os.lstat(path).st_uid in _trusted_uids()
     except OSError:
