@@ -283,6 +283,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        if _HUP_BEFORE_START.is_set():  # (a reload asked while it started: taken now)
+            _HUP_BEFORE_START.clear()
+            self._on_hup()
         self._control_path = control_path
         # (what clients ask for together is made once: status and metrics can take 4-9 MB)
         self._metrics = Shared(exposition(self.metrics))
@@ -496,12 +499,21 @@ def check_only(log: logging.Logger, check: Callable[[], str]) -> int:
     return 0
 
 
+#: A SIGHUP that came between run_daemon's start and the agent's signal handlers.
+_HUP_BEFORE_START = threading.Event()
+
+
 def run_daemon(log: logging.Logger, build: Callable[[], Daemon]) -> int:
     """Build the agent and run it; exit status 1 with the reason logged if it cannot, 70
     (EXIT_UNEXPECTED) after an unexpected error."""
     # An agent started by a process that holds signals (an application with a signal thread of
     # its own, through openConnection) would never stop on SIGTERM, reload on SIGHUP, or wake
     # the sending MCA's reader thread (SIGUSR1).
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # (nohup's stays ignored)
+        # A SIGHUP before the loop takes it (a fresh machine's test sent one once the
+        # receiver said "listening", before its handlers: Python's default ended it) is kept
+        # for start_service, as a reload once the agent runs.
+        signal.signal(signal.SIGHUP, lambda *_: _HUP_BEFORE_START.set())
     signals.hold_none()
     try:
         loop_factory = event_loop_factory()

@@ -1319,6 +1319,30 @@ def test_agents_started_by_a_process_that_holds_signals_still_stop_and_reload(te
         assert agent.wait(30) == 0, host.output(agent, "stderr")[-2000:]
 
 
+def test_a_sighup_while_an_agent_starts_is_a_reload_once_it_runs(testbed):
+    """A fresh machine's suite: a SIGHUP sent once the receiver said "listening", before it
+    had its handlers, ended it (Python's default). One that comes while an agent starts is
+    kept, and taken as a reload once it runs. Sent while the process still holds SIGHUP (as a
+    starter that holds it: pending until the agent lets go of it), for each agent."""
+    a = testbed.add_host("a")
+    rqprc = write_rqprc(a, [a])
+    for argv in ([sys.executable, "-m", "rqp_agents.receiver", "--listen", f"{a.address}:{PORT}",
+                  "--plaintext", "--state-dir", str(a.workdir / "receiver-state"),
+                  "--config", str(a.workdir / "receiver.yaml")],
+                 [sys.executable, "-m", "rqp_agents.sender", "--rqprc", str(rqprc)]):
+        (a.workdir / "receiver.yaml").write_text("offer:\n  allow: ['*']\n")
+        agent = a.popen([*HOLDING_SIGNALS, *argv])
+        wait_for(lambda: signal.SIGHUP in held_signals(
+            Path(f"/proc/{agent.pid}/status").read_text()), timeout=20, interval=0.001,
+            message="not started holding SIGHUP")
+        agent.send_signal(signal.SIGHUP)  # (pending until the agent lets go of it)
+        wait_for(lambda: log_lines(a, agent, "reloaded "), timeout=30,
+                 message="the SIGHUP was not taken as a reload")
+        assert agent.poll() is None
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0, a.output(agent, "stderr")[-2000:]
+
+
 def test_only_root_or_the_agents_user_may_act_on_routes(testbed):
     """Trial C: an application user in the agents' group (as the README asks, for the queues)
     could stop a route over the control socket (mode 0660). Status, metrics and trace stay
