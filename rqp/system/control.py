@@ -83,15 +83,20 @@ def default_socket(state_dir: str | os.PathLike, name: str) -> Path:
     return Path(state_dir) / f"{name}.sock"
 
 
+def peer_credentials(sock) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``: of
+    a listening one, the process that called ``listen()``)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 def peer_uid(writer: asyncio.StreamWriter) -> int | None:
     """The uid of the process at the other end of a Unix socket (SO_PEERCRED), if known."""
-    sock = writer.get_extra_info("socket")
     try:
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return peer_credentials(writer.get_extra_info("socket"))[1]
     except (OSError, AttributeError, struct.error):
         return None
-    return uid
 
 
 async def serve_control(path: Path, handler: Callable[[dict], Awaitable[dict | bytes]],
@@ -235,8 +240,7 @@ def request(path: str | os.PathLike, command: str, timeout: float = 5.0,
             sock.settimeout(timeout)
             sock.connect(str(path))
             connected = True
-            pid, uid, _ = struct.unpack("3i", sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            pid, uid = peer_credentials(sock)
             if peer_uids is not None and uid not in peer_uids:
                 raise ControlError(f"the process on {path} (pid {pid}) runs as uid {uid}, not "
                                    "as an agent's user: not asked")

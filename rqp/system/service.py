@@ -230,6 +230,11 @@ def _existing(transmission_queue: int) -> AgentSemaphores | None:
     return AgentSemaphores(transmission_queue)
 
 
+#: The agents' system user (scripts/install and config/rqp.sysusers.conf make it; the units
+#: run as it).
+AGENTS_USER = "rqp"
+
+
 #: The sending MCA's systemd unit, and where systemd looks for system units.
 SENDER_UNIT = "rqp-sender.service"
 UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",

@@ -32,7 +32,7 @@ from rqp.system.control import (
     NOT_RUNNING_HERE, ControlError, ControlNotAnswering, ControlRefused, request,
 )
 from rqp.system.queues import QueueEmpty, format_key, list_queues
-from rqp.system.service import is_agent_queue
+from rqp.system.service import AGENTS_USER, is_agent_queue
 from rqp.storage.journal import FULL as JOURNAL_FULL
 
 EXIT_NOT_RUNNING = 3
@@ -195,13 +195,13 @@ def listening_agents(name: str) -> list[Path]:
     """The control sockets of the agents of kind ``name`` (sender, receiver) that listen in
     this network namespace, found by the names the agents give them (``sender-*.sock``,
     ``receiver.sock``, the units'): the listening Unix sockets of /proc/net/unix, made by
-    root, this user or the agents' user ``rqp`` (:func:`_trusted`: a re-check's user
+    root, this user or the agents' user ``rqp`` (:func:`_made_by`: a re-check's user
     ``nobody`` made one and answered for the agent)."""
     try:
         lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
     except OSError:
         return []
-    found = set()
+    found, trusted = set(), _trusted_uids()  # (looked up once, not per socket)
     for line in lines:
         fields = line.split(None, 7)  # Num RefCount Protocol Flags Type St Inode Path
         if len(fields) < 8 or not int(fields[3], 16) & _ACCEPTING:
@@ -211,17 +211,17 @@ def listening_agents(name: str) -> list[Path]:
         if (name == "sender" and (path == SENDER_UNIT_SOCKET or
                                   base.startswith("sender-") and base.endswith(".sock"))) or \
                 (name == "receiver" and (path == RECEIVER_UNIT_SOCKET or base == "receiver.sock")):
-            if _trusted(path):
+            if _made_by(path, trusted):
                 found.add(Path(path))
     return sorted(found)
 
 
-def _trusted(path: str) -> bool:
-    """Whether the socket file ``path`` was made by root, this user or the user ``rqp`` (a
-    socket's file belongs to the process that bound it; only a first sieve: the process that
-    listens is checked too, by ``SO_PEERCRED``, as a path can be swapped meanwhile)."""
+def _made_by(path: str, uids: frozenset[int]) -> bool:
+    """Whether the socket file ``path`` was made by one of ``uids`` (a socket's file belongs
+    to the process that bound it; only a first sieve: the process that listens is checked
+    too, by ``SO_PEERCRED``, as a path can be swapped meanwhile)."""
     try:
-        return os.lstat(path).st_uid in _trusted_uids()
+        return os.lstat(path).st_uid in uids
     except OSError:
         return False
 
@@ -233,10 +233,6 @@ def _trusted_uids() -> frozenset[int]:
     except KeyError:
         rqp_uid = set()
     return frozenset({0, os.geteuid(), *rqp_uid})
-
-
-#: The agents' system user (scripts/install makes it; the units run as it).
-AGENTS_USER = "rqp"
 
 
 #: /proc/net/unix's flag of a listening socket (__SO_ACCEPTCON).

@@ -21,6 +21,7 @@ from pathlib import Path
 from rqp.cli import number
 from rqp.protocol.access import identity_pattern_problem
 from rqp.protocol.errors import RQPError
+from rqp.system.service import AGENTS_USER
 
 __all__ = ["init_ca", "issue", "show", "add_commands"]
 
@@ -253,7 +254,7 @@ def _key_access(key: Path) -> str:
         owner = pwd.getpwuid(uid).pw_name
     except KeyError:
         owner = str(uid)
-    if owner == "rqp":
-        return "mode 600, owner rqp: readable by the agents' user only"
+    if owner == AGENTS_USER:
+        return f"mode 600, owner {AGENTS_USER}: readable by the agents' user only"
     return (f"mode 600, owner {owner}: on the host, the agents (user rqp) must read it: "
             "chown rqp there, e.g. in /etc/rqp/tls/")
